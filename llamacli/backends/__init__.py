@@ -1,0 +1,1 @@
+"""Backends: numpy_backend (the readable reference) and cuda_backend (CuPy + kernels/*.cu)."""

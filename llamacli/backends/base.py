@@ -1,0 +1,112 @@
+"""The backend interface: the few operations model.forward() is written against.
+
+Arrays are the backend's own (numpy.ndarray for the NumPy reference, cupy.ndarray for CUDA). Activations
+are float32, shapes in brackets: T tokens, D = n_embd, Hq/Hkv heads, Dh = head_dim.
+
+Shaped for CUDA-graph capture: positions arrive as a backend int32 array (`pos`, one absolute position per
+token), so kernels read them from device memory; no operation may sync with the host or branch on device
+values. Fused CUDA paths are welcome inside a backend; the NumPy backend keeps the plain math beside them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from ..config import ModelConfig
+from ..gguf_file import GGUFFile
+
+Progress = Callable[[int, int, str], None]  # (done, total, what) -> None; called while loading
+
+
+@dataclass
+class LayerWeights:
+    """One transformer block. Matrices are backend weight handles of shape [out, in]; vectors float32."""
+
+    attn_norm: Any  # [D]
+    attn_q: Any = None  # [Hq*Dh, D]
+    attn_k: Any = None  # [Hkv*Dh, D]
+    attn_v: Any = None  # [Hkv*Dh, D]
+    attn_qkv: Any = None  # [(Hq+2*Hkv)*Dh, D] (phi3)
+    attn_q_bias: Any = None  # [Hq*Dh] (qwen2)
+    attn_k_bias: Any = None  # [Hkv*Dh]
+    attn_v_bias: Any = None  # [Hkv*Dh]
+    attn_output: Any = None  # [D, Hq*Dh]
+    ffn_norm: Any = None  # [D]
+    ffn_gate: Any = None  # [F, D]
+    ffn_up: Any = None  # [F, D], or [2F, D] holding [gate; up] (phi3)
+    ffn_down: Any = None  # [D, F]
+
+
+@dataclass
+class ModelWeights:
+    token_embd: Any  # [V, D], kept quantized: rows are gathered
+    layers: list[LayerWeights]
+    output_norm: Any  # [D]
+    output: Any  # [V, D]; token_embd's handle when tied
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(ABC):
+    name: str = "base"
+    # 2-D weight types this backend can run (1-D vectors are always F32/F16/BF16, read on the host).
+    runnable_types: frozenset[GGMLQuantizationType] = frozenset()
+
+    cfg: ModelConfig
+    ctx: int
+    weights: ModelWeights
+
+    # -- lifetime --------------------------------------------------------------------------------------
+    @abstractmethod
+    def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None) -> None:
+        """Upload the weights (self.weights), allocate the KV cache [layer, ctx, Hkv, Dh] and scratch.
+        The tensors were already checked by weights.check_tensors."""
+
+    def close(self) -> None:
+        """Free device memory (a no-op for NumPy)."""
+
+    # -- host <-> backend --------------------------------------------------------------------------------
+    @abstractmethod
+    def positions(self, start: int, n: int) -> Any:
+        """int32 [n] = start .. start+n-1, as a backend array (CUDA: a preallocated device buffer)."""
+
+    @abstractmethod
+    def token_ids(self, ids: np.ndarray) -> Any:
+        """int32 [T] token ids as a backend array."""
+
+    @abstractmethod
+    def to_host(self, x: Any) -> np.ndarray: ...
+
+    # -- operations --------------------------------------------------------------------------------------
+    @abstractmethod
+    def embed(self, ids: Any) -> Any:
+        """[T] ids -> [T, D] rows of token_embd, dequantized."""
+
+    @abstractmethod
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        """[T, D] -> x / sqrt(mean(x^2) + eps) * weight."""
+
+    @abstractmethod
+    def matmul(self, x: Any, w: Any, bias: Any = None) -> Any:
+        """[T, K] @ W[N, K]^T (+ bias[N]) -> [T, N]."""
+
+    @abstractmethod
+    def rope(self, x: Any, pos: Any) -> Any:
+        """[T, H, Dh] rotated at positions pos [T] (the config's pairing and scaling)."""
+
+    @abstractmethod
+    def attention(self, layer: int, q: Any, k: Any, v: Any, pos: Any) -> Any:
+        """Write k, v [T, Hkv, Dh] into the cache at pos, then causal GQA of q [T, Hq, Dh] over cache
+        positions 0..pos[t] for each t, scale 1/sqrt(Dh) -> [T, Hq*Dh]."""
+
+    @abstractmethod
+    def swiglu(self, gate: Any, up: Any) -> Any:
+        """silu(gate) * up, [T, F]."""
+
+    @abstractmethod
+    def add(self, x: Any, y: Any) -> Any:
+        """x + y (may write into x)."""

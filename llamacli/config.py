@@ -1,0 +1,209 @@
+"""ModelConfig: the one place GGUF metadata keys are read (after llama.cpp's llama-model.cpp key names).
+
+Architectures: `llama` (Llama 2/3/3.1/3.2, Mistral 7B, TinyLlama, SmolLM2), `qwen2` (Qwen2/2.5: Q/K/V
+biases, NEOX RoPE) and `phi3` (Phi-3-mini: fused attn_qkv, ffn_up holding gate and up, NEOX RoPE,
+long/short rope factors).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import CorruptFileError, MissingMetadataError, UnknownArchitectureError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "phi3")
+
+# RoPE pairing. "normal": dims (2i, 2i+1) rotate together (llama; the converter permuted Q/K for it).
+# "neox": dims (i, i + rope_dim/2) rotate together (qwen2, phi3).
+ROPE_NORMAL = "normal"
+ROPE_NEOX = "neox"
+_ROPE_TYPE = {"llama": ROPE_NORMAL, "qwen2": ROPE_NEOX, "phi3": ROPE_NEOX}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    vocab_size: int
+    context_length: int
+    rope_type: str  # ROPE_NORMAL | ROPE_NEOX
+    rope_dim: int  # dims of each head that rotate (== head_dim for every supported model)
+    rope_freq_base: float
+    # RoPE scaling: "none", "linear" (positions / factor), "llama3" (per-frequency factors in the
+    # rope_freqs tensor), "longrope" (phi3: rope_factors_long/short tensors and an attention factor).
+    rope_scaling: str
+    rope_scaling_factor: float
+    rope_original_context: int
+    rope_attn_factor: float  # multiplies cos/sin (phi3 longrope); 1.0 otherwise
+    rms_eps: float
+    tied_embeddings: bool  # no output.weight: the LM head is token_embd
+    qkv_bias: bool  # qwen2
+    fused_qkv: bool  # phi3 attn_qkv
+    fused_gate_up: bool  # phi3 ffn_up holds [gate; up]
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    # -- derived -------------------------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def n_group(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.n_head // self.n_head_kv
+
+    def kv_cache_bytes(self, ctx: int, bytes_per_value: int = 2) -> int:
+        """K and V for every layer at `ctx` positions (fp16 by default)."""
+        return 2 * self.n_layer * ctx * self.kv_dim * bytes_per_value
+
+    # -- construction --------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any], tensor_names: set[str] | None = None) -> "ModelConfig":
+        return config_from_metadata(metadata, tensor_names or set())
+
+
+def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfig:
+    arch = md.get("general.architecture")
+    if not isinstance(arch, str):
+        raise MissingMetadataError("missing metadata key 'general.architecture'")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnknownArchitectureError(
+            f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def get(key: str, kind: type, default: Any = None, required: bool = True) -> Any:
+        full = f"{arch}.{key}"
+        value = md.get(full, default)
+        if value is None:
+            if required:
+                raise MissingMetadataError(f"missing metadata key {full!r}")
+            return None
+        if kind is int:
+            if type(value) is bool or not isinstance(value, int):
+                raise CorruptFileError(f"metadata key {full!r} should be an integer, got {value!r}")
+        elif kind is float:
+            if type(value) is bool or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise CorruptFileError(f"metadata key {full!r} should be a finite number, got {value!r}")
+            value = float(value)
+        return value
+
+    def positive(key: str, value: int, limit: int = 1 << 24) -> int:
+        if not 0 < value <= limit:
+            raise CorruptFileError(f"metadata key '{arch}.{key}' has an impossible value {value}")
+        return value
+
+    n_layer = positive("block_count", get("block_count", int), 4096)
+    n_embd = positive("embedding_length", get("embedding_length", int), 1 << 20)
+    n_head = positive("attention.head_count", _scalar(get("attention.head_count", (int,)), arch, "attention.head_count"), 4096)
+    n_head_kv_raw = get("attention.head_count_kv", (int,), default=n_head, required=False)
+    n_head_kv = positive("attention.head_count_kv", _scalar(n_head_kv_raw, arch, "attention.head_count_kv"), 4096)
+    if n_head % n_head_kv:
+        raise CorruptFileError(f"{n_head} attention heads cannot be shared by {n_head_kv} KV heads")
+    n_ff = positive("feed_forward_length", _scalar(get("feed_forward_length", (int,)), arch, "feed_forward_length"), 1 << 22)
+    head_dim = get("attention.key_length", int, required=False)
+    if head_dim is None:
+        if n_embd % n_head:
+            raise CorruptFileError(f"embedding size {n_embd} is not a multiple of {n_head} heads")
+        head_dim = n_embd // n_head
+    head_dim = positive("attention.key_length", head_dim, 1024)
+    value_dim = get("attention.value_length", int, default=head_dim, required=False)
+    if value_dim != head_dim:
+        raise CorruptFileError(f"key length {head_dim} != value length {value_dim} is not supported")
+    if head_dim % 2:
+        raise CorruptFileError(f"head dimension {head_dim} must be even for RoPE")
+    rope_dim = positive("rope.dimension_count", get("rope.dimension_count", int, default=head_dim, required=False), head_dim)
+    if rope_dim % 2:
+        raise CorruptFileError(f"RoPE dimension {rope_dim} must be even")
+    context_length = positive("context_length", get("context_length", int), 1 << 24)
+    rope_base = get("rope.freq_base", float, default=10000.0, required=False)
+    if rope_base <= 1.0:
+        raise CorruptFileError(f"RoPE base {rope_base} must be greater than 1")
+    rms_eps = get("attention.layer_norm_rms_epsilon", float)
+    if not 0.0 < rms_eps < 1.0:
+        raise CorruptFileError(f"RMS norm epsilon {rms_eps} is out of range")
+
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size", int, default=len(tokens) if isinstance(tokens, list) else None, required=False)
+    if vocab is None:
+        raise MissingMetadataError(f"missing metadata key '{arch}.vocab_size' (and no tokenizer.ggml.tokens)")
+    vocab = positive("vocab_size", vocab, 1 << 22)
+
+    # RoPE scaling.
+    scaling = get("rope.scaling.type", str, default="none", required=False)
+    factor = get("rope.scaling.factor", float, default=1.0, required=False)
+    original = get("rope.scaling.original_context_length", int, default=context_length, required=False)
+    attn_factor = get("rope.scaling.attn_factor", float, default=1.0, required=False)
+    if "rope_freqs.weight" in tensors:
+        scaling = "llama3"
+    elif "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        scaling = "longrope"
+        if "rope.scaling.attn_factor" not in {k.split(f"{arch}.", 1)[-1] for k in md}:
+            # llama.cpp: attn_factor = sqrt(1 + ln(ctx/orig)/ln(orig)) when the file does not say
+            ratio = context_length / original
+            attn_factor = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
+    elif scaling in ("none", "", None) or (scaling == "linear" and factor == 1.0):
+        scaling = "none"
+    elif scaling == "linear":
+        if not factor > 0:
+            raise CorruptFileError(f"RoPE linear scaling factor {factor} must be positive")
+    else:
+        raise CorruptFileError(f"RoPE scaling {scaling!r} is not supported (supported: none, linear, llama3, longrope)")
+
+    fused_qkv = arch == "phi3"
+    tok = lambda key: md.get(f"tokenizer.ggml.{key}")  # noqa: E731
+    return ModelConfig(
+        architecture=arch,
+        name=str(md.get("general.name") or md.get("general.basename") or arch),
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_ff=n_ff,
+        vocab_size=vocab,
+        context_length=context_length,
+        rope_type=_ROPE_TYPE[arch],
+        rope_dim=rope_dim,
+        rope_freq_base=rope_base,
+        rope_scaling=scaling,
+        rope_scaling_factor=factor,
+        rope_original_context=original,
+        rope_attn_factor=attn_factor,
+        rms_eps=rms_eps,
+        tied_embeddings=bool(tensors) and "output.weight" not in tensors,
+        qkv_bias=arch == "qwen2",
+        fused_qkv=fused_qkv,
+        fused_gate_up=arch == "phi3",
+        bos_token_id=_token_id(tok("bos_token_id"), vocab),
+        eos_token_id=_token_id(tok("eos_token_id"), vocab),
+    )
+
+
+def _scalar(value: Any, arch: str, key: str) -> int:
+    """Some converters store per-layer arrays (head_count_kv, feed_forward_length); all layers must agree."""
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise CorruptFileError(f"metadata key '{arch}.{key}' varies by layer ({value[:8]}...), not supported")
+        value = value[0]
+    if type(value) is bool or not isinstance(value, int):
+        raise CorruptFileError(f"metadata key '{arch}.{key}' should be an integer, got {value!r}")
+    return value
+
+
+def _token_id(value: Any, vocab: int) -> int | None:
+    if type(value) is int and 0 <= value < vocab:
+        return value
+    return None
