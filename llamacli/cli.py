@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except typer.Abort:
         _report(None, 130, "interrupted")
-    except __import__("click").exceptions.ClickException as exc:
+    except _CLICK_ERRORS as exc:
         # Bad options and arguments: click's own message, one line, exit 2.
         if _state["debug"]:
             traceback.print_exc()
@@ -112,6 +112,20 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # a bug of ours: still one line, unless --debug
         _report(exc, 1, f"internal error: {type(exc).__name__}: {exc}")
     sys.exit(0)
+
+
+def _click_errors() -> tuple[type[BaseException], ...]:
+    """Usage errors from the option parser: click's, or the copy of click that newer typer vendors."""
+    found: list[type[BaseException]] = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(__import__(module, fromlist=["ClickException"]).ClickException)
+        except ImportError:
+            pass
+    return tuple(found)
+
+
+_CLICK_ERRORS = _click_errors()
 
 
 def _report(exc: BaseException | None, code: int, message: str | None = None) -> None:

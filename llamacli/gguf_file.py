@@ -242,10 +242,12 @@ def _walk(cur: _Cursor, name: str) -> _Scan:
     left = cur.size - cur.pos
     # Each key/value takes at least 13 bytes (u64 key length, u32 type, 1-byte value); each tensor info at
     # least 24 (u64 name length, u32 n_dims, u32 type, u64 offset). A count the file cannot hold fails here.
-    if n_kv * 13 > left:
-        raise CorruptFileError(f"{name}: header claims {n_kv} metadata keys, but only {left} bytes follow")
-    if n_tensors * 24 > left:
-        raise CorruptFileError(f"{name}: header claims {n_tensors} tensors, but only {left} bytes follow")
+    for count, what, least in ((n_kv, "metadata keys", 13), (n_tensors, "tensors", 24)):
+        if count * least > left:
+            # A plausible count in a short file is a truncation; an absurd one is corruption or hostility.
+            error = TruncatedFileError if count < 1 << 24 else CorruptFileError
+            kind = "truncated" if count < 1 << 24 else "corrupt"
+            raise error(f"{name}: {kind}: header claims {count} {what}, but only {left} bytes follow")
 
     metadata: dict[str, Any] = {}
     for i in range(n_kv):

@@ -49,7 +49,9 @@ def gather_rows(data: np.ndarray, qtype: GGMLQuantizationType, ids, n_cols: int)
     """Rows `ids` of a 2-D tensor [n_rows, n_cols] as float32 [len(ids), n_cols]."""
     idx = np.asarray(ids, dtype=np.int64).reshape(-1)
     n_rows = data.shape[0]
-    if idx.size and (idx.min() < 0 or idx.max() >= n_rows):
+    if idx.size == 0:
+        return np.zeros((0, n_cols), dtype=np.float32)
+    if idx.min() < 0 or idx.max() >= n_rows:
         raise IndexError(f"row index out of range [0, {n_rows})")
     return dequantize(data[idx], qtype).reshape(idx.size, n_cols)
 

@@ -1,0 +1,53 @@
+"""The transformer forward pass, written once against the backend operations (backends/base.py).
+
+Llama-family decoder (Llama 2/3, Mistral, Qwen2, Phi-3): pre-norm blocks of grouped-query attention and a
+SwiGLU feed-forward, RMSNorm, rotary positions. Activations float32; shapes in brackets with T tokens,
+D = n_embd, Hq/Hkv heads, Dh = head_dim, F = n_ff, V = vocab.
+
+Prefill passes the whole prompt (T > 1, matrix-matrix products); decode passes one token (T = 1,
+matrix-vector). Positions come as a backend array so the same code can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends.base import Backend
+from .config import ModelConfig
+
+
+def forward(be: Backend, cfg: ModelConfig, ids: Any, pos: Any, all_logits: bool = False) -> Any:
+    """ids [T] token ids and pos [T] absolute positions (backend int32 arrays) -> logits [1, V] for the
+    last position ([T, V] with all_logits), as a backend array. Writes K/V of the T tokens into the cache."""
+    w = be.weights
+    t = ids.shape[0]
+    hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    x = be.embed(ids)  # [T, D]
+    for i, L in enumerate(w.layers):
+        # Attention block: x += Wo . attention(rope(Wq h), rope(Wk h), Wv h), h = rmsnorm(x)
+        h = be.rms_norm(x, L.attn_norm, cfg.rms_eps)
+        if cfg.fused_qkv:  # phi3: one matrix, rows [q; k; v]
+            qkv = be.matmul(h, L.attn_qkv)  # [T, (Hq + 2 Hkv) Dh]
+            q, k, v = qkv[:, : cfg.q_dim], qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim], qkv[:, cfg.q_dim + cfg.kv_dim :]
+        else:
+            q = be.matmul(h, L.attn_q, L.attn_q_bias)  # [T, Hq Dh]
+            k = be.matmul(h, L.attn_k, L.attn_k_bias)  # [T, Hkv Dh]
+            v = be.matmul(h, L.attn_v, L.attn_v_bias)  # [T, Hkv Dh]
+        q = be.rope(q.reshape(t, hq, dh), pos)
+        k = be.rope(k.reshape(t, hkv, dh), pos)
+        a = be.attention(i, q, k, v.reshape(t, hkv, dh), pos)  # [T, Hq Dh]
+        x = be.add(x, be.matmul(a, L.attn_output))
+
+        # Feed-forward block: x += W_down (silu(W_gate h) * W_up h), h = rmsnorm(x)
+        h = be.rms_norm(x, L.ffn_norm, cfg.rms_eps)
+        if cfg.fused_gate_up:  # phi3: ffn_up rows [gate; up]
+            gu = be.matmul(h, L.ffn_up)  # [T, 2F]
+            g, u = gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]
+        else:
+            g, u = be.matmul(h, L.ffn_gate), be.matmul(h, L.ffn_up)  # [T, F] each
+        x = be.add(x, be.matmul(be.swiglu(g, u), L.ffn_down))
+
+    if not all_logits:
+        x = x[t - 1 :]  # only the last position feeds the next token
+    x = be.rms_norm(x, w.output_norm, cfg.rms_eps)
+    return be.matmul(x, w.output)  # [1 or T, V]

@@ -1,0 +1,353 @@
+"""Random GGUF models for tests and benchmarks (in the package so the GPU machine can use it too).
+
+- `random_quant_rows(qtype, rows, cols, rng)`: valid random blocks of any ggml type. Types gguf.quants can
+  quantize are quantized from Gaussian floats; the K- and IQ-types get random quants with small finite
+  scales, rescaled so that values have about the requested standard deviation. gguf.quants.dequantize
+  is the reference for both.
+- `write_model(path, spec, qtype)`: a whole model (llama, qwen2, phi3) at any shape, streamed tensor by
+  tensor (an 8B-shape F16 model never sits in RAM), with a tiny byte-level BPE vocabulary or a real one
+  copied from llama.cpp's vocabulary-only GGUFs (`vocab_file=`).
+- `SHAPES`: tiny test shapes and real ones (Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B, SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFWriter
+from gguf import quants as _gq
+
+from .gguf_file import open_gguf
+
+# Byte offsets of the fp16 scale fields inside one block (ggml-common.h), for the types filled with
+# random bytes. Everything else in those blocks (quants, sub-scales, grid indexes) is valid whatever its bits.
+_F16_FIELDS: dict[QT, tuple[int, ...]] = {
+    QT.Q2_K: (80, 82),  # scales[16] qs[64] d dmin
+    QT.Q3_K: (108,),  # hmask[32] qs[64] scales[12] d
+    QT.Q4_K: (0, 2),  # d dmin scales[12] qs[128]
+    QT.Q5_K: (0, 2),  # d dmin scales[12] qh[32] qs[128]
+    QT.Q6_K: (208,),  # ql[128] qh[64] scales[16] d
+    QT.IQ2_XXS: (0,),
+    QT.IQ2_XS: (0,),
+    QT.IQ2_S: (0,),
+    QT.IQ3_XXS: (0,),
+    QT.IQ3_S: (0,),
+    QT.IQ1_S: (0,),
+    QT.IQ4_NL: (0,),
+    QT.IQ4_XS: (0,),
+}
+_QUANTIZABLE = {QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.TQ1_0, QT.TQ2_0, QT.MXFP4}
+
+# Types the kernels and the reference run for model weights (GGUF files of the supported families).
+WEIGHT_TYPES = (
+    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS,
+)
+
+
+def random_quant_rows(qtype: QT, n_rows: int, n_cols: int, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
+    """Random valid data of `qtype`, shape [n_rows, n_cols]: typed float arrays for F32/F16, else uint8
+    [n_rows, row_bytes] blocks. Values have roughly standard deviation `std`."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    if n_cols % block:
+        raise ValueError(f"{qtype.name} rows need a multiple of {block} values, got {n_cols}")
+    if qtype in _QUANTIZABLE:
+        x = (rng.standard_normal((n_rows, n_cols), dtype=np.float32) * std).astype(np.float32)
+        if qtype == QT.F32:
+            return x
+        if qtype == QT.F16:
+            return x.astype(np.float16)
+        return _gq.quantize(x, qtype)
+    n_blocks = n_rows * n_cols // block
+    blocks = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    if qtype == QT.IQ1_M:
+        # The fp16 super-scale is spread over the top nibbles of the four u16 scales (bytes 48..55); with
+        # d ~ std/8 values come out near `std` (grid values +-1, sub-scales 1..15, delta 0.125).
+        d = (rng.uniform(0.5, 1.5, n_blocks) * std / 8).astype(np.float16).view(np.uint16)
+        sc = blocks[:, 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for j in range(4):
+            sc[:, j] |= ((d >> np.uint16(4 * j)) & np.uint16(0xF)) << np.uint16(12)
+        blocks[:, 48:56] = sc.view(np.uint8)
+    elif qtype == QT.NVFP4:
+        # Four unsigned e4m3 scales per 64 values; small subnormal ones (man * 2^-10) keep values near 0.02.
+        blocks[:, 0:4] = rng.integers(2, 8, size=(n_blocks, 4), dtype=np.uint8)
+    elif qtype in _F16_FIELDS:
+        for off in _F16_FIELDS[qtype]:
+            blocks[:, off : off + 2] = rng.uniform(0.5, 1.5, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+    data = blocks.reshape(n_rows, -1)
+    # Rescale the fp16 scales so values have about `std` (dequantization is linear in them).
+    sample = _gq.dequantize(data[: min(n_rows, 64)], qtype)
+    cur = float(np.sqrt(np.mean(sample.astype(np.float64) ** 2)))
+    if qtype in _F16_FIELDS and cur > 0:
+        factor = std / cur
+        for off in _F16_FIELDS[qtype]:
+            field = blocks[:, off : off + 2].copy().view(np.float16).astype(np.float32) * factor
+            blocks[:, off : off + 2] = field.astype(np.float16).view(np.uint8)
+    return blocks.reshape(n_rows, -1)
+
+
+# -- model shapes --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str = "llama"
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    vocab_size: int = 0  # 0: the vocabulary's own size
+    context_length: int = 256
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+    tied: bool = False
+    rope_scaling: str = "none"  # none | linear | llama3 | longrope
+    rope_factor: float = 1.0
+    name: str = "random"
+
+
+SHAPES: dict[str, ModelSpec] = {
+    "tiny-llama": ModelSpec("llama", 2, 64, 4, 2, 128, name="tiny-llama"),
+    "tiny-qwen2": ModelSpec("qwen2", 2, 64, 4, 1, 96, rope_base=1e6, tied=True, name="tiny-qwen2"),
+    "tiny-phi3": ModelSpec("phi3", 2, 96, 4, 4, 160, name="tiny-phi3"),
+    # Rows of 256-multiples, so the K- and IQ-types are used as such rather than their fallbacks.
+    "small-llama": ModelSpec("llama", 2, 256, 4, 2, 512, name="small-llama"),
+    "small-qwen2": ModelSpec("qwen2", 2, 256, 4, 1, 768, rope_base=1e6, tied=True, name="small-qwen2"),
+    "small-phi3": ModelSpec("phi3", 2, 256, 2, 2, 512, name="small-phi3"),
+    "smollm2-135m": ModelSpec("llama", 30, 576, 9, 3, 1536, 49152, 8192, 1e5, 1e-5, True, name="SmolLM2-135M-shape"),
+    "qwen2.5-0.5b": ModelSpec("qwen2", 24, 896, 14, 2, 4864, 151936, 32768, 1e6, 1e-6, True, name="Qwen2.5-0.5B-shape"),
+    "llama-3.2-1b": ModelSpec(
+        "llama", 16, 2048, 32, 8, 8192, 128256, 131072, 500000.0, 1e-5, True, "llama3", 32.0, "Llama-3.2-1B-shape"
+    ),
+    "llama-3-8b": ModelSpec("llama", 32, 4096, 32, 8, 14336, 128256, 8192, 500000.0, 1e-5, False, name="Llama-3-8B-shape"),
+}
+
+
+def tensor_shapes(spec: ModelSpec, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, row-major shape) for every tensor of the model, in file order."""
+    d, hd = spec.n_embd, spec.n_embd // spec.n_head
+    q, kv, ff = spec.n_head * hd, spec.n_head_kv * hd, spec.n_ff
+    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, d))]
+    if spec.rope_scaling == "llama3":
+        out.append(("rope_freqs.weight", (hd // 2,)))
+    if spec.rope_scaling == "longrope":
+        out += [("rope_factors_long.weight", (hd // 2,)), ("rope_factors_short.weight", (hd // 2,))]
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        out.append((p + "attn_norm.weight", (d,)))
+        if spec.arch == "phi3":
+            out.append((p + "attn_qkv.weight", (q + 2 * kv, d)))
+        else:
+            out += [(p + "attn_q.weight", (q, d)), (p + "attn_k.weight", (kv, d)), (p + "attn_v.weight", (kv, d))]
+        if spec.arch == "qwen2":
+            out += [(p + "attn_q.bias", (q,)), (p + "attn_k.bias", (kv,)), (p + "attn_v.bias", (kv,))]
+        out += [(p + "attn_output.weight", (d, q)), (p + "ffn_norm.weight", (d,))]
+        if spec.arch == "phi3":
+            out.append((p + "ffn_up.weight", (2 * ff, d)))
+        else:
+            out += [(p + "ffn_gate.weight", (ff, d)), (p + "ffn_up.weight", (ff, d))]
+        out.append((p + "ffn_down.weight", (d, ff)))
+    out.append(("output_norm.weight", (d,)))
+    if not spec.tied:
+        out.append(("output.weight", (vocab, d)))
+    return out
+
+
+# llama.cpp's fallbacks when a row is not a whole number of 256-value super-blocks (llama-quant.cpp).
+_FALLBACK = {QT.Q2_K: QT.Q4_0, QT.Q3_K: QT.IQ4_NL, QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0, QT.IQ4_XS: QT.IQ4_NL}
+
+
+def tensor_type(name: str, shape: tuple[int, ...], qtype: QT | str, n_layer: int, tied: bool = False) -> QT:
+    """The type of one tensor in a model of `qtype`. "Q4_K_M" mimics llama.cpp's mix: Q6_K for the output
+    and for attn_v/ffn_down in a few layers, Q4_K elsewhere; vectors stay F32; fallbacks per row size."""
+    if len(shape) == 1:
+        return QT.F32
+    if qtype == "Q4_K_M":
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        more_bits = layer >= 0 and (layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2)
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            t = QT.Q6_K  # the LM head
+        elif ("attn_v" in name or "ffn_down" in name) and more_bits:
+            t = QT.Q6_K
+        else:
+            t = QT.Q4_K
+    else:
+        t = QT[qtype] if isinstance(qtype, str) else qtype
+    block = GGML_QUANT_SIZES[t][0]
+    while shape[-1] % block:
+        t = _FALLBACK.get(t, QT.F16)
+        block = GGML_QUANT_SIZES[t][0]
+    return t
+
+
+# -- vocabularies ----------------------------------------------------------------------------------------------
+
+
+def _byte_unicode() -> list[str]:
+    """GPT-2's byte -> printable character map (bytes_to_unicode)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def tiny_vocab() -> dict[str, Any]:
+    """A small byte-level BPE vocabulary (GPT-2 style): 3 specials, 256 bytes, a few merges; ChatML template."""
+    byte_chars = _byte_unicode()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = ["Ġ t", "h e", "Ġ a", "i n", "Ġt he", "e r", "o n", "Ġ s", "r e", "a t", "e n", "Ġ o", "Ġ w", "i s"]
+    tokens = specials + byte_chars + ["".join(m.split()) for m in merges]
+    types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
+    template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": template,
+    }
+
+
+def vocab_from_file(path: str | Path) -> dict[str, Any]:
+    """Every tokenizer.* key of a GGUF file (e.g. llama.cpp's ggml-vocab-qwen2.gguf)."""
+    with open_gguf(path) as g:
+        return {k: v for k, v in g.metadata.items() if k.startswith("tokenizer.")}
+
+
+# -- the writer --------------------------------------------------------------------------------------------------
+
+
+def _add_value(w: GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value) if 0 <= value < 2**32 else w.add_int64(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, list):
+        w.add_array(key, value)
+    else:
+        raise TypeError(f"{key}: {type(value)}")
+
+
+def write_model(
+    path: str | Path,
+    spec: ModelSpec | str = "tiny-llama",
+    qtype: QT | str = QT.F32,
+    *,
+    seed: int = 0,
+    vocab: dict[str, Any] | None = None,
+    vocab_file: str | Path | None = None,
+    std: float = 0.02,
+    metadata: dict[str, Any] | None = None,
+    drop_tensors: tuple[str, ...] = (),
+    tensor_types: dict[str, QT] | None = None,
+) -> Path:
+    """Write a random model to `path` and return it. `qtype`: a ggml type (or its name) for the matrices,
+    or "Q4_K_M" for llama.cpp's mix. Tensors are generated and written one at a time.
+    For broken-file tests: `metadata` overrides keys (None deletes one), `drop_tensors` leaves tensors
+    out, `tensor_types` forces the type of named tensors."""
+    spec = SHAPES[spec] if isinstance(spec, str) else spec
+    if vocab is None:
+        vocab = vocab_from_file(vocab_file) if vocab_file else tiny_vocab()
+    n_vocab = spec.vocab_size or len(vocab["tokenizer.ggml.tokens"])
+    if n_vocab < len(vocab["tokenizer.ggml.tokens"]):
+        raise ValueError("vocab_size smaller than the vocabulary")
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    arch = spec.arch
+    w = GGUFWriter(str(path), arch)
+    w.add_name(spec.name)
+    hd = spec.n_embd // spec.n_head
+    kv = {
+        f"{arch}.block_count": spec.n_layer,
+        f"{arch}.context_length": spec.context_length,
+        f"{arch}.embedding_length": spec.n_embd,
+        f"{arch}.feed_forward_length": spec.n_ff,
+        f"{arch}.attention.head_count": spec.n_head,
+        f"{arch}.attention.head_count_kv": spec.n_head_kv,
+        f"{arch}.rope.freq_base": float(spec.rope_base),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(spec.rms_eps),
+        f"{arch}.rope.dimension_count": hd,
+        f"{arch}.vocab_size": n_vocab,
+    }
+    if spec.rope_scaling == "linear":
+        kv[f"{arch}.rope.scaling.type"] = "linear"
+        kv[f"{arch}.rope.scaling.factor"] = float(spec.rope_factor)
+    if spec.rope_scaling == "longrope":
+        kv[f"{arch}.rope.scaling.original_context_length"] = spec.context_length // 4
+        kv[f"{arch}.rope.scaling.attn_factor"] = 1.19
+    if isinstance(qtype, str) and qtype != "Q4_K_M":
+        qtype = QT[qtype]
+    file_type = {QT.F32: 0, QT.F16: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q8_0: 7, QT.Q5_0: 8, QT.Q5_1: 9, "Q4_K_M": 15}
+    kv["general.file_type"] = file_type.get(qtype, 0)  # type: ignore[arg-type]
+    for key, value in {**kv, **vocab, **(metadata or {})}.items():
+        if value is not None:
+            _add_value(w, key, value)
+
+    shapes = [(n, s) for n, s in tensor_shapes(spec, n_vocab) if n not in drop_tensors]
+    forced = tensor_types or {}
+    plan = [(n, s, forced.get(n) or tensor_type(n, s, qtype, spec.n_layer, spec.tied)) for n, s in shapes]
+    for name, shape, t in plan:
+        block, size = GGML_QUANT_SIZES[t]
+        n_bytes = math.prod(shape) // block * size
+        if t in _NUMPY_TYPES:
+            w.add_tensor_info(name, shape, np.dtype(_NUMPY_TYPES[t]), n_bytes)
+        else:  # block types are described by their byte shape [..., row_bytes]
+            byte_shape = (*shape[:-1], shape[-1] // block * size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), n_bytes, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, t in plan:
+        w.write_tensor_data(_random_tensor(name, shape, t, rng, std, spec))
+    w.close()
+    return path
+
+
+_NUMPY_TYPES = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32, QT.I8: np.int8, QT.F64: np.float64}
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], t: QT, rng: np.random.Generator, std: float, spec: ModelSpec) -> np.ndarray:
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name.startswith("rope_"):
+        # Frequency divisors >= 1 (llama3's factors run from 1 for high frequencies up to the factor).
+        return np.linspace(1.0, max(spec.rope_factor, 2.0), shape[0], dtype=np.float32)
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    if t in (QT.I32, QT.I8, QT.F64):  # only for tests of types we refuse to run
+        return rng.integers(-8, 8, size=shape).astype(_NUMPY_TYPES[t])
+    if name == "token_embd.weight":
+        std = max(std, 0.5)  # embeddings carry the signal: keep them larger than matrices
+    # Generate in slices so that a 128k x 4096 embedding does not need a float32 copy at once.
+    step = max(1, (1 << 24) // cols)
+    parts = [random_quant_rows(t, min(step, rows - r), cols, rng, std) for r in range(0, rows, step)]
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def variant(spec: ModelSpec | str, **changes: Any) -> ModelSpec:
+    spec = SHAPES[spec] if isinstance(spec, str) else spec
+    return replace(spec, **changes)

@@ -1,0 +1,44 @@
+"""Shared fixtures: the real test files (fetched once into a cache outside the repo) and random models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from llamacli import testdata
+from llamacli.testing import write_model
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-long", action="store_true", help="run the GGUF fuzzers for much longer")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (LLAMACLI_TEST_MODEL overrides the cached download)."""
+    override = os.environ.get("LLAMACLI_TEST_MODEL")
+    return Path(override) if override else testdata.smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_models() -> Path:
+    """llama.cpp's vocabulary-only GGUFs with .inp/.out test files, and templates/*.jinja."""
+    return testdata.llama_cpp_models_dir()
+
+
+@pytest.fixture(scope="session")
+def random_model(tmp_path_factory: pytest.TempPathFactory):
+    """random_model(shape, qtype, **kw) -> path of a random GGUF model, written once per session."""
+    root = tmp_path_factory.mktemp("models")
+    cache: dict[tuple, Path] = {}
+
+    def make(shape: str = "tiny-llama", qtype: str = "F32", **kw) -> Path:
+        key = (shape, str(qtype), tuple(sorted(kw.items())))
+        if key not in cache:
+            name = "-".join(str(p) for p in key[:2]) + f"-{len(cache)}.gguf"
+            cache[key] = write_model(root / name, shape, qtype, **kw)
+        return cache[key]
+
+    return make
