@@ -81,6 +81,270 @@ def inspect(
         render_summary(out, info)
 
 
+# -- generate ----------------------------------------------------------------------------------------------
+
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", help="A GGUF path, a registry name (llamacli models) or hf://owner/repo/file.gguf. Default: the registry's default model."),
+]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto (CUDA when available), cuda or numpy.")]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context size (default: the model's, at most 4096).")]
+
+
+def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool):
+    """Resolve, open and upload a model, with a progress bar on stderr."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .generate import Model
+    from .registry import resolve_model
+
+    path = resolve_model(model)
+    notice = None if quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    with Progress(
+        TextColumn("loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=err, transient=True, disable=quiet,
+    ) as bar:
+        task = bar.add_task(path.name, total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice)
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        fail("give the prompt with exactly one of --prompt or --prompt-file")
+    if prompt_file is None:
+        return prompt  # type: ignore[return-value]
+    if prompt_file == "-":
+        return sys.stdin.read()
+    try:
+        return Path(prompt_file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        fail(f"no such prompt file: {prompt_file}")
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read prompt file {prompt_file}: {exc}")
+    raise AssertionError
+
+
+@app.command()
+def generate(
+    model: ModelOpt = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt text.")] = None,
+    prompt_file: Annotated[Optional[str], typer.Option("--prompt-file", "-f", help="Read the prompt from a file ('-' for stdin).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling, in (0, 1] (1 = off).")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the best one's probability.")] = 0.05,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalize repeated tokens (1 = off).")] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalties look back over (-1 = all).")] = 64,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for reproducible sampling.")] = None,
+    greedy: Annotated[bool, typer.Option("--greedy", help="Always take the most likely token (temperature 0).")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
+    ctx: CtxOpt = None,
+    truncate: Annotated[bool, typer.Option("--truncate", help="Keep the tail of a prompt longer than the context.")] = False,
+    backend: BackendOpt = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of streaming.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the template used and the prompt tokens.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings or notices on stderr.")] = False,
+) -> None:
+    """Generate a continuation of a prompt. Text streams to stdout; timings go to stderr."""
+    from .generate import Completion
+    from .sampling import SamplingParams
+
+    text = read_prompt(prompt, prompt_file)
+    if max_tokens < 0:
+        fail(f"--max-tokens must be >= 0, got {max_tokens}")
+    if ctx is not None and ctx <= 0:
+        fail(f"--ctx must be positive, got {ctx}")
+    params = SamplingParams(
+        temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed,
+    ).validate()
+    m = load_model(model, backend, ctx, quiet)
+    if verbose:
+        err.print(f"[dim]backend {m.backend.name}, context {m.ctx}[/dim]")
+        if not raw:
+            err.print(f"[dim]chat template: {m.chat_template.source}[/dim]")
+    done = Completion()
+    try:
+        pieces = m.run(text, completion=done, max_tokens=max_tokens, stop=stop or (), params=params, raw=raw,
+                       system=system, truncate=truncate)
+        for piece in pieces:
+            if not as_json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        _finish(done, as_json, quiet, verbose)
+        raise Interrupted("interrupted") from None
+    _finish(done, as_json, quiet, verbose)
+
+
+def _finish(done, as_json: bool, quiet: bool, verbose: bool) -> None:
+    if as_json:
+        print(json.dumps(done.as_dict(), ensure_ascii=False))
+    else:
+        if done.text and not done.text.endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+    if verbose:
+        err.print(f"[dim]prompt: {len(done.prompt_tokens)} tokens; finish reason: {done.finish_reason}[/dim]")
+    if not quiet:
+        for line in done.timings.report():
+            err.print(f"[dim]{line}[/dim]", markup=True)
+
+
+# -- models, pull, rm --------------------------------------------------------------------------------------
+
+
+@app.command("models")
+def models_(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON array instead.")] = False,
+) -> None:
+    """List the model registry (models.toml plus yours): name, size, and whether it is downloaded."""
+    from rich.table import Table
+
+    from .registry import cache_home, human_size, list_models
+
+    rows = list_models()
+    if as_json:
+        print(json.dumps(rows, ensure_ascii=False))
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("NAME", "PARAMS", "SIZE", "CACHED", "DESCRIPTION"):
+        table.add_column(column, no_wrap=column != "DESCRIPTION")
+    for r in rows:
+        name = r["name"] + (" (default)" if r["default"] else "")
+        gated = " [gated: needs HF_TOKEN]" if r["gated"] else ""
+        table.add_row(name, r["parameters"], human_size(r["size"]), "yes" if r["cached"] else "-",
+                      r["description"] + gated)  # fmt: skip
+    out.print(table, markup=False)
+    err.print(f"cache: {cache_home()}", markup=False)
+
+
+@app.command()
+def pull(
+    model: Annotated[str, typer.Argument(help="A registry name (see `llamacli models`) or hf://owner/repo/file.gguf.")],
+    force: Annotated[bool, typer.Option("--force", help="Download again even if it is cached.")] = False,
+) -> None:
+    """Download a model into the cache (progress on stderr) and print its path."""
+    from .registry import pull_model
+
+    print(pull_model(model, force=force, progress=True))
+
+
+@app.command("rm")
+def rm(
+    model: Annotated[str, typer.Argument(help="A registry name or hf://owner/repo/file.gguf.")],
+) -> None:
+    """Delete a downloaded model from the cache."""
+    from .registry import remove_model
+
+    for path in remove_model(model):
+        err.print(f"removed {path}", markup=False)
+
+
+# -- tokenize ----------------------------------------------------------------------------------------------
+
+
+@app.command()
+def tokenize(
+    model: Annotated[str, typer.Option("--model", "-m", help="A GGUF file (a vocabulary-only one will do).")],
+    text: Annotated[Optional[str], typer.Option("--text", "-t", help="The text to tokenize.")] = None,
+    file: Annotated[Optional[str], typer.Option("--file", "-f", help="Read the text from a file ('-': stdin).")] = None,
+    special: Annotated[
+        bool, typer.Option("--special", help="Turn special-token strings (<|im_start|>, <s>) into their ids.")
+    ] = False,
+    no_bos: Annotated[bool, typer.Option("--no-bos", help="Do not add BOS, whatever the file says.")] = False,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Tokenize the chat prompt for one user message with this text.")
+    ] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="With --chat: a system message.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help='Print {"ids": [...], "pieces": [...]}.')] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="One 'id piece' line per token; say which chat template.")
+    ] = False,
+) -> None:
+    """Show the token ids of a text (or of a chat prompt with --chat), as the model's tokenizer makes them."""
+    from .chat import ChatTemplate, chat_messages, encode_prompt
+    from .gguf_file import open_gguf
+    from .tokenizer import Tokenizer
+
+    if (text is None) == (file is None):
+        fail("give the text with exactly one of --text or --file")
+    if system is not None and not chat:
+        fail("--system needs --chat")
+    if file is not None:
+        where = "stdin" if file == "-" else file
+        try:
+            # Bytes, so that the text reaches the tokenizer exactly (\r\n kept); a text-only stdin is read as is.
+            source = getattr(sys.stdin, "buffer", sys.stdin) if file == "-" else None
+            raw = source.read() if source is not None else Path(file).read_bytes()
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        except OSError as exc:
+            fail(f"cannot read {where}: {exc.strerror or exc}")
+        except UnicodeDecodeError as exc:
+            fail(f"{where} is not UTF-8 text (bad byte at offset {exc.start})")
+    assert text is not None
+    md = open_gguf(model).metadata
+    tok = Tokenizer.from_metadata(md)
+    if chat:
+        template = ChatTemplate.from_metadata(md)
+        if verbose:
+            why = "" if template.source == "gguf" else " (the file has no tokenizer.chat_template)"
+            err.print(f"chat template: {template.source}{why}", markup=False)
+        prompt = template.render(chat_messages(text, system), add_generation_prompt=True)
+        if verbose:
+            err.print(f"prompt: {json.dumps(prompt, ensure_ascii=False)}", markup=False)
+        ids = encode_prompt(tok, prompt, add_bos=False if no_bos else None)
+    else:
+        ids = tok.encode(text, add_bos=False if no_bos else None, special=special)
+    pieces = [tok.piece(i) for i in ids]
+    if as_json:
+        print(json.dumps({"ids": ids, "pieces": pieces}, ensure_ascii=False))
+    elif verbose:
+        for i, p in zip(ids, pieces):
+            print(f"{i:>8} {json.dumps(p, ensure_ascii=False)}")
+    else:
+        print(" ".join(map(str, ids)))
+
+
+# -- bench -------------------------------------------------------------------------------------------------
+
+
+@app.command()
+def bench(
+    model: ModelOpt = None,
+    n_prompt: Annotated[str, typer.Option("--n-prompt", "-p", help="Prompt sizes for prefill tests, comma-separated.")] = "512",
+    n_gen: Annotated[str, typer.Option("--n-gen", "-n", help="Token counts for decode tests, comma-separated.")] = "128",
+    pg: Annotated[Optional[list[str]], typer.Option("--pg", help="A combined test P,N: prefill P then decode N (repeatable).")] = None,
+    reps: Annotated[int, typer.Option("--repetitions", "-r", help="Timed repetitions after one warm-up.")] = 5,
+    ctx: CtxOpt = None,
+    backend: BackendOpt = "auto",
+    output: Annotated[str, typer.Option("--output", "-o", help="md, json or csv.")] = "md",
+) -> None:
+    """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth."""
+    from .bench import parse_list, parse_pg, render, run_bench
+
+    if output not in ("md", "json", "csv"):
+        fail(f"--output must be md, json or csv, got {output!r}")
+    if reps < 1:
+        fail(f"--repetitions must be >= 1, got {reps}")
+    prompts, gens = parse_list(n_prompt, "-p"), parse_list(n_gen, "-n")
+    pairs = [parse_pg(x) for x in pg or []]
+    need = max([p for p in prompts] + [n for n in gens] + [p + n for p, n in pairs] + [1])
+    m = load_model(model, backend, ctx or max(need + 1, 512), quiet=False)
+    rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: err.print(f"[dim]running {t}[/dim]"))
+    print(render(rows, output, m.backend.device_name(), bandwidth))
+
+
 # -- entry point -------------------------------------------------------------------------------------------
 
 

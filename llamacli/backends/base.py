@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from ..config import ModelConfig
+
+if TYPE_CHECKING:
+    from ..sampling import SamplingParams
 from ..gguf_file import GGUFFile
 
 Progress = Callable[[int, int, str], None]  # (done, total, what) -> None; called while loading
@@ -110,3 +113,47 @@ class Backend(ABC):
     @abstractmethod
     def add(self, x: Any, y: Any) -> Any:
         """x + y (may write into x)."""
+
+    # -- whole steps ---------------------------------------------------------------------------------------
+    # The engine calls these for decode; a GPU backend overrides them with one captured graph per step.
+    def decode(self, token: int, pos: int) -> Any:
+        """One decode step: `token` at position `pos` -> logits [1, V]; writes that position's K/V."""
+        from ..model import forward
+
+        return forward(self, self.cfg, self.token_ids(np.asarray([token])), self.positions(pos, 1))
+
+    def decode_greedy(self, token: int, pos: int) -> int:
+        """A decode step followed by the argmax (lowest id on ties): only the id comes back."""
+        from ..sampling import greedy
+
+        return greedy(self.to_host(self.decode(token, pos))[-1])
+
+    # -- measuring (bench) ---------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op on the host)."""
+
+    def device_name(self) -> str:
+        import platform
+
+        return f"CPU ({platform.processor() or platform.machine()}, NumPy)"
+
+    def memory_bandwidth(self) -> float:
+        """Measured copy bandwidth in bytes/s, counting bytes read + written (bench's % BW)."""
+        import time
+
+        src = np.ones(64 << 20, dtype=np.uint8)
+        dst = np.empty_like(src)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * src.nbytes / best
+
+    # -- sampling ----------------------------------------------------------------------------------------
+    def sample(self, logits: Any, params: "SamplingParams", rng: np.random.Generator, recent: list[int]) -> int:
+        """The next token from logits [1, V]. The reference samples on the host (sampling.py); a GPU backend
+        may sample on the device so that only the id crosses, with the same semantics."""
+        from ..sampling import sample
+
+        return sample(self.to_host(logits)[-1], params, rng, recent)

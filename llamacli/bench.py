@@ -1,0 +1,212 @@
+"""`llamacli bench`: prompt-processing and generation speed in llama-bench's spirit, and how close decode
+comes to the memory bandwidth.
+
+Tests (random token ids, no tokenizer):
+    pp<P>        prefill P tokens from an empty cache                       t/s = P / time
+    tg<N>        N decode steps from an empty cache, greedy argmax included  t/s = N / time
+    pp<P>+tg<N>  both in a row                                              t/s = (P + N) / time
+Each test runs once to warm up, then `reps` times; t/s is mean +- sample stddev over the repetitions.
+
+Decode reads every weight once per token (a tied embedding counted once, as the LM head; the embedding of
+an untied model contributes one row) plus the K and V written so far. GB/s = bytes per token x tokens/s, and
+% BW is that over the copy bandwidth the backend measures (bytes read + written by a large copy).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .generate import Model
+from .model import forward
+
+
+@dataclass
+class BenchRow:
+    model: str
+    size: int  # bytes of weights
+    params: int
+    backend: str
+    test: str
+    n_prompt: int
+    n_gen: int
+    samples_ts: list[float] = field(default_factory=list)
+    bytes_per_token: float = 0.0  # decode tests only
+    bandwidth: float = 0.0  # measured copy bandwidth, bytes/s
+
+    @property
+    def avg_ts(self) -> float:
+        return statistics.fmean(self.samples_ts)
+
+    @property
+    def stddev_ts(self) -> float:
+        return statistics.stdev(self.samples_ts) if len(self.samples_ts) > 1 else 0.0
+
+    @property
+    def gb_per_s(self) -> float | None:
+        if not self.n_gen or self.n_prompt:
+            return None
+        return self.bytes_per_token * self.avg_ts / 1e9
+
+    @property
+    def bw_fraction(self) -> float | None:
+        gbs = self.gb_per_s
+        return gbs * 1e9 / self.bandwidth if gbs is not None and self.bandwidth else None
+
+    def as_dict(self, device: str) -> dict[str, Any]:
+        return {
+            "model": self.model, "size": self.size, "params": self.params, "backend": self.backend,
+            "device": device, "test": self.test, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "avg_ts": round(self.avg_ts, 3), "stddev_ts": round(self.stddev_ts, 3),
+            "samples_ts": [round(s, 3) for s in self.samples_ts],
+            "gb_per_s": None if self.gb_per_s is None else round(self.gb_per_s, 2),
+            "bw_fraction": None if self.bw_fraction is None else round(self.bw_fraction, 4),
+        }
+
+
+def decode_bytes_per_token(model: Model, kv_positions: float) -> float:
+    """Bytes one decode step reads: the 2-D weights (embedding: one row unless it is the LM head) and the
+    fp16 K/V of `kv_positions` cached positions (CUDA keeps the cache in fp16)."""
+    cfg, total = model.cfg, 0.0
+    for t in model.gguf.tensors.values():
+        if t.name == "token_embd.weight" and not cfg.tied_embeddings:
+            total += t.row_bytes
+        else:
+            total += t.n_bytes
+    return total + cfg.kv_cache_bytes(1) * kv_positions
+
+
+class Bench:
+    def __init__(self, model: Model, seed: int = 0):
+        self.m, self.be, self.cfg = model, model.backend, model.cfg
+        self.rng = np.random.default_rng(seed)
+
+    def _ids(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.cfg.vocab_size, size=n).tolist()
+
+    def _timed(self, fn: Callable[[], None]) -> float:
+        be = self.be
+        be.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        be.synchronize()
+        return time.perf_counter() - t0
+
+    def prefill(self, n: int) -> None:
+        be = self.be
+        logits = forward(be, self.cfg, be.token_ids(np.asarray(self._ids(n))), be.positions(0, n))
+        be.to_host(logits[:, :1])  # the result must exist before the clock stops
+
+    def generate(self, n: int, start: int = 0) -> None:
+        token = self._ids(1)[0]
+        for pos in range(start, start + n):
+            token = self.be.decode_greedy(token, pos)
+
+    def run(self, n_prompt: int, n_gen: int, reps: int) -> list[float]:
+        if n_prompt + n_gen > self.m.ctx:
+            from .errors import UsageError
+
+            raise UsageError(f"test pp{n_prompt}+tg{n_gen} needs a context of {n_prompt + n_gen}, have {self.m.ctx} (--ctx)")
+
+        def once() -> None:
+            if n_prompt:
+                self.prefill(n_prompt)
+            if n_gen:
+                self.generate(n_gen, start=n_prompt)
+
+        once()  # warm-up: compilation, graph capture, caches
+        return [(n_prompt + n_gen) / self._timed(once) for _ in range(reps)]
+
+
+def test_name(n_prompt: int, n_gen: int) -> str:
+    if n_prompt and n_gen:
+        return f"pp{n_prompt}+tg{n_gen}"
+    return f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+
+
+def run_bench(model: Model, prompts: list[int], gens: list[int], pg: list[tuple[int, int]], reps: int,
+              progress: Callable[[str], None] | None = None) -> tuple[list[BenchRow], float]:
+    bench = Bench(model)
+    bandwidth = model.backend.memory_bandwidth()
+    weights = sum(t.n_bytes for t in model.gguf.tensors.values())
+    params = sum(t.n_elements for t in model.gguf.tensors.values())
+    tests = [(p, 0) for p in prompts if p] + [(0, n) for n in gens if n] + list(pg)
+    rows = []
+    for n_prompt, n_gen in tests:
+        if progress:
+            progress(test_name(n_prompt, n_gen))
+        row = BenchRow(model.path.name, weights, params, model.backend.name, test_name(n_prompt, n_gen), n_prompt,
+                       n_gen, bandwidth=bandwidth)
+        row.samples_ts = bench.run(n_prompt, n_gen, reps)
+        if n_gen and not n_prompt:
+            row.bytes_per_token = decode_bytes_per_token(model, (n_gen + 1) / 2)  # mean cached positions
+        rows.append(row)
+    return rows, bandwidth
+
+
+# -- output -------------------------------------------------------------------------------------------------
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def render(rows: list[BenchRow], fmt: str, device: str, bandwidth: float) -> str:
+    if fmt == "json":
+        return json.dumps([r.as_dict(device) for r in rows], indent=2)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        keys = list(rows[0].as_dict(device)) if rows else []
+        w.writerow(keys)
+        for r in rows:
+            d = r.as_dict(device)
+            d["samples_ts"] = ";".join(map(str, d["samples_ts"]))
+            w.writerow([d[k] for k in keys])
+        return buf.getvalue().rstrip("\n")
+    head = ["model", "size", "params", "backend", "test", "t/s", "GB/s", "% BW"]
+    lines = [
+        f"device: {device}; measured copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join(["---"] * 3 + ["---"] * 2 + ["---:"] * 3) + " |",
+    ]
+    for r in rows:
+        gbs, frac = r.gb_per_s, r.bw_fraction
+        cells = [r.model, _size(r.size), _params(r.params), r.backend, r.test,
+                 f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}",
+                 "" if gbs is None else f"{gbs:.1f}", "" if frac is None else f"{frac * 100:.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_list(text: str, what: str) -> list[int]:
+    from .errors import UsageError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip() != ""]
+    except ValueError:
+        raise UsageError(f"{what} takes comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise UsageError(f"{what} values must be >= 0, got {text!r}")
+    return values
+
+
+def parse_pg(text: str) -> tuple[int, int]:
+    from .errors import UsageError
+
+    values = parse_list(text, "--pg")
+    if len(values) != 2 or not all(values):
+        raise UsageError(f"--pg takes two positive integers P,N, got {text!r}")
+    return values[0], values[1]

@@ -1,0 +1,312 @@
+"""The generation engine, shared by every backend: tokenize, prefill, decode loop, stop conditions,
+streaming, timings. And the Python API: `llamacli.load(path)` -> Model with .generate/.tokenize/.detokenize.
+
+    prompt -> (chat template) -> ids -> prefill(ids not yet in the KV cache) -> logits -> sample -> id
+           -> stop? (end-of-generation id, stop string, -n, full context) -> stream text -> decode(id) -> ...
+
+The KV cache remembers which ids it holds (`Model.cached`): a new prompt that starts with them prefills
+only the rest, which is what makes a chat turn cheap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .backends import select_backend
+from .backends.base import Progress
+from .config import ModelConfig
+from .errors import ContextOverflowError, UsageError
+from .gguf_file import open_gguf
+from .model import forward
+from .sampling import SamplingParams, make_rng
+from .tokenizer import StreamDecoder, Tokenizer
+from .weights import check_tensors
+
+DEFAULT_CTX_CAP = 4096  # default context: the model's, capped here (the KV cache grows with it)
+
+
+@dataclass
+class Timings:
+    load_ms: float = 0.0
+    prompt_ms: float = 0.0
+    prompt_tokens: int = 0  # tokens actually prefilled (a reused cache prefix is not counted)
+    eval_ms: float = 0.0
+    eval_tokens: int = 0  # decode steps
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prompt_ms * 1e3 if self.prompt_ms > 0 else 0.0
+
+    @property
+    def eval_tokens_per_s(self) -> float:
+        return self.eval_tokens / self.eval_ms * 1e3 if self.eval_ms > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "load_ms": round(self.load_ms, 3),
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_per_s": round(self.prompt_tokens_per_s, 3),
+            "eval_ms": round(self.eval_ms, 3),
+            "eval_tokens": self.eval_tokens,
+            "eval_tokens_per_s": round(self.eval_tokens_per_s, 3),
+        }
+
+    def report(self) -> list[str]:
+        """Lines like llama.cpp's llama_perf_context_print."""
+
+        def per(ms: float, n: int) -> str:
+            if n == 0:
+                return ""
+            return f" ({ms / n:8.2f} ms per token, {n / ms * 1e3 if ms > 0 else 0:8.2f} tokens per second)"
+
+        return [
+            f"load time        = {self.load_ms:10.2f} ms",
+            f"prompt eval time = {self.prompt_ms:10.2f} ms / {self.prompt_tokens:5d} tokens" + per(self.prompt_ms, self.prompt_tokens),
+            f"eval time        = {self.eval_ms:10.2f} ms / {self.eval_tokens:5d} runs  " + per(self.eval_ms, self.eval_tokens),
+            f"total time       = {self.load_ms + self.prompt_ms + self.eval_ms:10.2f} ms / {self.prompt_tokens + self.eval_tokens:5d} tokens",
+        ]
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)  # generated ids (an end-of-generation id is not included)
+    prompt_tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "interrupted"
+    timings: Timings = field(default_factory=Timings)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
+            "timings": self.timings.as_dict(),
+        }
+
+
+class Model:
+    """A loaded model: GGUF file, config, tokenizer, chat template and a backend holding weights + KV cache."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        backend: str = "auto",
+        ctx: int | None = None,
+        progress: Progress | None = None,
+        notice: Callable[[str], None] | None = None,
+    ):
+        t0 = time.perf_counter()
+        self.path = Path(path)
+        self.gguf = open_gguf(self.path)
+        md = self.gguf.metadata
+        self.cfg = ModelConfig.from_gguf(md, set(self.gguf.tensors))
+        self.tokenizer = Tokenizer.from_metadata(md)
+        if ctx is not None and (type(ctx) is not int or ctx <= 0):
+            raise UsageError(f"context size must be a positive integer, got {ctx!r}")
+        self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
+        self.backend = select_backend(backend, notice)
+        check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
+        self.backend.load(self.gguf, self.cfg, self.ctx, progress)
+        self.cached: list[int] = []  # the ids whose K/V the cache holds, positions 0..len-1
+        self.load_ms = (time.perf_counter() - t0) * 1e3
+        self._chat = None
+
+    # -- text <-> ids -------------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, special: bool = False, add_bos: bool | None = None) -> list[int]:
+        return self.tokenizer.encode(text, special=special, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    @property
+    def chat_template(self):
+        if self._chat is None:
+            from .chat import ChatTemplate
+
+            self._chat = ChatTemplate.from_metadata(self.gguf.metadata, self.cfg.architecture)
+        return self._chat
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a rendered conversation: special tokens parsed, BOS added unless the template wrote it."""
+        text = self.render_chat(messages, add_generation_prompt)
+        tok = self.tokenizer
+        ids = tok.encode(text, special=True, add_bos=False)
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids.insert(0, tok.bos_id)
+        return ids
+
+    def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None) -> list[int]:
+        """The ids for a prompt: through the chat template (when the file has one, or `system` is given),
+        or as plain text with `raw`."""
+        if raw:
+            if system is not None:
+                raise UsageError("--system needs the chat template; it cannot be combined with --raw")
+            return self.tokenize(prompt)
+        if self.gguf.metadata.get("tokenizer.chat_template") is None and system is None:
+            return self.tokenize(prompt)  # a base model: plain completion
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        return self.chat_ids(messages)
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], **kw: Any) -> Iterator[str]:
+        """Stream the continuation of `prompt` (text, or token ids) as text pieces. Keyword arguments: those of
+        `run` (max_tokens, stop, params or the sampling fields: temperature, top_k, ...)."""
+        completion = Completion()
+        yield from self.run(prompt, completion=completion, **kw)
+
+    def complete(self, prompt: str | Sequence[int], **kw: Any) -> Completion:
+        completion = Completion()
+        for _ in self.run(prompt, completion=completion, **kw):
+            pass
+        return completion
+
+    def run(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        completion: Completion,
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        params: SamplingParams | None = None,
+        raw: bool = False,
+        system: str | None = None,
+        truncate: bool = False,
+        **sampling: Any,
+    ) -> Iterator[str]:
+        """The engine. Yields text as it completes; fills `completion` (text, ids, finish reason, timings)."""
+        params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
+        if type(max_tokens) is not int or max_tokens < 0:
+            raise UsageError(f"max tokens must be an integer >= 0, got {max_tokens!r}")
+        stop = [s for s in stop if s]
+        ids = list(prompt) if not isinstance(prompt, str) else self.prompt_ids(prompt, raw=raw, system=system)
+        if not ids:
+            raise UsageError("the prompt is empty (no tokens to start from)")
+        if len(ids) >= self.ctx:
+            if not truncate:
+                raise ContextOverflowError(
+                    f"the prompt has {len(ids)} tokens, the context holds {self.ctx}: "
+                    "shorten it, raise --ctx, or pass --truncate to keep its tail"
+                )
+            ids = ids[len(ids) - self.ctx + 1 :]
+        for tid in ids:
+            if not 0 <= tid < self.cfg.vocab_size:
+                raise UsageError(f"token id {tid} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        c = completion
+        c.prompt_tokens, c.timings = list(ids), Timings(load_ms=self.load_ms)
+        rng = make_rng(params.seed)
+        be, cfg = self.backend, self.cfg
+
+        # Prefill what the cache does not hold yet (at least the last token, whose logits we need).
+        keep = _common_prefix(self.cached, ids, len(ids) - 1)
+        t0 = time.perf_counter()
+        self.cached = self.cached[:keep]
+        new = ids[keep:]
+        logits = forward(be, cfg, be.token_ids(np.asarray(new)), be.positions(keep, len(new)))
+        self.cached = list(ids)  # only once the prefill finished
+        history = list(ids)
+        token = be.sample(logits, params, rng, history)
+        c.timings.prompt_ms = (time.perf_counter() - t0) * 1e3
+        c.timings.prompt_tokens = len(new)
+
+        penalties = params.repeat_last_n != 0 and (
+            params.repeat_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        )
+        plain_greedy = params.greedy and not penalties
+        decoder = StreamDecoder(self.tokenizer)
+        pending = ""  # text held back because it might begin a stop string
+        t0 = time.perf_counter()
+        try:
+            while c.finish_reason is None:
+                if max_tokens == 0:
+                    c.finish_reason = "length"
+                    break
+                if token in self.tokenizer.eog_ids:
+                    c.finish_reason = "eos"
+                    break
+                c.tokens.append(token)
+                history.append(token)
+                pending += decoder.feed(token)
+                before, hit = _split_stop(pending, stop)
+                if hit:
+                    c.finish_reason, pending = "stop", ""
+                else:
+                    before, pending = _hold_back(pending, stop)
+                if before:
+                    c.text += before
+                    yield before
+                if c.finish_reason is None and (len(c.tokens) >= max_tokens or len(self.cached) >= self.ctx):
+                    c.finish_reason = "length"
+                if c.finish_reason is None:
+                    # Decode: one token at the next position (a captured graph on CUDA).
+                    pos = len(self.cached)
+                    if plain_greedy:  # the argmax runs inside the step: only the id crosses
+                        following = be.decode_greedy(token, pos)
+                    else:
+                        following = be.sample(be.decode(token, pos), params, rng, history)
+                    self.cached.append(token)  # only once its K/V are surely written
+                    token = following
+                    c.timings.eval_tokens += 1
+        except KeyboardInterrupt:
+            c.finish_reason = "interrupted"
+            c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
+            raise
+        c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
+        if c.finish_reason != "stop":
+            tail = pending + decoder.flush()
+            if tail:
+                c.text += tail
+                yield tail
+
+    def close(self) -> None:
+        self.backend.close()
+        self.gguf.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load(path: str | Path, backend: str = "auto", ctx: int | None = None, **kw: Any) -> Model:
+    """Load a GGUF model: `llamacli.load("model.gguf").generate("Hello")` streams text."""
+    return Model(path, backend=backend, ctx=ctx, **kw)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y or n >= limit:
+            break
+        n += 1
+    return n
+
+
+def _split_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """(text before the earliest stop string, True) if one occurs, else (text, False)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def _hold_back(text: str, stop: Sequence[str]) -> tuple[str, str]:
+    """Split `text` into (safe to print, held back): the held part is the longest tail of `text` that is a
+    proper prefix of a stop string, since the next token may complete it."""
+    held = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return text[: len(text) - held], text[len(text) - held :]
