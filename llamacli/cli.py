@@ -90,6 +90,19 @@ ModelOpt = Annotated[
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (CUDA when available), cuda or numpy.")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", help="Context size (default: the model's, at most 4096).")]
 
+# Sampling options, shared by generate and chat (each command gives its defaults in its signature).
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling, in (0, 1] (1 = off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the best one's probability.")]
+RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", help="Penalize repeated tokens (1 = off).")]
+RepeatLastNOpt = Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalties look back over (-1 = all).")]
+PresencePenaltyOpt = Annotated[float, typer.Option("--presence-penalty")]
+FrequencyPenaltyOpt = Annotated[float, typer.Option("--frequency-penalty")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed for reproducible sampling.")]
+GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Always take the most likely token (temperature 0).")]
+
 
 def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool):
     """Resolve, open and upload a model, with a progress bar on stderr."""
@@ -133,17 +146,17 @@ def generate(
     model: ModelOpt = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt text.")] = None,
     prompt_file: Annotated[Optional[str], typer.Option("--prompt-file", "-f", help="Read the prompt from a file ('-' for stdin).")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling, in (0, 1] (1 = off).")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the best one's probability.")] = 0.05,
-    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalize repeated tokens (1 = off).")] = 1.0,
-    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalties look back over (-1 = all).")] = 64,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Seed for reproducible sampling.")] = None,
-    greedy: Annotated[bool, typer.Option("--greedy", help="Always take the most likely token (temperature 0).")] = False,
+    max_tokens: MaxTokensOpt = 256,
+    temperature: TemperatureOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    presence_penalty: PresencePenaltyOpt = 0.0,
+    frequency_penalty: FrequencyPenaltyOpt = 0.0,
+    seed: SeedOpt = None,
+    greedy: GreedyOpt = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
@@ -210,6 +223,7 @@ def models_(
 ) -> None:
     """List the model registry (models.toml plus yours): name, size, and whether it is downloaded."""
     from rich.table import Table
+    from rich.text import Text
 
     from .registry import cache_home, human_size, list_models
 
@@ -223,8 +237,8 @@ def models_(
     for r in rows:
         name = r["name"] + (" (default)" if r["default"] else "")
         gated = " [gated: needs HF_TOKEN]" if r["gated"] else ""
-        table.add_row(name, r["parameters"], human_size(r["size"]), "yes" if r["cached"] else "-",
-                      r["description"] + gated)  # fmt: skip
+        cells = (name, r["parameters"], human_size(r["size"]), "yes" if r["cached"] else "-", r["description"] + gated)
+        table.add_row(*(Text(c) for c in cells))  # Text: a "[" in a description is not rich markup
     out.print(table, markup=False)
     err.print(f"cache: {cache_home()}", markup=False)
 
@@ -343,6 +357,58 @@ def bench(
     m = load_model(model, backend, ctx or max(need + 1, 512), quiet=False)
     rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: err.print(f"[dim]running {t}[/dim]"))
     print(render(rows, output, m.backend.device_name(), bandwidth))
+
+
+# -- chat --------------------------------------------------------------------------------------------------
+
+
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="System prompt (/system changes it).")] = None,
+    max_tokens: MaxTokensOpt = 512,
+    temperature: TemperatureOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    repeat_last_n: RepeatLastNOpt = 64,
+    presence_penalty: PresencePenaltyOpt = 0.0,
+    frequency_penalty: FrequencyPenaltyOpt = 0.0,
+    seed: SeedOpt = None,
+    greedy: GreedyOpt = False,
+    ctx: CtxOpt = None,
+    backend: BackendOpt = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per reply, one per line, instead of the text.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-reply speed lines or notices on stderr.")] = False,
+) -> None:
+    """Talk with a model. Each turn prefills only what the KV cache does not hold yet; under each reply a
+    dim line on stderr gives its tokens/s. When the context fills, the oldest turns are dropped (the system
+    prompt stays) with a notice. -n limits each reply.
+
+    On a terminal: /help lists the commands (/exit, /reset, /system, /save FILE, /load FILE, /stats). Ctrl-C
+    stops a reply and keeps its partial text in the conversation; at the prompt Ctrl-C discards the line
+    and a second Ctrl-C in a row exits (130); Ctrl-D and /exit exit (0).
+
+    From a pipe or file: one user message per line; stdout carries only the replies, each followed by one
+    newline (`printf 'hi\\nbye\\n' | llamacli chat`).
+    """
+    from .chat_repl import ChatLoop
+    from .chat_session import ChatSession
+    from .sampling import SamplingParams
+
+    if max_tokens < 0:
+        fail(f"--max-tokens must be >= 0, got {max_tokens}")
+    if ctx is not None and ctx <= 0:
+        fail(f"--ctx must be positive, got {ctx}")
+    params = SamplingParams(
+        temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed,
+    ).validate()
+    m = load_model(model, backend, ctx, quiet)
+    session = ChatSession(m, system=system, params=params, max_tokens=max_tokens)
+    ChatLoop(session, err, interactive=sys.stdin.isatty(), quiet=quiet, as_json=as_json).run()
 
 
 # -- entry point -------------------------------------------------------------------------------------------
