@@ -1,0 +1,103 @@
+// rope.cu: rotary position embedding (RoFormer), applied in place, plus the fused decode variant that also
+// stores K and V into the fp16 cache.
+//
+// Math: for rotated pair i < rope_dim/2 of a head at position p:
+//   theta = p * inv_freq[i]  (f64; inv_freq[i] = base^(-2i/rope_dim) / factor[i] / linear_factor, uploaded
+//   once), (a, b) -> (a cos - b sin, a sin + b cos) * attn_factor on cos/sin.
+//   Pairs: rope_normal (2i, 2i+1) (llama), rope_neox (i, i + rope_dim/2) (qwen2, phi3). Dims past rope_dim
+//   pass through.
+// Shapes: x [T, H, Dh] f32 rows `stride` floats apart per token; pos [T] i32 (device memory).
+//   rope_<mode>(x, stride, H, Dh, rope_dim, pos, inv_freq, attn_factor)
+//       grid (T, H), block Dh/2 rounded up to 32: one thread per pair.
+//   rope_store_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn_factor, kcache, vcache)
+//       qkv [T, (Hq+2Hkv)*Dh] as the fused QKV matvec writes it; rotates q and k in place and writes k, v
+//       as fp16 into the layer's cache [ctx, Hkv, Dh] at row pos[t]. grid (T, Hq + 2*Hkv), block as above.
+// Best measured on H100: not yet tuned (tiny: T*H*Dh/2 threads).
+
+#include "common.cuh"
+
+template <bool NEOX>
+__device__ __forceinline__ void pair_dims(int i, int half, int& a, int& b) {
+    if (NEOX) { a = i; b = i + half; } else { a = 2 * i; b = 2 * i + 1; }
+}
+
+// Rotate (or pass) pair i of head vector h [Dh]; returns the two output values and their dims.
+template <bool NEOX>
+__device__ __forceinline__ void rope_pair(const float* h, int i, int Dh, int rope_dim, int p, const double* inv_freq,
+                                          float attn, int& da, int& db, float& oa, float& ob) {
+    const int half = rope_dim / 2;
+    if (i < half) {
+        pair_dims<NEOX>(i, half, da, db);
+        double s, c;
+        sincos((double)p * inv_freq[i], &s, &c);
+        const float cs = (float)c * attn, sn = (float)s * attn;
+        const float a = h[da], b = h[db];
+        oa = a * cs - b * sn;
+        ob = a * sn + b * cs;
+    } else {
+        da = rope_dim + 2 * (i - half);
+        db = da + 1;
+        oa = h[da];
+        ob = h[db];
+    }
+}
+
+template <bool NEOX>
+__device__ __forceinline__ void rope_body(float* x, int stride, int H, int Dh, int rope_dim, const int* pos,
+                                          const double* inv_freq, float attn) {
+    const int t = blockIdx.x, hd = blockIdx.y, i = threadIdx.x;
+    const bool on = i < Dh / 2;
+    float* h = x + (long long)t * stride + hd * Dh;
+    int da = 0, db = 0;
+    float oa = 0.0f, ob = 0.0f;
+    if (on) rope_pair<NEOX>(h, i, Dh, rope_dim, pos[t], inv_freq, attn, da, db, oa, ob);
+    __syncthreads();  // dims of one head are read and written by different threads of the block
+    if (!on) return;
+    h[da] = oa;
+    h[db] = ob;
+}
+
+template <bool NEOX>
+__device__ __forceinline__ void rope_store_body(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
+                                                const int* pos, const double* inv_freq, float attn, u16* kcache,
+                                                u16* vcache) {
+    const int t = blockIdx.x, hd = blockIdx.y, i = threadIdx.x;
+    const int p = pos[t];
+    float* h = qkv + (long long)t * stride + hd * Dh;
+    int da = 2 * i, db = 2 * i + 1;
+    float oa = 0.0f, ob = 0.0f;
+    const bool on = i < Dh / 2;
+    if (hd < Hq + Hkv) {
+        if (on) rope_pair<NEOX>(h, i, Dh, rope_dim, p, inv_freq, attn, da, db, oa, ob);
+        __syncthreads();
+        if (!on) return;
+        h[da] = oa;
+        h[db] = ob;
+        if (hd >= Hq) {
+            u16* k = kcache + ((long long)p * Hkv + (hd - Hq)) * Dh;
+            k[da] = f2h(oa);
+            k[db] = f2h(ob);
+        }
+    } else if (on) {
+        u16* v = vcache + ((long long)p * Hkv + (hd - Hq - Hkv)) * Dh;
+        v[da] = f2h(h[da]);
+        v[db] = f2h(h[db]);
+    }
+}
+
+extern "C" __global__ void rope_normal(float* x, int stride, int H, int Dh, int rope_dim, const int* pos,
+                                       const double* inv_freq, float attn) {
+    rope_body<false>(x, stride, H, Dh, rope_dim, pos, inv_freq, attn);
+}
+extern "C" __global__ void rope_neox(float* x, int stride, int H, int Dh, int rope_dim, const int* pos,
+                                     const double* inv_freq, float attn) {
+    rope_body<true>(x, stride, H, Dh, rope_dim, pos, inv_freq, attn);
+}
+extern "C" __global__ void rope_store_normal(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
+                                             const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc) {
+    rope_store_body<false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc);
+}
+extern "C" __global__ void rope_store_neox(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
+                                           const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc) {
+    rope_store_body<true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc);
+}

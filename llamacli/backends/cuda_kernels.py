@@ -1,0 +1,125 @@
+"""Loading kernels/*.cu and launching them: one cupy.RawModule per file, compiled once per process.
+
+Each kernels/<family>.cu is one module. Local `#include "x.cuh"` lines are inlined here before compiling, so
+the text CuPy hashes for its on-disk cache (~/.cupy/kernel_cache) is the whole program: editing a header
+recompiles, and a cache hit in a new process costs milliseconds. CuPy adds `-arch=sm_XY` of the current
+device itself; we add `-std=c++17`. An NVRTC error becomes KernelCompileError naming the file, with the log.
+
+Launchers live next to the get_function call and compute grid and block there. With logging at DEBUG (the
+CLI's --debug) every launch is logged: name, grid, block, dynamic shared memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import KernelCompileError
+
+log = logging.getLogger("llamacli.kernels")
+
+NVRTC_OPTIONS = ("-std=c++17",)
+FAMILIES = ("attention", "dequant", "elementwise", "matvec", "norm", "rope", "sampling")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+def kernels_dir() -> Path:
+    """`llamacli/kernels` inside an installed wheel (force-included), else the repository's `kernels/`
+    (the one lookup lives in llamacli.paths)."""
+    from ..paths import kernels_dir as find
+
+    return find()
+
+
+def kernel_source(family: str, directory: Path | None = None) -> str:
+    """The text of kernels/<family>.cu with its local includes inlined (each header once)."""
+    root = directory or kernels_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        path = root / name
+        if not path.is_file():
+            raise KernelCompileError(f"kernel source {path} is missing")
+        text = path.read_text(encoding="utf-8")
+
+        def include(m: re.Match[str]) -> str:
+            inc = m.group(1)
+            if inc in seen:
+                return f"// (already included: {inc})"
+            seen.add(inc)
+            return f"// ---- begin {inc}\n{expand(inc)}\n// ---- end {inc}"
+
+        return _INCLUDE.sub(include, text).replace("#pragma once", "")
+
+    return expand(f"{family}.cu")
+
+
+def compile_ptx(family: str, arch: str = "compute_90", directory: Path | None = None) -> str:
+    """Compile one family with NVRTC directly (no GPU needed): the CI check. Returns the PTX."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    src = kernel_source(family, directory)
+    prog = nvrtc.createProgram(src, f"{family}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [f"-arch={arch}", *NVRTC_OPTIONS])
+        except Exception as exc:  # nvrtc.NVRTCError
+            raise KernelCompileError(
+                f"kernels/{family}.cu failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}"
+            ) from exc
+        return nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) else nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+@lru_cache(maxsize=None)
+def module(family: str) -> Any:
+    """The compiled RawModule of kernels/<family>.cu (once per process; CuPy caches the binary on disk)."""
+    import cupy as cp
+
+    src = kernel_source(family)
+    mod = cp.RawModule(code=src, options=NVRTC_OPTIONS)
+    try:
+        mod.compile()
+    except cp.cuda.compiler.CompileException as exc:
+        raise KernelCompileError(f"kernels/{family}.cu failed to compile:\n{exc.get_message()}") from None
+    return mod
+
+
+@lru_cache(maxsize=None)
+def function(family: str, name: str) -> Any:
+    return module(family).get_function(name)
+
+
+def launch(family: str, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared: int = 0) -> None:
+    """Launch kernels/<family>.cu:<name> on the current stream."""
+    fn = function(family, name)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("launch %s grid=%s block=%s shared=%d", name, grid, block, shared)
+    if shared > 48 * 1024 and getattr(fn, "_llamacli_smem", 0) < shared:
+        fn.max_dynamic_shared_size_bytes = shared
+        fn._llamacli_smem = shared
+    fn(grid, block, args, shared_mem=shared)
+
+
+# -- argument helpers ----------------------------------------------------------------------------------------
+
+i32, i64, f32 = np.int32, np.int64, np.float32
+
+
+def ptr(x: Any) -> np.uint64:
+    """A device pointer argument: a cupy array, a raw int, or None (NULL)."""
+    if x is None:
+        return np.uint64(0)
+    if isinstance(x, (int, np.integer)):
+        return np.uint64(x)
+    return np.uint64(x.data.ptr)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

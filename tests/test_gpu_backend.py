@@ -1,0 +1,150 @@
+"""The whole model on the CUDA backend against the NumPy reference: random models of every weight type
+(and the three architectures), and SmolLM2-135M. Needs a GPU (marker gpu)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+cp = pytest.importorskip("cupy")
+
+from llamacli.backends.cuda_backend import RUNNABLE, CudaBackend, cuda_available  # noqa: E402
+from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
+from llamacli.config import ModelConfig  # noqa: E402
+from llamacli.gguf_file import open_gguf  # noqa: E402
+from llamacli.model import forward  # noqa: E402
+from llamacli.weights import check_tensors  # noqa: E402
+
+_ok, _why = cuda_available()
+if not _ok:
+    pytest.skip(_why, allow_module_level=True)
+pytestmark = pytest.mark.gpu
+
+
+def loaded(path, backend, ctx=256):
+    g = open_gguf(path)
+    cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
+    check_tensors(g, cfg, backend.runnable_types)
+    backend.load(g, cfg, ctx)
+    return g, cfg, backend
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def greedy_run(be, cfg, prompt, steps, fused=False):
+    """Prefill through model.forward, then `steps` greedy tokens (forward + device argmax, or the fused
+    graph-replayed decode step)."""
+    from llamacli.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(0)
+    logits = forward(be, cfg, be.token_ids(np.asarray(prompt)), be.positions(0, len(prompt)))
+    first = be.to_host(logits)[-1]
+    tok = be.sample(logits, params, rng, [])
+    out = [tok]
+    for i in range(steps - 1):
+        pos = len(prompt) + i
+        if fused:
+            tok = be.decode_greedy(tok, pos)
+        else:
+            logits = forward(be, cfg, be.token_ids(np.asarray([tok])), be.positions(pos, 1))
+            tok = be.sample(logits, params, rng, [])
+        out.append(tok)
+    return first, out
+
+
+CASES = [("small-llama", t) for t in RUNNABLE] + [
+    ("tiny-llama", QT.F32), ("tiny-qwen2", QT.Q8_0), ("tiny-phi3", QT.F16),
+    ("small-qwen2", QT.Q4_K), ("small-phi3", QT.Q6_K), ("small-llama", "Q4_K_M"), ("small-qwen2", QT.Q5_0),
+]
+
+
+@pytest.mark.parametrize("shape,qtype", CASES, ids=lambda c: c if isinstance(c, str) else c.name)
+def test_forward_and_greedy_match_numpy(random_model, shape, qtype) -> None:
+    path = random_model(shape, qtype)
+    _, cfg, ref = loaded(path, NumpyBackend())
+    _, _, be = loaded(path, CudaBackend())
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, size=13)]
+
+    # Last-position logits (prefill) and all-position logits.
+    want = ref.to_host(forward(ref, cfg, ref.token_ids(np.asarray(prompt)), ref.positions(0, len(prompt)), True))
+    got = be.to_host(forward(be, cfg, be.token_ids(np.asarray(prompt)), be.positions(0, len(prompt)), True))
+    assert np.isfinite(got).all()
+    assert rel_l2(got[-1], want[-1]) <= 1e-2
+    assert rel_l2(got, want) <= 1e-2
+
+    # 32 greedy steps: op-by-op decode, and the fused graph-replayed decode step.
+    _, want_toks = greedy_run(ref, cfg, prompt, 32)
+    _, got_toks = greedy_run(be, cfg, prompt, 32)
+    assert got_toks == want_toks
+    _, fused_toks = greedy_run(be, cfg, prompt, 32, fused=True)
+    assert fused_toks == want_toks
+
+
+def test_fused_decode_logits_match_forward(random_model) -> None:
+    path = random_model("small-qwen2", QT.Q4_K)
+    _, cfg, be = loaded(path, CudaBackend())
+    prompt = [5, 9, 11, 3]
+    forward(be, cfg, be.token_ids(np.asarray(prompt)), be.positions(0, 4))
+    a = be.to_host(forward(be, cfg, be.token_ids(np.asarray([7])), be.positions(4, 1)))[-1]
+    for use_graph in (False, True, True):  # graph capture, then a plain replay, at the same position
+        be.use_graph = use_graph
+        b = be.to_host(be.decode(7, 4))[-1]
+        assert rel_l2(b, a) <= 1e-5
+
+
+def test_memory_error_names_need_free_and_ctx(random_model) -> None:
+    from llamacli.errors import DeviceMemoryError
+
+    path = random_model("tiny-llama", QT.F32)
+    with pytest.raises(DeviceMemoryError, match=r"needs .* GiB.*free.*--ctx"):
+        loaded(path, CudaBackend(), ctx=1 << 30)
+
+
+def _smollm2_path():
+    env = os.environ.get("LLAMACLI_TEST_MODEL")
+    if env:
+        return env
+    try:
+        from llamacli import testdata
+
+        return str(testdata.smollm2_path())
+    except Exception as exc:  # no network on the GPU machine
+        pytest.skip(f"SmolLM2 not available: {exc}")
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+    "Explain why the sky is blue.",
+]
+
+
+def test_smollm2_greedy_64_tokens_identical() -> None:
+    from llamacli.generate import load
+
+    path = _smollm2_path()
+    ref = load(path, backend="numpy", ctx=512)
+    gpu = load(path, backend="cuda", ctx=512)
+    for prompt in PROMPTS:
+        want = ref.complete(prompt, max_tokens=64, temperature=0.0)
+        got = gpu.complete(prompt, max_tokens=64, temperature=0.0)
+        assert got.tokens == want.tokens, prompt
+        # and the fused, graph-replayed decode step
+        ids = gpu.prompt_ids(prompt)
+        gpu.cached = []
+        be, cfg = gpu.backend, gpu.cfg
+        _, fused = greedy_run(be, cfg, ids, len(want.tokens))
+        _, fused2 = greedy_run(be, cfg, ids, len(want.tokens), fused=True)
+        assert fused == fused2
+        n = len(want.tokens)
+        assert fused2[:n] == want.tokens[:n], prompt

@@ -1,0 +1,289 @@
+"""Every CUDA kernel against a NumPy reference, on fresh random inputs at several shapes (odd ones too),
+outputs poisoned with NaN before each launch; tolerances are atol + rtol*|ref|. Needs a GPU (marker gpu)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+cp = pytest.importorskip("cupy")
+
+from llamacli import rope as rope_tables  # noqa: E402
+from llamacli import sampling as S  # noqa: E402
+from llamacli.backends.cuda_backend import RUNNABLE, CudaBackend, DeviceMatrix, cuda_available  # noqa: E402
+from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
+from llamacli.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig  # noqa: E402
+from llamacli.quants import dequantize  # noqa: E402
+from llamacli.testing import random_quant_rows  # noqa: E402
+
+_ok, _why = cuda_available()
+if not _ok:
+    pytest.skip(_why, allow_module_level=True)
+pytestmark = pytest.mark.gpu
+
+
+def make_cfg(**kw) -> ModelConfig:
+    base = dict(
+        architecture="llama", name="t", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128,
+        vocab_size=100, context_length=4096, rope_type=ROPE_NORMAL, rope_dim=16, rope_freq_base=10000.0,
+        rope_scaling="none", rope_scaling_factor=1.0, rope_original_context=4096, rope_attn_factor=1.0,
+        rms_eps=1e-5, tied_embeddings=False, qkv_bias=False, fused_qkv=False, fused_gate_up=False,
+        bos_token_id=None, eos_token_id=None,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def bare(cfg: ModelConfig, ctx: int) -> tuple[CudaBackend, NumpyBackend]:
+    """A CUDA backend and the NumPy reference set up for op tests without a model file."""
+    be = CudaBackend(use_graph=False)
+    be.cfg, be.ctx = cfg, ctx
+    be.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, None, ctx).astype(np.float64))
+    shape = (cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim)
+    be.k_cache, be.v_cache = cp.zeros(shape, cp.float16), cp.zeros(shape, cp.float16)
+    ref = NumpyBackend()
+    ref.cfg, ref.ctx = cfg, ctx
+    ref.theta = rope_tables.inv_freq(cfg, None, ctx)
+    ref.k_cache = np.zeros(shape, np.float32)
+    ref.v_cache = np.zeros(shape, np.float32)
+    return be, ref
+
+
+def upload(rows: np.ndarray, qtype: QT, n_cols: int) -> tuple[DeviceMatrix, cp.ndarray, np.ndarray]:
+    """Raw rows -> (device handle, the device buffer keeping it alive, float64 dequantized reference)."""
+    raw = np.ascontiguousarray(rows).view(np.uint8).reshape(rows.shape[0], -1)
+    buf = cp.asarray(raw)
+    ref = dequantize(rows, qtype).reshape(rows.shape[0], n_cols).astype(np.float64)
+    return DeviceMatrix(buf.data.ptr, rows.shape[0], n_cols, qtype, raw.shape[1]), buf, ref
+
+
+def poisoned(shape, dtype=cp.float32):
+    return cp.full(shape, cp.nan, dtype=dtype)
+
+
+def assert_close(got, ref, atol, rtol, what=""):
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.isfinite(got).all(), f"{what}: {int((~np.isfinite(got)).sum())} non-finite (unwritten?) values"
+    err = np.abs(got - ref)
+    bound = atol + rtol * np.abs(ref)
+    bad = err > bound
+    assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.size} beyond atol+rtol*|ref|, max err {err.max():.3g}"
+
+
+def cols_for(qtype: QT) -> list[int]:
+    from gguf import GGML_QUANT_SIZES
+
+    block = GGML_QUANT_SIZES[qtype][0]
+    if block == 1:
+        return [33, 64, 100, 576]
+    if block == 32:
+        return [32, 96, 576, 4096]
+    return [256, 768, 2816]
+
+
+# -- quantized matvec, dequantize, embedding: every weight type ---------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", RUNNABLE, ids=lambda t: t.name)
+def test_matvec_every_type(qtype: QT) -> None:
+    rng = np.random.default_rng(int(qtype))
+    be, _ = bare(make_cfg(), 16)
+    for k in cols_for(qtype):
+        for n in (1, 37, 300):
+            w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+            for t in (1, 3, 8):
+                x = rng.standard_normal((t, k)).astype(np.float32)
+                y = poisoned((t, n))
+                be._matvec((w,), cp.asarray(x), t, y)
+                ref = x.astype(np.float64) @ wref.T
+                scale = np.abs(x) @ np.abs(wref).T
+                assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"{qtype.name} n={n} k={k} t={t}")
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q6_K, QT.F16, QT.Q4_K], ids=lambda t: t.name)
+def test_matvec_segments_bias_resid_swiglu(qtype: QT) -> None:
+    rng = np.random.default_rng(7)
+    be, _ = bare(make_cfg(), 16)
+    k = 512
+    ws = [upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k) for n in (96, 32, 33)]
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    bias = rng.standard_normal(161).astype(np.float32)
+    resid = rng.standard_normal((2, 161)).astype(np.float32)
+    y = cp.asarray(resid)  # resid aliases y: the fused residual add
+    be._matvec(tuple(w for w, _, _ in ws), cp.asarray(x), 2, y, bias=cp.asarray(bias), resid=y)
+    wref = np.concatenate([r for _, _, r in ws])
+    ref = x @ wref.T + bias + resid
+    assert_close(y.get(), ref, 1e-4, 1e-5, "segments+bias+resid")
+
+    (g, _bg, gref), (u, _bu, uref) = [upload(random_quant_rows(qtype, 77, k, rng, std=0.05), qtype, k) for _ in range(2)]
+    y = poisoned((2, 77))
+    be._matvec_swiglu(g, u, cp.asarray(x), 2, y)
+    a, b = x @ gref.T, x @ uref.T
+    assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-4, 1e-4, "swiglu")
+
+
+@pytest.mark.parametrize("qtype", RUNNABLE, ids=lambda t: t.name)
+def test_dequant_gemm_and_embed_every_type(qtype: QT) -> None:
+    rng = np.random.default_rng(100 + int(qtype))
+    be, _ = bare(make_cfg(), 16)
+    k = cols_for(qtype)[1]
+    n = 45
+    w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+    ids = rng.integers(0, n, size=9).astype(np.int32)
+    ids[1] = ids[0]
+    be.weights = type("W", (), {"token_embd": w})()
+    out = be.embed(cp.asarray(ids))
+    assert_close(out.get(), wref[ids], 1e-7, 1e-6, f"embed {qtype.name}")
+    # Prefill path: T > 8 goes through dequant_<t> + cuBLAS fp16 (small chunk to cover the chunk loop).
+    import llamacli.backends.cuda_backend as cb
+
+    old = cb.DEQUANT_CHUNK
+    cb.DEQUANT_CHUNK = 16 * k
+    try:
+        x = rng.standard_normal((19, k)).astype(np.float32)
+        y = be.matmul(cp.asarray(x), w)
+    finally:
+        cb.DEQUANT_CHUNK = old
+    ref = x.astype(np.float64) @ wref.T
+    scale = np.abs(x) @ np.abs(wref).T
+    assert_close(y.get(), ref, 2e-3 * scale + 1e-5, 1e-3, f"gemm {qtype.name}")
+
+
+# -- norm, elementwise ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (5, 4097), (3, 33), (2, 8192)])
+def test_rms_norm(shape) -> None:
+    rng = np.random.default_rng(1)
+    be, ref = bare(make_cfg(), 16)
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    w = rng.standard_normal(shape[1]).astype(np.float32)
+    got = be.rms_norm(cp.asarray(x), cp.asarray(w), 1e-5)
+    assert_close(got.get(), ref.rms_norm(x, w, 1e-5), 1e-6, 1e-5, "rms_norm")
+
+
+@pytest.mark.parametrize("n", [1, 31, 4097, 100_003])
+def test_swiglu_add(n) -> None:
+    rng = np.random.default_rng(n)
+    be, ref = bare(make_cfg(), 16)
+    g, u = (rng.standard_normal((1, n)) * 4).astype(np.float32), rng.standard_normal((1, n)).astype(np.float32)
+    assert_close(be.swiglu(cp.asarray(g), cp.asarray(u)).get(), ref.swiglu(g, u), 1e-6, 1e-5, "swiglu")
+    assert_close(be.add(cp.asarray(g), cp.asarray(u)).get(), g + u, 0, 1e-7, "add")
+
+
+# -- rope ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rope_type", [ROPE_NORMAL, ROPE_NEOX])
+@pytest.mark.parametrize("dh,rope_dim", [(64, 64), (96, 96), (128, 128), (128, 64)])
+@pytest.mark.parametrize("scaling", ["none", "linear"])
+def test_rope(rope_type, dh, rope_dim, scaling) -> None:
+    rng = np.random.default_rng(dh + rope_dim)
+    cfg = make_cfg(head_dim=dh, rope_dim=rope_dim, rope_type=rope_type, rope_scaling=scaling,
+                   rope_scaling_factor=4.0 if scaling == "linear" else 1.0, rope_attn_factor=1.1, rope_freq_base=5e5)
+    be, ref = bare(cfg, 4096)
+    for t, h in ((1, 3), (7, 5), (33, 2)):
+        x = rng.standard_normal((t, h, dh)).astype(np.float32)
+        pos = np.sort(rng.choice(4000, size=t, replace=False)).astype(np.int32)
+        got = be.rope(cp.asarray(x), cp.asarray(pos))
+        assert_close(got.get(), ref.rope(x, pos), 1e-5, 1e-5, f"rope t={t}")
+
+
+# -- attention: prefill (flash) and decode (split + combine), GQA groups 1, 3, 7, 8 ------------------------
+
+
+@pytest.mark.parametrize("dh", [64, 96, 128])
+@pytest.mark.parametrize("hkv,group", [(2, 1), (1, 3), (2, 7), (1, 8)])
+def test_attention_prefill_then_decode(dh, hkv, group) -> None:
+    rng = np.random.default_rng(dh * 10 + group)
+    cfg = make_cfg(n_head=hkv * group, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hkv * group * dh)
+    ctx = 4096  # decode splits of 128 keys: positions below run over several splits
+    be, ref = bare(cfg, ctx)
+    hq = cfg.n_head
+    start = 0
+    for t in (37, 1, 200, 1, 5, 1):  # prefill, decode, a second prefill chunk on top of the cache, ...
+        q = rng.standard_normal((t, hq, dh)).astype(np.float32)
+        k = rng.standard_normal((t, hkv, dh)).astype(np.float32)
+        v = rng.standard_normal((t, hkv, dh)).astype(np.float32)
+        k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+        pos = np.arange(start, start + t, dtype=np.int32)
+        got = be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+        want = ref.attention(0, q, k16, v16, pos)
+        assert_close(got.get(), want, 2e-4, 2e-3, f"attention t={t} start={start}")
+        start += t
+
+
+def test_attention_decode_long_context_splits() -> None:
+    rng = np.random.default_rng(5)
+    cfg = make_cfg(n_head=8, n_head_kv=2, head_dim=64, rope_dim=64, n_embd=512)
+    be, ref = bare(cfg, 2048)
+    t = 1500
+    k = rng.standard_normal((t, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((t, 2, 64)).astype(np.float32)
+    q = rng.standard_normal((t, 8, 64)).astype(np.float32)
+    pos = np.arange(t, dtype=np.int32)
+    be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+    ref.attention(0, q, k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32), pos)
+    q1 = rng.standard_normal((1, 8, 64)).astype(np.float32) * 3
+    k1, v1 = rng.standard_normal((1, 2, 64)).astype(np.float32), rng.standard_normal((1, 2, 64)).astype(np.float32)
+    p1 = np.array([t], np.int32)
+    got = be.attention(0, cp.asarray(q1), cp.asarray(k1), cp.asarray(v1), cp.asarray(p1))
+    want = ref.attention(0, q1, k1.astype(np.float16).astype(np.float32), v1.astype(np.float16).astype(np.float32), p1)
+    assert_close(got.get(), want, 2e-4, 2e-3, "decode over 12 splits")
+
+
+# -- sampling -------------------------------------------------------------------------------------------------
+
+
+def test_argmax_ties_lowest_id() -> None:
+    be, _ = bare(make_cfg(vocab_size=100_003), 16)
+    rng = np.random.default_rng(3)
+    params = S.SamplingParams(temperature=0.0)
+    for _ in range(5):
+        x = rng.standard_normal(100_003).astype(np.float32)
+        top = x.max()
+        idx = rng.choice(100_003, size=4, replace=False)
+        x[idx] = top + 1
+        got = be.sample(cp.asarray(x[None]), params, rng, [])
+        assert got == int(idx.min()) == S.greedy(x)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_sampling_matches_sampling_py(seed) -> None:
+    v = 32_000 + seed
+    be, _ = bare(make_cfg(vocab_size=v), 16)
+    be._topk_vals, be._topk_ids = cp.empty(1024, cp.float32), cp.empty(1024, cp.int32)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(v) * 3).astype(np.float32)
+    x[rng.choice(v, 50)] = x.max()  # ties at the top
+    x[rng.choice(v, 20)] = -np.inf
+    recent = list(rng.integers(0, v, size=80))
+    recent += recent[:10]
+    for params in (
+        S.SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1),
+        S.SamplingParams(temperature=1.3, top_k=7, top_p=1.0, min_p=0.0, repeat_penalty=1.3, frequency_penalty=0.2,
+                         presence_penalty=0.5, repeat_last_n=64, seed=2),
+        S.SamplingParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=-1),
+        S.SamplingParams(temperature=0.7, top_k=1024, top_p=0.5, seed=3),
+        S.SamplingParams(temperature=0.7, top_k=0, seed=3),  # host path
+    ):
+        for trial in range(5):
+            r1, r2 = np.random.default_rng(trial), np.random.default_rng(trial)
+            want = S.sample(x, params, r1, recent)
+            got = be.sample(cp.asarray(x[None]), params, r2, recent)
+            assert got == want, (params, trial)
+
+
+def test_debug_logging_names_each_launch(caplog) -> None:
+    import logging
+
+    be, _ = bare(make_cfg(), 16)
+    x = cp.ones((3, 40), cp.float32)
+    with caplog.at_level(logging.DEBUG, logger="llamacli.kernels"):
+        be.rms_norm(x, cp.ones(40, cp.float32), 1e-5)
+    assert any("launch rms_norm_f32 grid=(3,) block=(256,) shared=0" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,79 @@
+"""Every kernels/*.cu compiles with NVRTC for Ampere and Hopper, on a machine without a GPU (the CI check).
+
+NVRTC 13 has no cuda_fp16.h/cuda_bf16.h built in, so the kernels use none: the test also proves that
+they need no header beyond the project's own (inlined by cuda_kernels.kernel_source).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from llamacli.backends import cuda_kernels as K
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs cupy + nvidia-cuda-nvrtc")
+
+
+def _nvrtc_works() -> bool:
+    try:
+        nvrtc.getVersion()
+        return True
+    except Exception:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _nvrtc_works(), reason="NVRTC library not loadable")
+
+
+def test_kernels_dir_holds_every_family() -> None:
+    d = K.kernels_dir()
+    assert d.is_dir()
+    assert {p.stem for p in d.glob("*.cu")} == set(K.FAMILIES)
+
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+@pytest.mark.parametrize("family", K.FAMILIES)
+def test_family_compiles(family: str, arch: str) -> None:
+    ptx = K.compile_ptx(family, arch)
+    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
+    assert entries, f"{family}.cu defines no kernel"
+    source = K.kernel_source(family)
+    assert "#include <" not in source, "kernels must not need system headers (NVRTC 13 lacks them)"
+    for name in re.findall(r'extern "C" __global__ void\s+(?:__launch_bounds__\(\d+\)\s+)?(\w+)\(', source):
+        assert name == "__launch_bounds__" or name in entries  # (macro-built names checked below)
+
+
+def test_every_weight_type_has_its_kernels() -> None:
+    from llamacli.backends.cuda_backend import RUNNABLE, qname
+
+    ptx = K.compile_ptx("matvec", "compute_90") + K.compile_ptx("dequant", "compute_90")
+    for t in RUNNABLE:
+        for kind in ("matvec_{}", "matvec_{}_swiglu", "dequant_{}", "embed_{}"):
+            assert f".entry {kind.format(qname(t))}(" in ptx
+
+
+def test_compile_error_names_the_file(tmp_path) -> None:
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void k() { this is not C++; }\n')
+    with pytest.raises(K.KernelCompileError, match=r"broken\.cu[\s\S]*error"):
+        K.compile_ptx("broken", "compute_90", directory=tmp_path)
+
+
+def test_every_file_opens_with_its_comment() -> None:
+    for p in K.kernels_dir().glob("*.cu"):
+        first = p.read_text().splitlines()[0]
+        assert first.startswith(f"// {p.name}:"), p.name
+
+
+def test_backend_cuda_without_cupy_says_how_to_install(monkeypatch) -> None:
+    import sys
+
+    from llamacli.backends import select_backend
+    from llamacli.backends.cuda_backend import cuda_available
+    from llamacli.errors import BackendError
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now raises ImportError
+    ok, reason = cuda_available()
+    assert not ok and "pip install llamacli[cuda12]" in reason and "[cuda13]" in reason
+    with pytest.raises(BackendError, match=r"CuPy is not installed.*pip install llamacli\[cuda12\]"):
+        select_backend("cuda")
