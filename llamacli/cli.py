@@ -29,7 +29,8 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(highlight=False, soft_wrap=True)
+# Tables on stdout keep their full width when piped (rich would cut them at 80 columns).
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 240)
 
 _state = {"debug": False}
 
@@ -115,7 +116,7 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool):
     notice = None if quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
     with Progress(
         TextColumn("loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=err, transient=True, disable=quiet,
+        TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
     ) as bar:
         task = bar.add_task(path.name, total=None)
 
@@ -270,11 +271,14 @@ def rm(
 
 @app.command()
 def tokenize(
-    model: Annotated[str, typer.Option("--model", "-m", help="A GGUF file (a vocabulary-only one will do).")],
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="A GGUF path (a vocabulary-only one will do) or a registry name.")
+    ],
     text: Annotated[Optional[str], typer.Option("--text", "-t", help="The text to tokenize.")] = None,
     file: Annotated[Optional[str], typer.Option("--file", "-f", help="Read the text from a file ('-': stdin).")] = None,
     special: Annotated[
-        bool, typer.Option("--special", help="Turn special-token strings (<|im_start|>, <s>) into their ids.")
+        bool,
+        typer.Option("--special", help="Turn special-token strings (<|im_start|>, <s>) into ids (--chat always does)."),
     ] = False,
     no_bos: Annotated[bool, typer.Option("--no-bos", help="Do not add BOS, whatever the file says.")] = False,
     chat: Annotated[
@@ -289,6 +293,7 @@ def tokenize(
     """Show the token ids of a text (or of a chat prompt with --chat), as the model's tokenizer makes them."""
     from .chat import ChatTemplate, chat_messages, encode_prompt
     from .gguf_file import open_gguf
+    from .registry import resolve_model
     from .tokenizer import Tokenizer
 
     if (text is None) == (file is None):
@@ -307,7 +312,7 @@ def tokenize(
         except UnicodeDecodeError as exc:
             fail(f"{where} is not UTF-8 text (bad byte at offset {exc.start})")
     assert text is not None
-    md = open_gguf(model).metadata
+    md = open_gguf(resolve_model(model)).metadata
     tok = Tokenizer.from_metadata(md)
     if chat:
         template = ChatTemplate.from_metadata(md)
