@@ -126,6 +126,23 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool):
         return Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice)
 
 
+def sampling_params(max_tokens: int, ctx: int | None, greedy: bool, temperature: float, top_k: int, top_p: float,
+                    min_p: float, repeat_penalty: float, repeat_last_n: int, presence_penalty: float,
+                    frequency_penalty: float, seed: int | None):
+    """The options generate and chat share, checked: one-line errors for values that cannot work."""
+    from .sampling import SamplingParams
+
+    if max_tokens < 0:
+        fail(f"--max-tokens must be >= 0, got {max_tokens}")
+    if ctx is not None and ctx <= 0:
+        fail(f"--ctx must be positive, got {ctx}")
+    return SamplingParams(
+        temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, seed=seed,
+    ).validate()
+
+
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if (prompt is None) == (prompt_file is None):
         fail("give the prompt with exactly one of --prompt or --prompt-file")
@@ -170,18 +187,10 @@ def generate(
 ) -> None:
     """Generate a continuation of a prompt. Text streams to stdout; timings go to stderr."""
     from .generate import Completion
-    from .sampling import SamplingParams
 
     text = read_prompt(prompt, prompt_file)
-    if max_tokens < 0:
-        fail(f"--max-tokens must be >= 0, got {max_tokens}")
-    if ctx is not None and ctx <= 0:
-        fail(f"--ctx must be positive, got {ctx}")
-    params = SamplingParams(
-        temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, seed=seed,
-    ).validate()
+    params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
+                             repeat_last_n, presence_penalty, frequency_penalty, seed)
     m = load_model(model, backend, ctx, quiet)
     if verbose:
         err.print(f"[dim]backend {m.backend.name}, context {m.ctx}[/dim]")
@@ -400,17 +409,9 @@ def chat(
     """
     from .chat_repl import ChatLoop
     from .chat_session import ChatSession
-    from .sampling import SamplingParams
 
-    if max_tokens < 0:
-        fail(f"--max-tokens must be >= 0, got {max_tokens}")
-    if ctx is not None and ctx <= 0:
-        fail(f"--ctx must be positive, got {ctx}")
-    params = SamplingParams(
-        temperature=0.0 if greedy else temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, seed=seed,
-    ).validate()
+    params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
+                             repeat_last_n, presence_penalty, frequency_penalty, seed)
     m = load_model(model, backend, ctx, quiet)
     session = ChatSession(m, system=system, params=params, max_tokens=max_tokens)
     ChatLoop(session, err, interactive=sys.stdin.isatty(), quiet=quiet, as_json=as_json).run()
