@@ -224,7 +224,9 @@ class Model:
             params.repeat_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         )
         plain_greedy = params.greedy and not penalties
-        decoder = StreamDecoder(self.tokenizer)
+        # Generated text continues the prompt: keep the space SentencePiece pieces start with, and print no
+        # control tokens (llama-cli without --special).
+        decoder = StreamDecoder(self.tokenizer, special=False, strip_dummy_prefix=False)
         pending = ""  # text held back because it might begin a stop string
         t0 = time.perf_counter()
         try:

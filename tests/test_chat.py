@@ -1,0 +1,312 @@
+"""Chat templates: real templates render as transformers renders them, built-in fallbacks by architecture,
+the sandbox refuses the known template-injection payloads, and rendering is bounded in time and size."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from llamacli.chat import (
+    BUILTIN_TEMPLATES,
+    ChatTemplate,
+    builtin_for,
+    chat_messages,
+    encode_prompt,
+    render_chat,
+)
+from llamacli.errors import TemplateError
+from llamacli.gguf_file import open_gguf
+from llamacli.tokenizer import Tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a terse assistant. Ünïcode ✓"},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3+3? Answer in {{ braces }} and <b>tags</b>."},
+]
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
+
+NAMED = [
+    "Qwen-Qwen2.5-7B-Instruct",
+    "meta-llama-Llama-3.1-8B-Instruct",
+    "meta-llama-Llama-3.2-3B-Instruct",
+    "meta-llama-Llama-3.3-70B-Instruct",
+    "microsoft-Phi-3.5-mini-instruct",
+    "mistralai-Mistral-Nemo-Instruct-2407",
+    "HuggingFaceTB-SmolLM3-3B",
+]
+
+
+def transformers_render(source: str, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+    utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    rendered, _ = utils.render_jinja_template(
+        conversations=[messages], chat_template=source, add_generation_prompt=add_generation_prompt, **kw
+    )
+    return rendered[0]
+
+
+def template_files(models: Path) -> list[Path]:
+    return sorted((models / "templates").glob("*.jinja"))
+
+
+# -- real templates ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMED)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_named_templates_match_transformers(name: str, add_generation_prompt: bool, llama_cpp_models: Path) -> None:
+    path = llama_cpp_models / "templates" / f"{name}.jinja"
+    if not path.exists():
+        pytest.skip(f"{path.name} is not in this llama.cpp release")
+    source = path.read_text(encoding="utf-8")
+    want = transformers_render(source, CONVERSATION, add_generation_prompt, **SPECIAL)
+    got = ChatTemplate(source, special_tokens=SPECIAL).render(CONVERSATION, add_generation_prompt)
+    assert got == want
+    assert "What is 2+2?" in got and "{{ braces }}" in got
+
+
+def test_every_template_renders_as_transformers_does(llama_cpp_models: Path) -> None:
+    """All of llama.cpp's real templates: the same text as transformers, or (tool-only templates, Gemma 2 with a
+    system message) both refuse, ours with a TemplateError."""
+    files = template_files(llama_cpp_models)
+    assert len(files) >= 10
+    agree = 0
+    for path in files:
+        source = path.read_text(encoding="utf-8")
+        try:
+            want = transformers_render(source, CONVERSATION, **SPECIAL)
+        except Exception:
+            want = None
+        try:
+            got = ChatTemplate(source, special_tokens=SPECIAL).render(CONVERSATION)
+        except TemplateError:
+            got = None
+        assert got == want, path.name
+        agree += want is not None
+    assert agree >= len(files) - 8
+
+
+def test_gguf_template_from_the_smollm2_file(smollm2: Path) -> None:
+    md = open_gguf(smollm2).metadata
+    template = ChatTemplate.from_metadata(md)
+    assert template.source == "gguf"
+    text = template.render(chat_messages("Hi", system="Be brief"))
+    assert text == "<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert text == transformers_render(md["tokenizer.chat_template"], chat_messages("Hi", "Be brief"),
+                                       bos_token="<|im_start|>", eos_token="<|im_end|>")
+    assert render_chat(md, chat_messages("Hi", "Be brief")) == text
+    ids = encode_prompt(Tokenizer.from_metadata(md), text)
+    assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|>, and two <|im_end|> parsed as tokens
+
+
+# -- built-in fallbacks --------------------------------------------------------------------------------------
+
+
+def test_builtin_formats_exactly() -> None:
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"},
+                {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}]
+    render = {name: ChatTemplate.builtin(name, SPECIAL).render(messages) for name in BUILTIN_TEMPLATES}
+    assert render["chatml"] == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
+        "<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert render["llama3"] == (
+        "<s><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"
+        "U1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|><|start_header_id|>user"
+        "<|end_header_id|>\n\nU2<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert render["phi3"] == (
+        "<|system|>\nS<|end|>\n<|user|>\nU1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nU2<|end|>\n<|assistant|>\n"
+    )
+    assert render["llama2"] == "<s>[INST] <<SYS>>\nS\n<</SYS>>\n\nU1 [/INST] A1 </s><s>[INST] U2 [/INST]"
+    assert ChatTemplate.builtin("chatml").render(messages, add_generation_prompt=False).endswith("U2<|im_end|>\n")
+    with pytest.raises(TemplateError, match="no built-in"):
+        ChatTemplate.builtin("vicuna")
+
+
+@pytest.mark.parametrize(
+    "vocab, arch, want",
+    [
+        ("qwen2", "qwen2", "chatml"),
+        ("llama-bpe", "llama", "llama3"),
+        ("phi-3", "phi3", "phi3"),
+        ("llama-spm", "llama", "llama2"),
+        ("gpt-2", "gpt2", "chatml"),
+    ],
+)
+def test_fallback_by_architecture(vocab: str, arch: str, want: str, llama_cpp_models: Path) -> None:
+    md = dict(open_gguf(llama_cpp_models / f"ggml-vocab-{vocab}.gguf").metadata)
+    md.pop("tokenizer.chat_template", None)
+    md["general.architecture"] = arch
+    assert builtin_for(md) == want
+    template = ChatTemplate.from_metadata(md)
+    assert template.source == f"builtin:{want}"
+    tok = Tokenizer.from_metadata(md)
+    ids = encode_prompt(tok, template.render(chat_messages("Hello", system="Sys")))
+    if tok.add_bos:
+        assert ids[0] == tok.bos_id and ids[1] != tok.bos_id  # BOS once, even where the template writes it
+    specials = {"chatml": "<|im_start|>", "llama3": "<|start_header_id|>", "phi3": "<|user|>", "llama2": "<s>"}
+    if want != "chatml" or vocab == "qwen2":  # GPT-2's vocabulary has no ChatML tokens: they stay text
+        assert tok.token_id(specials[want]) in ids
+
+
+# -- the sandbox ---------------------------------------------------------------------------------------------
+
+PAYLOADS = [
+    "{{ ''.__class__ }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ [].__class__.__base__.__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "{{ joiner.__init__.__globals__ }}",
+    "{{ namespace.__init__.__globals__ }}",
+    "{{ self._TemplateReference__context }}",
+    "{{ self.__init__.__globals__.__builtins__ }}",
+    "{{ lipsum.__globals__ }}",
+    "{{ lipsum.__globals__['os'].popen('id').read() }}",
+    "{{ request.application.__globals__.__builtins__.__import__('os').popen('id').read() }}",
+    "{{ config.__class__.__init__.__globals__['os'] }}",
+    "{{ ''|attr('__class__') }}",
+    "{{ ()|attr('\\x5f\\x5fclass\\x5f\\x5f') }}",
+    "{{ '{0.__class__}'.format('') }}",
+    "{{ messages.__class__ }}",
+    "{{ messages['__class__'] }}",
+    "{{ messages|map(attribute='__class__')|list }}",
+    "{{ messages.append(1) }}",
+    "{{ messages[0].update({'role': 'x'}) }}",
+    "{{ raise_exception.__globals__ }}",
+    "{{ strftime_now.__globals__['datetime'] }}",
+    "{{ range.__self__ }}",
+    "{{ dict.__class__.__mro__ }}",
+    "{% set ns = namespace(__class__=1) %}",
+    "{% set ns = namespace() %}{% set ns._secret = 1 %}",
+    "{% for m in messages %}{{ loop.__class__ }}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_injection_payloads_raise_template_error(payload: str) -> None:
+    with pytest.raises(TemplateError):
+        ChatTemplate(payload).render(CONVERSATION)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ cycler.__init__.__globals__.os.popen('touch MARKER').read() }}",
+        "{{ joiner.__init__.__globals__['os'].system('touch MARKER') }}",
+        "{{ self.__init__.__globals__.__builtins__.__import__('os').system('touch MARKER') }}",
+        "{% for c in ''.__class__.__mro__[1].__subclasses__() %}{% if c.__name__ == 'Popen' %}"
+        "{{ c(['touch', 'MARKER']) }}{% endif %}{% endfor %}",
+        "{{ lipsum.__globals__['os'].popen('touch MARKER').read() }}",
+        "{{ request.application.__globals__.__builtins__.open('MARKER', 'w').write('x') }}",
+        "{{ namespace.__init__.__globals__.__builtins__.open('MARKER', 'w') }}",
+    ],
+)
+def test_file_writing_payloads_write_nothing(template: str, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    with pytest.raises(TemplateError):
+        ChatTemplate(template.replace("MARKER", str(marker))).render(CONVERSATION)
+    assert not marker.exists()
+
+
+def test_template_errors_are_clean() -> None:
+    with pytest.raises(TemplateError, match="raised: roles must alternate"):
+        ChatTemplate("{{ raise_exception('roles must alternate') }}").render(CONVERSATION)
+    with pytest.raises(TemplateError, match="syntax error at line 2"):
+        ChatTemplate("ok\n{% if %}")
+    with pytest.raises(TemplateError, match="undefined"):
+        ChatTemplate("{{ nothing.here }}").render(CONVERSATION)
+    with pytest.raises(TemplateError):
+        ChatTemplate("{{ 1 / 0 }}").render(CONVERSATION)
+    with pytest.raises(TemplateError, match="messages"):
+        ChatTemplate("x").render("not a list")  # type: ignore[arg-type]
+
+
+def test_template_helpers_behave_like_transformers() -> None:
+    t = ChatTemplate("{{ messages[0]|tojson }}|{{ strftime_now('%Y') }}|{{ dict(a=1)|tojson }}")
+    out = t.render([{"role": "user", "content": "é ✓"}])
+    assert out.split("|")[0] == '{"role": "user", "content": "é ✓"}'
+    assert out.split("|")[1] == time.strftime("%Y")
+    assert out.split("|")[2] == '{"a": 1}'
+    # trim_blocks + lstrip_blocks: block lines leave no blank lines or indentation behind
+    t = ChatTemplate("{% for m in messages %}\n    {% if m.role %}\n{{ m.content }}\n    {% endif %}\n{% endfor %}")
+    assert t.render([{"role": "u", "content": "a"}, {"role": "u", "content": "b"}]) == "a\nb\n"
+    # loopcontrols and transformers' {% generation %} marker
+    t = ChatTemplate("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+                     "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
+    assert t.render([{"role": "u", "content": "a"}, {"role": "u", "content": "b"}]) == "a"
+    # extra variables reach the template; the caller's messages are not modified
+    messages = [{"role": "user", "content": "x"}]
+    assert ChatTemplate("{{ enable_thinking }}").render(messages, enable_thinking=False) == "False"
+    assert messages == [{"role": "user", "content": "x"}]
+
+
+# -- bounded rendering ---------------------------------------------------------------------------------------
+
+RUNAWAY = [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "longer than"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}", "longer than"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "exceeds"),
+    ("{% for i in range(10**9) %}{% endfor %}", "range"),
+    ("{{ 'x' * 10**10 }}", "exceed"),
+    ("{{ [1] * 10**9 }}", "exceed"),
+    ("{{ 9 ** (9 ** 9) }}", "too large"),
+    ("{% set ns = namespace(s='xy') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "exceed"),
+    ("{% set ns = namespace(s='xy') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "exceed"),
+    ("{{ 'x'|center(10**10) }}", "exceeds"),
+    ("{{ 'x'.ljust(10**10) }}", "exceeds"),
+    ("{{ '%999999999999d' % 1 }}", "format width"),
+    ("{{ '%999999999999d'|format(1) }}", "format width"),
+    ("{{ '{:>99999999999}'.format(1) }}", "format width"),
+    ("{{ ('x' * 1000000).replace('x', 'yyyyyyyyyyyy') }}", "exceed"),
+    ("{{ ('x' * 1000000)|replace('x', 'yyyyyyyyyyyy') }}", "exceed"),
+    ("{{ (['x' * 100000] * 100)|join }}", "exceed"),
+    ("{{ ['x' * 100000] * 100 }}", "exceed"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed"),
+]
+
+
+@pytest.mark.parametrize("template, why", RUNAWAY)
+def test_runaway_templates_are_stopped(template: str, why: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(TemplateError, match=why):
+        ChatTemplate(template, max_chars=1_000_000, timeout_s=0.5).render(CONVERSATION)
+    assert time.monotonic() - start < 5.0
+
+
+def test_limits_leave_normal_templates_alone() -> None:
+    t = ChatTemplate("{{ 'ab' * 3 }}|{{ [1, 2]|join(',') }}|{{ '%03d'|format(7) }}|{{ '{:>3}'.format('x') }}|"
+                     "{{ 'a b'.replace(' ', '_') }}|{{ 2 ** 10 }}|{% for i in range(3) %}{{ i }}{% endfor %}|"
+                     "{{ messages|map(attribute='role')|join(' ') }}", max_chars=1000, timeout_s=0.5)
+    assert t.render(CONVERSATION) == "ababab|1,2|007|  x|a_b|1024|012|system user assistant user"
+
+
+def test_deadline_works_in_any_thread_and_leaves_nothing_pending() -> None:
+    import threading
+
+    looping = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            ChatTemplate(looping, timeout_s=0.3).render([])
+        except BaseException as exc:  # noqa: BLE001 (the test wants to see whatever came out)
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and len(errors) == 1 and isinstance(errors[0], TemplateError)
+    # Renders that end right at their deadline leave no watchdog exception pending for the code after them.
+    for timeout in (0.0005, 0.001, 0.002, 0.005, 0.01):
+        for _ in range(4):
+            try:
+                ChatTemplate("{% for i in range(3000) %}{{ i }}{% endfor %}", timeout_s=timeout).render([])
+            except TemplateError:
+                pass
+    total = 0
+    for i in range(300_000):  # a pending asynchronous exception would surface in this loop
+        total += i
+    assert total == 44_999_850_000
