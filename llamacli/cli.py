@@ -54,6 +54,11 @@ def _root(
         logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
 
 
+def dim(message: str) -> None:
+    """A notice on stderr, dimmed. The text is not markup: brackets such as [cuda12] print as they are."""
+    err.print(message, style="dim", markup=False)
+
+
 def fail(message: str) -> None:
     """Raise a usage error from a command (exit 2)."""
     raise UsageError(message)
@@ -113,7 +118,7 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool):
     from .registry import resolve_model
 
     path = resolve_model(model)
-    notice = None if quiet else (lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    notice = None if quiet else dim
     with Progress(
         TextColumn("loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
@@ -193,9 +198,9 @@ def generate(
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     m = load_model(model, backend, ctx, quiet)
     if verbose:
-        err.print(f"[dim]backend {m.backend.name}, context {m.ctx}[/dim]")
+        dim(f"backend {m.backend.name}, context {m.ctx}")
         if not raw:
-            err.print(f"[dim]chat template: {m.chat_template.source}[/dim]")
+            dim(f"chat template: {m.chat_template.source}")
     done = Completion()
     try:
         pieces = m.run(text, completion=done, max_tokens=max_tokens, stop=stop or (), params=params, raw=raw,
@@ -218,10 +223,10 @@ def _finish(done, as_json: bool, quiet: bool, verbose: bool) -> None:
             sys.stdout.write("\n")
         sys.stdout.flush()
     if verbose:
-        err.print(f"[dim]prompt: {len(done.prompt_tokens)} tokens; finish reason: {done.finish_reason}[/dim]")
+        dim(f"prompt: {len(done.prompt_tokens)} tokens; finish reason: {done.finish_reason}")
     if not quiet:
         for line in done.timings.report():
-            err.print(f"[dim]{line}[/dim]", markup=True)
+            dim(line)
 
 
 # -- models, pull, rm --------------------------------------------------------------------------------------
@@ -369,7 +374,7 @@ def bench(
     pairs = [parse_pg(x) for x in pg or []]
     need = max([p for p in prompts] + [n for n in gens] + [p + n for p, n in pairs] + [1])
     m = load_model(model, backend, ctx or max(need + 1, 512), quiet=False)
-    rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: err.print(f"[dim]running {t}[/dim]"))
+    rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: dim(f"running {t}"))
     print(render(rows, output, m.backend.device_name(), bandwidth))
 
 
