@@ -11,9 +11,25 @@
 // <= 32 chosen from the row's 32-value units so that short rows keep every lane busy); each lane walks units
 // u = lane, lane+lpr, ..., decodes 32 weights into registers and dots them with every token's x; the lpr
 // partial sums meet by xor shuffles. Grid = ceil(N / (4 * 32/lpr)).
-// Best measured on H100: not yet tuned (performance is the next issue): block 128, lpr from K as above;
-// the whole SmolLM2-135M Q4_1 decode step (4 matvecs per layer: QKV, output, gate+up+SwiGLU, down) replays in 1.28 ms.
-// Expect the 2-byte-aligned formats (Q4_0, Q8_0, Q6_K) to want a repacked layout for 16-byte loads.
+//
+// One-token variants (decode; T = 1), the ones the fused decode step uses:
+//   mv1_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, am)
+//   mv1_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, lpr)
+//     x [K] is staged once per block in shared memory (units of 32 floats, float4 slots XOR-swizzled by
+//     the unit index so that 8 lanes reading 8 consecutive units hit 8 different bank groups). With norm_w,
+//     the block first computes RMSNorm(x) * norm_w itself (every block reads all of x anyway): the
+//     stand-alone rms_norm kernel disappears from the step. Each lane decodes two units per iteration
+//     before the FMAs, so two blocks' loads are in flight per lane. With `am` (the LM head of a greedy
+//     step) every block also reduces its rows' (logit, id) to one packed 64-bit key (order-preserving
+//     float bits, then ~id so ties go to the lowest id) and atomicMax-es it into am[0]; the last block to
+//     finish writes out[0] = id, out[1] = NaN/+inf seen, advances *pos_inc and resets its cells, so no
+//     separate argmax kernel runs (argmax_f32's semantics).
+//   Launch: block 256 (8 warps), dynamic shared memory units*128 bytes, grid ceil(N / (8 * 32/lpr)).
+// Best measured on H100 (2026-11-22, `llamacli bench --kernels`, weights rotated past L2): mv1 at
+// 4096x4096 / 14336x4096: F16 17.3 / 48.0 us (1938 / 2450 GB/s, 65 / 83% of copy bandwidth), Q8_0 12.3 /
+// 31.4 us (1456 / 1987), Q4_K 12.5 / 32.0 us (755 / 1036), Q6_K 15.9 / 43.1 us (869 / 1120). The T<=8
+// kernel took ~39 us (240 GB/s) on the 4096x4096 Q4_K and ~65 us on F16. Quantized types are bound by
+// decode arithmetic + x reads from shared memory, not HBM: llama.cpp's q8_1 activations + dp4a is next.
 
 #include "common.cuh"
 #include "quants.cuh"
@@ -119,3 +135,190 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8*
     }
 
 FOR_EACH_QTYPE(MATVEC_KERNELS)
+
+// ---- one token: x in shared memory, fused RMSNorm, fused argmax ---------------------------------------------
+
+__device__ __forceinline__ int xslot(int u, int k) { return u * 8 + (k ^ (u & 7)); }
+
+__device__ __forceinline__ float dot_unit(const float (&w)[32], const float4* __restrict__ xs4, int u) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const float4 v = xs4[xslot(u, k)];
+        s = fmaf(w[4 * k], v.x, s);
+        s = fmaf(w[4 * k + 1], v.y, s);
+        s = fmaf(w[4 * k + 2], v.z, s);
+        s = fmaf(w[4 * k + 3], v.w, s);
+    }
+    return s;
+}
+
+// Stage x [K] (zero-padded to whole units) into xs4; with norm_w, x / rms(x) * norm_w.
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, int K, const float* __restrict__ norm_w, float eps,
+                                        float4* xs4) {
+    const int units = (K + 31) / 32;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < units * 8; i += blockDim.x) {
+        const int u = i >> 3, k = i & 7, b = u * 32 + 4 * k;
+        float4 v;
+        if ((K & 3) == 0 && b + 4 <= K) {
+            v = *reinterpret_cast<const float4*>(x + b);
+        } else {
+            v.x = b < K ? x[b] : 0.0f;
+            v.y = b + 1 < K ? x[b + 1] : 0.0f;
+            v.z = b + 2 < K ? x[b + 2] : 0.0f;
+            v.w = b + 3 < K ? x[b + 3] : 0.0f;
+        }
+        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        xs4[xslot(u, k)] = v;
+    }
+    if (norm_w) {
+        ss = block_sum(ss);  // (synchronizes the block)
+        const float r = rsqrtf(ss / (float)K + eps);
+        for (int i = threadIdx.x; i < units * 8; i += blockDim.x) {  // the same elements this thread wrote
+            const int u = i >> 3, k = i & 7, b = u * 32 + 4 * k;
+            float4 v = xs4[xslot(u, k)];
+            v.x *= b < K ? r * norm_w[b] : 0.0f;
+            v.y *= b + 1 < K ? r * norm_w[b + 1] : 0.0f;
+            v.z *= b + 2 < K ? r * norm_w[b + 2] : 0.0f;
+            v.w *= b + 3 < K ? r * norm_w[b + 3] : 0.0f;
+            xs4[xslot(u, k)] = v;
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ u32 order_key_f(float f) {
+    const u32 b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+template <class Q, bool SWIGLU>
+__device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
+                                         int n0, int n1, int N, int K, const float* __restrict__ x, float* y,
+                                         const float* __restrict__ bias, const float* resid,
+                                         const float* __restrict__ norm_w, float eps, int lpr, u64* am) {
+    extern __shared__ float4 xs4[];
+    stage_x(x, K, norm_w, eps, xs4);
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rows_per_warp = 32 / lpr;
+    const int sub = lane % lpr;
+    const int n = (blockIdx.x * (blockDim.x >> 5) + warp) * rows_per_warp + lane / lpr;
+    const long long row_bytes = (long long)((K + Q::QK - 1) / Q::QK) * Q::BYTES;
+    const int units = (K + 31) / 32;
+    const bool active = n < N;
+
+    const u8* ra = nullptr;
+    const u8* rb = nullptr;
+    if (active) {
+        if (SWIGLU) {
+            ra = w0 + n * row_bytes;
+            rb = w1 + n * row_bytes;
+        } else if (n < n0) {
+            ra = w0 + n * row_bytes;
+        } else if (n < n0 + n1) {
+            ra = w1 + (n - n0) * row_bytes;
+        } else {
+            ra = w2 + (n - n0 - n1) * row_bytes;
+        }
+    }
+
+    float acc = 0.0f, acc2 = 0.0f;
+    int u = sub;
+    if (active) {
+        if (SWIGLU) {
+            for (; u < units; u += lpr) {
+                float wa[32], wb[32];
+                Q::unit(ra, u, K, wa);
+                Q::unit(rb, u, K, wb);
+                acc += dot_unit(wa, xs4, u);
+                acc2 += dot_unit(wb, xs4, u);
+            }
+        } else {
+            for (; u + lpr < units; u += 2 * lpr) {
+                float wa[32], wb[32];
+                Q::unit(ra, u, K, wa);
+                Q::unit(ra, u + lpr, K, wb);
+                acc += dot_unit(wa, xs4, u) + dot_unit(wb, xs4, u + lpr);
+            }
+            if (u < units) {
+                float wa[32];
+                Q::unit(ra, u, K, wa);
+                acc += dot_unit(wa, xs4, u);
+            }
+        }
+    }
+    for (int o = lpr >> 1; o > 0; o >>= 1) {
+        acc += __shfl_xor_sync(FULL_MASK, acc, o);
+        if (SWIGLU) acc2 += __shfl_xor_sync(FULL_MASK, acc2, o);
+    }
+    float out = acc;
+    if (active && sub == 0) {
+        if (SWIGLU) {
+            out = acc / (1.0f + expf(-acc)) * acc2;
+        } else {
+            if (bias) out += bias[n];
+            if (resid) out += resid[n];
+        }
+        y[n] = out;
+    }
+    if (am == nullptr) return;
+
+    // Fused argmax: am[0] = packed best key, am[1] = finished-block counter, am[2] = NaN/+inf flag (all
+    // zero between steps), am[3] = int* out [id, bad], am[4] = int* pos_inc or 0 (set once by the launcher).
+    const bool mine = active && sub == 0;
+    u64 key = 0;
+    int bad = 0;
+    if (mine) {
+        key = ((u64)order_key_f(out) << 32) | (u64)(0xffffffffu - (u32)n);
+        bad = (out != out) || (out == INFINITY);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(FULL_MASK, key, o);
+        key = other > key ? other : key;
+    }
+    __shared__ u64 s_key[32];
+    __shared__ int s_last;
+    bad = __syncthreads_or(bad);
+    if (lane == 0) s_key[warp] = key;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 best = 0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) best = s_key[i] > best ? s_key[i] : best;
+        atomicMax(am, best);
+        if (bad) atomicOr(reinterpret_cast<unsigned int*>(am + 2), 1u);
+        __threadfence();
+        const unsigned int done = atomicAdd(reinterpret_cast<unsigned int*>(am + 1), 1u);
+        s_last = done == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (s_last && threadIdx.x == 0) {
+        __threadfence();
+        const u64 best = atomicMax(am, 0ull);  // an atomic read: every block's max has landed
+        const unsigned int flag = atomicOr(reinterpret_cast<unsigned int*>(am + 2), 0u);
+        int* ids = *reinterpret_cast<int**>(am + 3);
+        ids[0] = (int)(0xffffffffu - (u32)(best & 0xffffffffull));
+        ids[1] = flag ? 1 : 0;
+        int* pos_inc = *reinterpret_cast<int**>(am + 4);
+        if (pos_inc) pos_inc[0] += 1;
+        am[0] = 0ull;
+        am[1] = 0ull;
+        am[2] = 0ull;
+    }
+}
+
+#define MV1_KERNELS(name, Q)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) mv1_##name(                                           \
+        const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
+        const float* bias, const float* resid, const float* norm_w, float eps, int lpr, u64* am) {          \
+        mv1_body<Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, am);               \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) mv1_##name##_swiglu(                                  \
+        const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
+        int lpr) {                                                                                           \
+        mv1_body<Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, nullptr);   \
+    }
+
+FOR_EACH_QTYPE(MV1_KERNELS)

@@ -7,6 +7,9 @@ Tests (random token ids, no tokenizer):
     pp<P>+tg<N>  both in a row                                              t/s = (P + N) / time
 Each test runs once to warm up, then `reps` times; t/s is mean +- sample stddev over the repetitions.
 
+On CUDA the clock is a pair of CUDA events around each repetition (backend.elapsed); elsewhere
+synchronize + perf_counter.
+
 Decode reads every weight once per token (a tied embedding counted once, as the LM head; the embedding of
 an untied model contributes one row) plus the K and V written so far. GB/s = bytes per token x tokens/s, and
 % BW is that over the copy bandwidth the backend measures (bytes read + written by a large copy).
@@ -93,6 +96,10 @@ class Bench:
 
     def _timed(self, fn: Callable[[], None]) -> float:
         be = self.be
+        timer = getattr(be, "elapsed", None)  # CUDA: events around fn on the GPU timeline
+        if timer is not None:
+            be.synchronize()
+            return timer(fn)
         be.synchronize()
         t0 = time.perf_counter()
         fn()
@@ -210,3 +217,101 @@ def parse_pg(text: str) -> tuple[int, int]:
     if len(values) != 2 or not all(values):
         raise UsageError(f"--pg takes two positive integers P,N, got {text!r}")
     return values[0], values[1]
+
+
+# -- --profile: one prefill and one decode step by kernel family ----------------------------------------------
+
+
+@dataclass
+class ProfileRow:
+    phase: str  # "prefill N" or "decode @pos"
+    family: str
+    ms: float
+    share: float
+    launches: int
+
+
+def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str, float]]:
+    """Break one prefill of n_prompt random tokens (model.forward, op by op) and one greedy decode step at
+    position n_prompt (the fused step, launched without its graph) down by kernel family, timed with CUDA
+    events while the work runs back to back behind a spin kernel. -> rows and, per phase, the GPU span
+    (sections plus gaps) and, for decode, the graph-replayed step time for comparison."""
+    from .errors import UsageError
+
+    be, cfg = model.backend, model.cfg
+    if not hasattr(be, "profile"):
+        raise UsageError(f"--profile needs the CUDA backend (this run uses {be.name}): pass --backend cuda on a machine with a GPU")
+    if n_prompt + 1 > model.ctx:
+        raise UsageError(f"--profile with -p {n_prompt} needs a context of {n_prompt + 1}, have {model.ctx} (--ctx)")
+    from .sampling import SamplingParams
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, size=n_prompt)
+    greedy = SamplingParams(temperature=0.0)
+
+    def prefill() -> int:
+        logits = forward(be, cfg, be.token_ids(ids), be.positions(0, n_prompt))
+        return be.sample(logits, greedy, rng, [])
+
+    token = prefill()  # warm up: compilation, cuBLAS handles, memory pool
+    be.decode_greedy(token, n_prompt)
+    rows: list[ProfileRow] = []
+    spans: dict[str, float] = {}
+    phases = [(f"prefill {n_prompt}", lambda: be.profile(prefill, spin_ms=100.0)),
+              (f"decode @{n_prompt}", lambda: be.profile_decode(token, n_prompt))]
+    for phase, fn in phases:
+        fams, span = fn()
+        total = sum(ms for _, ms, _ in fams) or 1.0
+        rows += [ProfileRow(phase, f, ms, ms / total, n) for f, ms, n in fams]
+        spans[phase] = span
+    # The same step replayed from its CUDA graph (what tg measures), mean of 20 on the GPU timeline.
+    be.decode_greedy(token, n_prompt)
+    t = be.elapsed(lambda: [be.decode_greedy(token, n_prompt) for _ in range(20)]) / 20
+    spans["decode step, graph replay"] = t * 1e3
+    return rows, spans
+
+
+def render_profile(rows: list[ProfileRow], spans: dict[str, float], fmt: str, device: str) -> str:
+    if fmt == "json":
+        return json.dumps({"device": device, "rows": [r.__dict__ for r in rows],
+                           "span_ms": {k: round(v, 4) for k, v in spans.items()}}, indent=2)
+    lines = [f"device: {device}; GPU time per kernel family (CUDA events, kernels back to back, no graph)", "",
+             "| phase | family | ms | share | launches |", "| --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r.phase} | {r.family} | {r.ms:.3f} | {r.share * 100:.1f}% | {r.launches} |")
+    lines.append("")
+    for k, v in spans.items():
+        lines.append(f"{k}: {v:.3f} ms" + (" on the GPU timeline (families + gaps)" if "replay" not in k else ""))
+    return "\n".join(lines)
+
+
+# -- --kernels: micro-benchmarks ---------------------------------------------------------------------------------
+
+
+KERNEL_SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))  # (rows N, columns K) of the quantized matvecs
+KERNEL_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+
+
+def run_kernels(backend: Any, attention_shape: tuple[int, int, int, int] = (16, 32, 512, 64)) -> tuple[list[dict], float]:
+    """Micro-benchmarks on the CUDA backend: each one-token matvec (mv1) at KERNEL_SHAPES against the copy
+    bandwidth, and causal attention prefill at (batch, heads, tokens, head dim) against
+    torch.nn.functional.scaled_dot_product_attention when torch imports. -> (rows, copy bandwidth)."""
+    from .errors import UsageError
+
+    if not hasattr(backend, "profile"):
+        raise UsageError(f"--kernels needs the CUDA backend (this run uses {backend.name}): pass --backend cuda on a machine with a GPU")
+    from .backends import cuda_bench
+
+    return cuda_bench.run(backend, KERNEL_SHAPES, KERNEL_TYPES, attention_shape)
+
+
+def render_kernels(rows: list[dict], bandwidth: float, fmt: str, device: str) -> str:
+    if fmt == "json":
+        return json.dumps({"device": device, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "rows": rows}, indent=2)
+    lines = [f"device: {device}; measured copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)", "",
+             "| kernel | shape | us | GB/s | % BW | TFLOP/s | vs |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        gbs = r.get("gb_per_s")
+        lines.append(f"| {r['kernel']} | {r['shape']} | {r['us']:.1f} | {'' if gbs is None else f'{gbs:.0f}'} | "
+                     f"{'' if gbs is None else f'{gbs * 1e9 / bandwidth * 100:.1f}%'} | {r['tflops']:.2f} | {r.get('vs', '')} |")
+    return "\n".join(lines)

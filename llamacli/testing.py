@@ -215,7 +215,7 @@ def tiny_vocab() -> dict[str, Any]:
     )
     return {
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.merges": merges,

@@ -148,3 +148,21 @@ def test_smollm2_greedy_64_tokens_identical() -> None:
         assert fused == fused2
         n = len(want.tokens)
         assert fused2[:n] == want.tokens[:n], prompt
+
+
+def test_long_prefill_of_a_1b_shape_model_is_finite_and_matches_decode(tmp_path) -> None:
+    """Random Llama-3.2-1B-shape weights drive the residual stream into the thousands, and a 512-token
+    prefill once overflowed fp16 GEMM outputs (NaN logits). The prefill (cuBLAS) must agree with the same
+    tokens fed one at a time through the decode step (matvec kernels, fp32 throughout)."""
+    from llamacli.testing import write_model
+
+    path = write_model(tmp_path / "l1b.gguf", "llama-3.2-1b", "Q4_K_M")
+    _, cfg, be = loaded(path, CudaBackend(), ctx=520)
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=512).astype(np.int32)
+    prefill = be.to_host(forward(be, cfg, be.token_ids(ids), be.positions(0, len(ids))))[-1]
+    assert np.isfinite(prefill).all()
+    for pos, tok in enumerate(ids):
+        step = be.decode(int(tok), pos)
+    stepwise = be.to_host(step)[-1]
+    assert np.isfinite(stepwise).all()
+    assert rel_l2(prefill, stepwise) <= 1e-2

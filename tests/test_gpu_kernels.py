@@ -127,6 +127,48 @@ def test_matvec_segments_bias_resid_swiglu(qtype: QT) -> None:
     assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-4, 1e-4, "swiglu")
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q6_K, QT.F16, QT.F32], ids=lambda t: t.name)
+def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
+    """The one-token matvec (mv1) with RMSNorm fused into its input, the fused SwiGLU, and the argmax fused
+    into the LM head (id and NaN flag into step_ids, step_pos advanced, cells reset for the next launch)."""
+    rng = np.random.default_rng(11 + int(qtype))
+    cfg = make_cfg()
+    be, _ = bare(cfg, 16)
+    be.step_ids, be.step_pos = cp.zeros(2, cp.int32), cp.zeros(1, cp.int32)
+    be._am = cp.asarray(np.asarray([0, 0, 0, be.step_ids.data.ptr, be.step_pos.data.ptr], np.uint64))
+    for k in cols_for(qtype)[-2:]:
+        for n in (5, 300, 2049):
+            w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+            x = (3 * rng.standard_normal((1, k))).astype(np.float32)
+            nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+            h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_eps) * nw
+            ref = h @ wref.T
+            scale = np.abs(h) @ np.abs(wref).T
+            y = poisoned((1, n))
+            be._matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
+            assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"norm {qtype.name} n={n} k={k}")
+            for rep in range(2):  # twice: the cells must come back reset
+                pos0 = int(be.step_pos.get()[0])
+                y = poisoned((1, n))
+                be._matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
+                got, yh = be.step_ids.get(), y.get()[0]
+                assert got[0] == int(np.argmax(yh)) and got[1] == 0, (got, int(np.argmax(yh)))
+                assert int(be.step_pos.get()[0]) == pos0 + 1
+            if n == 300:
+                u, _bu, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+                y = poisoned((1, n))
+                be._matvec_swiglu(w, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
+                a, b = ref, h @ uref.T
+                sb = scale + np.abs(h) @ np.abs(uref).T
+                assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu {qtype.name}")
+    # A NaN in x reaches every logit: the flag says so.
+    x[0, 3] = np.nan
+    be._matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=True)
+    assert be.step_ids.get()[1] == 1
+    be._matvec((w,), cp.asarray(np.ones_like(x)), 1, poisoned((1, n)), argmax=True)
+    assert be.step_ids.get()[1] == 0  # and the flag was reset
+
+
 @pytest.mark.parametrize("qtype", RUNNABLE, ids=lambda t: t.name)
 def test_dequant_gemm_and_embed_every_type(qtype: QT) -> None:
     rng = np.random.default_rng(100 + int(qtype))
@@ -152,6 +194,16 @@ def test_dequant_gemm_and_embed_every_type(qtype: QT) -> None:
     ref = x.astype(np.float64) @ wref.T
     scale = np.abs(x) @ np.abs(wref).T
     assert_close(y.get(), ref, 2e-3 * scale + 1e-5, 1e-3, f"gemm {qtype.name}")
+    # Activations and products far beyond fp16's 65504 (real models have outlier features in the thousands;
+    # random 1B-shape models overflowed an fp16 GEMM output): rows scaled, fp32 output, no inf.
+    x = rng.standard_normal((19, k)).astype(np.float32) * np.float32(3e4)
+    x[3] *= 1e3  # one row near 3e7
+    x[5, :7] = 2e5
+    bias = rng.standard_normal(n).astype(np.float32)
+    y = be.matmul(cp.asarray(x), w, bias=cp.asarray(bias))
+    ref = x.astype(np.float64) @ wref.T + bias
+    scale = np.abs(x) @ np.abs(wref).T
+    assert_close(y.get(), ref, 2e-3 * scale + 1e-3, 1e-3, f"gemm large {qtype.name}")
 
 
 # -- norm, elementwise ------------------------------------------------------------------------------------

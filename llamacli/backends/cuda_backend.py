@@ -6,15 +6,16 @@ is fp16 [layer, ctx, Hkv, Dh]. Two ways to run the model:
 
 - the Backend operations (embed, rms_norm, matmul, ...) that model.forward calls, one kernel each: prefill
   and the reference-shaped path;
-- `decode(token, pos)`: the fused decode step, 9 kernels per layer, every buffer allocated at load, the
+- `decode(token, pos)`: the fused decode step, 7 kernels per layer (9 before), every buffer allocated at load, the
   token and position read by the kernels from device memory (`step_ids`, `step_pos`), so it is captured
-  once into a CUDA graph and replayed (`use_graph`). Per layer: rms_norm | QKV matvec (+bias) |
-  rope + K/V store | attention split | combine | output matvec + residual | rms_norm | gate/up matvec +
-  SwiGLU | down matvec + residual.
+  once into a CUDA graph and replayed on the current stream (`use_graph`); the host uploads token/pos
+  only when the device does not already hold them and reads back one id. Per layer: QKV matvec (RMSNorm
+  fused into its input, + bias) | rope + K/V store | attention split | combine | output matvec +
+  residual | gate/up matvec (RMSNorm fused, + SwiGLU) | down matvec + residual; then the LM head with
+  the final RMSNorm and, when greedy, the argmax fused in (kernels/matvec.cu mv1_*).
 
-Measured 2026-11-22 on the H100 (SmolLM2-135M Q4_1, ctx 2048, untuned kernels): the fused step with the
-device argmax 1.28 ms/token replayed from the graph (781 tok/s), 7.4 ms launched one by one; model.forward
-op by op ~7.6 ms.
+Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-shape Q4_1 tg128 1108 tok/s (0.90 ms/token;
+781 before the mv1 kernels and fusions); `llamacli bench --profile` breaks a step down by kernel family.
 
 Sampling on the device (`sample`): penalties and argmax, or penalties and top-k (k <= 1024), run on the GPU;
 greedy brings back one id. Temperature sampling brings back the k candidates (k <= 1024 logits and ids)
@@ -24,10 +25,12 @@ semantics are identical; top_k = 0 or > 1024 copies the logits and samples on th
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -46,10 +49,12 @@ RUNNABLE = (
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS,
 )
+_CUDA_R_32F, _CUDA_R_16F = 0, 2  # cudaDataType (library_types.h)
 MATVEC_TMAX = 8  # kernels/matvec.cu: up to 8 tokens per matvec launch; more go through cuBLAS
 DEQUANT_CHUNK = 1 << 25  # fp16 values per dequantized weight chunk in prefill (64 MiB)
 TOPK_MAX = 1024  # device top-k candidates
 ATT_ROWS = 32  # kernels/attention.cu: query rows per block
+MV1_WARPS = 8  # kernels/matvec.cu mv1_*: warps per block
 _ALIGN = 256
 
 
@@ -74,6 +79,43 @@ def cuda_available() -> tuple[bool, str]:
     except Exception as exc:
         return False, f"the GPU is not usable ({exc})"
     return True, name
+
+
+class _Section:
+    """Events around one family's launches (CudaBackend.profile)."""
+
+    def __init__(self, be: "CudaBackend", name: str):
+        self.be, self.name = be, name
+
+    def __enter__(self) -> None:
+        self.n0 = K.launch_count()
+        self.a = self.be.cp.cuda.Event()
+        self.a.record()
+
+    def __exit__(self, *exc: object) -> None:
+        b = self.be.cp.cuda.Event()
+        b.record()
+        if self.be._prof is not None:
+            self.be._prof.append((self.name, self.a, b, K.launch_count() - self.n0))
+
+
+_NULL = contextlib.nullcontext()
+
+
+def _family(fam: str | None = None) -> Callable:
+    """Time a Backend operation under `fam` while profiling (matmul: the weight's family)."""
+
+    def deco(op: Callable) -> Callable:
+        @functools.wraps(op)
+        def timed(self: "CudaBackend", *args: Any, **kw: Any) -> Any:
+            if self._prof is None:
+                return op(self, *args, **kw)
+            with _Section(self, fam or self._wfam.get(id(args[1]), "other")):
+                return op(self, *args, **kw)
+
+        return timed
+
+    return deco
 
 
 def qname(t: QT) -> str:
@@ -119,9 +161,11 @@ class CudaBackend(Backend):
 
         self.cp = cp
         self.use_graph = use_graph
+        self._alpha_beta = np.array([1.0, 0.0], dtype=np.float32)  # host scalars for cuBLAS GemmEx
         self._graphs: dict[str, Any] = {}
         self._arena = None
-
+        self._prof: list | None = None  # (section, start event, end event, our launches) while profiling
+        self._wfam: dict[int, str] = {}  # id(weight handle) -> kernel family, for the profile
     # -- lifetime ------------------------------------------------------------------------------------------
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None) -> None:
         cp = self.cp
@@ -177,6 +221,12 @@ class CudaBackend(Backend):
             )
         emb = handles["token_embd.weight"]
         self.weights = ModelWeights(emb, layers, handles["output_norm.weight"], handles.get("output.weight", emb))
+        self._wfam = {id(self.weights.output): "LM head"}
+        for L in layers:
+            for m, fam in ((L.attn_q, "QKV"), (L.attn_k, "QKV"), (L.attn_v, "QKV"), (L.attn_qkv, "QKV"),
+                           (L.attn_output, "O-proj"), (L.ffn_gate, "FFN"), (L.ffn_up, "FFN"), (L.ffn_down, "FFN")):
+                if m is not None:
+                    self._wfam[id(m)] = fam
 
         # RoPE table (float64 of the reference's float32 theta, so angles match the NumPy backend), KV cache.
         self.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx).astype(np.float64))
@@ -254,6 +304,46 @@ class CudaBackend(Backend):
         del src, dst
         return 2 * (256 << 20) / best
 
+    # -- profiling (bench --profile) ---------------------------------------------------------------------------
+    def _section(self, name: str) -> Any:
+        """Context for one kernel family's launches: CUDA events around them while profiling, else nothing."""
+        if self._prof is None:
+            return _NULL
+        return _Section(self, name)
+
+    def profile(self, fn: Callable[[], Any], spin_ms: float = 50.0) -> tuple[list[tuple[str, float, int]], float]:
+        """Run fn() (op-by-op or un-captured launches) with events around each section; -> ([(section, ms,
+        our launches)] in first-seen order, total ms). A spin kernel holds the GPU while the host queues
+        the work, so the kernels run back to back as in a graph replay (no host launch gaps); if queueing
+        takes longer than the spin, the gaps show up in the total but not in the sections."""
+        cp = self.cp
+        K.launch("elementwise", "spin_ns", (1,), (1,), (K.i64(int(spin_ms * 1e6)),))
+        self._prof = []
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        try:
+            fn()
+        finally:
+            end.record()
+            recs, self._prof = self._prof, None
+        end.synchronize()
+        agg: dict[str, list] = {}
+        for name, a, b, n in recs:
+            v = agg.setdefault(name, [0.0, 0])
+            v[0] += cp.cuda.get_elapsed_time(a, b)
+            v[1] += n
+        return [(k, v[0], v[1]) for k, v in agg.items()], cp.cuda.get_elapsed_time(start, end)
+
+    def elapsed(self, fn: Callable[[], Any]) -> float:
+        """Seconds fn() takes on the GPU timeline (CUDA events around it; bench's clock)."""
+        cp = self.cp
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b) / 1e3
+
     # -- host <-> device ---------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> Any:
         return self.cp.asarray(np.arange(start, start + n, dtype=np.int32))
@@ -265,6 +355,7 @@ class CudaBackend(Backend):
         return self.cp.asnumpy(x)
 
     # -- operations (one kernel each) --------------------------------------------------------------------
+    @_family("embedding")
     def embed(self, ids: Any) -> Any:
         w: DeviceMatrix = self.weights.token_embd
         t = int(ids.shape[0])
@@ -277,6 +368,7 @@ class CudaBackend(Backend):
         K.launch("dequant", f"embed_{qname(w.qtype)}", (t, K.cdiv(units, 128)), (128,),
                  (K.ptr(ids), K.ptr(w.ptr), K.i32(w.cols), K.ptr(out)))
 
+    @_family("norm")
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         x = self._f32(x)
         out = self.cp.empty_like(x)
@@ -288,6 +380,7 @@ class CudaBackend(Backend):
         rows = x.size // d
         K.launch("norm", "rms_norm_f32", (rows,), (256,), (K.ptr(x), K.ptr(weight), K.ptr(out), K.i32(d), K.f32(eps)))
 
+    @_family()
     def matmul(self, x: Any, w: DeviceMatrix, bias: Any = None) -> Any:
         cp = self.cp
         x = self._f32(x)
@@ -298,41 +391,96 @@ class CudaBackend(Backend):
         if t <= MATVEC_TMAX:
             self._matvec((w,), x, t, y, bias=bias)
             return y
-        # Prefill: dequantize row chunks to fp16, multiply with cuBLAS (fp32 accumulation).
-        x16 = x.astype(cp.float16)
-        step = max(1, min(w.rows, DEQUANT_CHUNK // max(k, 1)))
-        buf = cp.empty((step, k), dtype=cp.float16)
-        for r0 in range(0, w.rows, step):
-            n = min(step, w.rows - r0)
-            part = w.slice_rows(r0, n)
-            units = n * K.cdiv(k, 32)
-            K.launch("dequant", f"dequant_{qname(w.qtype)}", (min(K.cdiv(units, 256), 65535),), (256,),
-                     (K.ptr(part.ptr), K.i64(n), K.i32(k), K.ptr(buf)))
-            y[:, r0 : r0 + n] = cp.matmul(x16, buf[:n].T).astype(cp.float32)
+        # Prefill: dequantize row chunks to fp16, multiply with cuBLAS on tensor cores. Accumulation and output
+        # are fp32 (GemmEx): an fp16 output overflowed at 65504 on FFN down projections (Llama-3.2-1B shape,
+        # 512 tokens). Rows of x beyond fp16's comfortable range are scaled down by a power of two first and
+        # the result scaled back, exactly, with no host sync.
+        x16, scale = self._to_f16_scaled(x)
+        if w.qtype == QT.F16 and w.row_bytes == 2 * k:  # F16 weights are used where they lie (no copy)
+            self._gemm16(x16, w.ptr, w.rows, k, y, 0)
+        else:
+            step = max(1, min(w.rows, DEQUANT_CHUNK // max(k, 1)))
+            buf = cp.empty((step, k), dtype=cp.float16)
+            for r0 in range(0, w.rows, step):
+                n = min(step, w.rows - r0)
+                part = w.slice_rows(r0, n)
+                units = n * K.cdiv(k, 32)
+                K.launch("dequant", f"dequant_{qname(w.qtype)}", (min(K.cdiv(units, 256), 65535),), (256,),
+                         (K.ptr(part.ptr), K.i64(n), K.i32(k), K.ptr(buf)))
+                self._gemm16(x16, buf.data.ptr, n, k, y, r0)
+        y *= scale
         if bias is not None:
             y += bias
         return y
 
-    def _matvec(self, ws: tuple[DeviceMatrix, ...], x: Any, t: int, y: Any, bias: Any = None, resid: Any = None) -> None:
-        """y [t, sum rows] = [W0; W1; W2] x (+ bias) (+ resid): up to three row segments of one type."""
+    F16_SAFE = 16384.0  # |x| above this is scaled down before the fp16 cast (fp16 max: 65504)
+
+    def _to_f16_scaled(self, x: Any) -> tuple[Any, Any]:
+        """x [t, k] float32 -> (x / s as fp16, s [t, 1]) with s = 1, or a power of two where a row's max |x|
+        exceeds F16_SAFE."""
+        cp = self.cp
+        amax = cp.abs(x).max(axis=1, keepdims=True)
+        scale = cp.where(amax > self.F16_SAFE, cp.exp2(cp.ceil(cp.log2(amax / self.F16_SAFE))), 1.0).astype(cp.float32)
+        return (x / scale).astype(cp.float16), scale
+
+    def _gemm16(self, x16: Any, w_ptr: int, n_rows: int, k: int, y: Any, col0: int) -> None:
+        """y[:, col0:col0+n_rows] = x16 [t, k] . W[n_rows, k]^T: fp16 inputs, fp32 accumulation and output.
+        Row-major buffers read as column-major: Y^T [N, t] (ld N) = op_T(W^T [k, n]) (ld k) . X^T [k, t] (ld k)."""
+        from cupy_backends.cuda.libs import cublas
+
+        t, n_out = x16.shape[0], y.shape[1]
+        handle = self.cp.cuda.device.get_cublas_handle()
+        cublas.gemmEx(
+            handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_rows, t, k,
+            self._alpha_beta.ctypes.data, w_ptr, _CUDA_R_16F, k,
+            x16.data.ptr, _CUDA_R_16F, k,
+            self._alpha_beta.ctypes.data + 4, y.data.ptr + 4 * col0, _CUDA_R_32F, n_out,
+            cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT,
+        )
+
+    def _matvec(self, ws: tuple[DeviceMatrix, ...], x: Any, t: int, y: Any, bias: Any = None, resid: Any = None,
+                norm: Any = None, argmax: bool = False) -> None:
+        """y [t, sum rows] = [W0; W1; W2] x (+ bias) (+ resid): up to three row segments of one type.
+        One token goes through mv1 (x in shared memory), which can also apply RMSNorm(x) * norm first and
+        reduce the rows to the greedy argmax (into step_ids, advancing step_pos)."""
         w0 = ws[0]
         n = sum(w.rows for w in ws)
         lpr = _lpr(w0.cols)
-        rows_per_block = 4 * (32 // lpr)
         segs = [w.ptr for w in ws] + [0] * (3 - len(ws))
         n0 = ws[0].rows
         n1 = ws[1].rows if len(ws) > 1 else 0
+        if t == 1:
+            rows_per_block = MV1_WARPS * (32 // lpr)
+            K.launch("matvec", f"mv1_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
+                     (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
+                      K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps), K.i32(lpr),
+                      K.ptr(self._am if argmax else None)),
+                     shared=K.cdiv(w0.cols, 32) * 128)
+            return
+        if norm is not None or argmax:
+            raise BackendError("fused RMSNorm / argmax need one token")
+        rows_per_block = 4 * (32 // lpr)
         K.launch("matvec", f"matvec_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (128,),
                  (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                   K.ptr(x), K.i32(t), K.ptr(y), K.ptr(bias), K.ptr(resid), K.i32(lpr)))
 
-    def _matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any) -> None:
+    def _matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any, norm: Any = None) -> None:
         lpr = _lpr(wg.cols)
+        if t == 1:
+            rows_per_block = MV1_WARPS * (32 // lpr)
+            K.launch("matvec", f"mv1_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
+                     (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
+                      K.f32(self.cfg.rms_eps), K.i32(lpr)),
+                     shared=K.cdiv(wg.cols, 32) * 128)
+            return
+        if norm is not None:
+            raise BackendError("fused RMSNorm needs one token")
         rows_per_block = 4 * (32 // lpr)
         K.launch("matvec", f"matvec_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (128,),
                  (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.i32(t), K.ptr(y),
                   K.i32(lpr)))
 
+    @_family("RoPE")
     def rope(self, x: Any, pos: Any) -> Any:
         cfg = self.cfg
         out = self._f32(x).copy()
@@ -343,6 +491,7 @@ class CudaBackend(Backend):
                   K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor)))
         return out
 
+    @_family("attention")
     def attention(self, layer: int, q: Any, k: Any, v: Any, pos: Any) -> Any:
         cp, cfg = self.cp, self.cfg
         q, k, v = self._f32(q), self._f32(k), self._f32(v)
@@ -387,6 +536,7 @@ class CudaBackend(Backend):
     def _n_split(self, ctx: int) -> int:
         return K.cdiv(ctx, self._chunk(ctx))
 
+    @_family("FFN")
     def swiglu(self, gate: Any, up: Any) -> Any:
         gate, up = self._f32(gate), self._f32(up)
         out = self.cp.empty_like(gate)
@@ -395,6 +545,7 @@ class CudaBackend(Backend):
                  (K.ptr(gate), K.ptr(up), K.ptr(out), K.i64(n)))
         return out
 
+    @_family("other (residual add)")
     def add(self, x: Any, y: Any) -> Any:
         x, y = self._f32(x), self._f32(y)
         out = self.cp.empty_like(x)
@@ -413,7 +564,6 @@ class CudaBackend(Backend):
         self.step_ids = cp.zeros(2, dtype=cp.int32)  # [token, flag]: argmax writes both
         self.step_pos = cp.zeros(1, dtype=cp.int32)
         self._x = cp.empty((1, cfg.n_embd), f)
-        self._h = cp.empty((1, cfg.n_embd), f)
         self._qkv = cp.empty((1, cfg.q_dim + 2 * cfg.kv_dim), f)
         self._att = cp.empty((1, cfg.q_dim), f)
         self._ff = cp.empty((1, cfg.n_ff), f)
@@ -421,6 +571,9 @@ class CudaBackend(Backend):
         n_split = self._n_split(self.ctx)
         self._part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), f)
         self._part_ml = cp.empty((n_split, cfg.n_head, 2), f)
+        # Fused argmax cells (kernels/matvec.cu mv1): key, block counter, flag, &step_ids, &step_pos.
+        self._am = cp.asarray(np.asarray([0, 0, 0, self.step_ids.data.ptr, self.step_pos.data.ptr], np.uint64))
+        self._dev_state: tuple[int, int] | None = None
         self._topk_vals = cp.empty(TOPK_MAX, f)
         self._topk_ids = cp.empty(TOPK_MAX, cp.int32)
         # Per layer: the QKV matvec segments (one launch when the three share a type) and the bias.
@@ -448,47 +601,51 @@ class CudaBackend(Backend):
                 self._ffn_plan.append(None)  # mixed types: two matvecs and a swiglu kernel
 
     def _step_kernels(self, greedy: bool) -> None:
-        """Launch one decode step reading step_ids[0] and step_pos[0]; logits -> step_logits."""
-        cp, cfg, w = self.cp, self.cfg, self.weights
-        x, h, qkv, att, ff = self._x, self._h, self._qkv, self._att, self._ff
+        """Launch one decode step reading step_ids[0] and step_pos[0]; logits -> step_logits. Per layer:
+        QKV matvec (+ RMSNorm, bias) | rope + K/V store | attention split (+ combine) | O matvec + residual |
+        gate/up matvec (+ RMSNorm, SwiGLU) | down matvec + residual; then the LM head (+ RMSNorm, argmax)."""
+        cfg, w = self.cfg, self.weights
+        x, qkv, att, ff = self._x, self._qkv, self._att, self._ff
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         n_split, chunk = self._n_split(self.ctx), self._chunk(self.ctx)
-        self._embed(self.step_ids, w.token_embd, x, 1)
+        sec = self._section
+        with sec("embedding"):
+            self._embed(self.step_ids, w.token_embd, x, 1)
         for i, L in enumerate(w.layers):
-            self._rms_norm(x, L.attn_norm, cfg.rms_eps, h)
             segs, bias = self._qkv_plan[i]
-            if len(segs) == 1:
-                self._matvec(segs[0], h, 1, qkv, bias=bias)
-            else:  # mixed types: three launches into the row ranges of qkv
-                off = 0
-                for (m,) in segs:
-                    b = None if bias is None else bias[off : off + m.rows]
-                    self._matvec((m,), h, 1, qkv[:, off : off + m.rows], bias=b)
-                    off += m.rows
-            K.launch("rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
-                     (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim),
-                      K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
-                      K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))
-            self._attend(qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split,
-                         chunk, self._part_o, self._part_ml)
-            self._matvec((L.attn_output,), att, 1, x, resid=x)
-            self._rms_norm(x, L.ffn_norm, cfg.rms_eps, h)
-            plan = self._ffn_plan[i]
-            if plan is not None:
-                self._matvec_swiglu(plan[0], plan[1], h, 1, ff)
-            else:
-                g = self._ff_tmp()
-                self._matvec((L.ffn_gate,), h, 1, g[0])
-                self._matvec((L.ffn_up,), h, 1, g[1])
-                K.launch("elementwise", "swiglu_f32", (K.cdiv(cfg.n_ff, 256),), (256,),
-                         (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))
-            self._matvec((L.ffn_down,), ff, 1, x, resid=x)
-        self._rms_norm(x, w.output_norm, cfg.rms_eps, h)
-        self._matvec((w.output,), h, 1, self.step_logits)
-        if greedy:
-            K.launch("sampling", "argmax_f32", (1,), (1024,),
-                     (K.ptr(self.step_logits), K.i32(cfg.vocab_size), K.ptr(self.step_ids), K.ptr(self.step_pos)))
+            with sec("norm+QKV"):
+                if len(segs) == 1:
+                    self._matvec(segs[0], x, 1, qkv, bias=bias, norm=L.attn_norm)
+                else:  # mixed types: three launches into the row ranges of qkv, each normalising x itself
+                    off = 0
+                    for (m,) in segs:
+                        b = None if bias is None else bias[off : off + m.rows]
+                        self._matvec((m,), x, 1, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm)
+                        off += m.rows
+            with sec("RoPE+KV"):
+                K.launch("rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
+                         (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim),
+                          K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
+                          K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))
+            with sec("attention"):
+                self._attend(qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split,
+                             chunk, self._part_o, self._part_ml)
+            with sec("O-proj"):
+                self._matvec((L.attn_output,), att, 1, x, resid=x)
+            with sec("norm+FFN"):
+                plan = self._ffn_plan[i]
+                if plan is not None:
+                    self._matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm)
+                else:
+                    g = self._ff_tmp()
+                    self._matvec((L.ffn_gate,), x, 1, g[0], norm=L.ffn_norm)
+                    self._matvec((L.ffn_up,), x, 1, g[1], norm=L.ffn_norm)
+                    K.launch("elementwise", "swiglu_f32", (K.cdiv(cfg.n_ff, 256),), (256,),
+                             (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))
+                self._matvec((L.ffn_down,), ff, 1, x, resid=x)
+        with sec("norm+LM head+argmax" if greedy else "norm+LM head"):
+            self._matvec((w.output,), x, 1, self.step_logits, norm=w.output_norm, argmax=greedy)
 
     def _ff_tmp(self) -> Any:
         if not hasattr(self, "_ff2"):
@@ -506,6 +663,7 @@ class CudaBackend(Backend):
             self._ff_tmp()
             self._step_kernels(greedy)  # warm up: compile, first-launch setup, outside the capture
             stream = cp.cuda.Stream(non_blocking=True)
+            cp.cuda.get_current_stream().synchronize()
             with stream:
                 stream.begin_capture()
                 try:
@@ -513,44 +671,52 @@ class CudaBackend(Backend):
                 finally:
                     graph = stream.end_capture()
             stream.synchronize()
-            self._graphs[key] = (graph, stream)
+            self._graphs[key] = graph
             # The warm-up ran the step once (it wrote this position's K/V and, when greedy, advanced pos):
             # restore the inputs so the first replay computes the same step.
-            return self._replay_fresh(key)
-        g, stream = graph
-        cp.cuda.get_current_stream().synchronize()  # the inputs (and any prefill) were queued there
-        g.launch(stream)
-        stream.synchronize()
+            self.step_ids[:1].set(np.asarray([self._cur_token], np.int32))
+            self.step_pos.set(np.asarray([self._cur_pos], np.int32))
+        # Replay on the current stream: ordered after the prefill and the input copies, and the host waits
+        # only where it reads a result (step_ids.get(), or the caller's use of the logits).
+        graph.launch(cp.cuda.get_current_stream())
 
-    def _replay_fresh(self, key: str) -> None:
-        g, stream = self._graphs[key]
-        self.step_ids[:1].set(np.asarray([self._cur_token], np.int32))
-        self.step_pos.set(np.asarray([self._cur_pos], np.int32))
-        self.cp.cuda.get_current_stream().synchronize()
-        g.launch(stream)
-        stream.synchronize()
+    def _set_inputs(self, token: int, pos: int) -> None:
+        """Upload token and position unless the device already holds them (a greedy step leaves its output
+        id in step_ids[0] and pos + 1 in step_pos): one host-to-device copy fewer per generated token."""
+        self._cur_token, self._cur_pos = int(token), int(pos)
+        if self._dev_state != (self._cur_token, self._cur_pos):
+            self.step_ids[:1].set(np.asarray([token], np.int32))
+            self.step_pos.set(np.asarray([pos], np.int32))
+        self._dev_state = None
 
     def decode(self, token: int, pos: int) -> Any:
         """The fused decode step for `token` at position `pos` -> logits [1, V] (a device buffer that the
         next step overwrites). Writes that position's K/V into the cache."""
-        self._cur_token, self._cur_pos = int(token), int(pos)
-        self.step_ids[:1].set(np.asarray([token], np.int32))
-        self.step_pos.set(np.asarray([pos], np.int32))
+        self._set_inputs(token, pos)
         self._run_step(greedy=False)
         return self.step_logits
 
     def decode_greedy(self, token: int, pos: int) -> int:
-        """The fused decode step followed by the device argmax: only the chosen id comes back."""
-        self._cur_token, self._cur_pos = int(token), int(pos)
-        self.step_ids[:1].set(np.asarray([token], np.int32))
-        self.step_pos.set(np.asarray([pos], np.int32))
+        """The fused decode step with the argmax fused into the LM head: only the chosen id comes back."""
+        self._set_inputs(token, pos)
         self._run_step(greedy=True)
         out = self.step_ids.get()
         if out[1]:
             raise NumericalError("the logits contain NaN or +inf: the model output is broken")
+        self._dev_state = (int(out[0]), self._cur_pos + 1)
         return int(out[0])
 
+    def profile_decode(self, token: int, pos: int) -> tuple[list[tuple[str, float, int]], float]:
+        """profile() of one fused greedy decode step, launched un-captured (the graph's kernels, one by one)."""
+        self._set_inputs(token, pos)
+        self._ff_tmp()
+        try:
+            return self.profile(lambda: self._step_kernels(True), spin_ms=30.0)
+        finally:
+            self._dev_state = None
+
     # -- sampling on the device -----------------------------------------------------------------------
+    @_family("sampling")
     def sample(self, logits: Any, params: Any, rng: np.random.Generator, recent: list[int]) -> int:
         from .. import sampling as S
 

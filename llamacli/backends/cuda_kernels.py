@@ -96,14 +96,24 @@ def function(family: str, name: str) -> Any:
     return module(family).get_function(name)
 
 
+_launches = [0]
+_smem_limit: dict[tuple[str, str], int] = {}  # dynamic shared memory limit raised so far, per kernel
+
+
+def launch_count() -> int:
+    """Kernels launched through launch() in this process (the profiler counts them per section)."""
+    return _launches[0]
+
+
 def launch(family: str, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared: int = 0) -> None:
     """Launch kernels/<family>.cu:<name> on the current stream."""
     fn = function(family, name)
+    _launches[0] += 1
     if log.isEnabledFor(logging.DEBUG):
         log.debug("launch %s grid=%s block=%s shared=%d", name, grid, block, shared)
-    if shared > 48 * 1024 and getattr(fn, "_llamacli_smem", 0) < shared:
-        fn.max_dynamic_shared_size_bytes = shared
-        fn._llamacli_smem = shared
+    if shared > 48 * 1024 and _smem_limit.get((family, name), 0) < shared:
+        fn.max_dynamic_shared_size_bytes = shared  # above 48 KiB only once raised (cudaFuncSetAttribute)
+        _smem_limit[(family, name)] = shared
     fn(grid, block, args, shared_mem=shared)
 
 

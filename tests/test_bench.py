@@ -1,0 +1,80 @@
+"""`llamacli bench` on the NumPy backend with a tiny random model: the table, the JSON and CSV rows, and what
+--profile / --kernels say without a GPU. (The CUDA figures live in BENCHMARKS.md; no test times anything.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llamacli.bench import BenchRow, ProfileRow, render, render_kernels, render_profile
+from llamacli.testing import tiny_vocab, write_model
+
+from clirun import run
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    vocab = {**tiny_vocab(), "tokenizer.ggml.pre": "gpt-2"}  # the tokenizer's name for GPT-2's pre-tokenizer
+    return str(write_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", "tiny-llama", "Q8_0", vocab=vocab))
+
+
+def test_table_has_the_issue_columns(tiny: str) -> None:
+    r = run("bench", "-m", tiny, "--backend", "numpy", "-p", "8", "-n", "4", "-r", "2")
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert lines[0].startswith("device: CPU") and "GB/s (read + write)" in lines[0]
+    head = next(l for l in lines if l.startswith("| model"))
+    assert [c.strip() for c in head.strip("|").split("|")] == [
+        "model", "size", "params", "backend", "test", "t/s", "GB/s", "% BW"]
+    pp = next(l for l in lines if "| pp8 |" in l)
+    tg = next(l for l in lines if "| tg4 |" in l)
+    assert "±" in pp and pp.rstrip().endswith("|  |  |")  # no bandwidth figures for prefill
+    cells = [c.strip() for c in tg.strip("|").split("|")]
+    assert float(cells[6]) > 0 and cells[7].endswith("%")
+
+
+def test_json_rows_parse(tiny: str) -> None:
+    r = run("bench", "-m", tiny, "--backend", "numpy", "-p", "8", "-n", "4", "--pg", "4,2", "-r", "2", "-o", "json")
+    assert r.code == 0, r.err
+    rows = json.loads(r.out)
+    assert [x["test"] for x in rows] == ["pp8", "tg4", "pp4+tg2"]
+    for x in rows:
+        for key in ("model", "size", "params", "backend", "device", "n_prompt", "n_gen", "avg_ts", "stddev_ts",
+                    "samples_ts", "gb_per_s", "bw_fraction"):
+            assert key in x, key
+        assert len(x["samples_ts"]) == 2 and x["avg_ts"] > 0 and x["device"].startswith("CPU")
+    assert rows[1]["gb_per_s"] > 0 and 0 < rows[1]["bw_fraction"]
+    assert rows[0]["gb_per_s"] is None and rows[2]["gb_per_s"] is None
+
+
+def test_csv_has_a_header_and_one_line_per_test(tiny: str) -> None:
+    r = run("bench", "-m", tiny, "--backend", "numpy", "-p", "8", "-n", "0", "-r", "1", "-o", "csv")
+    assert r.code == 0, r.err
+    lines = r.out.strip().splitlines()
+    assert lines[0].startswith("model,size,params,backend,device,test") and len(lines) == 2
+
+
+@pytest.mark.parametrize("flag", ["--profile", "--kernels"])
+def test_profile_and_kernels_need_cuda(tiny: str, flag: str) -> None:
+    r = run("bench", "-m", tiny, "--backend", "numpy", flag)
+    assert r.code != 0
+    line = r.one_line_error()
+    assert f"{flag} needs the CUDA backend" in line and "numpy" in line
+
+
+def test_profile_and_kernels_exclude_each_other(tiny: str) -> None:
+    r = run("bench", "-m", tiny, "--backend", "numpy", "--profile", "--kernels")
+    assert r.code != 0 and "pick one" in r.one_line_error()
+
+
+def test_renderers_without_a_gpu() -> None:
+    rows = [ProfileRow("prefill 8", "QKV", 0.5, 0.25, 3), ProfileRow("prefill 8", "FFN", 1.5, 0.75, 6)]
+    text = render_profile(rows, {"prefill 8": 2.1}, "md", "dev")
+    assert "| prefill 8 | FFN | 1.500 | 75.0% | 6 |" in text and "prefill 8: 2.100 ms" in text
+    assert json.loads(render_profile(rows, {"prefill 8": 2.1}, "json", "dev"))["rows"][0]["family"] == "QKV"
+    krows = [{"kernel": "mv1_q4_k", "shape": "4096x4096", "us": 5.0, "gb_per_s": 1900.0, "tflops": 6.7, "vs": "copy"}]
+    text = render_kernels(krows, 3.0e12, "md", "dev")
+    assert "| mv1_q4_k | 4096x4096 | 5.0 | 1900 | 63.3% | 6.70 | copy |" in text
+    row = BenchRow("m", 10, 5, "numpy", "tg4", 0, 4, [10.0, 12.0], bytes_per_token=1e6, bandwidth=1e10)
+    assert "11.00 ± 1.41" in render([row], "md", "dev", 1e10)
