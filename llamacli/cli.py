@@ -69,7 +69,7 @@ def fail(message: str) -> None:
 
 @app.command()
 def inspect(
-    model: Annotated[str, typer.Argument(help="A GGUF file.")],
+    model: Annotated[str, typer.Argument(help="A GGUF file, a registry name or hf://owner/repo/file.gguf.")],
     tensors: Annotated[bool, typer.Option("--tensors", help="Add the tensor table.")] = False,
     metadata: Annotated[bool, typer.Option("--metadata", help="Add every metadata key (long arrays abbreviated).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
@@ -80,7 +80,9 @@ def inspect(
 
     if ctx is not None and ctx <= 0:
         fail(f"--ctx must be positive, got {ctx}")
-    info = inspect_model(model, ctx=ctx, with_tensors=tensors, with_metadata=metadata)
+    from .registry import resolve_model
+
+    info = inspect_model(str(resolve_model(model)), ctx=ctx, with_tensors=tensors, with_metadata=metadata)
     if as_json:
         print(json.dumps(info, ensure_ascii=False))
     else:
@@ -210,6 +212,7 @@ def generate(
                 sys.stdout.write(piece)
                 sys.stdout.flush()
     except KeyboardInterrupt:
+        done.finish_reason = done.finish_reason or "interrupted"  # Ctrl-C may land here, outside the engine
         _finish(done, as_json, quiet, verbose)
         raise Interrupted("interrupted") from None
     _finish(done, as_json, quiet, verbose)
@@ -362,18 +365,36 @@ def bench(
     ctx: CtxOpt = None,
     backend: BackendOpt = "auto",
     output: Annotated[str, typer.Option("--output", "-o", help="md, json or csv.")] = "md",
+    profile: Annotated[bool, typer.Option("--profile", help="Instead: one prefill (the first -p size) and one decode step by kernel family (CUDA).")] = False,
+    kernels: Annotated[bool, typer.Option("--kernels", help="Instead: kernel micro-benchmarks (matvecs, attention prefill vs torch SDPA); no model needed (CUDA).")] = False,
 ) -> None:
-    """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth."""
-    from .bench import parse_list, parse_pg, render, run_bench
+    """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth.
+    --profile breaks one prefill and one decode step down by kernel family; --kernels times single kernels."""
+    from .bench import parse_list, parse_pg, render, render_kernels, render_profile, run_bench, run_kernels, run_profile
 
     if output not in ("md", "json", "csv"):
         fail(f"--output must be md, json or csv, got {output!r}")
     if reps < 1:
         fail(f"--repetitions must be >= 1, got {reps}")
+    if profile and kernels:
+        fail("--profile and --kernels are separate runs: pick one")
+    if (profile or kernels) and output == "csv":
+        fail("--profile and --kernels print md or json")
+    if kernels:
+        from .backends import select_backend
+
+        be = select_backend(backend, notice=dim)
+        krows, bandwidth = run_kernels(be)
+        print(render_kernels(krows, bandwidth, output, be.device_name()))
+        return
     prompts, gens = parse_list(n_prompt, "-p"), parse_list(n_gen, "-n")
     pairs = [parse_pg(x) for x in pg or []]
     need = max([p for p in prompts] + [n for n in gens] + [p + n for p, n in pairs] + [1])
     m = load_model(model, backend, ctx or max(need + 1, 512), quiet=False)
+    if profile:
+        prows, spans = run_profile(m, next((p for p in prompts if p), 512))
+        print(render_profile(prows, spans, output, m.backend.device_name()))
+        return
     rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: dim(f"running {t}"))
     print(render(rows, output, m.backend.device_name(), bandwidth))
 
@@ -428,7 +449,11 @@ def chat(
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: run the app, turning every failure into one line and an exit code."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        if code == 130:  # typer turns a KeyboardInterrupt outside our own handlers into a returned 130
+            raise KeyboardInterrupt
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except LlamacliError as exc:
         _report(exc, exc.exit_code)
     except (KeyboardInterrupt, Interrupted) as exc:
