@@ -19,6 +19,7 @@ Every failure is a TemplateError.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import re
@@ -268,6 +269,7 @@ class _Codegen(CodeGenerator):
 
 _WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 _FORMAT_NUMBER = re.compile(r"%[-#0 +]*(\d+)?(?:\.(\d+))?|\{[^{}]*?:[^{}]*?(\d+)[^{}]*\}")
+_FORMAT_FROM_ARGS = re.compile(r"%[-#0 +]*\d*(?:\.\d*)?\*|%[-#0 +]*\*|\{[^{}]*\{")  # '%*d', '%.*f', '{:{}}'
 _SIZED_FILTERS = ("center", "indent", "format", "replace", "join", "wordwrap", "truncate", "string", "list", "tojson",
                   "pprint", "urlencode", "batch", "slice", "map", "sum")
 
@@ -312,11 +314,18 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             raise _Limit(f"{what} would exceed {self.max_chars} characters")
         return value
 
-    def _check_format(self, fmt: str) -> None:
+    def _check_format(self, fmt: str, args: Any = ()) -> None:
         for m in _FORMAT_NUMBER.finditer(fmt):
             for number in m.groups():
                 if number and int(number) > self.max_chars:
                     raise _Limit(f"a format width of {number} exceeds the limit of {self.max_chars}")
+        # A width or precision taken from the arguments ('%*s' % (n, x), '{:{}}'.format(x, n)): check the numbers
+        # before Python builds the string.
+        if _FORMAT_FROM_ARGS.search(fmt.replace("%%", "").replace("{{", "").replace("}}", "")):
+            items = args if isinstance(args, (tuple, list)) else (args,)
+            for arg in (v for a in items for v in (a.values() if isinstance(a, dict) else (a,))):
+                if isinstance(arg, int) and arg > self.max_chars:
+                    raise _Limit(f"a format width of {arg} exceeds the limit of {self.max_chars}")
 
     def _check_join(self, items: list[Any], sep: Any, what: str) -> None:
         size = _size(items, self.max_chars) + len(str(sep)) * max(len(items) - 1, 0)
@@ -344,6 +353,9 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         what = f"the result of {operator!r}"
         if operator == "*":
+            if isinstance(left, int) and isinstance(right, int):  # repeated squaring: one C call per step
+                if left.bit_length() + right.bit_length() > 4096:
+                    raise _Limit(f"a product of {left.bit_length()}-bit and {right.bit_length()}-bit numbers is too large")
             seq, count = (left, right) if isinstance(right, int) else (right, left)
             if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and count > 0:
                 self._bound(None, what, _size(seq, self.max_chars // count + 1) * count)
@@ -355,7 +367,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
                 self._bound(None, what, _size(left, self.max_chars) + _size(right, self.max_chars))
         elif operator == "%" and isinstance(left, str):
-            self._check_format(left)
+            self._check_format(left, right)
         return self._bound(super().call_binop(context, operator, left, right), what)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (Jinja's signature)
@@ -377,9 +389,16 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def wrap_str_format(self, value: Any) -> Any:
         wrapped = super().wrap_str_format(value)  # None unless `value` is some str's .format / .format_map
-        if wrapped is not None:
-            self._check_format(value.__self__)
-        return wrapped
+        if wrapped is None:
+            return None
+        fmt = value.__self__
+        self._check_format(fmt)
+
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            self._check_format(fmt, (*args, kwargs))
+            return wrapped(*args, **kwargs)
+
+        return functools.update_wrapper(checked, wrapped)
 
     def _sized_filter(self, func: Any, name: str) -> Any:
         env = self
@@ -394,7 +413,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
                     if isinstance(arg, int) and not isinstance(arg, bool) and arg > env.max_chars:
                         raise _Limit(f"{name}({arg}) exceeds the limit of {env.max_chars}")
             elif name == "format" and values and isinstance(values[0], str):
-                env._check_format(values[0])
+                env._check_format(values[0], (*values[1:], kwargs))
             elif name == "replace" and len(values) >= 3:
                 env._check_replace(str(values[0]), values[1], values[2], what)
             elif name == "join" and values and "attribute" not in kwargs and len(values) < 4:
@@ -403,6 +422,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
                 args = tuple(items if a is values[0] else a for a in args)
             elif name in ("tojson", "pprint", "string") and values:
                 env._bound(values[0], what)
+                indent = kwargs.get("indent", values[2] if name == "tojson" and len(values) > 2 else None)
+                if isinstance(indent, (int, str)) and indent:  # every item on its own indented line
+                    width = indent if isinstance(indent, int) else len(indent)
+                    env._bound(None, what, _size(values[0], env.max_chars) * (1 + width))
             return env._bound(func(*args, **kwargs), what)
 
         if hasattr(func, "jinja_pass_arg"):  # keep Jinja's pass_context / pass_eval_context marker

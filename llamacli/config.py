@@ -144,7 +144,11 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
     # RoPE scaling.
     scaling = get("rope.scaling.type", str, default="none", required=False)
     factor = get("rope.scaling.factor", float, default=1.0, required=False)
-    original = get("rope.scaling.original_context_length", int, default=context_length, required=False)
+    original = positive(
+        "rope.scaling.original_context_length",
+        get("rope.scaling.original_context_length", int, default=context_length, required=False),
+        1 << 24,
+    )
     attn_factor = get("rope.scaling.attn_factor", float, default=1.0, required=False)
     if "rope_freqs.weight" in tensors:
         scaling = "llama3"
@@ -153,7 +157,7 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
         if "rope.scaling.attn_factor" not in {k.split(f"{arch}.", 1)[-1] for k in md}:
             # llama.cpp: attn_factor = sqrt(1 + ln(ctx/orig)/ln(orig)) when the file does not say
             ratio = context_length / original
-            attn_factor = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0
+            attn_factor = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 and original > 1 else 1.0
     elif scaling in ("none", "", None) or (scaling == "linear" and factor == 1.0):
         scaling = "none"
     elif scaling == "linear":

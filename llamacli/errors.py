@@ -91,6 +91,11 @@ class DeviceMemoryError(BackendError):
     """Not enough device memory: the message names need and free."""
 
 
+class HostMemoryError(BackendError):
+    """Not enough RAM for what a host backend allocates (NumPy: float32 weights + KV cache): the message names
+    need and available, and a --ctx that would fit."""
+
+
 class KernelCompileError(BackendError):
     """NVRTC rejected a kernels/*.cu file: the message names it and carries the compiler log."""
 

@@ -1,11 +1,12 @@
 """Open and validate a GGUF file: metadata as a plain dict, tensors as memory-mapped arrays.
 
 The header is read by one bounded walk (`_scan_header`): every count and length is checked against the
-bytes left in the file before anything is allocated or looped over, every tensor's data range against the
-file size and against the others. Tensor data stays in a read-only memory map (a multi-GB file is not read
-into RAM). Why not gguf.GGUFReader: it trusts its header (a count of 2^40 array items makes it loop for
-ever) and builds one numpy object per array item, 5.9 s for a 151k-token Qwen2 vocabulary against 0.03 s
-here. It stays the independent reference: tests/test_gguf_file.py checks that both read the same values.
+bytes left in the file (and against caps no real file comes near) before anything is allocated or looped
+over, every tensor's data range against the file size and against the others. Tensor data stays in a
+read-only memory map (a multi-GB file is not read into RAM). Why not gguf.GGUFReader: it trusts its header
+(a count of 2^40 array items makes it loop for ever) and builds one numpy object per array item, 5.9 s for a
+151k-token Qwen2 vocabulary against 0.03 s here. It stays the independent reference: tests/test_gguf_file.py
+checks that both read the same values.
 
 Layout (GGUF v2/v3, little-endian; ggml's docs/gguf.md):
     magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
@@ -41,6 +42,14 @@ SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 DEFAULT_ALIGNMENT = 32
 MAX_ELEMENTS = 1 << 48  # far beyond any real tensor; keeps byte arithmetic exact in int64
+# Bounds that no real file comes near, so that a large file cannot make the header walk build Python objects
+# many times its size (a u8 array becomes 8 bytes per item as a list, an empty string 8 bytes of pointer):
+# real vocabularies hold <= 262k tokens and <= 500k merges, real files < 100 keys and a few thousand tensors,
+# the longest strings (a whole tokenizer.json some converters embed) ~20 MB.
+MAX_ARRAY_ITEMS = 1 << 22
+MAX_STRING_BYTES = 1 << 26
+MAX_KV = 1 << 16
+MAX_TENSORS = 1 << 20
 
 _SCALAR_SIZES = {
     GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
@@ -201,6 +210,8 @@ class _Cursor:
     def string(self, what: str) -> bytes:
         n = self.u64(f"length of {what}")
         self.need(n, what)
+        if n > MAX_STRING_BYTES:
+            raise CorruptFileError(f"{self.name}: {what} is {n} bytes long (at most {MAX_STRING_BYTES} accepted)")
         data = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return data
@@ -248,6 +259,9 @@ def _walk(cur: _Cursor, name: str) -> _Scan:
             error = TruncatedFileError if count < 1 << 24 else CorruptFileError
             kind = "truncated" if count < 1 << 24 else "corrupt"
             raise error(f"{name}: {kind}: header claims {count} {what}, but only {left} bytes follow")
+    for count, what, limit in ((n_kv, "metadata keys", MAX_KV), (n_tensors, "tensors", MAX_TENSORS)):
+        if count > limit:
+            raise CorruptFileError(f"{name}: corrupt: header claims {count} {what} (at most {limit} accepted)")
 
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
@@ -260,7 +274,7 @@ def _walk(cur: _Cursor, name: str) -> _Scan:
     if "general.alignment" in metadata and (
         type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 20
     ):
-        raise CorruptFileError(f"{name}: general.alignment {alignment!r} is not a power of two")
+        raise CorruptFileError(f"{name}: general.alignment {alignment!r} is not a power of two up to 2^20")
 
     tensors: list[tuple[str, tuple[int, ...], GGMLQuantizationType, int, int]] = []
     names: set[str] = set()
@@ -345,6 +359,7 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
     if itype in _ARRAY_DTYPES:
         dtype = np.dtype(_ARRAY_DTYPES[itype])
         cur.need(count * dtype.itemsize, f"{count} items of {key!r}")
+        _check_items(cur, count, key)
         values = np.frombuffer(cur.buf, dtype=dtype, count=count, offset=cur.pos)
         cur.pos += count * dtype.itemsize
         result = (values != 0).tolist() if itype == GGUFValueType.BOOL else values.tolist()
@@ -352,6 +367,7 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
         return result
     # An array of strings: each needs at least its 8-byte length, so `count` is bounded by the file.
     cur.need(count * 8, f"{count} strings of {key!r}")
+    _check_items(cur, count, key)
     buf, pos, size = cur.buf, cur.pos, cur.size
     unpack = struct.Struct("<Q").unpack_from
     out = []
@@ -362,6 +378,8 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
             if pos + n > size:
                 cur.pos = pos
                 cur.need(n, f"a string of {key!r}")
+            if n > MAX_STRING_BYTES:
+                raise CorruptFileError(f"{cur.name}: a string of {key!r} is {n} bytes long (at most {MAX_STRING_BYTES} accepted)")
             out.append(buf[pos : pos + n].decode("utf-8"))
             pos += n
     except UnicodeDecodeError:
@@ -371,3 +389,9 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
         cur.need(8, f"a string length of {key!r}")
     cur.pos = pos
     return out
+
+
+def _check_items(cur: _Cursor, count: int, key: str) -> None:
+    """An array the file does hold, but longer than any real one: refused before a list is built."""
+    if count > MAX_ARRAY_ITEMS:
+        raise CorruptFileError(f"{cur.name}: metadata key {key!r} holds {count} items (at most {MAX_ARRAY_ITEMS} accepted)")

@@ -9,6 +9,7 @@ from typing import Any
 from gguf import GGML_QUANT_SIZES
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .config import ModelConfig
 from .errors import GGUFError
@@ -59,8 +60,8 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
     info: dict[str, Any] = {
         "path": str(g.path),
         "gguf_version": g.version,
-        "architecture": md.get("general.architecture"),
-        "name": md.get("general.name"),
+        "architecture": _abbreviate(md.get("general.architecture")),
+        "name": _abbreviate(md.get("general.name")),
         "parameters": n_params,
         "file_size": g.file_size,
         "weights_bytes": weight_bytes,
@@ -69,11 +70,11 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
             name: {"tensors": q["tensors"], "bytes": q["bytes"], "bits_per_weight": _bpw(name)}
             for name, q in sorted(quant.items(), key=lambda kv: -kv[1]["bytes"])
         },
-        "tokenizer_model": md.get("tokenizer.ggml.model"),
-        "tokenizer_pre": md.get("tokenizer.ggml.pre"),
+        "tokenizer_model": _abbreviate(md.get("tokenizer.ggml.model")),
+        "tokenizer_pre": _abbreviate(md.get("tokenizer.ggml.pre")),
         "vocab_size": cfg.vocab_size if cfg else (len(tokens) if isinstance(tokens, list) else None),
-        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _abbreviate(md.get("tokenizer.ggml.bos_token_id")),
+        "eos_token_id": _abbreviate(md.get("tokenizer.ggml.eos_token_id")),
         "has_chat_template": isinstance(md.get("tokenizer.chat_template"), str),
         "vocab_only": not g.tensors,
     }
@@ -109,8 +110,9 @@ def _bpw(type_name: str) -> float:
 def _abbreviate(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf
-    if isinstance(value, list) and len(value) > MAX_LIST_ITEMS:
-        return [_abbreviate(v) for v in value[:MAX_LIST_ITEMS]] + [f"... ({len(value)} items)"]
+    if isinstance(value, list):
+        more = [f"... ({len(value)} items)"] if len(value) > MAX_LIST_ITEMS else []
+        return [_abbreviate(v) for v in value[:MAX_LIST_ITEMS]] + more
     if isinstance(value, str) and len(value) > 400:
         return value[:400] + f"... ({len(value)} chars)"
     return value
@@ -176,7 +178,7 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
     table.add_column(style="bold")
     table.add_column()
     for k, v in rows:
-        table.add_row(k, v)
+        table.add_row(k, Text(v))  # Text: metadata strings such as '[/INST]' are not rich markup
     out.print(table)
 
     if info["quantization"]:
@@ -184,19 +186,19 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
         for col in ("type", "tensors", "bytes", "bits/weight"):
             q.add_column(col, justify="left" if col == "type" else "right")
         for name, row in info["quantization"].items():
-            q.add_row(name, str(row["tensors"]), human_bytes(row["bytes"]), str(row["bits_per_weight"]))
+            q.add_row(Text(name), str(row["tensors"]), human_bytes(row["bytes"]), str(row["bits_per_weight"]))
         out.print(q)
     if "tensors" in info:
         t = Table(title="tensors", title_justify="left")
         for col in ("name", "type", "shape", "bytes"):
             t.add_column(col, justify="right" if col == "bytes" else "left")
         for row in info["tensors"]:
-            t.add_row(row["name"], row["type"], str(row["shape"]), str(row["bytes"]))
+            t.add_row(Text(row["name"]), row["type"], str(row["shape"]), str(row["bytes"]))
         out.print(t)
     if "metadata" in info:
         m = Table(title="metadata", title_justify="left")
         m.add_column("key")
         m.add_column("value", overflow="fold")
         for k, v in info["metadata"].items():
-            m.add_row(k, repr(v))
+            m.add_row(Text(k), Text(repr(v)))
         out.print(m)

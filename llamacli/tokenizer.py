@@ -101,7 +101,8 @@ for _names, _family, _ignore, _bos in [
     ("deepseek-coder", "deepseek-coder", False, False),
     ("deepseek-v3 hunyuan-dense joyai-llm hy_v4", "deepseek3", False, False),
     ("falcon", "falcon", False, False),
-    ("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert exaone4 mpt olmo "
+    # "gpt2" is not a name llama.cpp writes, but converters and people do: an explicit alias of "gpt-2".
+    ("gpt-2 gpt2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert exaone4 mpt olmo "
      "jais trillion granite-docling jina-v1-en jina-v2-code roberta-bpe", "gpt2", False, False),
     ("starcoder refact command-r smollm codeshell exaone minerva-7b mellum2", "digits+gpt2", False, False),
     ("qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2 hunyuan solar-open", "qwen2", False, False),
@@ -192,7 +193,9 @@ class Tokenizer:
             types = [NORMAL] * n
         elif not isinstance(types, list) or len(types) < n:
             raise TokenizerError("tokenizer.ggml.token_type is shorter than the vocabulary")
-        self._types: list[int] = [int(t) for t in types[:n]]
+        if not all(type(t) is int for t in types[:n]):  # a float (NaN, inf) or string array from a broken file
+            raise TokenizerError("tokenizer.ggml.token_type must hold integers")
+        self._types: list[int] = list(types[:n])
 
         self.kind = "spm" if model == "llama" else "bpe"
         pre = md.get("tokenizer.ggml.pre")
@@ -315,15 +318,13 @@ class Tokenizer:
             if cut < 0:
                 raise TokenizerError(f"malformed merge {m!r} in tokenizer.ggml.merges")
             pairs.append((m[:cut], m[cut + 1 :]))
+        # A merge of or into a token the vocabulary lacks can never apply (llama.cpp would fall back to bytes),
+        # but `tokenizers` refuses to load it, or with a small vocabulary panics in Rust (a BaseException, and a
+        # backtrace on stderr): leave such merges out before it sees them.
+        ids = self._ids
+        pairs = [(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids]
         try:
-            try:
-                model = models.BPE(self._ids, pairs, ignore_merges=ignore_merges, byte_fallback=not self._byte_level)
-            except Exception:
-                # A merge of or into a token the vocabulary lacks can never apply (llama.cpp would fall back
-                # to bytes), but `tokenizers` refuses to load it: leave such merges out.
-                ids = self._ids
-                pairs = [(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids]
-                model = models.BPE(self._ids, pairs, ignore_merges=ignore_merges, byte_fallback=not self._byte_level)
+            model = models.BPE(self._ids, pairs, ignore_merges=ignore_merges, byte_fallback=not self._byte_level)
             hf = HFTokenizer(model)
             steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
             if self._byte_level:
@@ -344,6 +345,9 @@ class Tokenizer:
             scores = [0.0] * n
         elif not isinstance(scores, list) or len(scores) < n:
             raise TokenizerError("tokenizer.ggml.scores is shorter than the vocabulary")
+        if not all(isinstance(x, (int, float)) for x in scores[:n]):
+            raise TokenizerError("tokenizer.ggml.scores must hold numbers")
+        scores = [min(max(float(x), -3.4e38), 3.4e38) for x in scores[:n]]  # the proto stores float32
         proto = _spm_model_proto(self._tokens, scores, self._types, self.unk_id)
         sp = sentencepiece.SentencePieceProcessor()
         try:

@@ -6,14 +6,32 @@ only the rows asked for are dequantized. The KV cache is float32 [layer, ctx, Hk
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+import resource
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from .. import rope as rope_tables
 from ..config import ROPE_NEOX, ModelConfig
+from ..errors import HostMemoryError
 from ..gguf_file import GGUFFile
 from ..quants import can_dequantize, gather_rows
 from .base import Backend, LayerWeights, ModelWeights, Progress
+
+
+def _ieee(op):
+    """NaN and inf flow through as IEEE values and are reported once, as NumericalError on the logits
+    (sampling.py); numpy's RuntimeWarnings on the way would only add lines to stderr."""
+
+    @functools.wraps(op)
+    def quiet(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return op(*args, **kwargs)
+
+    return quiet
 
 
 class QuantTable:
@@ -30,7 +48,9 @@ class NumpyBackend(Backend):
     name = "numpy"
     runnable_types = frozenset(t for t in QT if t in GGML_QUANT_SIZES and can_dequantize(t))
 
+    @_ieee
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None) -> None:
+        check_host_memory(cfg, ctx)  # before anything is allocated: the file's sizes or --ctx may be absurd
         self.cfg, self.ctx = cfg, ctx
         f32 = gguf.dequantize
         total = cfg.n_layer + 2
@@ -84,14 +104,17 @@ class NumpyBackend(Backend):
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return self.weights.token_embd.rows(ids)  # [T, D]
 
+    @_ieee
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
         return (x / np.sqrt(ms + eps)).astype(np.float32) * weight
 
+    @_ieee
     def matmul(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         y = x @ w.T  # [T, K] x [N, K]^T -> [T, N]
         return y + bias if bias is not None else y
 
+    @_ieee
     def rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         cos, sin = rope_tables.cos_sin(self.theta, pos, cfg.rope_attn_factor)  # [T, R/2]
@@ -108,6 +131,7 @@ class NumpyBackend(Backend):
             out[..., 1:r:2] = a * sin + b * cos
         return out
 
+    @_ieee
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
         cfg = self.cfg
         self.k_cache[layer, pos] = k  # [T, Hkv, Dh] at their positions
@@ -125,9 +149,82 @@ class NumpyBackend(Backend):
         out = np.einsum("hgts,shd->thgd", p, values)  # [T, Hkv, G, Dh]
         return out.reshape(t, cfg.q_dim).astype(np.float32)
 
+    @_ieee
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         sigmoid = 0.5 * (1.0 + np.tanh(0.5 * gate))  # = 1 / (1 + e^-gate), without overflow
         return (gate * sigmoid * up).astype(np.float32)
 
+    @_ieee
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return x + y
+
+
+# -- host memory ---------------------------------------------------------------------------------------------
+
+
+def host_bytes(cfg: ModelConfig, ctx: int) -> tuple[int, int]:
+    """(weights, KV cache) bytes this backend allocates: every tensor but the embedding table as float32 (the
+    LM head too, a copy when tied), and K and V float32 [layer, ctx, Hkv, Dh]."""
+    from ..weights import model_specs
+
+    weights = sum(4 * math.prod(s.shape) for s in model_specs(cfg) if s.name != "token_embd.weight")
+    if cfg.tied_embeddings:
+        weights += 4 * cfg.vocab_size * cfg.n_embd
+    return weights, 2 * 4 * cfg.n_layer * ctx * cfg.kv_dim
+
+
+def available_host_memory() -> int | None:
+    """Bytes this process can still allocate: /proc/meminfo MemAvailable (else free pages), within a cgroup v2
+    limit and RLIMIT_AS when set; None when the system does not say."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except (OSError, ValueError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
+    room = []
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                room.append(int(limit) - int(g.read()))
+    except (OSError, ValueError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/status") as f:
+                vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+            room.append(soft - vm)
+        except (OSError, ValueError, StopIteration):
+            pass
+    if avail is not None:
+        room.append(avail)
+    return max(min(room), 0) if room else None
+
+
+def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None) -> None:
+    """HostMemoryError, naming a context that would fit, when the weights and the KV cache at `ctx` exceed
+    the available RAM."""
+    weights, kv = host_bytes(cfg, ctx)
+    free = available_host_memory() if available is None else available
+    if free is None or weights + kv <= free:
+        return
+    per_token = kv // ctx
+    fit = (free - weights) // per_token if free > weights else 0
+    fit = fit // 256 * 256 if fit >= 512 else fit
+    gib = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    hint = (
+        f"try --ctx {int(fit)} (the KV cache needs {gib(kv)} at --ctx {ctx})"
+        if fit >= 16
+        else "the weights alone do not fit: use a smaller model, or the CUDA backend"
+    )
+    raise HostMemoryError(
+        f"not enough host memory for the NumPy backend: the model needs {gib(weights + kv)} (float32 weights "
+        f"{gib(weights)}, KV cache {gib(kv)}), {gib(free)} is available; {hint}"
+    )
