@@ -362,7 +362,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         elif operator == "**":
             if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
                 if right * math.log2(abs(left)) > 4096:
-                    raise _Limit(f"{left} ** {right} is too large a number")
+                    raise _Limit(f"a power of a {abs(left).bit_length()}-bit number to {right.bit_length()}-bit exponent is too large")
         elif operator == "+":
             if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
                 self._bound(None, what, _size(left, self.max_chars) + _size(right, self.max_chars))

@@ -122,7 +122,7 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool):
     path = resolve_model(model)
     notice = None if quiet else dim
     with Progress(
-        TextColumn("loading {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loading {task.description}", markup=False), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
     ) as bar:
         task = bar.add_task(path.name, total=None)

@@ -20,7 +20,7 @@ import numpy as np
 from .backends import select_backend
 from .backends.base import Progress
 from .config import ModelConfig
-from .errors import ContextOverflowError, UsageError
+from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
 from .model import forward
 from .sampling import SamplingParams, make_rng
@@ -108,6 +108,11 @@ class Model:
         md = self.gguf.metadata
         self.cfg = ModelConfig.from_gguf(md, set(self.gguf.tensors))
         self.tokenizer = Tokenizer.from_metadata(md)
+        if self.tokenizer.vocab_size != self.cfg.vocab_size:  # llama.cpp refuses these too
+            raise ShapeMismatchError(
+                f"the vocabulary has {self.tokenizer.vocab_size} tokens but the model has {self.cfg.vocab_size} "
+                "embedding rows"
+            )
         if ctx is not None and (type(ctx) is not int or ctx <= 0):
             raise UsageError(f"context size must be a positive integer, got {ctx!r}")
         self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)

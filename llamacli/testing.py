@@ -227,6 +227,22 @@ def tiny_vocab() -> dict[str, Any]:
     }
 
 
+def _pad_vocab(vocab: dict[str, Any], n: int) -> dict[str, Any]:
+    """Grow a vocabulary to n tokens with unused pad tokens (as converters pad Qwen's to 151936), so that the
+    token list matches the embedding rows."""
+    tokens = vocab["tokenizer.ggml.tokens"]
+    extra = n - len(tokens)
+    if extra <= 0:
+        return vocab
+    out = dict(vocab)
+    out["tokenizer.ggml.tokens"] = tokens + [f"<|llamacli_pad_{i}|>" for i in range(extra)]
+    if "tokenizer.ggml.token_type" in vocab:
+        out["tokenizer.ggml.token_type"] = vocab["tokenizer.ggml.token_type"] + [5] * extra  # UNUSED
+    if "tokenizer.ggml.scores" in vocab:
+        out["tokenizer.ggml.scores"] = vocab["tokenizer.ggml.scores"] + [-1e9] * extra
+    return out
+
+
 def vocab_from_file(path: str | Path) -> dict[str, Any]:
     """Every tokenizer.* key of a GGUF file (e.g. llama.cpp's ggml-vocab-qwen2.gguf)."""
     with open_gguf(path) as g:
@@ -274,6 +290,7 @@ def write_model(
     n_vocab = spec.vocab_size or len(vocab["tokenizer.ggml.tokens"])
     if n_vocab < len(vocab["tokenizer.ggml.tokens"]):
         raise ValueError("vocab_size smaller than the vocabulary")
+    vocab = _pad_vocab(vocab, n_vocab)
     rng = np.random.default_rng(seed)
     path = Path(path)
     arch = spec.arch

@@ -58,3 +58,16 @@ def test_split_stop(text, stops, before, hit):
 )
 def test_hold_back(text, stops, emit, held):
     assert _hold_back(text, stops) == (emit, held)
+
+
+def test_vocabulary_must_match_the_embedding(tmp_path):
+    from llamacli.errors import ShapeMismatchError
+    from llamacli.testing import variant, write_model
+
+    from llamacli.testing import tiny_vocab
+
+    small = tiny_vocab()  # 273 tokens, written over the writer's padded list; 300 embedding rows
+    path = write_model(tmp_path / "m.gguf", variant("tiny-llama", vocab_size=300), "F32", metadata={
+        "tokenizer.ggml.tokens": small["tokenizer.ggml.tokens"], "tokenizer.ggml.token_type": small["tokenizer.ggml.token_type"]})
+    with pytest.raises(ShapeMismatchError, match="273 tokens .* 300 embedding rows"):
+        Model(path, backend="numpy", ctx=64)

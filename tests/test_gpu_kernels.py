@@ -13,7 +13,9 @@ cp = pytest.importorskip("cupy")
 
 from llamacli import rope as rope_tables  # noqa: E402
 from llamacli import sampling as S  # noqa: E402
-from llamacli.backends.cuda_backend import RUNNABLE, CudaBackend, DeviceMatrix, cuda_available  # noqa: E402
+from llamacli.backends.cuda_backend import (  # noqa: E402
+    ATT_TC_DIMS, ATT_TC_MIN_T, RUNNABLE, CudaBackend, DeviceMatrix, cuda_available,
+)
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig  # noqa: E402
 from llamacli.quants import dequantize  # noqa: E402
@@ -266,8 +268,101 @@ def test_attention_prefill_then_decode(dh, hkv, group) -> None:
         pos = np.arange(start, start + t, dtype=np.int32)
         got = be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
         want = ref.attention(0, q, k16, v16, pos)
-        assert_close(got.get(), want, 2e-4, 2e-3, f"attention t={t} start={start}")
+        # t >= ATT_TC_MIN_T runs on tensor cores with fp16 Q and P: looser (see the tensor-core test below).
+        tol = (4e-3, 1e-2) if t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS else (2e-4, 2e-3)
+        assert_close(got.get(), want, *tol, f"attention t={t} start={start}")
         start += t
+
+
+def attention_ref(q, kc, vc, pos, group):
+    """float64 causal GQA attention over a cache: q [T, Hq, D], kc/vc [ctx, Hkv, D] -> [T, Hq * D]."""
+    t, hq, dh = q.shape
+    out = np.empty((t, hq, dh))
+    k64 = np.repeat(kc.astype(np.float64), group, axis=1)  # [ctx, Hq, D]: kv head h // group
+    v64 = np.repeat(vc.astype(np.float64), group, axis=1)
+    for i in range(t):
+        n = pos[i] + 1
+        s = np.einsum("nhd,hd->hn", k64[:n], q[i].astype(np.float64)) / math.sqrt(dh)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[i] = np.einsum("hn,nhd->hd", p, v64[:n]) / p.sum(axis=1)[:, None]
+    return out.reshape(t, hq * dh)
+
+
+@pytest.mark.parametrize("dh", [64, 96, 128])
+@pytest.mark.parametrize("hkv,group", [(2, 1), (1, 3), (2, 7), (1, 8)])
+def test_attention_prefill_tensor_cores(dh, hkv, group) -> None:
+    """attention_tc_d*: odd chunk lengths, a chunk continuing on a filled cache (start > 0), a row count
+    that leaves a block partly empty; output poisoned with NaN; against float64 and against the fp32
+    CUDA-core kernel on the same inputs."""
+    assert dh in ATT_TC_DIMS
+    rng = np.random.default_rng(1000 + dh * 10 + group)
+    hq = hkv * group
+    cfg = make_cfg(n_head=hq, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hq * dh)
+    ctx = 640
+    be, _ = bare(cfg, ctx)
+    kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    be.k_cache[0], be.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
+    for start, t in ((0, 37), (0, 129), (200, 77), (451, 16), (3, 300)):
+        q = rng.standard_normal((t, hq, dh)).astype(np.float32)
+        pos = np.arange(start, start + t, dtype=np.int32)
+        want = attention_ref(q, kc.astype(np.float32), vc.astype(np.float32), pos, group)
+        outs = []
+        for use_tc in (True, False):
+            be.attention_tc = use_tc
+            out = cp.full((t, hq * dh), cp.nan, dtype=cp.float32)
+            be._attend(cp.asarray(q), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
+                       None, None)
+            outs.append(out.get())
+        tc, cc = outs
+        assert_close(tc, want, 4e-3, 1e-2, f"tensor cores t={t} start={start}")
+        assert np.linalg.norm(tc - want) / np.linalg.norm(want) < 2e-3
+        assert_close(cc, want, 2e-4, 2e-3, f"CUDA cores t={t} start={start}")
+
+
+def test_attention_prefill_tensor_cores_unsorted_positions() -> None:
+    """Positions need not be consecutive or sorted: each row masks its own keys."""
+    rng = np.random.default_rng(11)
+    cfg = make_cfg(n_head=6, n_head_kv=2, head_dim=64, rope_dim=64, n_embd=384)
+    be, _ = bare(cfg, 300)
+    kc = rng.standard_normal((300, 2, 64)).astype(np.float16)
+    vc = rng.standard_normal((300, 2, 64)).astype(np.float16)
+    be.k_cache[0], be.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
+    t = 45
+    pos = rng.permutation(300)[:t].astype(np.int32)
+    q = rng.standard_normal((t, 6, 64)).astype(np.float32)
+    out = cp.full((t, 6 * 64), cp.nan, dtype=cp.float32)
+    be._attend(cp.asarray(q), 6 * 64, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, 300, None, None)
+    want = attention_ref(q, kc.astype(np.float32), vc.astype(np.float32), pos, 3)
+    assert_close(out.get(), want, 4e-3, 1e-2, "unsorted positions")
+
+
+@pytest.mark.parametrize("dh,hkv,group", [(64, 3, 3), (128, 1, 8), (96, 2, 7), (64, 2, 1)])
+def test_attention_decode_warps_and_wide_chunks(dh, hkv, group) -> None:
+    """attention_decode_npl*: a context past 65536 keys makes chunks of 512 (two 256-key passes per split);
+    positions on and around split and pass boundaries; output poisoned with NaN; float64 reference."""
+    rng = np.random.default_rng(77 + dh + group)
+    hq, ctx = hkv * group, 70_000
+    cfg = make_cfg(n_head=hq, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hq * dh)
+    be, _ = bare(cfg, ctx)
+    assert be._decode_kernel_fits() and be._chunk(ctx) == 512
+    kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    be.k_cache[0], be.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
+    n_split, chunk = be._n_split(ctx), be._chunk(ctx)
+    po = cp.empty((n_split, hq, dh), cp.float32)
+    pm = cp.empty((n_split, hq, 2), cp.float32)
+    for p in (0, 31, 255, 256, 511, 512, 700, 5000, 69_999):
+        q = (rng.standard_normal((1, hq, dh)) * 2).astype(np.float32)
+        out = cp.full((1, hq * dh), cp.nan, dtype=cp.float32)
+        be._attend(cp.asarray(q), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray([p], dtype=cp.int32), 1, out,
+                   n_split, chunk, po, pm)
+        want = np.empty((hq, dh))
+        for h in range(hq):
+            sc = kc[: p + 1, h // group].astype(np.float64) @ q[0, h].astype(np.float64) / math.sqrt(dh)
+            w = np.exp(sc - sc.max())
+            want[h] = w @ vc[: p + 1, h // group].astype(np.float64) / w.sum()
+        assert_close(out.get().reshape(hq, dh), want, 2e-4, 2e-3, f"decode pos {p}")
 
 
 def test_attention_decode_long_context_splits() -> None:

@@ -54,6 +54,10 @@ MATVEC_TMAX = 8  # kernels/matvec.cu: up to 8 tokens per matvec launch; more go 
 DEQUANT_CHUNK = 1 << 25  # fp16 values per dequantized weight chunk in prefill (64 MiB)
 TOPK_MAX = 1024  # device top-k candidates
 ATT_ROWS = 32  # kernels/attention.cu: query rows per block
+ATT_TC_ROWS, ATT_TC_KEYS = 64, 64  # attention_tc_d*: query rows per block, keys per shared-memory tile
+ATT_TC_DIMS = (64, 80, 96, 112, 128)  # head dims with a tensor-core prefill kernel
+ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
+DEC_KEYS = 256  # attention_decode_npl*: keys per pass of a split (8 warps x 32 lanes)
 MV1_WARPS = 8  # kernels/matvec.cu mv1_*: warps per block
 _ALIGN = 256
 
@@ -65,7 +69,7 @@ def cuda_available() -> tuple[bool, str]:
     except Exception as exc:  # ImportError, or a CuPy built for another CUDA
         return False, (
             f"CuPy is not installed or failed to import ({type(exc).__name__}: {exc}); install it with "
-            "`pip install llamacli[cuda12]` or `pip install llamacli[cuda13]` (matching your CUDA driver)"
+            "`pip install 'llamacli[cuda12]'` or `pip install 'llamacli[cuda13]'` (matching your CUDA driver)"
         )
     try:
         n = cp.cuda.runtime.getDeviceCount()
@@ -161,6 +165,7 @@ class CudaBackend(Backend):
 
         self.cp = cp
         self.use_graph = use_graph
+        self.attention_tc = True  # prefill attention on tensor cores (False: the fp32 CUDA-core kernel)
         self._alpha_beta = np.array([1.0, 0.0], dtype=np.float32)  # host scalars for cuBLAS GemmEx
         self._graphs: dict[str, Any] = {}
         self._arena = None
@@ -516,7 +521,25 @@ class CudaBackend(Backend):
                 chunk: int, part_o: Any, part_ml: Any) -> None:
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
+            # Prefill on tensor cores (fp16 Q and P, fp32 accumulate): 64 query rows per block.
+            smem = 2 * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16
+            K.launch("attention", f"attention_tc_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
+                     (K.ptr(q), K.i32(q_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
+                      K.f32(1.0 / math.sqrt(dh)), K.ptr(out), K.i32(cfg.q_dim)), shared=smem)
+            return
         npl = next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
+        if n_split > 1 and t == 1 and self._decode_kernel_fits():
+            # Decode: the split's keys spread over all 8 warps (chunk is a multiple of 256 here).
+            g = cfg.n_group
+            K.launch("attention", f"attention_decode_npl{npl}", (hkv, n_split), (256,),
+                     (K.ptr(q), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(hq), K.i32(hkv), K.i32(dh),
+                      K.f32(1.0 / math.sqrt(dh)), K.i32(chunk), K.ptr(part_o), K.ptr(part_ml)),
+                     shared=(9 * g * dh + 16 * g) * 4 + 8 * 32 * dh * 2)
+            K.launch("attention", "attention_combine", (hq,), (max(32, K.cdiv(dh, 32) * 32),),
+                     (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(1), K.i32(hq), K.i32(dh), K.i32(n_split),
+                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
+            return
         smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
         grid = (K.cdiv(t * cfg.n_group, ATT_ROWS), hkv, n_split)
         K.launch("attention", f"attention_npl{npl}", grid, (256,),
@@ -528,10 +551,17 @@ class CudaBackend(Backend):
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(dh), K.i32(n_split),
                       K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
 
-    @staticmethod
-    def _chunk(ctx: int) -> int:
-        """Keys per split in decode attention: at least 128, at most 64 splits."""
-        return max(128, K.cdiv(K.cdiv(ctx, 64), 32) * 32)
+    def _decode_kernel_fits(self) -> bool:
+        """attention_decode_npl*: up to 8 query heads per KV head, head dim a multiple of 8, at most 128."""
+        cfg = self.cfg
+        return cfg.n_group <= 8 and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+
+    def _chunk(self, ctx: int) -> int:
+        """Keys per split in decode attention. attention_decode: 256 (one key per lane of 8 warps), more
+        only past 256 splits (ctx > 65536). The CUDA-core fallback (G > 8): 32-key tiles, at most 256 splits."""
+        if self._decode_kernel_fits():
+            return K.cdiv(K.cdiv(ctx, 256), DEC_KEYS) * DEC_KEYS
+        return max(32, K.cdiv(K.cdiv(ctx, 256), 32) * 32)
 
     def _n_split(self, ctx: int) -> int:
         return K.cdiv(ctx, self._chunk(ctx))
