@@ -74,6 +74,6 @@ def test_backend_cuda_without_cupy_says_how_to_install(monkeypatch) -> None:
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now raises ImportError
     ok, reason = cuda_available()
-    assert not ok and "pip install llamacli[cuda12]" in reason and "[cuda13]" in reason
-    with pytest.raises(BackendError, match=r"CuPy is not installed.*pip install llamacli\[cuda12\]"):
+    assert not ok and "pip install 'llamacli[cuda12]'" in reason and "[cuda13]" in reason
+    with pytest.raises(BackendError, match=r"CuPy is not installed.*pip install 'llamacli\[cuda12\]'"):
         select_backend("cuda")
