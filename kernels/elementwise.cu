@@ -2,6 +2,9 @@
 //   swiglu_f32   y[i] = silu(g[i]) * u[i]            g, u, y [n] (y may alias either)
 //   add_f32      y[i] = a[i] + b[i]                  residual add (y may alias a)
 //   add_bias_f32 x[t, j] += b[j]                     x [T, N], b [N]
+//   to_f16_rowscale_f32  x16[t, :] = f16(x[t, :] / s[t]), s[t] = 1, or the power of two that brings the
+//                row's max |x| under 16384 (fp16 max: 65504): the prefill GEMM's input. One block per row.
+//   rowscale_bias_f32    y[t, j] = y[t, j] * s[t] (+ b[j]): the GEMM's epilogue (b may be NULL)
 //   spin_ns      one thread waits `ns` nanoseconds of %globaltimer: the profiler (bench --profile) queues a
 //                step behind it, so the step's kernels then run back to back without host launch gaps
 // In the fused decode step these are folded into the matvec (swiglu, resid, bias arguments); these
@@ -24,6 +27,39 @@ extern "C" __global__ void add_f32(const float* a, const float* b, float* y, lon
 extern "C" __global__ void add_bias_f32(float* x, const float* __restrict__ b, long long n, int N) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         x[i] += b[i % N];
+}
+
+#define F16_SAFE 16384.0f
+
+extern "C" __global__ void to_f16_rowscale_f32(const float* __restrict__ x, u16* __restrict__ x16,
+                                               float* __restrict__ scale, int k) {
+    __shared__ float red[32];
+    const float* row = x + (long long)blockIdx.x * k;
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) m = fmaxf(m, fabsf(row[i]));  // NaN drops out; see below
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        m = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (threadIdx.x == 0) red[0] = m;
+    }
+    __syncthreads();
+    m = red[0];
+    // s = 2^ceil(log2(m / F16_SAFE)) when m is too large (an exact power of two: no rounding from scaling);
+    // an infinite m keeps s = 1, so inf/NaN still reach the output and the NaN checks downstream.
+    const float s = (m > F16_SAFE && m <= 3.0e38f) ? exp2f(ceilf(log2f(m / F16_SAFE))) : 1.0f;
+    const float inv = 1.0f / s;
+    u16* out = x16 + (long long)blockIdx.x * k;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) out[i] = f2h(row[i] * inv);
+    if (threadIdx.x == 0) scale[blockIdx.x] = s;
+}
+
+extern "C" __global__ void rowscale_bias_f32(float* y, const float* __restrict__ scale, const float* __restrict__ b,
+                                             long long n, int N) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = y[i] * scale[i / N] + (b ? b[i % N] : 0.0f);
 }
 
 extern "C" __global__ void spin_ns(long long ns) {

@@ -401,6 +401,7 @@ class CudaBackend(Backend):
         # 512 tokens). Rows of x beyond fp16's comfortable range are scaled down by a power of two first and
         # the result scaled back, exactly, with no host sync.
         x16, scale = self._to_f16_scaled(x)
+        bias = None if bias is None else self._f32(bias)
         if w.qtype == QT.F16 and w.row_bytes == 2 * k:  # F16 weights are used where they lie (no copy)
             self._gemm16(x16, w.ptr, w.rows, k, y, 0)
         else:
@@ -413,20 +414,21 @@ class CudaBackend(Backend):
                 K.launch("dequant", f"dequant_{qname(w.qtype)}", (min(K.cdiv(units, 256), 65535),), (256,),
                          (K.ptr(part.ptr), K.i64(n), K.i32(k), K.ptr(buf)))
                 self._gemm16(x16, buf.data.ptr, n, k, y, r0)
-        y *= scale
-        if bias is not None:
-            y += bias
+        n_all = y.size
+        K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n_all, 256), 4096),), (256,),
+                 (K.ptr(y), K.ptr(scale), K.ptr(bias), K.i64(n_all), K.i32(w.rows)))
         return y
 
-    F16_SAFE = 16384.0  # |x| above this is scaled down before the fp16 cast (fp16 max: 65504)
-
     def _to_f16_scaled(self, x: Any) -> tuple[Any, Any]:
-        """x [t, k] float32 -> (x / s as fp16, s [t, 1]) with s = 1, or a power of two where a row's max |x|
-        exceeds F16_SAFE."""
+        """x [t, k] float32 -> (x / s as fp16 [t, k], s [t]): s = 1, or the power of two that brings a row's
+        max |x| under 16384 (kernels/elementwise.cu). One launch: prefill is not graph-captured, so every
+        extra CuPy operation per matmul costs host time."""
         cp = self.cp
-        amax = cp.abs(x).max(axis=1, keepdims=True)
-        scale = cp.where(amax > self.F16_SAFE, cp.exp2(cp.ceil(cp.log2(amax / self.F16_SAFE))), 1.0).astype(cp.float32)
-        return (x / scale).astype(cp.float16), scale
+        t, k = x.shape
+        x16 = cp.empty((t, k), dtype=cp.float16)
+        scale = cp.empty(t, dtype=cp.float32)
+        K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,), (K.ptr(x), K.ptr(x16), K.ptr(scale), K.i32(k)))
+        return x16, scale
 
     def _gemm16(self, x16: Any, w_ptr: int, n_rows: int, k: int, y: Any, col0: int) -> None:
         """y[:, col0:col0+n_rows] = x16 [t, k] . W[n_rows, k]^T: fp16 inputs, fp32 accumulation and output.
