@@ -10,6 +10,14 @@
 //   topk_f32(x [V], V, k, vals [k] f32, ids [k] i32): the k largest logits (unordered) by a 4-pass
 //       8-bit radix select on order-preserving keys, then one collecting pass. One block, 1024 threads.
 //       Ties at the k-th value keep the lowest ids (sampling.py's ranking).
+//   sample_topk_f32(vals [k], ids [k], k, top_p, log_min_p, temperature, u, out [2] i32): the rest of
+//       sampling.py's chain over the top-k candidates, so that only the chosen id crosses to the host:
+//       drop -inf; top-p on the ranking (logit desc, id asc) with weights exp(l - l_max) summed in rank
+//       order; min-p (l >= l_max + ln min_p); then weights exp((l - l_max) / T) summed in ascending id
+//       order, the first token whose running sum exceeds u * sum (u: the host generator's number).
+//       float64 like sampling.py, and the sums run on one thread in numpy's cumsum order.
+//       out = (id, flag): flag 1 = NaN/+inf among the candidates, 2 = no candidate (all -inf).
+//       One block of >= k threads (k <= 1024).
 // Best measured on H100: not yet tuned (single-block kernels: ~5-30 us for a 150k vocabulary).
 
 #include "common.cuh"
@@ -134,5 +142,100 @@ extern "C" __global__ void __launch_bounds__(1024) topk_f32(const float* __restr
             s_base += total;
         }
         __syncthreads();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) sample_topk_f32(const float* __restrict__ vals,
+                                                                  const int* __restrict__ ids, int k, double top_p,
+                                                                  double log_min_p, double temperature, double u,
+                                                                  int* out) {
+    __shared__ float sv[1024];          // candidate logits (-inf: not a candidate)
+    __shared__ int sid[1024];
+    __shared__ double w[1024];          // weights at rank positions (top-p), then at id positions (draw)
+    __shared__ int slot[1024];          // thread at rank position, then at id position
+    __shared__ unsigned char skept[1024];
+    __shared__ int s_bad, s_n, s_keep;
+    const int t = threadIdx.x;
+    if (t == 0) { s_bad = 0; s_n = 0; }
+    __syncthreads();
+    float v = -INFINITY;
+    int id = 0x7fffffff;
+    if (t < k) {
+        v = vals[t];
+        id = ids[t];
+        if (v != v || v == INFINITY) atomicOr(&s_bad, 1);
+    }
+    if (v != v) v = -INFINITY;
+    sv[t] = v;
+    sid[t] = id;
+    const bool cand = t < k && v != -INFINITY;
+    if (cand) atomicAdd(&s_n, 1);
+    __syncthreads();
+    const int n = s_n;
+    if (s_bad || n == 0) {  // uniform across the block: every thread leaves here
+        if (t == 0) { out[0] = 0; out[1] = s_bad ? 1 : 2; }
+        return;
+    }
+    // Rank in the ranking: logit descending, then id ascending.
+    int rank = 0;
+    if (cand) {
+        for (int j = 0; j < k; ++j) {
+            const float o = sv[j];
+            rank += (o != -INFINITY) && ((o > v) || (o == v && sid[j] < id));
+        }
+        slot[rank] = t;
+    }
+    __syncthreads();
+    const double vmax = (double)sv[slot[0]];
+    // top-p: keep ranks < 1 + (first r whose running weight reaches top_p * total).
+    int keep = n;
+    if (top_p < 1.0 && n > 1) {
+        if (cand) w[rank] = exp((double)v - vmax);
+        __syncthreads();
+        if (t == 0) {
+            double total = 0.0;
+            for (int r = 0; r < n; ++r) total += w[r];
+            const double target = top_p * total;
+            double cum = 0.0;
+            int r = 0;
+            for (; r < n - 1; ++r) {
+                cum += w[r];
+                if (cum >= target) break;
+            }
+            s_keep = r + 1;
+        }
+        __syncthreads();
+        keep = s_keep;
+    }
+    // min-p: l >= l_max + ln(min_p) (the best always passes); log_min_p = -inf turns it off.
+    const bool kept = cand && rank < keep && (double)v >= vmax + log_min_p;
+    skept[t] = kept;
+    __syncthreads();
+    // The draw walks the kept tokens in ascending id order.
+    if (kept) {
+        int pos = 0;
+        for (int j = 0; j < k; ++j) pos += skept[j] && sid[j] < id;
+        w[pos] = exp(((double)v - vmax) / temperature);
+        slot[pos] = t;
+    }
+    __syncthreads();
+    if (t == 0) {
+        int m = 0;
+        for (int j = 0; j < k; ++j) m += skept[j];
+        double total = 0.0;
+        for (int i = 0; i < m; ++i) total += w[i];
+        const double target = u * total;
+        double cum = 0.0;
+        int i = 0;
+        for (; i < m; ++i) {
+            cum += w[i];
+            if (cum > target) break;
+        }
+        if (i >= m) {  // u * total rounded up to total: the last token with weight
+            i = m - 1;
+            while (i > 0 && w[i] <= 0.0) --i;
+        }
+        out[0] = sid[slot[i]];
+        out[1] = 0;
     }
 }

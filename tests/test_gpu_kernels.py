@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
+from llamacli.errors import NumericalError  # noqa: E402
 from llamacli import rope as rope_tables  # noqa: E402
 from llamacli import sampling as S  # noqa: E402
 from llamacli.backends.cuda_backend import (  # noqa: E402
@@ -405,6 +406,7 @@ def test_device_sampling_matches_sampling_py(seed) -> None:
     v = 32_000 + seed
     be, _ = bare(make_cfg(vocab_size=v), 16)
     be._topk_vals, be._topk_ids = cp.empty(1024, cp.float32), cp.empty(1024, cp.int32)
+    be._sample_out = cp.zeros(2, cp.int32)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(v) * 3).astype(np.float32)
     x[rng.choice(v, 50)] = x.max()  # ties at the top
@@ -418,12 +420,22 @@ def test_device_sampling_matches_sampling_py(seed) -> None:
         S.SamplingParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=-1),
         S.SamplingParams(temperature=0.7, top_k=1024, top_p=0.5, seed=3),
         S.SamplingParams(temperature=0.7, top_k=0, seed=3),  # host path
+        S.SamplingParams(temperature=2.0, top_k=200, top_p=0.8, min_p=0.3),
+        S.SamplingParams(temperature=0.4, top_k=60, top_p=0.99, min_p=0.0),
+        S.SamplingParams(temperature=1.0, top_k=1),
+        S.SamplingParams(temperature=1.0, top_k=1024, top_p=1.0, min_p=1.0),  # only the best (and its ties)
     ):
-        for trial in range(5):
+        for trial in range(20):
             r1, r2 = np.random.default_rng(trial), np.random.default_rng(trial)
             want = S.sample(x, params, r1, recent)
             got = be.sample(cp.asarray(x[None]), params, r2, recent)
             assert got == want, (params, trial)
+    # Only one candidate left, and none: the same answer / error as sampling.py.
+    y = np.full(v, -np.inf, np.float32)
+    y[seed * 7] = 1.0
+    assert be.sample(cp.asarray(y[None]), S.SamplingParams(top_k=40), np.random.default_rng(0), []) == seed * 7
+    with pytest.raises(NumericalError):
+        be.sample(cp.asarray(np.full((1, v), -np.inf, np.float32)), S.SamplingParams(top_k=40), np.random.default_rng(0), [])
 
 
 def test_debug_logging_names_each_launch(caplog) -> None:

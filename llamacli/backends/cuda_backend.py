@@ -14,13 +14,13 @@ is fp16 [layer, ctx, Hkv, Dh]. Two ways to run the model:
   residual | gate/up matvec (RMSNorm fused, + SwiGLU) | down matvec + residual; then the LM head with
   the final RMSNorm and, when greedy, the argmax fused in (kernels/matvec.cu mv1_*).
 
-Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-shape Q4_1 tg128 1108 tok/s (0.90 ms/token;
-781 before the mv1 kernels and fusions); `llamacli bench --profile` breaks a step down by kernel family.
+Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,264 tok/s, pp512 22,712
+tok/s; `llamacli bench --profile` breaks a step down by kernel family.
 
-Sampling on the device (`sample`): penalties and argmax, or penalties and top-k (k <= 1024), run on the GPU;
-greedy brings back one id. Temperature sampling brings back the k candidates (k <= 1024 logits and ids)
-and finishes the chain (top-p, min-p, the draw) with sampling.py's own functions on the host, so the
-semantics are identical; top_k = 0 or > 1024 copies the logits and samples on the host.
+Sampling on the device (`sample`): penalties, then argmax (greedy), or top-k (k <= 1024) and the rest of
+sampling.py's chain over the candidates (top-p, min-p, temperature, the draw with the uniform number the
+host's seeded generator supplies): only the chosen id crosses, and the tokens equal sampling.py's for the
+same seed (tests/test_gpu_kernels.py). top_k = 0 or > 1024 copies the logits and samples on the host.
 """
 
 from __future__ import annotations
@@ -608,6 +608,7 @@ class CudaBackend(Backend):
         self._dev_state: tuple[int, int] | None = None
         self._topk_vals = cp.empty(TOPK_MAX, f)
         self._topk_ids = cp.empty(TOPK_MAX, cp.int32)
+        self._sample_out = cp.zeros(2, cp.int32)  # (token id, flag) from sample_topk_f32
         # Per layer: the QKV matvec segments (one launch when the three share a type) and the bias.
         self._qkv_plan = []
         for L in self.weights.layers:
@@ -779,14 +780,16 @@ class CudaBackend(Backend):
         k = min(params.top_k, v)
         K.launch("sampling", "topk_f32", (1,), (1024,),
                  (K.ptr(x), K.i32(v), K.i32(k), K.ptr(self._topk_vals), K.ptr(self._topk_ids)))
-        vals, ids = self._topk_vals[:k].get(), self._topk_ids[:k].get()
-        if not np.all(np.isfinite(vals) | (vals == -np.inf)) or np.isnan(vals).any():
+        # top-p, min-p, temperature and the draw over the k candidates, on the device too (sampling.cu):
+        # the host's seeded generator supplies the one uniform number, and only the id comes back.
+        out = self._sample_out
+        log_min_p = math.log(params.min_p) if params.min_p > 0 else -math.inf
+        K.launch("sampling", "sample_topk_f32", (1,), (1024,),
+                 (K.ptr(self._topk_vals), K.ptr(self._topk_ids), K.i32(k), np.float64(params.top_p),
+                  np.float64(log_min_p), np.float64(params.temperature), np.float64(rng.random()), K.ptr(out)))
+        token, flag = (int(a) for a in out.get())
+        if flag == 1:
             raise NumericalError("the logits contain NaN or +inf: the model output is broken")
-        keep = vals != -np.inf
-        if not keep.any():
+        if flag == 2:
             raise NumericalError(f"all {v} logits are -inf: no token can be sampled")
-        order = np.argsort(ids[keep], kind="stable")
-        ids, vals = ids[keep][order].astype(np.int64), vals[keep][order]
-        ids, vals = S._top_p(ids, vals, params.top_p, 1)
-        ids, vals = S._min_p(ids, vals, params.min_p, 1)
-        return int(ids[S._draw(S._weights(vals, params.temperature), rng)])
+        return token
