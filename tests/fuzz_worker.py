@@ -136,7 +136,10 @@ def main() -> None:
             stages = [["?", f"BUG {type(exc).__name__}: {str(exc)[:300]}"], ["traceback", tb]]
         del prefix
         os.unlink(path)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10  # MiB, the worker's peak so far
+        # The worker's own high-water mark (ru_maxrss would report the pytest parent's RSS at fork time: Linux
+        # keeps it across exec; VmHWM belongs to the new address space).
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) >> 10  # MiB
         print(json.dumps({"stages": stages, "ms": (time.perf_counter() - t0) * 1e3, "peak_mb": peak}), file=proto)
 
 
