@@ -143,26 +143,22 @@ class Model:
 
     def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a rendered conversation: special tokens parsed, BOS added unless the template wrote it."""
-        text = self.render_chat(messages, add_generation_prompt)
-        tok = self.tokenizer
-        ids = tok.encode(text, special=True, add_bos=False)
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids.insert(0, tok.bos_id)
-        return ids
+        from .chat import encode_prompt
+
+        return encode_prompt(self.tokenizer, self.render_chat(messages, add_generation_prompt))
 
     def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None) -> list[int]:
         """The ids for a prompt: through the chat template (when the file has one, or `system` is given),
         or as plain text with `raw`."""
+        from .chat import chat_messages
+
         if raw:
             if system is not None:
                 raise UsageError("--system needs the chat template; it cannot be combined with --raw")
             return self.tokenize(prompt)
         if self.gguf.metadata.get("tokenizer.chat_template") is None and system is None:
             return self.tokenize(prompt)  # a base model: plain completion
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        return self.chat_ids(messages)
+        return self.chat_ids(chat_messages(prompt, system))
 
     # -- generation -------------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **kw: Any) -> Iterator[str]:
@@ -225,10 +221,7 @@ class Model:
         c.timings.prompt_ms = (time.perf_counter() - t0) * 1e3
         c.timings.prompt_tokens = len(new)
 
-        penalties = params.repeat_last_n != 0 and (
-            params.repeat_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-        )
-        plain_greedy = params.greedy and not penalties
+        plain_greedy = params.greedy and not params.has_penalties
         # Generated text continues the prompt: keep the space SentencePiece pieces start with, and print no
         # control tokens (llama-cli without --special).
         decoder = StreamDecoder(self.tokenizer, special=False, strip_dummy_prefix=False)

@@ -102,6 +102,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty changes a logit (a window of 0 turns them all off)."""
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
     def validate(self) -> SamplingParams:
         """Raise UsageError (one sentence) for a value that cannot work; return self otherwise."""
         t = self.temperature

@@ -252,7 +252,8 @@ def vocab_from_file(path: str | Path) -> dict[str, Any]:
 # -- the writer --------------------------------------------------------------------------------------------------
 
 
-def _add_value(w: GGUFWriter, key: str, value: Any) -> None:
+def add_metadata(w: GGUFWriter, key: str, value: Any) -> None:
+    """One metadata key with the GGUF type its Python value implies (int: uint32, else int64)."""
     if isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):
@@ -321,7 +322,7 @@ def write_model(
     kv["general.file_type"] = file_type.get(qtype, 0)  # type: ignore[arg-type]
     for key, value in {**kv, **vocab, **(metadata or {})}.items():
         if value is not None:
-            _add_value(w, key, value)
+            add_metadata(w, key, value)
 
     shapes = [(n, s) for n, s in tensor_shapes(spec, n_vocab) if n not in drop_tensors]
     forced = tensor_types or {}

@@ -221,25 +221,18 @@ def spm_vocab() -> dict[str, Any]:
     }
 
 
-def bpe_vocab() -> dict[str, Any]:
-    from llamacli.testing import tiny_vocab
-
-    # llama.cpp knows this pre-tokenizer as "gpt-2" (testing.tiny_vocab writes "gpt2", which it rejects)
-    return {**tiny_vocab(), "tokenizer.ggml.pre": "gpt-2"}
-
-
 def write_seed_models(root: Path) -> dict[str, Path]:
     """Tiny synthetic models (one per architecture and tokenizer kind) and a vocabulary-only file."""
     from gguf import GGUFWriter
 
-    from llamacli.testing import ModelSpec, write_model
+    from llamacli.testing import ModelSpec, add_metadata, tiny_vocab, write_model
 
     root.mkdir(parents=True, exist_ok=True)
     micro = ModelSpec("llama", 1, 32, 2, 1, 64, context_length=128, name="micro-llama")
     out = {
-        "llama-bpe-f32": write_model(root / "llama-bpe-f32.gguf", micro, "F32", vocab=bpe_vocab()),
+        "llama-bpe-f32": write_model(root / "llama-bpe-f32.gguf", micro, "F32", vocab=tiny_vocab()),
         "qwen2-bpe-q8_0": write_model(root / "qwen2-bpe-q8_0.gguf", replace(micro, arch="qwen2", tied=True, name="micro-qwen2"),
-                                      "Q8_0", vocab=bpe_vocab()),
+                                      "Q8_0", vocab=tiny_vocab()),
         "phi3-spm-f16": write_model(root / "phi3-spm-f16.gguf", replace(micro, arch="phi3", n_head_kv=2, name="micro-phi3",
                                                                          rope_scaling="longrope"), "F16", vocab=spm_vocab()),
         "llama3-spm-q4_0": write_model(root / "llama3-spm-q4_0.gguf", replace(micro, rope_scaling="llama3", rope_factor=8.0),
@@ -248,15 +241,8 @@ def write_seed_models(root: Path) -> dict[str, Path]:
     vocab_only = root / "vocab-only-bpe.gguf"
     w = GGUFWriter(str(vocab_only), "llama")
     w.add_name("vocab-only")
-    for key, value in bpe_vocab().items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+    for key, value in tiny_vocab().items():
+        add_metadata(w, key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -554,7 +540,6 @@ def m_tokenizer_arrays(rng: random.Random, base: Sample, layout: Layout) -> Samp
         if rng.random() < 0.5:
             lay.set("tokenizer.ggml.merges", ARR, (STR, [f"{tokens[0]} {tokens[-1]}", f"{tokens[0]} {tokens[0]}"]))
     elif how == 0:  # token_type shorter / longer
-        types = lay.kv("tokenizer.ggml.token_type")
         n = len(tokens) + rng.choice([-1, -len(tokens), 5])
         lay.set("tokenizer.ggml.token_type", ARR, (I32, [rng.choice([1, 3, 6]) for _ in range(max(n, 0))]))
     elif how == 1:  # scores shorter, or of the wrong kind

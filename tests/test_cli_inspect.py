@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from gguf import GGMLQuantizationType as QT
 
 import gguf_bytes as gb

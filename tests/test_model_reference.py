@@ -118,8 +118,6 @@ PROMPTS = [
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_smollm2_greedy_matches_transformers_generate(smollm2, smollm2_pair, prompt):
-    from llamacli.generate import Model
-
     _, m = smollm2_pair
     model = _shared_model(smollm2)
     ids = model.tokenize(prompt)

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gguf_mutate as gm
 from clirun import ROOT, run, run_subprocess
 from llamacli.backends import numpy_backend
 from llamacli.errors import HostMemoryError, NumericalError
@@ -38,12 +37,12 @@ SLOW = ModelSpec("llama", 8, 1024, 16, 4, 2816, context_length=4096, name="slow-
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory) -> Path:
-    return write_model(tmp_path_factory.mktemp("faults") / "micro.gguf", MICRO, "F32", vocab=gm.bpe_vocab())
+    return write_model(tmp_path_factory.mktemp("faults") / "micro.gguf", MICRO, "F32")
 
 
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory) -> Path:
-    return write_model(tmp_path_factory.mktemp("faults") / "slow.gguf", SLOW, "Q4_K", vocab=gm.bpe_vocab())
+    return write_model(tmp_path_factory.mktemp("faults") / "slow.gguf", SLOW, "Q4_K")
 
 
 # -- Ctrl-C ----------------------------------------------------------------------------------------------------
@@ -202,7 +201,7 @@ def _poison(src: Path, dst: Path, tensor: str, value: float) -> Path:
 @pytest.fixture(scope="module")
 def broken(tmp_path_factory, micro) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("nan")
-    f16 = write_model(root / "micro-f16.gguf", MICRO, "F16", vocab=gm.bpe_vocab())
+    f16 = write_model(root / "micro-f16.gguf", MICRO, "F16")
     return {
         "NaN output weights (F32)": _poison(micro, root / "nan-output.gguf", "output.weight", math.nan),
         "NaN attention weights (F32)": _poison(micro, root / "nan-attn.gguf", "blk.0.attn_q.weight", math.nan),

@@ -416,3 +416,10 @@ def test_fast_enough_for_a_152k_vocabulary():
             sample(logits, params, rng, recent)
             times.append(time.perf_counter() - t0)
         assert np.median(times) < 2e-3, f"median {np.median(times) * 1e3:.2f} ms per call"
+
+
+def test_has_penalties():
+    assert not SamplingParams().has_penalties  # llama.cpp's defaults: repeat penalty 1, no presence/frequency
+    assert SamplingParams(repeat_penalty=1.1).has_penalties
+    assert SamplingParams(presence_penalty=0.5).has_penalties and SamplingParams(frequency_penalty=-0.2).has_penalties
+    assert not SamplingParams(repeat_penalty=1.5, repeat_last_n=0).has_penalties  # an empty window

@@ -25,6 +25,7 @@ from fuzz_runner import Summary
 from llamacli.chat import ChatTemplate
 from llamacli.errors import TemplateError
 from llamacli.gguf_file import open_gguf
+from llamacli.testing import tiny_vocab
 
 SECRET = "llamacli-canary-3f9a"  # planted in the environment: must never reach a rendered prompt
 CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -190,7 +191,7 @@ LEAKS = ["<module", "__builtins__", "<built-in function", "root:x:", "/bin/sh", 
 
 def _gguf_with_template(path: Path, template: str) -> Path:
     """A vocabulary-only GGUF whose tokenizer.chat_template is `template` (with the ChatML tokens)."""
-    vocab = gm.bpe_vocab()
+    vocab = tiny_vocab()
     kvs = [gb.kv("general.architecture", gb.STR, "llama"),
            gb.kv("tokenizer.ggml.model", gb.STR, vocab["tokenizer.ggml.model"]),
            gb.kv("tokenizer.ggml.pre", gb.STR, vocab["tokenizer.ggml.pre"]),
