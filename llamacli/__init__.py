@@ -3,6 +3,20 @@
 __version__ = "0.1.0"
 
 
+def run() -> None:
+    """The `llamacli` console script and `python -m llamacli`. It lives in this small module so that a Ctrl-C
+    while the CLI's own imports (typer, rich, numpy) are still loading ends as every later one does: one line
+    and exit code 130, no traceback."""
+    import sys
+
+    try:
+        from .cli import main
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        sys.exit(130)
+    main()
+
+
 def load(path, backend: str = "auto", ctx: int | None = None, **kw):
     """Load a GGUF model: `llamacli.load("model.gguf", backend="numpy").generate("Hello")` streams text."""
     from .generate import load as _load

@@ -28,7 +28,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .generate import Model
-from .model import forward
+from .model import prefill as prefill_prompt
+from .units import human_bytes, human_count
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Bench:
 
     def prefill(self, n: int) -> None:
         be = self.be
-        logits = forward(be, self.cfg, be.token_ids(np.asarray(self._ids(n))), be.positions(0, n))
+        logits = prefill_prompt(be, self.cfg, self._ids(n), 0)  # in chunks, as generate runs a prompt
         be.to_host(logits[:, :1])  # the result must exist before the clock stops
 
     def generate(self, n: int, start: int = 0) -> None:
@@ -161,14 +162,6 @@ def run_bench(model: Model, prompts: list[int], gens: list[int], pg: list[tuple[
 # -- output -------------------------------------------------------------------------------------------------
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-def _params(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
-
-
 def render(rows: list[BenchRow], fmt: str, device: str, bandwidth: float) -> str:
     if fmt == "json":
         return json.dumps([r.as_dict(device) for r in rows], indent=2)
@@ -191,7 +184,7 @@ def render(rows: list[BenchRow], fmt: str, device: str, bandwidth: float) -> str
     ]
     for r in rows:
         gbs, frac = r.gb_per_s, r.bw_fraction
-        cells = [r.model, _size(r.size), _params(r.params), r.backend, r.test,
+        cells = [r.model, human_bytes(r.size), human_count(r.params), r.backend, r.test,
                  f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}",
                  "" if gbs is None else f"{gbs:.1f}", "" if frac is None else f"{frac * 100:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -249,15 +242,15 @@ def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str
     ids = rng.integers(0, cfg.vocab_size, size=n_prompt)
     greedy = SamplingParams(temperature=0.0)
 
-    def prefill() -> int:
-        logits = forward(be, cfg, be.token_ids(ids), be.positions(0, n_prompt))
+    def run_prefill() -> int:
+        logits = prefill_prompt(be, cfg, ids, 0)
         return be.sample(logits, greedy, rng, [])
 
-    token = prefill()  # warm up: compilation, cuBLAS handles, memory pool
+    token = run_prefill()  # warm up: compilation, cuBLAS handles, memory pool
     be.decode_greedy(token, n_prompt)
     rows: list[ProfileRow] = []
     spans: dict[str, float] = {}
-    phases = [(f"prefill {n_prompt}", lambda: be.profile(prefill, spin_ms=100.0)),
+    phases = [(f"prefill {n_prompt}", lambda: be.profile(run_prefill, spin_ms=100.0)),
               (f"decode @{n_prompt}", lambda: be.profile_decode(token, n_prompt))]
     for phase, fn in phases:
         fams, span = fn()

@@ -22,7 +22,7 @@ from .backends.base import Progress
 from .config import ModelConfig
 from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
-from .model import forward
+from .model import prefill
 from .sampling import SamplingParams, make_rng
 from .tokenizer import StreamDecoder, Tokenizer
 from .weights import check_tensors
@@ -214,7 +214,7 @@ class Model:
         t0 = time.perf_counter()
         self.cached = self.cached[:keep]
         new = ids[keep:]
-        logits = forward(be, cfg, be.token_ids(np.asarray(new)), be.positions(keep, len(new)))
+        logits = prefill(be, cfg, new, keep)
         self.cached = list(ids)  # only once the prefill finished
         history = list(ids)
         token = be.sample(logits, params, rng, history)

@@ -14,6 +14,7 @@ from rich.text import Text
 from .config import ModelConfig
 from .errors import GGUFError
 from .gguf_file import GGUFFile, open_gguf
+from .units import human_bytes, human_count
 from .weights import check_tensors
 
 MAX_LIST_ITEMS = 8  # long arrays are abbreviated in --metadata
@@ -119,21 +120,6 @@ def _abbreviate(value: Any) -> Any:
 
 
 # -- rendering ------------------------------------------------------------------------------------------------
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def human_count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
 
 
 def render_summary(out: Console, info: dict[str, Any]) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .backends.base import Backend
 from .config import ModelConfig
 
@@ -51,3 +53,16 @@ def forward(be: Backend, cfg: ModelConfig, ids: Any, pos: Any, all_logits: bool 
         x = x[t - 1 :]  # only the last position feeds the next token
     x = be.rms_norm(x, w.output_norm, cfg.rms_eps)
     return be.matmul(x, w.output)  # [1 or T, V]
+
+
+def prefill(be: Backend, cfg: ModelConfig, ids: Any, start: int) -> Any:
+    """Run prompt ids [T] (host integers) at positions start.. through the model in chunks of
+    be.prefill_chunk tokens, filling the KV cache; logits [1, V] of the last token."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ValueError("prefill needs at least one token")
+    n = be.prefill_chunk
+    for s in range(0, ids.size, n):
+        part = ids[s : s + n]
+        logits = forward(be, cfg, be.token_ids(part), be.positions(start + s, part.size))
+    return logits

@@ -119,6 +119,22 @@ def test_context_full_is_length(smollm2):
     assert obj["finish_reason"] == "length" and len(obj["prompt_tokens"]) + len(obj["tokens"]) == 13
 
 
+def test_ctrl_c_while_the_cli_imports_is_one_line_and_130():
+    """A Ctrl-C that lands while `llamacli` is still importing typer, rich and numpy (simulated by an import
+    hook that raises KeyboardInterrupt when llamacli.cli is imported) ends like any later one."""
+    code = (
+        "import sys\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'llamacli.cli': raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Hook())\n"
+        "import llamacli; llamacli.run()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (130, "", "error: interrupted\n")
+
+
 def test_ctrl_c_exits_130_with_text_and_timings(smollm2):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen(

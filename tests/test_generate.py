@@ -71,3 +71,100 @@ def test_vocabulary_must_match_the_embedding(tmp_path):
         "tokenizer.ggml.tokens": small["tokenizer.ggml.tokens"], "tokenizer.ggml.token_type": small["tokenizer.ggml.token_type"]})
     with pytest.raises(ShapeMismatchError, match="273 tokens .* 300 embedding rows"):
         Model(path, backend="numpy", ctx=64)
+
+
+# -- long prompts: chunked prefill, bounded attention scratch --------------------------------------------------
+
+
+def _numpy_backend(path, ctx):
+    from llamacli.backends.numpy_backend import NumpyBackend
+    from llamacli.config import ModelConfig
+    from llamacli.gguf_file import open_gguf
+
+    g = open_gguf(path)
+    cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
+    be = NumpyBackend()
+    be.load(g, cfg, ctx)
+    return be, cfg
+
+
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-phi3"])
+def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
+    """model.prefill splits a prompt into be.prefill_chunk tokens per forward pass (no pass longer), and
+    the logits and KV cache equal those of one pass over the whole prompt; attention in several passes of
+    query rows (a tiny ATT_SCRATCH) gives the same result too. Tolerances: float32 BLAS products of other
+    shapes, 2e-5 relative to the largest value."""
+    import numpy as np
+
+    from llamacli import model as model_mod
+    from llamacli.backends import numpy_backend
+
+    path = random_model(shape, "F32")
+    rng = np.random.default_rng(7)
+    be, cfg = _numpy_backend(path, 160)
+    ids = rng.integers(0, cfg.vocab_size, size=150)
+    whole = be.to_host(model_mod.forward(be, cfg, be.token_ids(ids), be.positions(0, ids.size)))
+    k_whole, v_whole = be.k_cache.copy(), be.v_cache.copy()
+
+    for chunk, att_scratch in ((16, numpy_backend.ATT_SCRATCH), (37, 300), (150, 1), (512, 5000)):
+        be, cfg = _numpy_backend(path, 160)
+        be.prefill_chunk = chunk
+        monkeypatch.setattr(numpy_backend, "ATT_SCRATCH", att_scratch)
+        lengths = []
+        real_forward = model_mod.forward
+        monkeypatch.setattr(model_mod, "forward", lambda b, c, i, p: lengths.append(len(i)) or real_forward(b, c, i, p))
+        got = be.to_host(model_mod.prefill(be, cfg, ids, 0))
+        monkeypatch.setattr(model_mod, "forward", real_forward)
+        assert lengths == [min(chunk, ids.size - s) for s in range(0, ids.size, chunk)]
+        scale = float(np.abs(whole).max())
+        np.testing.assert_allclose(got, whole, rtol=0, atol=2e-5 * scale)
+        for a, b in ((be.k_cache, k_whole), (be.v_cache, v_whole)):
+            np.testing.assert_allclose(a[:, : ids.size], b[:, : ids.size], rtol=0, atol=2e-5 * float(np.abs(b).max()))
+
+
+def test_prefill_scratch_stays_within_the_estimate(random_model):
+    """The host-memory check counts one prefill chunk's working set (scratch_bytes); a prompt of nearly the
+    whole context, in chunks, peaks (tracemalloc) below that figure beside the weights and the cache."""
+    import tracemalloc
+
+    import numpy as np
+
+    from llamacli.backends.numpy_backend import scratch_bytes
+    from llamacli.model import prefill
+
+    ctx = 1536
+    path = random_model("small-llama", "Q8_0")
+    be, cfg = _numpy_backend(path, ctx)
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=ctx - 1)
+    tracemalloc.start()
+    try:
+        base, _ = tracemalloc.get_traced_memory()
+        prefill(be, cfg, ids, 0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    estimate = scratch_bytes(cfg, ctx, be.prefill_chunk)
+    assert peak - base <= estimate, (peak - base, estimate)
+    assert peak - base > estimate / 8  # the estimate is an upper bound of the right size, not a blanket
+
+
+def test_host_memory_check_counts_the_scratch(random_model):
+    """Weights + cache that fit, plus a prefill scratch that does not: refused, and the suggested --ctx fits."""
+    import re
+
+    from llamacli.backends import numpy_backend as nb
+    from llamacli.errors import HostMemoryError
+    from llamacli.config import ModelConfig
+    from llamacli.gguf_file import open_gguf
+
+    g = open_gguf(random_model("small-llama", "Q8_0"))
+    cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
+    ctx = 8192
+    weights, kv = nb.host_bytes(cfg, ctx)
+    scratch = nb.scratch_bytes(cfg, ctx, nb.NumpyBackend.prefill_chunk)
+    nb.check_host_memory(cfg, ctx, available=weights + kv + scratch)  # exactly enough: no error
+    with pytest.raises(HostMemoryError, match="prefill scratch") as exc:
+        nb.check_host_memory(cfg, ctx, available=weights + kv + scratch // 2)
+    fit = int(re.search(r"try --ctx (\d+)", str(exc.value)).group(1))
+    assert 16 <= fit < ctx
+    nb.check_host_memory(cfg, fit, available=weights + kv + scratch // 2)

@@ -28,6 +28,9 @@ def test_wheel_contents(wheel):
     assert on_disk and sorted(Path(n).name for n in cu) == on_disk
     assert "llamacli/models.toml" in names
     assert not any(n.startswith("tests/") for n in names)
+    (ep,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    # The script enters through the package's small __init__, which guards the CLI's imports against Ctrl-C.
+    assert "llamacli = llamacli:run" in zipfile.ZipFile(wheel).read(ep).decode()
 
 
 def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):

@@ -405,17 +405,25 @@ def test_top_k_keeps_a_head_of_the_ranking(v, k):
 # -- speed ---------------------------------------------------------------------------------------------------
 
 
-def test_fast_enough_for_a_152k_vocabulary():
+def _median_s(fn, n: int = 30) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def test_no_full_sort_of_a_152k_vocabulary():
+    """The sampler selects candidates (argpartition) instead of sorting the vocabulary: per token it costs less
+    than one argsort of the logits, timed on the same machine in the same run (a ratio, not a speed target)."""
     logits = (np.random.default_rng(0).standard_normal(151936) * 3).astype(np.float32)
     recent = list(np.random.default_rng(1).integers(0, 151936, 64))
     rng = make_rng(0)
+    full_sort = _median_s(lambda: np.argsort(-logits))
     for params in (SamplingParams(), SamplingParams(repeat_penalty=1.1, frequency_penalty=0.1)):
-        times = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            sample(logits, params, rng, recent)
-            times.append(time.perf_counter() - t0)
-        assert np.median(times) < 2e-3, f"median {np.median(times) * 1e3:.2f} ms per call"
+        took = _median_s(lambda: sample(logits, params, rng, recent))
+        assert took < full_sort, f"median {took * 1e3:.2f} ms per token, argsort {full_sort * 1e3:.2f} ms"
 
 
 def test_has_penalties():

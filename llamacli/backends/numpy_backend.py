@@ -19,6 +19,7 @@ from ..config import ROPE_NEOX, ModelConfig
 from ..errors import HostMemoryError
 from ..gguf_file import GGUFFile
 from ..quants import can_dequantize, gather_rows
+from ..units import human_bytes
 from .base import Backend, LayerWeights, ModelWeights, Progress
 
 
@@ -140,14 +141,18 @@ class NumpyBackend(Backend):
         keys, values = self.k_cache[layer, :n], self.v_cache[layer, :n]  # [S, Hkv, Dh]
         t = q.shape[0]
         qg = q.reshape(t, cfg.n_head_kv, cfg.n_group, cfg.head_dim)  # query heads grouped by their KV head
-        scores = np.einsum("thgd,shd->hgts", qg, keys) / np.sqrt(cfg.head_dim)  # [Hkv, G, T, S]
-        causal = np.arange(n)[None, :] > pos[:, None]  # [T, S]: key after the query's position
-        scores = np.where(causal, -np.inf, scores)
-        scores -= scores.max(axis=-1, keepdims=True)
-        p = np.exp(scores)
-        p /= p.sum(axis=-1, keepdims=True)
-        out = np.einsum("hgts,shd->thgd", p, values)  # [T, Hkv, G, Dh]
-        return out.reshape(t, cfg.q_dim).astype(np.float32)
+        out = np.empty((t, cfg.n_head_kv, cfg.n_group, cfg.head_dim), dtype=np.float32)
+        rows = attention_rows(cfg, t, n)  # query rows per pass: the score arrays stay within ATT_SCRATCH
+        for r in range(0, t, rows):
+            qr, pr = qg[r : r + rows], pos[r : r + rows]
+            scores = np.einsum("thgd,shd->hgts", qr, keys) / np.sqrt(cfg.head_dim)  # [Hkv, G, rows, S]
+            causal = np.arange(n)[None, :] > pr[:, None]  # [rows, S]: key after the query's position
+            scores = np.where(causal, -np.inf, scores)
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[r : r + rows] = np.einsum("hgts,shd->thgd", p, values)  # [rows, Hkv, G, Dh]
+        return out.reshape(t, cfg.q_dim)
 
     @_ieee
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -160,6 +165,25 @@ class NumpyBackend(Backend):
 
 
 # -- host memory ---------------------------------------------------------------------------------------------
+
+
+ATT_SCRATCH = 1 << 22  # attention scores per pass (float64 under NumPy 2: 32 MiB); longer spans take fewer rows
+
+
+def attention_rows(cfg: ModelConfig, t: int, span: int) -> int:
+    """Query rows per attention pass so that one [Hq, rows, span] score array holds at most ATT_SCRATCH
+    floats (at least one row)."""
+    return max(1, min(t, ATT_SCRATCH // max(1, cfg.n_head * span)))
+
+
+def scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int) -> int:
+    """Peak working set of one prefill chunk of min(ctx, chunk) tokens (model.prefill's unit) beside the
+    weights and the cache: the activations that are alive at once, and three score arrays of one attention
+    pass over the whole context (scores, where(), exp())."""
+    t = min(ctx, chunk)
+    acts = t * (4 * cfg.n_embd + 3 * cfg.q_dim + 4 * cfg.kv_dim + 4 * cfg.n_ff)
+    scores = cfg.n_head * attention_rows(cfg, t, ctx) * ctx
+    return 4 * (acts + 2 * cfg.vocab_size) + 8 * 3 * scores
 
 
 def host_bytes(cfg: ModelConfig, ctx: int) -> tuple[int, int]:
@@ -211,20 +235,28 @@ def available_host_memory() -> int | None:
 def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None) -> None:
     """HostMemoryError, naming a context that would fit, when the weights and the KV cache at `ctx` exceed
     the available RAM."""
-    weights, kv = host_bytes(cfg, ctx)
+    chunk = NumpyBackend.prefill_chunk
+
+    def need(c: int) -> int:
+        return sum(host_bytes(cfg, c)) + scratch_bytes(cfg, c, chunk)
+
     free = available_host_memory() if available is None else available
-    if free is None or weights + kv <= free:
+    if free is None or need(ctx) <= free:
         return
-    per_token = kv // ctx
-    fit = (free - weights) // per_token if free > weights else 0
-    fit = fit // 256 * 256 if fit >= 512 else fit
-    gib = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    lo, hi = 0, ctx  # the largest context that fits: need() grows with the context
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= free else (lo, mid - 1)
+    fit = lo // 256 * 256 if lo >= 512 else lo
+    weights, kv = host_bytes(cfg, ctx)
+    scratch = scratch_bytes(cfg, ctx, chunk)
     hint = (
-        f"try --ctx {int(fit)} (the KV cache needs {gib(kv)} at --ctx {ctx})"
+        f"try --ctx {fit} (the KV cache needs {human_bytes(kv)} at --ctx {ctx})"
         if fit >= 16
         else "the weights alone do not fit: use a smaller model, or the CUDA backend"
     )
     raise HostMemoryError(
-        f"not enough host memory for the NumPy backend: the model needs {gib(weights + kv)} (float32 weights "
-        f"{gib(weights)}, KV cache {gib(kv)}), {gib(free)} is available; {hint}"
+        f"not enough host memory for the NumPy backend: the model needs {human_bytes(weights + kv + scratch)} "
+        f"(float32 weights {human_bytes(weights)}, KV cache {human_bytes(kv)}, prefill scratch "
+        f"{human_bytes(scratch)}), {human_bytes(free)} is available; {hint}"
     )
