@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-
 from .backends import select_backend
 from .backends.base import Progress
 from .config import ModelConfig
