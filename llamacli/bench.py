@@ -109,7 +109,7 @@ class Bench:
 
     def prefill(self, n: int) -> None:
         be = self.be
-        logits = prefill_prompt(be, self.cfg, self._ids(n), 0)  # in chunks, as generate runs a prompt
+        logits = prefill_prompt(be, self.cfg, self._ids(n), 0)  # as generate runs a prompt
         be.to_host(logits[:, :1])  # the result must exist before the clock stops
 
     def generate(self, n: int, start: int = 0) -> None:

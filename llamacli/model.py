@@ -56,12 +56,13 @@ def forward(be: Backend, cfg: ModelConfig, ids: Any, pos: Any, all_logits: bool 
 
 
 def prefill(be: Backend, cfg: ModelConfig, ids: Any, start: int) -> Any:
-    """Run prompt ids [T] (host integers) at positions start.. through the model in chunks of
-    be.prefill_chunk tokens, filling the KV cache; logits [1, V] of the last token."""
+    """Run prompt ids [T] (host integers) at positions start.. through the model, filling the KV cache:
+    one forward pass, or passes of be.prefill_chunk tokens where the backend sets one. -> logits [1, V] of
+    the last token."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     if ids.size == 0:
         raise ValueError("prefill needs at least one token")
-    n = be.prefill_chunk
+    n = be.prefill_chunk or ids.size
     for s in range(0, ids.size, n):
         part = ids[s : s + n]
         logits = forward(be, cfg, be.token_ids(part), be.positions(start + s, part.size))

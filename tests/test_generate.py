@@ -90,9 +90,9 @@ def _numpy_backend(path, ctx):
 
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-phi3"])
 def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
-    """model.prefill splits a prompt into be.prefill_chunk tokens per forward pass (no pass longer), and
-    the logits and KV cache equal those of one pass over the whole prompt; attention in several passes of
-    query rows (a tiny ATT_SCRATCH) gives the same result too. Tolerances: float32 BLAS products of other
+    """Where a backend sets prefill_chunk, model.prefill splits a prompt into passes of that many tokens
+    (no pass longer; None: one pass), and the logits and KV cache equal those of one forward pass over the
+    whole prompt; attention in several passes of query rows (a tiny ATT_SCRATCH) gives the same result too. Tolerances: float32 BLAS products of other
     shapes, 2e-5 relative to the largest value."""
     import numpy as np
 
@@ -106,7 +106,7 @@ def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
     whole = be.to_host(model_mod.forward(be, cfg, be.token_ids(ids), be.positions(0, ids.size)))
     k_whole, v_whole = be.k_cache.copy(), be.v_cache.copy()
 
-    for chunk, att_scratch in ((16, numpy_backend.ATT_SCRATCH), (37, 300), (150, 1), (512, 5000)):
+    for chunk, att_scratch in ((16, numpy_backend.ATT_SCRATCH), (37, 300), (150, 1), (None, 5000)):
         be, cfg = _numpy_backend(path, 160)
         be.prefill_chunk = chunk
         monkeypatch.setattr(numpy_backend, "ATT_SCRATCH", att_scratch)
@@ -115,16 +115,18 @@ def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
         monkeypatch.setattr(model_mod, "forward", lambda b, c, i, p: lengths.append(len(i)) or real_forward(b, c, i, p))
         got = be.to_host(model_mod.prefill(be, cfg, ids, 0))
         monkeypatch.setattr(model_mod, "forward", real_forward)
-        assert lengths == [min(chunk, ids.size - s) for s in range(0, ids.size, chunk)]
+        n = chunk or ids.size
+        assert lengths == [min(n, ids.size - s) for s in range(0, ids.size, n)]
         scale = float(np.abs(whole).max())
         np.testing.assert_allclose(got, whole, rtol=0, atol=2e-5 * scale)
         for a, b in ((be.k_cache, k_whole), (be.v_cache, v_whole)):
             np.testing.assert_allclose(a[:, : ids.size], b[:, : ids.size], rtol=0, atol=2e-5 * float(np.abs(b).max()))
 
 
-def test_prefill_scratch_stays_within_the_estimate(random_model):
-    """The host-memory check counts one prefill chunk's working set (scratch_bytes); a prompt of nearly the
-    whole context, in chunks, peaks (tracemalloc) below that figure beside the weights and the cache."""
+@pytest.mark.parametrize("shape", ["small-llama", "small-qwen2", "small-phi3"])
+def test_prefill_scratch_stays_within_the_estimate(random_model, shape):
+    """The host-memory check counts the working set of one prefill pass (scratch_bytes); a prompt of nearly
+    the whole context peaks (tracemalloc) below that figure beside the weights and the cache."""
     import tracemalloc
 
     import numpy as np
@@ -133,7 +135,7 @@ def test_prefill_scratch_stays_within_the_estimate(random_model):
     from llamacli.model import prefill
 
     ctx = 1536
-    path = random_model("small-llama", "Q8_0")
+    path = random_model(shape, "Q8_0")
     be, cfg = _numpy_backend(path, ctx)
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=ctx - 1)
     tracemalloc.start()
@@ -161,7 +163,7 @@ def test_host_memory_check_counts_the_scratch(random_model):
     cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
     ctx = 8192
     weights, kv = nb.host_bytes(cfg, ctx)
-    scratch = nb.scratch_bytes(cfg, ctx, nb.NumpyBackend.prefill_chunk)
+    scratch = nb.scratch_bytes(cfg, ctx)
     nb.check_host_memory(cfg, ctx, available=weights + kv + scratch)  # exactly enough: no error
     with pytest.raises(HostMemoryError, match="prefill scratch") as exc:
         nb.check_host_memory(cfg, ctx, available=weights + kv + scratch // 2)

@@ -58,9 +58,9 @@ class Backend(ABC):
     name: str = "base"
     # 2-D weight types this backend can run (1-D vectors are always F32/F16/BF16, read on the host).
     runnable_types: frozenset[GGMLQuantizationType] = frozenset()
-    # Prompt tokens per forward pass (llama.cpp's default micro-batch): model.prefill splits longer prompts,
-    # so prefill scratch stays bounded whatever the prompt's length (and backends size it for this chunk).
-    prefill_chunk: int = 512
+    # Prompt tokens per forward pass in model.prefill; None runs the whole prompt in one pass (the default,
+    # as the reference does). A backend may set a micro-batch (llama.cpp's is 512) to bound its scratch.
+    prefill_chunk: int | None = None
 
     cfg: ModelConfig
     ctx: int

@@ -176,14 +176,15 @@ def attention_rows(cfg: ModelConfig, t: int, span: int) -> int:
     return max(1, min(t, ATT_SCRATCH // max(1, cfg.n_head * span)))
 
 
-def scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int) -> int:
-    """Peak working set of one prefill chunk of min(ctx, chunk) tokens (model.prefill's unit) beside the
-    weights and the cache: the activations that are alive at once, and three score arrays of one attention
-    pass over the whole context (scores, where(), exp())."""
-    t = min(ctx, chunk)
-    acts = t * (4 * cfg.n_embd + 3 * cfg.q_dim + 4 * cfg.kv_dim + 4 * cfg.n_ff)
+def scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int | None = None) -> int:
+    """Peak working set of one prefill pass of min(ctx, chunk) tokens (the whole prompt, up to the context,
+    when chunk is None) beside the weights and the cache: the activations alive at once (float64 norm
+    temporaries, q/k/v and their rotations, gate/up and SwiGLU's temporaries) and four score arrays of one
+    attention pass of query rows over the whole context (einsum, scaled, where(), exp())."""
+    t = min(ctx, chunk or ctx)
+    acts = t * (8 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 6 * cfg.n_ff)
     scores = cfg.n_head * attention_rows(cfg, t, ctx) * ctx
-    return 4 * (acts + 2 * cfg.vocab_size) + 8 * 3 * scores
+    return 4 * (acts + 2 * cfg.vocab_size) + 8 * 4 * scores
 
 
 def host_bytes(cfg: ModelConfig, ctx: int) -> tuple[int, int]:
@@ -235,7 +236,7 @@ def available_host_memory() -> int | None:
 def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None) -> None:
     """HostMemoryError, naming a context that would fit, when the weights and the KV cache at `ctx` exceed
     the available RAM."""
-    chunk = NumpyBackend.prefill_chunk
+    chunk = NumpyBackend.prefill_chunk  # None: a prompt of up to ctx tokens in one pass
 
     def need(c: int) -> int:
         return sum(host_bytes(cfg, c)) + scratch_bytes(cfg, c, chunk)
