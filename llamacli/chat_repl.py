@@ -27,6 +27,7 @@ from rich.console import Console
 from .chat_session import ChatSession
 from .errors import Interrupted, LlamacliError, UsageError
 from .generate import Completion
+from .textio import read_line
 
 PROMPT, MORE = ">>> ", "... "
 
@@ -75,7 +76,7 @@ class ChatLoop:
     def read(self) -> str | None:
         """The next message or command; None at the end of input."""
         if not self.interactive:
-            line = sys.stdin.readline()
+            line = read_line(sys.stdin)
             return line.rstrip("\r\n") if line else None
         parts: list[str] = []
         while True:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 from .errors import BadInputError, ContextOverflowError
 from .generate import Completion, Model
 from .sampling import SamplingParams
+from .textio import read_text
 
 ROLES = ("system", "user", "assistant")
 
@@ -220,16 +221,14 @@ class ChatSession:
     def load(self, path: str | Path) -> int:
         """Replace the conversation (system prompt included) with the one in a JSON file; returns the
         number of messages. Nothing changes if the file is bad."""
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConversationFileError(f"no such conversation file: {path}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConversationFileError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        name = "./-" if str(path) == "-" else str(path)  # a file named "-", not standard input
+        text = read_text(name, "conversation file", ConversationFileError)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConversationFileError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+        except RecursionError:  # [[[[... nested deeper than Python's parser recurses
+            raise ConversationFileError(f"{path} nests JSON too deeply to be a conversation") from None
         messages = check_messages(data, str(path))
         self.load_messages(messages)
         return len(messages)

@@ -11,7 +11,6 @@ import json
 import logging
 import sys
 import traceback
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -19,6 +18,7 @@ from rich.console import Console
 
 from . import __version__
 from .errors import Interrupted, LlamacliError, UsageError
+from .textio import read_text
 
 app = typer.Typer(
     name="llamacli",
@@ -155,15 +155,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         fail("give the prompt with exactly one of --prompt or --prompt-file")
     if prompt_file is None:
         return prompt  # type: ignore[return-value]
-    if prompt_file == "-":
-        return sys.stdin.read()
-    try:
-        return Path(prompt_file).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        fail(f"no such prompt file: {prompt_file}")
-    except (OSError, UnicodeDecodeError) as exc:
-        fail(f"cannot read prompt file {prompt_file}: {exc}")
-    raise AssertionError
+    return read_text(prompt_file, "prompt file")
 
 
 @app.command()
@@ -318,16 +310,7 @@ def tokenize(
     if system is not None and not chat:
         fail("--system needs --chat")
     if file is not None:
-        where = "stdin" if file == "-" else file
-        try:
-            # Bytes, so that the text reaches the tokenizer exactly (\r\n kept); a text-only stdin is read as is.
-            source = getattr(sys.stdin, "buffer", sys.stdin) if file == "-" else None
-            raw = source.read() if source is not None else Path(file).read_bytes()
-            text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        except OSError as exc:
-            fail(f"cannot read {where}: {exc.strerror or exc}")
-        except UnicodeDecodeError as exc:
-            fail(f"{where} is not UTF-8 text (bad byte at offset {exc.start})")
+        text = read_text(file, "input file")  # exactly as written (\r\n kept), so the ids are the file's
     assert text is not None
     md = open_gguf(resolve_model(model)).metadata
     tok = Tokenizer.from_metadata(md)

@@ -85,7 +85,7 @@ def test_vocab_only_files_bos_and_fallback_template(llama_cpp_models: Path) -> N
         (["--model", "/no/such/model.gguf", "--text", "x"], "no such file"),
         (["--model", "MODEL"], "exactly one of --text or --file"),
         (["--model", "MODEL", "--text", "x", "--file", "y"], "exactly one of --text or --file"),
-        (["--model", "MODEL", "--file", "/no/such/input.txt"], "cannot read"),
+        (["--model", "MODEL", "--file", "/no/such/input.txt"], "no such input file"),
         (["--model", "MODEL", "--file", "BADFILE"], "not UTF-8"),
         (["--model", "MODEL", "--text", "x", "--system", "s"], "--system needs --chat"),
         (["--model", "BERT", "--text", "x"], "unsupported tokenizer model 'bert'"),
