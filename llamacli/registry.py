@@ -270,6 +270,8 @@ def resolve_model(spec: str | None, *, download: bool = True, progress: bool = T
             return path
         if path.is_dir():
             raise ModelNotFoundError(f"{spec} is a directory, not a GGUF file")
+        if path.exists():  # a device, FIFO or socket: never opened (a FIFO would block, /dev/zero never ends)
+            raise ModelNotFoundError(f"{spec} is not a regular file, so not a GGUF file")
     entry = lookup(spec)
     if is_cached(entry):
         return model_path(entry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import os
 import socket
 import sys
 import threading
@@ -290,6 +291,12 @@ def test_an_existing_file_beats_a_registry_name(tmp_path, monkeypatch):
     Path("adir").mkdir()
     with pytest.raises(ModelNotFoundError, match="directory"):
         resolve_model("adir")
+    # Devices and FIFOs are refused without being opened: a FIFO with no writer would block for ever.
+    os.mkfifo("fifo")
+    for special in ("fifo", "/dev/null", "/dev/zero"):
+        if os.path.exists(special):
+            with pytest.raises(ModelNotFoundError, match="not a regular file"):
+                resolve_model(special)
 
 
 def test_registry_names_default_and_hf_specs(tiny, tmp_path, monkeypatch, server):
