@@ -31,6 +31,7 @@ from typing import Any
 from . import download as dl
 from .paths import builtin_models_toml
 from .errors import DownloadError, ModelNotFoundError, UsageError
+from .textio import read_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,6 +40,7 @@ else:  # pragma: no cover
 
 SOURCE_KINDS = ("hf", "url", "pypi")
 _FIELDS = {"description", "architecture", "parameters", "size", "sha256", "license", "gated", *SOURCE_KINDS}
+REGISTRY_MAX_BYTES = 4 << 20  # a models.toml of a few thousand entries is some 2 MiB
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -147,13 +149,13 @@ def load_registry() -> Registry:
 
 
 def _parse(path: Path) -> tuple[str | None, dict[str, ModelEntry]]:
+    text = read_text(str(path), "model registry", limit=REGISTRY_MAX_BYTES)
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: invalid TOML: {exc}") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    except RecursionError:  # a = [[[[... nested deeper than the parser recurses
+        raise UsageError(f"{path}: invalid TOML: nested too deeply") from None
     default = None
     models: dict[str, ModelEntry] = {}
     for key, value in data.items():

@@ -51,9 +51,9 @@ def isolated(tmp_path, monkeypatch):
     return tmp_path
 
 
-def user_models(tmp_path: Path, monkeypatch, text: str) -> Path:
+def user_models(tmp_path: Path, monkeypatch, text: str | bytes) -> Path:
     path = tmp_path / "user-models.toml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     monkeypatch.setenv("LLAMACLI_MODELS", str(path))
     return path
 
@@ -257,6 +257,9 @@ def test_llamacli_models_must_exist(tmp_path, monkeypatch):
         ('default = "nowhere"\n', "default model 'nowhere' has no table"),
         ('stray = 1\n', "unexpected top-level key"),
         ('["Bad Name"]\nurl = "http://x/m.gguf"\n', "a model name uses only"),
+        ("a = " + "[" * 100_000 + "]" * 100_000, "nested too deeply"),  # RecursionError in tomllib
+        (b'[m]\ndescription = "\xff"\n', "not UTF-8 text"),
+        ("# padding\n" * 500_000, "larger than 4.00 MiB"),
     ],
 )
 def test_bad_user_files_are_usage_errors(tmp_path, monkeypatch, text, message):
