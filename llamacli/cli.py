@@ -456,11 +456,19 @@ def main(argv: list[str] | None = None) -> None:
         # `llamacli generate ... | head`: the reader left; not an error of ours.
         sys.stderr.close()
         sys.exit(0)
-    except MemoryError:
-        _report(None, 1, "out of host memory")
+    except MemoryError as exc:
+        if _is_gpu_out_of_memory(exc):  # CuPy's (a MemoryError): the load-time estimate left too little room
+            _report(exc, 1, f"out of GPU memory ({exc}); try a smaller --ctx, a shorter prompt or a smaller model")
+        _report(exc, 1, "out of host memory")
     except Exception as exc:  # a bug of ours: still one line, unless --debug
         _report(exc, 1, f"internal error: {type(exc).__name__}: {exc}")
     sys.exit(0)
+
+
+def _is_gpu_out_of_memory(exc: BaseException) -> bool:
+    """CuPy's allocation failure (cupy.cuda.memory.OutOfMemoryError), recognised without importing CuPy."""
+    return any(c.__name__ == "OutOfMemoryError" and c.__module__.split(".")[0] in ("cupy", "cupy_backends")
+               for c in type(exc).__mro__)
 
 
 def _click_errors() -> tuple[type[BaseException], ...]:

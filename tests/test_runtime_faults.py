@@ -262,3 +262,28 @@ def test_engine_raises_numerical_error(broken):
             m.complete("hello", max_tokens=4, temperature=0.0)
         with pytest.raises(NumericalError):
             m.complete("hello", max_tokens=4, temperature=1.0, seed=3)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_out_of_memory_at_run_time_is_one_line(micro, monkeypatch, gpu):
+    """An allocation that fails after the load-time check: CuPy's OutOfMemoryError (a MemoryError) names the
+    GPU, a plain MemoryError the host; exit 1, one line, no 'internal error'."""
+    from llamacli import cli
+
+    if gpu:
+        cupy = pytest.importorskip("cupy")
+        exc = cupy.cuda.memory.OutOfMemoryError(1 << 30, 1 << 29, 0)
+    else:
+        exc = MemoryError()
+
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(cli, "read_prompt", fail)
+    r = run("generate", "-m", str(micro), "--backend", "numpy", "-p", "hi")
+    assert r.code == 1
+    line = r.one_line_error()
+    if gpu:
+        assert line.startswith("error: out of GPU memory (Out of memory allocating 1,073,741,824 bytes") and "--ctx" in line
+    else:
+        assert line == "error: out of host memory"
