@@ -74,13 +74,13 @@ class ChatSession:
         system: str | None = None,
         params: SamplingParams | None = None,
         max_tokens: int = 512,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         notice: Callable[[str], None] | None = None,
     ):
         self.model = model
         self.params = (params or SamplingParams()).validate()
         self.max_tokens = max_tokens
-        self.stop = tuple(stop)
+        self.stop = (stop,) if isinstance(stop, str) else tuple(stop)  # one string is one stop string
         self.notice = notice or (lambda message: None)
         self.system = system
         self.history: list[dict[str, str]] = []  # user and assistant messages, oldest first
@@ -175,7 +175,7 @@ class ChatSession:
             self.history.append({"role": "assistant", "content": c.text})
         else:
             self.history.pop()  # interrupted before any text: the question goes too
-        if ids is not None and c.prompt_tokens:  # the prompt was prefilled (a Ctrl-C may come sooner)
+        if ids is not None and c.timings.prompt_tokens:  # the prefill finished (a Ctrl-C may come sooner)
             n = len(ids)
             self.turns.append(Turn(n, held, n - c.timings.prompt_tokens, len(c.tokens), c.finish_reason, c))
 

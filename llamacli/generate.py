@@ -177,7 +177,7 @@ class Model:
         *,
         completion: Completion,
         max_tokens: int = 256,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         params: SamplingParams | None = None,
         raw: bool = False,
         system: str | None = None,
@@ -188,7 +188,7 @@ class Model:
         params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
         if type(max_tokens) is not int or max_tokens < 0:
             raise UsageError(f"max tokens must be an integer >= 0, got {max_tokens!r}")
-        stop = [s for s in stop if s]
+        stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # one string is one stop string
         ids = list(prompt) if not isinstance(prompt, str) else self.prompt_ids(prompt, raw=raw, system=system)
         if not ids:
             raise UsageError("the prompt is empty (no tokens to start from)")

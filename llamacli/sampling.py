@@ -226,8 +226,13 @@ def apply_penalties(
     tokens, counts = np.unique(window, return_counts=True)  # each distinct token once
     v = x[tokens]
     # Dividing a negative logit would raise its probability: multiply those instead (llama.cpp, CTRL paper fix).
-    v = np.where(v > 0, v / np.float32(repeat_penalty), v * np.float32(repeat_penalty))
-    v = v - (counts * np.float32(frequency_penalty) + np.float32(presence_penalty)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        v = np.where(v > 0, v / np.float32(repeat_penalty), v * np.float32(repeat_penalty))
+        v = v - (counts * np.float32(frequency_penalty) + np.float32(presence_penalty)).astype(np.float32)
+    # A finite logit stays finite: a huge penalty that overflows float32 must not turn it into -inf (masked,
+    # or all -inf) or +inf; a -inf logit (masked) stays -inf.
+    finite = np.finfo(np.float32).max
+    v = np.where(np.isneginf(x[tokens]), x[tokens], np.clip(v, -finite, finite))
     out = x.copy()
     out[tokens] = v
     return out

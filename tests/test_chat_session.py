@@ -97,6 +97,36 @@ def test_ctrl_c_keeps_the_partial_reply(model):
     assert s.messages[-1]["role"] == "assistant" and s.turns[-1].finish_reason == "interrupted"
 
 
+def test_ctrl_c_during_the_prefill_records_no_turn(model, monkeypatch):
+    """A Ctrl-C before the prefill finished: no turn in /stats (it used to count the whole prompt as reused),
+    the question goes, and the next turn answers as a fresh session would."""
+    import llamacli.generate as gen
+
+    s = ChatSession(model, params=GREEDY, max_tokens=6)
+    real = gen.prefill
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gen, "prefill", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.reply("Hello there")
+    assert s.turns == [] and s.messages == [] and s.stats()["reused"] == 0
+    monkeypatch.setattr(gen, "prefill", real)
+    again = s.reply("Hello there")
+    assert again.text == ChatSession(model, params=GREEDY, max_tokens=6).reply("Hello there").text
+
+
+def test_one_stop_string_is_not_split_into_characters(model):
+    s = ChatSession(model, params=GREEDY, max_tokens=12, stop="The End")
+    assert s.stop == ("The End",)
+    many = ChatSession(model, params=GREEDY, max_tokens=12, stop=["The End"]).reply("Say hello")
+    assert s.reply("Say hello").text == many.text and many.finish_reason != "stop"
+    c = model.complete("The capital of France is", raw=True, max_tokens=8, temperature=0, stop="Paris and")
+    assert c.text == model.complete("The capital of France is", raw=True, max_tokens=8, temperature=0,
+                                    stop=["Paris and"]).text
+
+
 def test_context_trimming_on_the_real_model(smollm2):
     with Model(smollm2, backend="numpy", ctx=96) as m:
         notes: list[str] = []

@@ -431,3 +431,19 @@ def test_has_penalties():
     assert SamplingParams(repeat_penalty=1.1).has_penalties
     assert SamplingParams(presence_penalty=0.5).has_penalties and SamplingParams(frequency_penalty=-0.2).has_penalties
     assert not SamplingParams(repeat_penalty=1.5, repeat_last_n=0).has_penalties  # an empty window
+
+
+def test_penalties_that_overflow_keep_finite_logits_finite():
+    """A finite logit penalised past float32's range stays the lowest finite value instead of becoming -inf
+    (masked: all -inf would raise, and greedy could pick a masked token) or +inf; -inf stays -inf."""
+    ninf = -np.inf
+    x = np.array([ninf, -1e38, ninf], dtype=np.float32)
+    p = SamplingParams(repeat_penalty=10.0)
+    out = apply_penalties(x, [1], repeat_penalty=10.0)
+    assert out[1] == -np.finfo(np.float32).max and np.isneginf(out[[0, 2]]).all()
+    assert sample(x, p, make_rng(0), [1]) == 1  # the only candidate, penalised but not masked
+    assert sample(x, SamplingParams(temperature=0.0, repeat_penalty=10.0), make_rng(0), [1]) == 1
+    y = np.array([1.0, 2.0, 0.5], dtype=np.float32)
+    huge = SamplingParams(frequency_penalty=3e38)
+    assert sample(y, huge, make_rng(0), [0, 1, 0, 1]) == 2  # both penalised to the floor: token 2 wins
+    assert np.isfinite(apply_penalties(y, [0, 1], presence_penalty=-3e38)).all()  # no +inf either
