@@ -162,7 +162,8 @@ class ChatSession:
             ids = self.fit()
             yield from self.model.run(ids, completion=c, max_tokens=self.max_tokens, stop=self.stop, params=self.params)
         except (KeyboardInterrupt, GeneratorExit):
-            c.finish_reason = "interrupted"
+            if c.finish_reason is None:  # closed after the reply had ended: its own reason stands
+                c.finish_reason = "interrupted"
             self._end_turn(c, ids, held)
             raise
         except BaseException:

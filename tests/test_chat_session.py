@@ -274,3 +274,13 @@ def test_load_and_save_file_errors(tmp_path):
     with pytest.raises(ConversationFileError, match="cannot read"):
         s.load(tmp_path / "bin.json")
     assert check_messages([]) == []
+
+
+def test_closing_the_stream_after_the_reply_ended_keeps_its_finish_reason():
+    s = ChatSession(FakeModel(ctx=64))
+    c = Completion()
+    pieces = s.send("hello there", c)
+    assert next(pieces) == "fine thanks"  # the whole reply; the engine already said why it ended
+    pieces.close()
+    assert c.finish_reason == "eos" and s.turns[-1].finish_reason == "eos"
+    assert s.messages[-1] == {"role": "assistant", "content": "fine thanks"}
