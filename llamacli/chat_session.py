@@ -157,7 +157,7 @@ class ChatSession:
         interrupted: KeyboardInterrupt and closing the iterator early both keep the partial reply)."""
         c = completion if completion is not None else Completion()
         self.history.append({"role": "user", "content": text})
-        held, ids = len(self.model.cached), None
+        held, ids, first = len(self.model.cached), None, self.first
         try:
             ids = self.fit()
             yield from self.model.run(ids, completion=c, max_tokens=self.max_tokens, stop=self.stop, params=self.params)
@@ -167,7 +167,8 @@ class ChatSession:
             self._end_turn(c, ids, held)
             raise
         except BaseException:
-            self.history.pop()  # the turn did not happen
+            self.history.pop()  # the turn did not happen: neither did a trim that made room for it
+            self.first = first
             raise
         self._end_turn(c, ids, held)
 

@@ -208,6 +208,30 @@ def test_a_message_too_long_for_the_context_changes_nothing():
     assert (s.history, s.first) == before
 
 
+def test_a_failed_turn_undoes_the_trim_it_needed():
+    """An error in the engine (here NaN logits) after the window was trimmed for the new message: the
+    message goes and so does the trim; the dropped exchanges are back in the window."""
+    from llamacli.errors import NumericalError
+
+    class Broken(FakeModel):
+        fail = False
+
+        def run(self, ids, **kw):
+            if self.fail:
+                raise NumericalError("the logits contain NaN")
+            yield from super().run(ids, **kw)
+
+    m = Broken(ctx=40)
+    s = ChatSession(m, max_tokens=4)
+    for i in range(3):
+        s.reply(f"question number {i}")
+    before = (list(s.history), s.first)
+    m.fail = True
+    with pytest.raises(NumericalError):
+        s.reply("a much longer question that will not fit beside the others")
+    assert (s.history, s.first) == before
+
+
 def test_interrupt_before_any_text_drops_the_question():
     class Stubborn(FakeModel):
         def run(self, ids, **kw):
