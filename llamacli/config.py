@@ -142,8 +142,13 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
     vocab = positive("vocab_size", vocab, 1 << 22)
 
     # RoPE scaling.
-    scaling = get("rope.scaling.type", str, default="none", required=False)
-    factor = get("rope.scaling.factor", float, default=1.0, required=False)
+    # As llama.cpp: the type defaults to linear; the factor may sit under the pre-2023 key rope.scale_linear;
+    # a factor of 0 or 1 means no scaling.
+    scaling = get("rope.scaling.type", str, default="linear", required=False)
+    factor = get("rope.scaling.factor", float, required=False)
+    if factor is None:
+        factor = get("rope.scale_linear", float, default=1.0, required=False)
+    factor = 1.0 if factor == 0.0 else factor
     original = positive(
         "rope.scaling.original_context_length",
         get("rope.scaling.original_context_length", int, default=context_length, required=False),
@@ -158,15 +163,17 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
             # llama.cpp: attn_factor = sqrt(1 + ln(ctx/orig)/ln(orig)) when the file does not say
             ratio = context_length / original
             attn_factor = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 and original > 1 else 1.0
-    elif scaling in ("none", "", None) or (scaling == "linear" and factor == 1.0):
+    elif scaling in ("none", "", "linear") and factor == 1.0:
         scaling = "none"
-    elif scaling == "linear":
+    elif scaling in ("none", "", "linear"):  # llama.cpp applies the factor whatever the type says here
+        scaling = "linear"
         if not factor > 0:
             raise CorruptFileError(f"RoPE linear scaling factor {factor} must be positive")
     else:
         raise CorruptFileError(f"RoPE scaling {scaling!r} is not supported (supported: none, linear, llama3, longrope)")
 
-    fused_qkv = arch == "phi3"
+    # phi3 files hold one attn_qkv matrix; llama.cpp also takes separate attn_q/k/v, and so do we.
+    fused_qkv = arch == "phi3" and not ("blk.0.attn_q.weight" in tensors and "blk.0.attn_qkv.weight" not in tensors)
     tok = lambda key: md.get(f"tokenizer.ggml.{key}")  # noqa: E731
     return ModelConfig(
         architecture=arch,

@@ -58,6 +58,29 @@ def test_rope_scaling_kinds():
         ModelConfig.from_gguf(md(**{"rope__scaling__type": "yarn", "rope__scaling__factor": 4.0}), set())
 
 
+@pytest.mark.parametrize("keys, scaling, factor", [
+    ({"rope__scaling__factor": 4.0}, "linear", 4.0),  # no type: llama.cpp's default is linear
+    ({"rope__scale_linear": 2.0}, "linear", 2.0),  # the pre-2023 key (old linearly scaled Llama 2 files)
+    ({"rope__scaling__type": "none", "rope__scaling__factor": 4.0}, "linear", 4.0),  # llama.cpp scales anyway
+    ({"rope__scaling__factor": 0.0}, "none", 1.0),  # 0 means unset
+    ({"rope__scaling__type": "linear", "rope__scaling__factor": 1.0}, "none", 1.0),
+    ({"rope__scaling__factor": 8.0, "rope__scale_linear": 2.0}, "linear", 8.0),  # the new key wins
+])
+def test_linear_rope_scaling_as_llama_cpp_reads_it(keys, scaling, factor):
+    cfg = ModelConfig.from_gguf(md(**keys), set())
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor) == (scaling, factor)
+    with pytest.raises(CorruptFileError, match="must be positive"):
+        ModelConfig.from_gguf(md(**{"rope__scaling__factor": -2.0}), set())
+
+
+def test_phi3_with_separate_q_k_v():
+    """llama.cpp also loads phi3 files whose attention is split into attn_q/k/v: so do we."""
+    split = {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "output.weight"}
+    cfg = ModelConfig.from_gguf(md("phi3"), split)
+    assert not cfg.fused_qkv and cfg.fused_gate_up
+    assert ModelConfig.from_gguf(md("phi3"), {"blk.0.attn_qkv.weight"}).fused_qkv
+
+
 def test_head_dim_from_key_length():
     cfg = ModelConfig.from_gguf(md(**{"attention__key_length": 32, "attention__value_length": 32}), set())
     assert cfg.head_dim == 32 and cfg.q_dim == 128

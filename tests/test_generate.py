@@ -170,3 +170,44 @@ def test_host_memory_check_counts_the_scratch(random_model):
     fit = int(re.search(r"try --ctx (\d+)", str(exc.value)).group(1))
     assert 16 <= fit < ctx
     nb.check_host_memory(cfg, fit, available=weights + kv + scratch // 2)
+
+
+def test_phi3_with_split_attention_runs_as_the_fused_file(random_model, tmp_path):
+    """The same phi3 weights with attn_qkv split into attn_q/k/v tensors (a layout llama.cpp also loads):
+    same logits, within float32 BLAS rounding."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from llamacli.gguf_file import open_gguf
+    from llamacli.model import prefill
+    from llamacli.testing import add_metadata
+
+    fused = random_model("tiny-phi3", "F32")
+    g = open_gguf(fused)
+    q_dim = g.metadata["phi3.attention.head_count"] * (g.metadata["phi3.embedding_length"] // g.metadata["phi3.attention.head_count"])
+    kv_dim = (g.tensors["blk.0.attn_qkv.weight"].shape[0] - q_dim) // 2
+    split = tmp_path / "split.gguf"
+    w = GGUFWriter(str(split), "phi3")
+    for key, value in g.metadata.items():
+        if key not in ("general.architecture", "general.alignment") and not key.startswith("GGUF."):
+            add_metadata(w, key, value)
+    for name in g.tensors:
+        data = g.dequantize(name)
+        if name.endswith("attn_qkv.weight"):
+            p = name[: -len("attn_qkv.weight")]
+            for part, rows in (("attn_q", data[:q_dim]), ("attn_k", data[q_dim : q_dim + kv_dim]), ("attn_v", data[q_dim + kv_dim :])):
+                w.add_tensor(p + part + ".weight", np.ascontiguousarray(rows))
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ids = np.random.default_rng(5).integers(0, g.metadata["phi3.vocab_size"], size=23)
+    logits = []
+    for path in (fused, split):
+        be, cfg = _numpy_backend(path, 64)
+        assert cfg.fused_qkv == (path == fused)
+        logits.append(be.to_host(prefill(be, cfg, ids, 0)))
+    np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=1e-5 * float(np.abs(logits[0]).max()))
