@@ -154,7 +154,7 @@ class ChatTemplate:
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
             raise TemplateError("chat messages must be a list of {'role': ..., 'content': ...} dicts")
         context: dict[str, Any] = {
-            "messages": _plain(list(messages)),
+            "messages": _plain([_alias_reasoning(m) for m in messages]),
             "tools": None,
             "documents": None,
             "add_generation_prompt": bool(add_generation_prompt),
@@ -165,6 +165,18 @@ class ChatTemplate:
 
     def __repr__(self) -> str:
         return f"ChatTemplate(source={self.source!r}, {len(self.text)} chars)"
+
+
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is the one most templates read
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """A message's reasoning under every name templates read it by, as transformers passes it: Qwen3-style
+    templates read `reasoning_content`, gpt-oss reads `thinking`; callers write either, or `reasoning`."""
+    reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def render_chat(

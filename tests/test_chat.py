@@ -88,6 +88,36 @@ def test_every_template_renders_as_transformers_does(llama_cpp_models: Path) -> 
     assert agree >= len(files) - 8
 
 
+REASONING = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "thinking": "Greet back."},
+     {"role": "user", "content": "Bye"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning_content": "Be kind."},
+     {"role": "user", "content": "Bye"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning": "Short.",
+                                          "thinking": "Other."}, {"role": "user", "content": "Bye"}],
+]
+
+
+def test_reasoning_fields_reach_templates_as_transformers_passes_them(llama_cpp_models: Path) -> None:
+    """An assistant message's reasoning given as `thinking`, `reasoning_content` or `reasoning`: every real
+    template renders it as transformers does (Qwen3 reads reasoning_content, gpt-oss thinking)."""
+    seen_reasoning = 0
+    for path in template_files(llama_cpp_models):
+        source = path.read_text(encoding="utf-8")
+        for conversation in REASONING:
+            try:
+                want = transformers_render(source, conversation, **SPECIAL)
+            except Exception:
+                want = None
+            try:
+                got = ChatTemplate(source, special_tokens=SPECIAL).render(conversation)
+            except TemplateError:
+                got = None
+            assert got == want, (path.name, conversation[1])
+            seen_reasoning += want is not None and any(w in want for w in ("Greet back.", "Be kind.", "Short."))
+    assert seen_reasoning >= 6  # Qwen3, gpt-oss, DeepSeek...: templates that print the reasoning do print it
+
+
 def test_gguf_template_from_the_smollm2_file(smollm2: Path) -> None:
     md = open_gguf(smollm2).metadata
     template = ChatTemplate.from_metadata(md)
