@@ -450,8 +450,9 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], *, special: bool = True, strip_dummy_prefix: bool = True) -> str:
         """Text of `ids`. special=False drops control tokens (BOS, <|im_end|>...). Invalid UTF-8 (a sequence cut
-        mid-character) becomes U+FFFD. For SPM the space that encode() puts at the start and after special
-        tokens is removed again, unless strip_dummy_prefix=False."""
+        mid-character) becomes U+FFFD. For SPM the dummy-prefix space of the first piece printed is removed
+        (unless strip_dummy_prefix=False); a space after a special token stays, as llama.cpp's
+        llama_detokenize and transformers print it ("<s> Hello", "Hi<|end|> There")."""
         out = bytearray()
         strip = self._strips_prefix(strip_dummy_prefix)
         for tid in ids:
@@ -463,17 +464,17 @@ class Tokenizer:
         return enabled and self.kind == "spm" and self.add_space_prefix
 
     def _decode_step(self, tid: int, special: bool, strip: bool, enabled: bool) -> tuple[bytes, bool]:
-        """Bytes for one id, and whether the next piece loses a leading space."""
+        """Bytes for one id, and whether the next piece still loses a leading space (until one is printed)."""
         tid = self._check_id(tid)
         ttype = self._types[tid]
         if ttype in (CONTROL, UNKNOWN) and not special:
-            piece = b""
-        else:
-            piece = self._piece_bytes(tid)
+            return b"", strip  # nothing printed: the next piece is still the first
+        piece = self._piece_bytes(tid)
+        if not piece:
+            return piece, strip
         if strip and piece.startswith(b" "):
             piece = piece[1:]
-        after_special = ttype in (CONTROL, USER_DEFINED, UNKNOWN)
-        return piece, after_special and self._strips_prefix(enabled)
+        return piece, False
 
     def _piece_bytes(self, tid: int) -> bytes:
         piece = self._piece_cache.get(tid)
