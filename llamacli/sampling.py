@@ -224,15 +224,15 @@ def apply_penalties(
         bad = window[(window < 0) | (window >= x.size)][0]
         raise ValueError(f"recent token id {bad} is outside the vocabulary [0, {x.size})")
     tokens, counts = np.unique(window, return_counts=True)  # each distinct token once
-    v = x[tokens]
+    old = x[tokens]
     # Dividing a negative logit would raise its probability: multiply those instead (llama.cpp, CTRL paper fix).
     with np.errstate(over="ignore"):
-        v = np.where(v > 0, v / np.float32(repeat_penalty), v * np.float32(repeat_penalty))
+        v = np.where(old > 0, old / np.float32(repeat_penalty), old * np.float32(repeat_penalty))
         v = v - (counts * np.float32(frequency_penalty) + np.float32(presence_penalty)).astype(np.float32)
     # A finite logit stays finite: a huge penalty that overflows float32 must not turn it into -inf (masked,
     # or all -inf) or +inf; a -inf logit (masked) stays -inf.
     finite = np.finfo(np.float32).max
-    v = np.where(np.isneginf(x[tokens]), x[tokens], np.clip(v, -finite, finite))
+    v = np.where(np.isneginf(old), old, np.clip(v, -finite, finite))
     out = x.copy()
     out[tokens] = v
     return out

@@ -237,20 +237,21 @@ def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None) 
     """HostMemoryError, naming a context that would fit, when the weights and the KV cache at `ctx` exceed
     the available RAM."""
     chunk = NumpyBackend.prefill_chunk  # None: a prompt of up to ctx tokens in one pass
+    weights, kv = host_bytes(cfg, ctx)
+    scratch = scratch_bytes(cfg, ctx, chunk)
+    kv_per_token = kv // ctx
 
-    def need(c: int) -> int:
-        return sum(host_bytes(cfg, c)) + scratch_bytes(cfg, c, chunk)
+    def need(c: int) -> int:  # the weights do not depend on the context
+        return weights + kv_per_token * c + scratch_bytes(cfg, c, chunk)
 
     free = available_host_memory() if available is None else available
-    if free is None or need(ctx) <= free:
+    if free is None or weights + kv + scratch <= free:
         return
     lo, hi = 0, ctx  # the largest context that fits: need() grows with the context
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if need(mid) <= free else (lo, mid - 1)
     fit = lo // 256 * 256 if lo >= 512 else lo
-    weights, kv = host_bytes(cfg, ctx)
-    scratch = scratch_bytes(cfg, ctx, chunk)
     hint = (
         f"try --ctx {fit} (the KV cache needs {human_bytes(kv)} at --ctx {ctx})"
         if fit >= 16
