@@ -18,12 +18,14 @@
 // attention_combine: grid T*Hq, block Dh rounded up to 32: merges the ceil((pos[t]+1)/chunk) partials.
 // kv_store: k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows pos[t] as fp16.
 // Prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128} run attention_tc_d<D> (tensor cores, below);
-// decode with G <= 8 and D % 8 == 0 runs attention_decode_npl<N> (keys over all 8 warps, below).
+// decode with G <= 8 and D % 8 == 0 runs attention_decode_npl<N> (keys over all 8 warps, below), and the
+// fused decode step its STEP form attention_step_<mode>_npl<N> (RoPE + K/V store + split + combine in one).
 // Best measured on H100 (2026-11-22, B16 H32 T512 D64 causal): attention_tc_d64 118-120 us (144 TFLOP/s;
 // this kernel 2,100 us; torch SDPA fp16 70 us). The f32 q rows and f32 output alone are 134 MB of the
 // 201 MB this shape must move: ~68 us at 2965 GB/s before any arithmetic.
 
 #include "common.cuh"
+#include "rope.cuh"
 
 #define ATT_WARPS 8
 #define ATT_RPW 4
@@ -190,22 +192,77 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
 #define DEC_WARPS 8
 #define DEC_PASS (DEC_WARPS * 32)
 #define DEC_GMAX 8
+#define DEC_WIDE_POS 2048
 
-template <int NPL>
-__device__ __forceinline__ void attention_decode_body(const float* __restrict__ q, const u16* __restrict__ kc,
-                                                      const u16* __restrict__ vc, const int* __restrict__ pos,
-                                                      int Hq, int Hkv, int Dh, float scale, int chunk,
-                                                      float* __restrict__ part_o, float* __restrict__ part_ml) {
+// STEP (attention_step_<mode>_npl<N>, the fused decode step): q is the QKV matvec's raw output and kv_src
+// its K and V part; every block rotates its G query heads into shared memory itself, the block whose split
+// holds position p rotates this token's K and stores K and V into the cache first (the old rope_store
+// kernel), and the splits' results are merged by the last block of each KV head to finish (an atomic
+// counter per KV head, reset by that block), or written directly when one split holds every key (the old
+// attention_combine kernel). Two launches fewer per layer.
+template <int NPL, bool STEP, bool NEOX>
+__device__ __forceinline__ void attention_decode_body(const float* __restrict__ q, u16* kc, u16* vc,
+                                                      const int* __restrict__ pos, int Hq, int Hkv, int Dh,
+                                                      float scale, int chunk, float* part_o, float* part_ml,
+                                                      const float* __restrict__ kv_src, int rope_dim,
+                                                      const double* __restrict__ inv_freq, float attn,
+                                                      unsigned int* counters, float* __restrict__ out) {
     extern __shared__ float dsm[];
+    __shared__ int s_last;
     const int G = Hq / Hkv, kvh = blockIdx.x, split = blockIdx.y;
+    const int p = pos[0];
+    // Query rows of this block: up to gridDim.z blocks share the KV head's G rows (r0 .. r0 + gn - 1): fewer
+    // rows per lane is a shorter chain of dependent score/softmax/PV steps, at the price of re-reading the
+    // split's K/V (from L2) once per block. That pays while few splits hold keys; from DEC_WIDE_POS on, the
+    // splits give parallelism enough and one block per split takes all G rows (measured on the H100,
+    // Qwen2.5-0.5B shape: at position 1000 one row per block 0.98 ms per step vs 1.12 all rows; at 8000
+    // 1.67 vs 1.25).
+    const int zs = p < DEC_WIDE_POS ? (int)gridDim.z : 1;
+    if ((int)blockIdx.z >= zs) return;
+    const int rg = (G + zs - 1) / zs, r0 = blockIdx.z * rg, gn = min(rg, G - r0);
+    if (gn <= 0) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int begin = split * chunk, end = min(begin + chunk, pos[0] + 1);
+    const int begin = split * chunk, end = min(begin + chunk, p + 1);
     if (begin >= end) return;  // whole block: this split is past the current position
-    float* qs = dsm;                      // [G][Dh], pre-scaled
-    float* ro = qs + G * Dh;              // [8 warps][G][Dh] per-warp o
-    float* rml = ro + DEC_WARPS * G * Dh;  // [8 warps][G][2] per-warp (m, l)
-    for (int e = threadIdx.x; e < G * Dh; e += blockDim.x) qs[e] = q[kvh * G * Dh + e] * scale;
-    __syncthreads();
+    float* qs = dsm;                      // [gn][Dh], pre-scaled
+    float* ro = qs + G * Dh;              // [8 warps][gn][Dh] per-warp o
+    float* rml = ro + DEC_WARPS * G * Dh;  // [8 warps][gn][2] per-warp (m, l)
+    // Start this split's K and V rows on their way to L2 while q is prepared.
+    for (int j = threadIdx.x; j < end - begin; j += blockDim.x) {
+        const long long off = ((long long)(begin + j) * Hkv + kvh) * Dh;
+        for (int b = 0; b < Dh * 2; b += 128) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const u8*>(kc + off) + b));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const u8*>(vc + off) + b));
+        }
+    }
+    if (STEP) {
+        const int half = Dh / 2;
+        for (int e = threadIdx.x; e < gn * half; e += blockDim.x) {
+            const int r = e / half, i = e - r * half;
+            int da, db;
+            float oa, ob;
+            rope_pair<NEOX>(q + (kvh * G + r0 + r) * Dh, i, Dh, rope_dim, p, inv_freq, attn, da, db, oa, ob);
+            qs[r * Dh + da] = oa * scale;
+            qs[r * Dh + db] = ob * scale;
+        }
+        if (end == p + 1) {  // this split holds the new token: its K (rotated) and V into the cache (every
+                             // block of the split stores the same bits, so none reads a half-written row)
+            for (int i = threadIdx.x; i < half; i += blockDim.x) {
+                int da, db;
+                float oa, ob;
+                rope_pair<NEOX>(kv_src + kvh * Dh, i, Dh, rope_dim, p, inv_freq, attn, da, db, oa, ob);
+                const long long at = ((long long)p * Hkv + kvh) * Dh;
+                kc[at + da] = f2h(oa);
+                kc[at + db] = f2h(ob);
+                const float* v = kv_src + (Hkv + kvh) * Dh;
+                vc[at + 2 * i] = f2h(v[2 * i]);
+                vc[at + 2 * i + 1] = f2h(v[2 * i + 1]);
+            }
+        }
+    } else {
+        for (int e = threadIdx.x; e < gn * Dh; e += blockDim.x) qs[e] = q[(kvh * G + r0) * Dh + e] * scale;
+    }
+    __syncthreads();  // (also orders this block's cache stores before its loads of the same row)
 
     float m[DEC_GMAX], l[DEC_GMAX], acc[DEC_GMAX][NPL];
 #pragma unroll
@@ -247,7 +304,7 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
                 const float k0 = h2f((u16)(w[h] & 0xffffu)), k1 = h2f((u16)(w[h] >> 16));
 #pragma unroll
                 for (int r = 0; r < DEC_GMAX; ++r) {
-                    if (r < G) {
+                    if (r < gn) {
                         const float2 qq = *reinterpret_cast<const float2*>(qs + r * Dh + 8 * c + 2 * h);
                         s[r] = fmaf(qq.x, k0, fmaf(qq.y, k1, s[r]));
                     }
@@ -257,7 +314,7 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
         float p[DEC_GMAX];
 #pragma unroll
         for (int r = 0; r < DEC_GMAX; ++r) {
-            if (r >= G) break;
+            if (r >= gn) break;
             const float sv = valid ? s[r] : -INFINITY;
             const float m_new = fmaxf(m[r], warp_max(sv));  // finite: lane 0's key kb < end
             const float alpha = __expf(m[r] - m_new);
@@ -280,7 +337,7 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
             }
 #pragma unroll
             for (int r = 0; r < DEC_GMAX; ++r) {
-                if (r >= G) break;
+                if (r >= gn) break;
                 const float pj = __shfl_sync(FULL_MASK, p[r], j);
 #pragma unroll
                 for (int i = 0; i < NPL; ++i) acc[r][i] = fmaf(pj, vv[i], acc[r][i]);
@@ -291,45 +348,87 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
     // Merge the 8 warps (a warp that saw no key has m = -inf and weight 0).
 #pragma unroll
     for (int r = 0; r < DEC_GMAX; ++r) {
-        if (r >= G) break;
+        if (r >= gn) break;
 #pragma unroll
         for (int i = 0; i < NPL; ++i) {
             const int d = lane + 32 * i;
-            if (d < Dh) ro[(warp * G + r) * Dh + d] = acc[r][i];
+            if (d < Dh) ro[(warp * gn + r) * Dh + d] = acc[r][i];
         }
         if (lane == 0) {
-            rml[2 * (warp * G + r)] = m[r];
-            rml[2 * (warp * G + r) + 1] = l[r];
+            rml[2 * (warp * gn + r)] = m[r];
+            rml[2 * (warp * gn + r) + 1] = l[r];
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < G * Dh; e += blockDim.x) {
+    const int n_active = min((int)gridDim.y, (p + chunk) / chunk);  // splits holding keys: ceil((p+1)/chunk)
+    for (int e = threadIdx.x; e < gn * Dh; e += blockDim.x) {
         const int r = e / Dh, d = e - r * Dh;
         float M = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, rml[2 * (w * G + r)]);
+        for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, rml[2 * (w * gn + r)]);
         float L = 0.0f, o = 0.0f;
 #pragma unroll
         for (int w = 0; w < DEC_WARPS; ++w) {
-            const float wt = __expf(rml[2 * (w * G + r)] - M);
-            L += rml[2 * (w * G + r) + 1] * wt;
-            o += ro[(w * G + r) * Dh + d] * wt;
+            const float wt = __expf(rml[2 * (w * gn + r)] - M);
+            L += rml[2 * (w * gn + r) + 1] * wt;
+            o += ro[(w * gn + r) * Dh + d] * wt;
         }
-        const long long row = (long long)split * Hq + kvh * G + r;
+        if (STEP && n_active == 1) {
+            out[(kvh * G + r0 + r) * Dh + d] = o / L;
+            continue;
+        }
+        const long long row = (long long)split * Hq + kvh * G + r0 + r;
         part_o[row * Dh + d] = o;
         if (d == 0) {
             part_ml[2 * row] = M;
             part_ml[2 * row + 1] = L;
         }
     }
+    if (!STEP || n_active == 1) return;
+    // The last block of this KV head to finish (of n_active x gridDim.z) merges the splits for all G rows
+    // (attention_combine's math).
+    __threadfence();
+    __syncthreads();
+    const int blocks = n_active * ((G + rg - 1) / rg);  // the blocks of this KV head that hold rows and keys
+    if (threadIdx.x == 0) s_last = atomicAdd(counters + kvh, 1u) == (unsigned int)(blocks - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < G * Dh; e += blockDim.x) {
+        const int r = e / Dh, d = e - r * Dh;
+        const int h = kvh * G + r;
+        float M = -INFINITY;
+        for (int sp = 0; sp < n_active; ++sp) M = fmaxf(M, __ldcg(part_ml + 2 * (sp * Hq + h)));
+        float L = 0.0f, o = 0.0f;
+        for (int sp = 0; sp < n_active; ++sp) {
+            const int row = sp * Hq + h;
+            const float w = __expf(__ldcg(part_ml + 2 * row) - M);
+            L += __ldcg(part_ml + 2 * row + 1) * w;
+            o += __ldcg(part_o + (long long)row * Dh + d) * w;
+        }
+        out[h * Dh + d] = o / L;
+    }
+    if (threadIdx.x == 0) counters[kvh] = 0u;
 }
 
+#define ATTENTION_STEP_KERNEL(N, MODE, NEOX)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256, 1) attention_step_##MODE##_npl##N(                     \
+        const float* qkv, u16* kc, u16* vc, const int* pos, int Hq, int Hkv, int Dh, float scale, int chunk,  \
+        float* part_o, float* part_ml, const float* kv_src, int rope_dim, const double* inv_freq, float attn, \
+        unsigned int* counters, float* out) {                                                                \
+        attention_decode_body<N, true, NEOX>(qkv, kc, vc, pos, Hq, Hkv, Dh, scale, chunk, part_o, part_ml,   \
+                                             kv_src, rope_dim, inv_freq, attn, counters, out);               \
+    }
 #define ATTENTION_DECODE_KERNEL(N)                                                                           \
     extern "C" __global__ void __launch_bounds__(256, 1) attention_decode_npl##N(                            \
-        const float* q, const u16* kc, const u16* vc, const int* pos, int Hq, int Hkv, int Dh, float scale,   \
+        const float* q, u16* kc, u16* vc, const int* pos, int Hq, int Hkv, int Dh, float scale,               \
         int chunk, float* part_o, float* part_ml) {                                                          \
-        attention_decode_body<N>(q, kc, vc, pos, Hq, Hkv, Dh, scale, chunk, part_o, part_ml);                \
-    }
+        attention_decode_body<N, false, false>(q, kc, vc, pos, Hq, Hkv, Dh, scale, chunk, part_o, part_ml,   \
+                                               nullptr, 0, nullptr, 1.0f, nullptr, nullptr);                 \
+    }                                                                                                        \
+    ATTENTION_STEP_KERNEL(N, normal, false)                                                                  \
+    ATTENTION_STEP_KERNEL(N, neox, true)
+
 ATTENTION_DECODE_KERNEL(1)
 ATTENTION_DECODE_KERNEL(2)
 ATTENTION_DECODE_KERNEL(3)
@@ -379,6 +478,7 @@ extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v
 // two n8 tiles is the A layout of one k16 step); the row sum l adds the rounded P, so O / l is a convex
 // combination of V rows even with fp16 weights. Dynamic shared memory: 2 stages x (K + V) x 64 x (D + 8)
 // x 2 bytes + 16 (D = 64: 36.9 KB, 128: 69.6 KB).
+// attention_tc16_d<D>: the same, output stored as fp16 (the fused prefill's O-projection GEMM input).
 // Accuracy vs the fp32 reference: fp16 Q and P, |err| ~ 1e-3 at unit-variance inputs (tests: atol 2e-3,
 // rtol 1e-2). The CUDA-core kernel above stays for decode, short chunks and head dims not a multiple of 16.
 
@@ -409,11 +509,11 @@ __device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int D>
+template <int D, bool OUT16>
 __device__ __forceinline__ void attention_tc_body(const float* __restrict__ q, int q_stride,
                                                   const u16* __restrict__ kc, const u16* __restrict__ vc,
                                                   const int* __restrict__ pos, int T, int Hq, int Hkv, float scale,
-                                                  float* __restrict__ out, int out_stride) {
+                                                  void* __restrict__ out, int out_stride) {
     constexpr int KS = D / 16;       // k16 steps over the head dim (S = Q K^T)
     constexpr int NO = D / 8;        // n8 tiles of the output row
     constexpr int NS = TC_BC / 8;    // n8 tiles of a score row
@@ -577,10 +677,18 @@ __device__ __forceinline__ void attention_tc_body(const float* __restrict__ q, i
         lt += __shfl_xor_sync(FULL_MASK, lt, 2);
         if (tt[i] >= T) continue;
         const float inv = 1.0f / lt;
-        float* orow = out + (long long)tt[i] * out_stride + hh[i] * D + 2 * tg;
+        const long long at = (long long)tt[i] * out_stride + hh[i] * D + 2 * tg;
+        if (OUT16) {  // |out| <= max |V| (a convex combination of fp16 rows): fp16 cannot overflow
+            u16* orow = static_cast<u16*>(out) + at;
 #pragma unroll
-        for (int n = 0; n < NO; ++n)
-            *reinterpret_cast<float2*>(orow + 8 * n) = make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+            for (int n = 0; n < NO; ++n)
+                *reinterpret_cast<u32*>(orow + 8 * n) = pack_h2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+        } else {
+            float* orow = static_cast<float*>(out) + at;
+#pragma unroll
+            for (int n = 0; n < NO; ++n)
+                *reinterpret_cast<float2*>(orow + 8 * n) = make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+        }
     }
 }
 
@@ -588,7 +696,12 @@ __device__ __forceinline__ void attention_tc_body(const float* __restrict__ q, i
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tc_d##D(                            \
         const float* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,   \
         float scale, float* out, int out_stride) {                                                            \
-        attention_tc_body<D>(q, q_stride, kc, vc, pos, T, Hq, Hkv, scale, out, out_stride);                   \
+        attention_tc_body<D, false>(q, q_stride, kc, vc, pos, T, Hq, Hkv, scale, out, out_stride);            \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tc16_d##D(                          \
+        const float* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,   \
+        float scale, u16* out, int out_stride) {                                                              \
+        attention_tc_body<D, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, scale, out, out_stride);             \
     }
 ATTENTION_TC_KERNEL(64)
 ATTENTION_TC_KERNEL(80)

@@ -62,3 +62,23 @@ __device__ __forceinline__ float block_sum(float v) {
     v = lane < n_warps ? part[lane] : 0.0f;
     return warp_sum(v);
 }
+
+// Max over a whole block (as block_sum); NaN drops out (fmaxf), so a NaN row keeps its scale at 1 below.
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partm[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partm[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? partm[lane] : 0.0f;
+    return warp_max(v);
+}
+
+// The prefill GEMM's fp16 input scale for a row whose largest |value| is m: 1, or the power of two
+// 2^ceil(log2(m / F16_SAFE)) that brings it under F16_SAFE (fp16's max is 65504; an exact power of two, so
+// scaling rounds nothing). An infinite m keeps 1, so inf/NaN still reach the output and the NaN checks.
+#define F16_SAFE 16384.0f
+__device__ __forceinline__ float f16_rowscale(float m) {
+    return (m > F16_SAFE && m <= 3.0e38f) ? exp2f(ceilf(log2f(m / F16_SAFE))) : 1.0f;
+}

@@ -29,8 +29,6 @@ extern "C" __global__ void add_bias_f32(float* x, const float* __restrict__ b, l
         x[i] += b[i % N];
 }
 
-#define F16_SAFE 16384.0f
-
 extern "C" __global__ void to_f16_rowscale_f32(const float* __restrict__ x, u16* __restrict__ x16,
                                                float* __restrict__ scale, int k) {
     __shared__ float red[32];
@@ -47,9 +45,7 @@ extern "C" __global__ void to_f16_rowscale_f32(const float* __restrict__ x, u16*
     }
     __syncthreads();
     m = red[0];
-    // s = 2^ceil(log2(m / F16_SAFE)) when m is too large (an exact power of two: no rounding from scaling);
-    // an infinite m keeps s = 1, so inf/NaN still reach the output and the NaN checks downstream.
-    const float s = (m > F16_SAFE && m <= 3.0e38f) ? exp2f(ceilf(log2f(m / F16_SAFE))) : 1.0f;
+    const float s = f16_rowscale(m);
     const float inv = 1.0f / s;
     u16* out = x16 + (long long)blockIdx.x * k;
     for (int i = threadIdx.x; i < k; i += blockDim.x) out[i] = f2h(row[i] * inv);
@@ -60,6 +56,38 @@ extern "C" __global__ void rowscale_bias_f32(float* y, const float* __restrict__
                                              long long n, int N) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = y[i] * scale[i / N] + (b ? b[i % N] : 0.0f);
+}
+
+// The fused prefill (CudaBackend.forward_prompt) keeps activations between GEMMs as fp16 + a row scale:
+//   swiglu_f16_rowscale(gu [T, 2F] f32 = [gate | up] as the GEMM wrote them, s_in [T], F, y16 [T, F],
+//       s_out [T]): y = silu(gate * s_in) * (up * s_in), stored as fp16(y / s_out) with s_out the row's
+//       f16_rowscale. One block (256) per row; y is computed twice (max pass, store pass) from L1/L2.
+//   rowscale_add_f32(x [T, N], y [T, N], s [T], n = T*N, N): x += y * s (the down projection's epilogue
+//       into the residual stream).
+extern "C" __global__ void swiglu_f16_rowscale(const float* __restrict__ gu, const float* s_in, int F,
+                                               u16* __restrict__ y16, float* s_out) {  // s_out may be s_in
+    const float* g = gu + (long long)blockIdx.x * 2 * F;
+    const float* u = g + F;
+    const float s = s_in[blockIdx.x];
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < F; i += blockDim.x) {
+        const float a = g[i] * s;
+        m = fmaxf(m, fabsf(a / (1.0f + expf(-a)) * (u[i] * s)));
+    }
+    m = block_max(m);
+    const float inv = 1.0f / f16_rowscale(m);
+    u16* out = y16 + (long long)blockIdx.x * F;
+    for (int i = threadIdx.x; i < F; i += blockDim.x) {
+        const float a = g[i] * s;
+        out[i] = f2h(a / (1.0f + expf(-a)) * (u[i] * s) * inv);
+    }
+    if (threadIdx.x == 0) s_out[blockIdx.x] = 1.0f / inv;
+}
+
+extern "C" __global__ void rowscale_add_f32(float* x, const float* __restrict__ y, const float* __restrict__ s,
+                                            long long n, int N) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] += y[i] * s[i / N];
 }
 
 extern "C" __global__ void spin_ns(long long ns) {

@@ -18,13 +18,17 @@
 //     x [K] is staged once per block in shared memory (units of 32 floats, float4 slots XOR-swizzled by
 //     the unit index so that 8 lanes reading 8 consecutive units hit 8 different bank groups). With norm_w,
 //     the block first computes RMSNorm(x) * norm_w itself (every block reads all of x anyway): the
-//     stand-alone rms_norm kernel disappears from the step. Each lane decodes two units per iteration
+//     stand-alone rms_norm kernel disappears from the step. Before staging x, each lane of a small matrix
+//     (< 4 MiB) prefetches its first 4 weight units into L2, so the weight reads start while x is read and
+//     normalised. Each lane decodes two units per iteration
 //     before the FMAs, so two blocks' loads are in flight per lane. With `am` (the LM head of a greedy
 //     step) every block also reduces its rows' (logit, id) to one packed 64-bit key (order-preserving
 //     float bits, then ~id so ties go to the lowest id) and atomicMax-es it into am[0]; the last block to
 //     finish writes out[0] = id, out[1] = NaN/+inf seen, advances *pos_inc and resets its cells, so no
 //     separate argmax kernel runs (argmax_f32's semantics).
-//   Launch: block 256 (8 warps), dynamic shared memory units*128 bytes, grid ceil(N / (8 * 32/lpr)).
+//     Q8_0, Q4_0, Q4_1, Q4_K and Q6_K dot their units without int -> float conversions (unit_dot below).
+//   Launch: block 256 (8 warps), dynamic shared memory units*132 bytes (x slots + per-unit sums of x), grid
+//   ceil(N / (8 * 32/lpr)).
 // Best measured on H100 (2026-11-22, `llamacli bench --kernels`, weights rotated past L2): mv1 at
 // 4096x4096 / 14336x4096: F16 17.3 / 48.0 us (1938 / 2450 GB/s, 65 / 83% of copy bandwidth), Q8_0 12.3 /
 // 31.4 us (1456 / 1987), Q4_K 12.5 / 32.0 us (755 / 1036), Q6_K 15.9 / 43.1 us (869 / 1120). The T<=8
@@ -153,39 +157,177 @@ __device__ __forceinline__ float dot_unit(const float (&w)[32], const float4* __
     return s;
 }
 
-// Stage x [K] (zero-padded to whole units) into xs4; with norm_w, x / rms(x) * norm_w.
+// Stage x [K] (zero-padded to whole units) into xs4; with norm_w, x / rms(x) * norm_w (the norm weights are
+// read in the same pass as x, so their loads are in flight together). With XSUM, also the per-unit sums of
+// the staged x after the slots (the offset terms of Q4_1, Q4_K: d*q + m dotted with x is d * (q . x) +
+// m * sum(x)); the 8 lanes of a unit are 8 consecutive lanes of one warp.
+template <bool XSUM>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int K, const float* __restrict__ norm_w, float eps,
                                         float4* xs4) {
-    const int units = (K + 31) / 32;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < units * 8; i += blockDim.x) {
-        const int u = i >> 3, k = i & 7, b = u * 32 + 4 * k;
+    const int units = (K + 31) / 32, n = units * 8;
+    auto load4 = [K](const float* __restrict__ p, int b) {
         float4 v;
         if ((K & 3) == 0 && b + 4 <= K) {
-            v = *reinterpret_cast<const float4*>(x + b);
+            v = *reinterpret_cast<const float4*>(p + b);
         } else {
-            v.x = b < K ? x[b] : 0.0f;
-            v.y = b + 1 < K ? x[b + 1] : 0.0f;
-            v.z = b + 2 < K ? x[b + 2] : 0.0f;
-            v.w = b + 3 < K ? x[b + 3] : 0.0f;
+            v.x = b < K ? p[b] : 0.0f;
+            v.y = b + 1 < K ? p[b + 1] : 0.0f;
+            v.z = b + 2 < K ? p[b + 2] : 0.0f;
+            v.w = b + 3 < K ? p[b + 3] : 0.0f;
         }
+        return v;
+    };
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int u = i >> 3, k = i & 7, b = u * 32 + 4 * k;
+        float4 v = load4(x, b);
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        if (norm_w) {
+            const float4 w = load4(norm_w, b);
+            v.x *= w.x;
+            v.y *= w.y;
+            v.z *= w.z;
+            v.w *= w.w;
+        }
         xs4[xslot(u, k)] = v;
     }
+    float r = 1.0f;
     if (norm_w) {
         ss = block_sum(ss);  // (synchronizes the block)
-        const float r = rsqrtf(ss / (float)K + eps);
-        for (int i = threadIdx.x; i < units * 8; i += blockDim.x) {  // the same elements this thread wrote
-            const int u = i >> 3, k = i & 7, b = u * 32 + 4 * k;
-            float4 v = xs4[xslot(u, k)];
-            v.x *= b < K ? r * norm_w[b] : 0.0f;
-            v.y *= b + 1 < K ? r * norm_w[b + 1] : 0.0f;
-            v.z *= b + 2 < K ? r * norm_w[b + 2] : 0.0f;
-            v.w *= b + 3 < K ? r * norm_w[b + 3] : 0.0f;
-            xs4[xslot(u, k)] = v;
+        r = rsqrtf(ss / (float)K + eps);
+    }
+    if (norm_w || XSUM) {
+        float* xsum = reinterpret_cast<float*>(xs4 + n);
+        for (int base = 0; base < n; base += blockDim.x) {  // uniform trip count: the shuffles need every lane
+            const int i = base + threadIdx.x;
+            float t = 0.0f;
+            if (i < n) {
+                float4 f = xs4[xslot(i >> 3, i & 7)];  // a slot this thread wrote
+                if (norm_w) {
+                    f.x *= r;
+                    f.y *= r;
+                    f.z *= r;
+                    f.w *= r;
+                    xs4[xslot(i >> 3, i & 7)] = f;
+                }
+                t = (f.x + f.y) + (f.z + f.w);
+            }
+            if (XSUM) {
+                t += __shfl_xor_sync(FULL_MASK, t, 1);
+                t += __shfl_xor_sync(FULL_MASK, t, 2);
+                t += __shfl_xor_sync(FULL_MASK, t, 4);
+                if (i < n && (i & 7) == 0) xsum[i >> 3] = t;
+            }
         }
     }
     __syncthreads();
+}
+
+// Weight types whose unit_dot reads the per-unit sums of x.
+template <class Q> struct needs_xsum { static constexpr bool value = false; };
+
+// Sum over unit u of w[i] * x[i]: the generic form decodes the unit to floats (Q::unit) and dots them. The
+// specialisations below skip the int -> float conversions, which run at 16 per clock per SM on sm_90 (a
+// quarter-warp) and bound the generic form far below memory speed: a byte b becomes the float 2^23 + b by
+// one byte permute into 0x4B000000's mantissa, one exact subtraction removes 2^23 (and the type's offset),
+// and the block scales multiply the unit's sum instead of each value. Exact integers in, float32 sums out:
+// the same math as the generic form up to summation order.
+template <class Q>
+__device__ __forceinline__ float unit_dot(const u8* row, int u, int K, const float4* __restrict__ xs4,
+                                          const float* __restrict__ xsum) {
+    float w[32];
+    Q::unit(row, u, K, w);
+    return dot_unit(w, xs4, u);
+}
+
+// s + sum_b (byte b of w - off) * v[b], with bias = 2^23 + off.
+__device__ __forceinline__ float dot_bytes4(u32 w, float4 v, float bias, float s) {
+    s = fmaf(__int_as_float(__byte_perm(w, 0x4B000000u, 0x7650)) - bias, v.x, s);
+    s = fmaf(__int_as_float(__byte_perm(w, 0x4B000000u, 0x7651)) - bias, v.y, s);
+    s = fmaf(__int_as_float(__byte_perm(w, 0x4B000000u, 0x7652)) - bias, v.z, s);
+    s = fmaf(__int_as_float(__byte_perm(w, 0x4B000000u, 0x7653)) - bias, v.w, s);
+    return s;
+}
+#define TWO23 8388608.0f
+
+template <>
+__device__ __forceinline__ float unit_dot<QQ8_0>(const u8* row, int u, int, const float4* __restrict__ xs4,
+                                                 const float* __restrict__) {
+    const u8* p = row + u * QQ8_0::BYTES;
+    u32 q[8];
+    load_words<2, 8>(p + 2, q);
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s = dot_bytes4(q[k] ^ 0x80808080u, xs4[xslot(u, k)], TWO23 + 128.0f, s);  // i8 + 128
+    return ldh(p) * s;
+}
+
+// Q4_0 / Q4_1: 16 bytes of nibbles, value i < 16 the low nibble of byte i, value i + 16 its high nibble.
+__device__ __forceinline__ float nibbles_dot(const u32 (&q)[4], const float4* __restrict__ xs4, int u, float bias) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        s = dot_bytes4(q[k] & 0x0F0F0F0Fu, xs4[xslot(u, k)], bias, s);
+        s = dot_bytes4((q[k] >> 4) & 0x0F0F0F0Fu, xs4[xslot(u, 4 + k)], bias, s);
+    }
+    return s;
+}
+
+template <>
+__device__ __forceinline__ float unit_dot<QQ4_0>(const u8* row, int u, int, const float4* __restrict__ xs4,
+                                                 const float* __restrict__) {
+    const u8* p = row + u * QQ4_0::BYTES;
+    u32 q[4];
+    load_words<2, 4>(p + 2, q);
+    return ldh(p) * nibbles_dot(q, xs4, u, TWO23 + 8.0f);  // v = d * (q - 8)
+}
+
+template <> struct needs_xsum<QQ4_1> { static constexpr bool value = true; };
+template <> struct needs_xsum<QQ4_K> { static constexpr bool value = true; };
+
+template <>
+__device__ __forceinline__ float unit_dot<QQ4_1>(const u8* row, int u, int, const float4* __restrict__ xs4,
+                                                 const float* __restrict__ xsum) {
+    const u8* p = row + u * QQ4_1::BYTES;
+    u32 q[4];
+    load_words<4, 4>(p + 4, q);
+    return ldh(p) * nibbles_dot(q, xs4, u, TWO23) + ldh(p + 2) * xsum[u];  // v = d * q + m
+}
+
+template <>
+__device__ __forceinline__ float unit_dot<QQ4_K>(const u8* row, int u, int, const float4* __restrict__ xs4,
+                                                 const float* __restrict__ xsum) {
+    const u8* p = row + (u >> 3) * QQ4_K::BYTES;
+    const int j = u & 7, shift = 4 * (j & 1);
+    int sc, m;
+    scale_min_k4(p + 4, j, sc, m);
+    u32 q[8];
+    load_words<16, 8>(p + 16 + (j >> 1) * 32, q);
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s = dot_bytes4((q[k] >> shift) & 0x0F0F0F0Fu, xs4[xslot(u, k)], TWO23, s);
+    return ldh(p) * (float)sc * s - ldh(p + 2) * (float)m * xsum[u];
+}
+
+template <>
+__device__ __forceinline__ float unit_dot<QQ6_K>(const u8* row, int u, int, const float4* __restrict__ xs4,
+                                                 const float* __restrict__) {
+    const u8* p = row + (u >> 3) * QQ6_K::BYTES;
+    const int j = u & 7, h = j >> 2, s4 = j & 3;
+    u32 ql[8], qh[8];
+    load_words<2, 8>(p + h * 64 + (s4 & 1) * 32, ql);
+    load_words<2, 8>(p + 128 + h * 32, qh);
+    const int lshift = 4 * (s4 >> 1), hshift = 2 * s4;
+    float s0 = 0.0f, s1 = 0.0f;  // values 0-15 and 16-31: one scale each
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const u32 w = ((ql[k] >> lshift) & 0x0F0F0F0Fu) | (((qh[k] >> hshift) & 0x03030303u) << 4);
+        if (k < 4)
+            s0 = dot_bytes4(w, xs4[xslot(u, k)], TWO23 + 32.0f, s0);
+        else
+            s1 = dot_bytes4(w, xs4[xslot(u, k)], TWO23 + 32.0f, s1);
+    }
+    return ldh(p + 208) * ((float)(i8)p[192 + 2 * j] * s0 + (float)(i8)p[192 + 2 * j + 1] * s1);
 }
 
 __device__ __forceinline__ u32 order_key_f(float f) {
@@ -199,8 +341,6 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
                                          const float* __restrict__ bias, const float* resid,
                                          const float* __restrict__ norm_w, float eps, int lpr, u64* am) {
     extern __shared__ float4 xs4[];
-    stage_x(x, K, norm_w, eps, xs4);
-
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows_per_warp = 32 / lpr;
     const int sub = lane % lpr;
@@ -224,29 +364,31 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
         }
     }
 
+    // Start this lane's first weight units on their way to L2 (about where unit u lies in the row), then
+    // stage x: the two global reads overlap instead of following each other.
+    if (active && (long long)N * row_bytes < (4ll << 20)) {  // small matrices only: latency-bound there;
+                                                              // large ones measured slower with it
+        for (int j = 0, uu = sub; j < 4 && uu < units; ++j, uu += lpr) {
+            const long long off = (long long)uu * row_bytes / units;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(ra + off));
+            if (SWIGLU) asm volatile("prefetch.global.L2 [%0];" ::"l"(rb + off));
+        }
+    }
+    stage_x<needs_xsum<Q>::value>(x, K, norm_w, eps, xs4);
+    const float* xsum = reinterpret_cast<const float*>(xs4 + units * 8);
+
     float acc = 0.0f, acc2 = 0.0f;
     int u = sub;
     if (active) {
         if (SWIGLU) {
             for (; u < units; u += lpr) {
-                float wa[32], wb[32];
-                Q::unit(ra, u, K, wa);
-                Q::unit(rb, u, K, wb);
-                acc += dot_unit(wa, xs4, u);
-                acc2 += dot_unit(wb, xs4, u);
+                acc += unit_dot<Q>(ra, u, K, xs4, xsum);
+                acc2 += unit_dot<Q>(rb, u, K, xs4, xsum);
             }
         } else {
-            for (; u + lpr < units; u += 2 * lpr) {
-                float wa[32], wb[32];
-                Q::unit(ra, u, K, wa);
-                Q::unit(ra, u + lpr, K, wb);
-                acc += dot_unit(wa, xs4, u) + dot_unit(wb, xs4, u + lpr);
-            }
-            if (u < units) {
-                float wa[32];
-                Q::unit(ra, u, K, wa);
-                acc += dot_unit(wa, xs4, u);
-            }
+            for (; u + lpr < units; u += 2 * lpr)
+                acc += unit_dot<Q>(ra, u, K, xs4, xsum) + unit_dot<Q>(ra, u + lpr, K, xs4, xsum);
+            if (u < units) acc += unit_dot<Q>(ra, u, K, xs4, xsum);
         }
     }
     for (int o = lpr >> 1; o > 0; o >>= 1) {

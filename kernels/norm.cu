@@ -2,6 +2,8 @@
 //
 // Shapes: x, y [T, D] f32 (y may alias x), w [D] f32. Launch: grid T, block 256 (D <= 8192 reads each
 // element twice from L1/L2; a single pass would need the row in registers); fp32 accumulation.
+// rms_norm_f16(x, w, y16, scale, D, eps): the same y stored as fp16(y / s) with s[t] = f16_rowscale(max |y|)
+// (common.cuh): the fused prefill's GEMM input. Same launch.
 // Best measured on H100: not yet tuned (one block per row: D=576..4096 is latency-bound, ~2-3 us).
 
 #include "common.cuh"
@@ -16,4 +18,22 @@ extern "C" __global__ void rms_norm_f32(const float* x, const float* __restrict_
     ss = block_sum(ss);
     const float r = rsqrtf(ss / (float)D + eps);
     for (int i = threadIdx.x; i < D; i += blockDim.x) y[base + i] = x[base + i] * r * w[i];
+}
+
+extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float* __restrict__ w, u16* __restrict__ y,
+                                        float* __restrict__ scale, int D, float eps) {
+    const long long base = (long long)blockIdx.x * D;
+    float ss = 0.0f, m = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float v = x[base + i];
+        ss = fmaf(v, v, ss);
+        m = fmaxf(m, fabsf(v * w[i]));
+    }
+    ss = block_sum(ss);
+    m = block_max(m);
+    const float r = rsqrtf(ss / (float)D + eps);
+    const float s = f16_rowscale(m * r);
+    const float inv = 1.0f / s;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) y[base + i] = f2h(x[base + i] * r * w[i] * inv);
+    if (threadIdx.x == 0) scale[blockIdx.x] = s;
 }

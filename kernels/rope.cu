@@ -12,35 +12,13 @@
 //   rope_store_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn_factor, kcache, vcache)
 //       qkv [T, (Hq+2Hkv)*Dh] as the fused QKV matvec writes it; rotates q and k in place and writes k, v
 //       as fp16 into the layer's cache [ctx, Hkv, Dh] at row pos[t]. grid (T, Hq + 2*Hkv), block as above.
+//   rope_store_pf_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, scale, bias)
+//       the fused prefill's QKV epilogue: first qkv[t, :] = qkv[t, :] * scale[t] + bias (the GEMM's row
+//       scale, kernels/norm.cu rms_norm_f16; bias [(Hq+2Hkv)*Dh] or NULL), then as rope_store_<mode>.
 // Best measured on H100: not yet tuned (tiny: T*H*Dh/2 threads).
 
 #include "common.cuh"
-
-template <bool NEOX>
-__device__ __forceinline__ void pair_dims(int i, int half, int& a, int& b) {
-    if (NEOX) { a = i; b = i + half; } else { a = 2 * i; b = 2 * i + 1; }
-}
-
-// Rotate (or pass) pair i of head vector h [Dh]; returns the two output values and their dims.
-template <bool NEOX>
-__device__ __forceinline__ void rope_pair(const float* h, int i, int Dh, int rope_dim, int p, const double* inv_freq,
-                                          float attn, int& da, int& db, float& oa, float& ob) {
-    const int half = rope_dim / 2;
-    if (i < half) {
-        pair_dims<NEOX>(i, half, da, db);
-        double s, c;
-        sincos((double)p * inv_freq[i], &s, &c);
-        const float cs = (float)c * attn, sn = (float)s * attn;
-        const float a = h[da], b = h[db];
-        oa = a * cs - b * sn;
-        ob = a * sn + b * cs;
-    } else {
-        da = rope_dim + 2 * (i - half);
-        db = da + 1;
-        oa = h[da];
-        ob = h[db];
-    }
-}
+#include "rope.cuh"
 
 template <bool NEOX>
 __device__ __forceinline__ void rope_body(float* x, int stride, int H, int Dh, int rope_dim, const int* pos,
@@ -83,6 +61,36 @@ __device__ __forceinline__ void rope_store_body(float* qkv, int stride, int Hq, 
         v[da] = f2h(h[da]);
         v[db] = f2h(h[db]);
     }
+}
+
+// The prefill epilogue: undo the GEMM input's row scale and add the bias on this thread's two dims of the
+// head, in place, before rope_store_body reads the head (a __syncthreads between: rope pairs cross threads).
+template <bool NEOX>
+__device__ __forceinline__ void rope_store_pf_body(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
+                                                   const int* pos, const double* inv_freq, float attn, u16* kcache,
+                                                   u16* vcache, const float* __restrict__ scale,
+                                                   const float* __restrict__ bias) {
+    const int t = blockIdx.x, hd = blockIdx.y, i = threadIdx.x;
+    if (i < Dh / 2) {
+        float* h = qkv + (long long)t * stride + hd * Dh + 2 * i;
+        const float s = scale[t];
+        const float* b = bias ? bias + hd * Dh + 2 * i : nullptr;
+        h[0] = h[0] * s + (b ? b[0] : 0.0f);
+        h[1] = h[1] * s + (b ? b[1] : 0.0f);
+    }
+    __syncthreads();
+    rope_store_body<NEOX>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache);
+}
+
+extern "C" __global__ void rope_store_pf_normal(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
+                                                const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
+                                                const float* scale, const float* bias) {
+    rope_store_pf_body<false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias);
+}
+extern "C" __global__ void rope_store_pf_neox(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
+                                              const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
+                                              const float* scale, const float* bias) {
+    rope_store_pf_body<true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias);
 }
 
 extern "C" __global__ void rope_normal(float* x, int stride, int H, int Dh, int rope_dim, const int* pos,

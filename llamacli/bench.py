@@ -5,7 +5,8 @@ Tests (random token ids, no tokenizer):
     pp<P>        prefill P tokens from an empty cache                       t/s = P / time
     tg<N>        N decode steps from an empty cache, greedy argmax included  t/s = N / time
     pp<P>+tg<N>  both in a row                                              t/s = (P + N) / time
-Each test runs once to warm up, then `reps` times; t/s is mean +- sample stddev over the repetitions.
+Each test runs twice to warm up (compilation; then the CUDA graphs, which the CUDA backend captures when a
+prefill length comes round again), then `reps` times; t/s is mean +- sample stddev over the repetitions.
 
 On CUDA the clock is a pair of CUDA events around each repetition (backend.elapsed); elsewhere
 synchronize + perf_counter.
@@ -129,7 +130,10 @@ class Bench:
             if n_gen:
                 self.generate(n_gen, start=n_prompt)
 
-        once()  # warm-up: compilation, graph capture, caches
+        # Warm-up, twice: compilation, cuBLAS plans and caches; then the CUDA graphs, captured when a step or
+        # a prefill length comes round again (CudaBackend.forward_prompt).
+        once()
+        once()
         return [(n_prompt + n_gen) / self._timed(once) for _ in range(reps)]
 
 

@@ -64,6 +64,5 @@ def prefill(be: Backend, cfg: ModelConfig, ids: Any, start: int) -> Any:
         raise ValueError("prefill needs at least one token")
     n = be.prefill_chunk or ids.size
     for s in range(0, ids.size, n):
-        part = ids[s : s + n]
-        logits = forward(be, cfg, be.token_ids(part), be.positions(start + s, part.size))
+        logits = be.forward_prompt(ids[s : s + n], start + s)
     return logits

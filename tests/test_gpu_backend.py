@@ -100,6 +100,31 @@ def test_fused_decode_logits_match_forward(random_model) -> None:
         assert rel_l2(b, a) <= 1e-5
 
 
+@pytest.mark.parametrize("shape,qtype,rows", [("small-llama", QT.Q8_0, 1), ("small-qwen2", QT.Q4_K, 1),
+                                              ("small-qwen2", QT.Q4_K, 3), ("small-qwen2", QT.Q4_K, 8)],
+                         ids=["llama", "qwen2", "qwen2-rows3", "qwen2-rows8"])
+def test_fused_decode_step_over_several_splits(random_model, shape, qtype, rows) -> None:
+    """Past 256 positions the decode attention runs in several splits; the fused step's kernel (RoPE, K/V
+    store, splits and the merge by the last block of each KV head, query rows spread over blocks `rows` at a
+    time) must match the op-by-op path step after step (its per-head counters return to zero, or the next
+    step would merge too early)."""
+    path = random_model(shape, qtype)
+    _, cfg, be = loaded(path, CudaBackend(), ctx=4096)
+    be.decode_rows = rows
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, cfg.vocab_size, size=2100)
+    forward(be, cfg, be.token_ids(ids[:600]), be.positions(0, 600))
+    for pos in (600, 601, 602, 767, 768, 2100, 2101):  # from 2048 on, one block per split takes every row
+        if pos == 2100:
+            forward(be, cfg, be.token_ids(ids[769:]), be.positions(769, 2100 - 769))
+        tok = int(rng.integers(0, cfg.vocab_size))
+        fused = be.to_host(be.decode(tok, pos))[-1].copy()
+        plain = be.to_host(forward(be, cfg, be.token_ids(np.asarray([tok])), be.positions(pos, 1)))[-1]
+        assert np.isfinite(fused).all()
+        assert rel_l2(fused, plain) <= 1e-5, pos
+    assert not be._att_count.get().any()
+
+
 def test_memory_error_names_need_free_and_ctx(random_model) -> None:
     from llamacli.errors import DeviceMemoryError
 
@@ -161,8 +186,66 @@ def test_long_prefill_of_a_1b_shape_model_is_finite_and_matches_decode(tmp_path)
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=512).astype(np.int32)
     prefill = be.to_host(forward(be, cfg, be.token_ids(ids), be.positions(0, len(ids))))[-1]
     assert np.isfinite(prefill).all()
+    fused = be.to_host(be.forward_prompt(ids, 0))[-1]  # fp16 activations with row scales between GEMMs
+    assert np.isfinite(fused).all()
+    assert rel_l2(fused, prefill) <= 1e-2
     for pos, tok in enumerate(ids):
         step = be.decode(int(tok), pos)
     stepwise = be.to_host(step)[-1]
     assert np.isfinite(stepwise).all()
     assert rel_l2(prefill, stepwise) <= 1e-2
+
+
+PREFILL_CASES = [
+    ("small-llama", "Q4_K_M"), ("small-llama", QT.Q4_1), ("small-llama", QT.F16), ("small-llama", QT.IQ4_XS),
+    ("small-qwen2", QT.Q8_0), ("small-phi3", QT.F16), ("small-phi3", QT.Q5_K), ("tiny-llama", QT.F32),
+]
+
+
+@pytest.mark.parametrize("shape,qtype", PREFILL_CASES, ids=lambda c: c if isinstance(c, str) else c.name)
+def test_fused_prefill_matches_numpy(random_model, shape, qtype) -> None:
+    """forward_prompt (fp16 activations with row scales, fused epilogues, graph replay from the second
+    sighting of a length) against the NumPy reference: the last logits, and the cache it leaves (a decode
+    step after it). Lengths: 9 (CUDA-core attention), 16, 77, and 700 in chunks of 512 + 188. The
+    buffers start poisoned with NaN, so a read of anything not written shows."""
+    from llamacli.model import prefill
+
+    path = random_model(shape, qtype)
+    _, cfg, ref = loaded(path, NumpyBackend(), ctx=1024)
+    _, _, be = loaded(path, CudaBackend(), ctx=1024)
+    b = be._pf_alloc()
+    for buf in (b.x, b.h16, b.att16, b.qkv, b.gu, b.y, b.dq, b.logits):
+        buf.fill(np.nan)
+    rng = np.random.default_rng(1)
+    for t in (9, 16, 77, 700):
+        ids = rng.integers(0, cfg.vocab_size, size=t)
+        want = ref.to_host(prefill(ref, cfg, ids, 0))[-1]
+        runs = [be.to_host(prefill(be, cfg, ids, 0))[-1].copy() for _ in range(3)]  # direct, capture, replay
+        assert np.isfinite(runs[0]).all(), t
+        assert rel_l2(runs[0], want) <= 1e-2, t
+        for r in runs[1:]:
+            assert rel_l2(r, runs[0]) <= 1e-6, t
+        tok = int(rng.integers(0, cfg.vocab_size))
+        step_ref = ref.to_host(forward(ref, cfg, ref.token_ids(np.asarray([tok])), ref.positions(t, 1)))[-1]
+        step = be.to_host(be.decode(tok, t))[-1]
+        assert rel_l2(step, step_ref) <= 1e-2, t
+    assert set(be._pf_graphs) >= {16, 77, 512}
+
+
+def test_fused_prefill_chunk_after_cached_prefix(random_model) -> None:
+    """A second prompt chunk at a later start (chat turn 2: the prefix is in the cache) attends to the
+    earlier positions; the graph captured for that length serves any start."""
+    from llamacli.model import prefill
+
+    path = random_model("small-llama", "Q4_K_M")
+    _, cfg, ref = loaded(path, NumpyBackend(), ctx=512)
+    _, _, be = loaded(path, CudaBackend(), ctx=512)
+    rng = np.random.default_rng(2)
+    first, second = rng.integers(0, cfg.vocab_size, size=40), rng.integers(0, cfg.vocab_size, size=33)
+    for attempt in range(2):  # 33 tokens at 40 twice: direct, then captured; each after the same first turn
+        prefill(ref, cfg, first, 0)
+        prefill(be, cfg, first, 0)
+        want = ref.to_host(prefill(ref, cfg, second, 40))[-1]
+        got = be.to_host(prefill(be, cfg, second, 40))[-1]
+        assert rel_l2(got, want) <= 1e-2, attempt
+    assert 33 in be._pf_graphs

@@ -118,7 +118,14 @@ class Backend(ABC):
         """x + y (may write into x)."""
 
     # -- whole steps ---------------------------------------------------------------------------------------
-    # The engine calls these for decode; a GPU backend overrides them with one captured graph per step.
+    # The engine calls these; a GPU backend overrides them with fused kernels and captured graphs.
+    def forward_prompt(self, ids: np.ndarray, start: int) -> Any:
+        """One prefill pass: host token ids [T] at positions start.. -> logits [1, V] of the last one;
+        writes their K/V into the cache (model.prefill calls it per chunk)."""
+        from ..model import forward
+
+        return forward(self, self.cfg, self.token_ids(ids), self.positions(start, int(ids.size)))
+
     def decode(self, token: int, pos: int) -> Any:
         """One decode step: `token` at position `pos` -> logits [1, V]; writes that position's K/V."""
         from ..model import forward

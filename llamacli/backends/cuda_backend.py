@@ -6,15 +6,18 @@ is fp16 [layer, ctx, Hkv, Dh]. Two ways to run the model:
 
 - the Backend operations (embed, rms_norm, matmul, ...) that model.forward calls, one kernel each: prefill
   and the reference-shaped path;
-- `decode(token, pos)`: the fused decode step, 7 kernels per layer (9 before), every buffer allocated at load, the
+- `decode(token, pos)`: the fused decode step, 5 kernels per layer, every buffer allocated at load, the
   token and position read by the kernels from device memory (`step_ids`, `step_pos`), so it is captured
   once into a CUDA graph and replayed on the current stream (`use_graph`); the host uploads token/pos
   only when the device does not already hold them and reads back one id. Per layer: QKV matvec (RMSNorm
-  fused into its input, + bias) | rope + K/V store | attention split | combine | output matvec +
-  residual | gate/up matvec (RMSNorm fused, + SwiGLU) | down matvec + residual; then the LM head with
+  fused into its input, + bias) | attention (RoPE, K/V store, splits and their merge in one kernel) |
+  output matvec + residual | gate/up matvec (RMSNorm fused, + SwiGLU) | down matvec + residual; then the LM head with
   the final RMSNorm and, when greedy, the argmax fused in (kernels/matvec.cu mv1_*).
 
-Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,264 tok/s, pp512 22,712
+Prefill (`forward_prompt`, model.prefill's chunks of PREFILL_CHUNK tokens): the fused pass described above
+forward_prompt, captured into a CUDA graph from the second time a chunk length comes round.
+
+Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,439 tok/s, pp512 224,892
 tok/s; `llamacli bench --profile` breaks a step down by kernel family.
 
 Sampling on the device (`sample`): penalties, then argmax (greedy), or top-k (k <= 1024) and the rest of
@@ -25,11 +28,13 @@ same seed (tests/test_gpu_kernels.py). top_k = 0 or > 1024 copies the logits and
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -52,6 +57,8 @@ RUNNABLE = (
 _CUDA_R_32F, _CUDA_R_16F = 0, 2  # cudaDataType (library_types.h)
 MATVEC_TMAX = 8  # kernels/matvec.cu: up to 8 tokens per matvec launch; more go through cuBLAS
 DEQUANT_CHUNK = 1 << 25  # fp16 values per dequantized weight chunk in prefill (64 MiB)
+PREFILL_CHUNK = 512  # prompt tokens per prefill pass (forward_prompt's buffers; llama.cpp's micro-batch)
+PREFILL_GRAPHS = 8  # captured prefill passes kept, by length (least recently used dropped)
 TOPK_MAX = 1024  # device top-k candidates
 ATT_ROWS = 32  # kernels/attention.cu: query rows per block
 ATT_TC_ROWS, ATT_TC_KEYS = 64, 64  # attention_tc_d*: query rows per block, keys per shared-memory tile
@@ -144,6 +151,57 @@ class DeviceMatrix:
         return DeviceMatrix(self.ptr + start * self.row_bytes, n, self.cols, self.qtype, self.row_bytes)
 
 
+@functools.lru_cache(maxsize=None)
+def _cublas() -> Any:
+    """libcublas through ctypes, for the prefill GEMMs: CuPy's wrappers refuse to run while a stream is being
+    captured, while cuBLAS itself records into graphs. The library is the one CuPy loaded (cuda.pathfinder
+    finds the same file), so CuPy's handle is valid here."""
+    import ctypes
+
+    names = []
+    try:
+        from cuda import pathfinder
+
+        path = pathfinder.load_nvidia_dynamic_lib("cublas").abs_path
+        if path:
+            names.append(path)
+    except Exception:  # an older CuPy without cuda.pathfinder: the loader's search path
+        pass
+    names += ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise BackendError("cuBLAS (libcublas) could not be loaded")
+    vp, i = ctypes.c_void_p, ctypes.c_int
+    lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+    lib.cublasGemmEx.restype = i
+    set_stream = getattr(lib, "cublasSetStream_v2", None) or lib.cublasSetStream
+    set_stream.argtypes, set_stream.restype = [vp, vp], i
+    set_ws = getattr(lib, "cublasSetWorkspace_v2", None) or lib.cublasSetWorkspace
+    set_ws.argtypes, set_ws.restype = [vp, vp, ctypes.c_size_t], i
+    return lib, set_stream, set_ws
+
+
+_OP_N, _OP_T, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 68, -1  # cublas_api.h
+
+
+def _merge_rows(mats: list[DeviceMatrix]) -> list[DeviceMatrix]:
+    """Consecutive matrices that lie back to back in the arena with one type and width become one (Q, K, V
+    or gate, up): one dequantize launch and one GEMM instead of two or three."""
+    out = [mats[0]]
+    for m in mats[1:]:
+        p = out[-1]
+        if (m.qtype, m.cols, m.row_bytes) == (p.qtype, p.cols, p.row_bytes) and m.ptr == p.ptr + p.rows * p.row_bytes:
+            out[-1] = DeviceMatrix(p.ptr, p.rows + m.rows, p.cols, p.qtype, p.row_bytes)
+        else:
+            out.append(m)
+    return out
+
+
 def _lpr(cols: int) -> int:
     """Lanes per row in matvec.cu: the power of two <= 32 closest above the row's 32-value unit count."""
     units = -(-cols // 32)
@@ -156,6 +214,7 @@ def _lpr(cols: int) -> int:
 class CudaBackend(Backend):
     name = "cuda"
     runnable_types = frozenset(RUNNABLE)
+    prefill_chunk = PREFILL_CHUNK
 
     def __init__(self, use_graph: bool = True):
         ok, reason = cuda_available()
@@ -166,8 +225,17 @@ class CudaBackend(Backend):
         self.cp = cp
         self.use_graph = use_graph
         self.attention_tc = True  # prefill attention on tensor cores (False: the fp32 CUDA-core kernel)
-        self._alpha_beta = np.array([1.0, 0.0], dtype=np.float32)  # host scalars for cuBLAS GemmEx
+        # Query rows per block in the fused step's attention (of the G sharing a KV head): 1 gives the
+        # shortest dependent chain per lane (decode at short contexts is latency-bound); each block re-reads
+        # its split's K/V from L2. Set before the first decode (the graph keeps it).
+        self.decode_rows = 1
+        self._alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self._graphs: dict[str, Any] = {}
+        self._pf: SimpleNamespace | None = None  # forward_prompt's buffers and per-layer plans
+        self._pf_graphs: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._pf_seen: set[int] = set()
+        self._pf_graph_ok = True
+        self._cublas_ws = None
         self._arena = None
         self._prof: list | None = None  # (section, start event, end event, our launches) while profiling
         self._wfam: dict[int, str] = {}  # id(weight handle) -> kernel family, for the profile
@@ -240,6 +308,9 @@ class CudaBackend(Backend):
         self.v_cache = cp.zeros(shape, dtype=cp.float16)
         self._alloc_step_buffers()
         self._graphs.clear()
+        self._pf = None
+        self._pf_graphs.clear()
+        self._pf_seen.clear()
 
     def _scratch_bytes(self, cfg: ModelConfig, ctx: int) -> int:
         """Decode buffers plus a prefill working set (a 512-token chunk and one fp16 weight chunk)."""
@@ -276,6 +347,8 @@ class CudaBackend(Backend):
 
     def close(self) -> None:
         self._graphs.clear()
+        self._pf_graphs.clear()
+        self._pf = None
         self._arena = None
         self.weights = None  # type: ignore[assignment]
         self.k_cache = self.v_cache = None
@@ -431,19 +504,32 @@ class CudaBackend(Backend):
         return x16, scale
 
     def _gemm16(self, x16: Any, w_ptr: int, n_rows: int, k: int, y: Any, col0: int) -> None:
-        """y[:, col0:col0+n_rows] = x16 [t, k] . W[n_rows, k]^T: fp16 inputs, fp32 accumulation and output.
-        Row-major buffers read as column-major: Y^T [N, t] (ld N) = op_T(W^T [k, n]) (ld k) . X^T [k, t] (ld k)."""
-        from cupy_backends.cuda.libs import cublas
+        """y[:, col0:col0+n_rows] = x16 [t, k] . W[n_rows, k]^T: fp16 inputs, fp32 accumulation and output."""
+        self._gemm(x16.data.ptr, x16.shape[0], k, w_ptr, n_rows, y.data.ptr, y.shape[1], col0, False)
 
-        t, n_out = x16.shape[0], y.shape[1]
-        handle = self.cp.cuda.device.get_cublas_handle()
-        cublas.gemmEx(
-            handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n_rows, t, k,
-            self._alpha_beta.ctypes.data, w_ptr, _CUDA_R_16F, k,
-            x16.data.ptr, _CUDA_R_16F, k,
-            self._alpha_beta.ctypes.data + 4, y.data.ptr + 4 * col0, _CUDA_R_32F, n_out,
-            cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT,
+    def _gemm(self, x_ptr: int, t: int, k: int, w_ptr: int, n_rows: int, y_ptr: int, ldy: int, col0: int,
+              accumulate: bool) -> None:
+        """Y[t, col0:col0+n_rows] (=, or += with accumulate) X16 [t, k] . W16[n_rows, k]^T; Y float32 rows ldy
+        apart. Row-major buffers read as column-major: Y^T [N, t] (ld ldy) = op_T(W^T [k, N]) . X^T [k, t].
+        CuPy's cuBLAS handle, called through ctypes (_cublas), set to the current stream (so a graph capture
+        records the GEMM) with our own workspace (nothing allocated inside a capture)."""
+        cp = self.cp
+        lib, set_stream, set_ws = _cublas()
+        handle = cp.cuda.device.get_cublas_handle()
+        if self._cublas_ws is None:
+            self._cublas_ws = cp.empty(32 << 20, dtype=cp.uint8)
+        st = set_stream(handle, cp.cuda.get_current_stream().ptr)
+        st = st or set_ws(handle, self._cublas_ws.data.ptr, self._cublas_ws.nbytes)  # after setStream (it resets)
+        ab = self._alpha_beta.ctypes.data
+        st = st or lib.cublasGemmEx(
+            handle, _OP_T, _OP_N, n_rows, t, k,
+            ab, w_ptr, _CUDA_R_16F, k,
+            x_ptr, _CUDA_R_16F, k,
+            ab + (8 if accumulate else 4), y_ptr + 4 * col0, _CUDA_R_32F, ldy,
+            _COMPUTE_32F, _GEMM_DEFAULT,
         )
+        if st:
+            raise BackendError(f"cuBLAS GEMM ({t} x {n_rows} x {k}) failed with status {st}")
 
     def _matvec(self, ws: tuple[DeviceMatrix, ...], x: Any, t: int, y: Any, bias: Any = None, resid: Any = None,
                 norm: Any = None, argmax: bool = False) -> None:
@@ -462,7 +548,7 @@ class CudaBackend(Backend):
                      (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                       K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps), K.i32(lpr),
                       K.ptr(self._am if argmax else None)),
-                     shared=K.cdiv(w0.cols, 32) * 128)
+                     shared=K.cdiv(w0.cols, 32) * 132)
             return
         if norm is not None or argmax:
             raise BackendError("fused RMSNorm / argmax need one token")
@@ -478,7 +564,7 @@ class CudaBackend(Backend):
             K.launch("matvec", f"mv1_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
                       K.f32(self.cfg.rms_eps), K.i32(lpr)),
-                     shared=K.cdiv(wg.cols, 32) * 128)
+                     shared=K.cdiv(wg.cols, 32) * 132)
             return
         if norm is not None:
             raise BackendError("fused RMSNorm needs one token")
@@ -533,11 +619,10 @@ class CudaBackend(Backend):
         npl = next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
         if n_split > 1 and t == 1 and self._decode_kernel_fits():
             # Decode: the split's keys spread over all 8 warps (chunk is a multiple of 256 here).
-            g = cfg.n_group
             K.launch("attention", f"attention_decode_npl{npl}", (hkv, n_split), (256,),
                      (K.ptr(q), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(hq), K.i32(hkv), K.i32(dh),
                       K.f32(1.0 / math.sqrt(dh)), K.i32(chunk), K.ptr(part_o), K.ptr(part_ml)),
-                     shared=(9 * g * dh + 16 * g) * 4 + 8 * 32 * dh * 2)
+                     shared=self._decode_smem())
             K.launch("attention", "attention_combine", (hq,), (max(32, K.cdiv(dh, 32) * 32),),
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(1), K.i32(hq), K.i32(dh), K.i32(n_split),
                       K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
@@ -552,6 +637,11 @@ class CudaBackend(Backend):
             K.launch("attention", "attention_combine", (t * hq,), (max(32, K.cdiv(dh, 32) * 32),),
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(dh), K.i32(n_split),
                       K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
+
+    def _decode_smem(self) -> int:
+        """attention_decode / attention_step: q [G, Dh] + per-warp o [8, G, Dh] and (m, l) f32, V tiles [8, 32, Dh] fp16."""
+        g, dh = self.cfg.n_group, self.cfg.head_dim
+        return (9 * g * dh + 16 * g) * 4 + 8 * 32 * dh * 2
 
     def _decode_kernel_fits(self) -> bool:
         """attention_decode_npl*: up to 8 query heads per KV head, head dim a multiple of 8, at most 128."""
@@ -589,6 +679,169 @@ class CudaBackend(Backend):
     def _f32(self, x: Any) -> Any:
         return self.cp.ascontiguousarray(x, dtype=self.cp.float32)
 
+    # -- the fused prefill pass ---------------------------------------------------------------------------
+    # forward_prompt runs a prompt chunk of T tokens (MATVEC_TMAX < T <= PREFILL_CHUNK) through preallocated
+    # buffers, activations between GEMMs as fp16 with a power-of-two row scale (kernels/common.cuh
+    # f16_rowscale). Per layer: rms_norm_f16 | dequantize Q,K,V into one fp16 scratch (one launch when they
+    # lie back to back with one type; F16 weights are read in place) + one GEMM | scale, bias, RoPE, K/V
+    # store (rope_store_pf) | attention on tensor cores, fp16 out | O GEMM accumulating into the residual
+    # (beta = 1) | rms_norm_f16 | gate/up dequantize + one GEMM | swiglu_f16_rowscale | down dequantize +
+    # GEMM | rowscale_add into the residual. Then the LM head on the last row only (mv1 with the final
+    # RMSNorm fused). 11-17 launches per layer where the op-by-op path (model.forward) took ~45.
+    # The token ids and positions live in device buffers, so a chunk length seen before is captured once
+    # into a CUDA graph and replayed (the first sighting runs the kernels directly: compilation, cuBLAS
+    # plans); long prompts repeat PREFILL_CHUNK, so every chunk after the second replays.
+    def forward_prompt(self, ids: np.ndarray, start: int) -> Any:
+        t = int(np.asarray(ids).size)
+        if t <= MATVEC_TMAX or t > min(self.ctx, PREFILL_CHUNK):
+            return super().forward_prompt(ids, start)
+        cp = self.cp
+        b = self._pf_alloc()
+        b.ids[:t].set(np.asarray(ids, dtype=np.int32).reshape(-1))
+        b.pos[:t].set(np.arange(start, start + t, dtype=np.int32))
+        graph = self._pf_graphs.get(t) if self._prof is None else None  # profiling times the kernels one by one
+        if graph is None and self.use_graph and self._pf_graph_ok and self._prof is None and t in self._pf_seen:
+            try:
+                graph = self._capture(lambda: self._prefill_kernels(t))
+            except Exception as exc:  # a cuBLAS that cannot be captured: the kernels run directly from now on
+                log.warning("prefill graph capture failed (%s: %s); prefill runs without graphs", type(exc).__name__, exc)
+                self._pf_graph_ok = False
+            else:
+                self._pf_graphs[t] = graph
+                while len(self._pf_graphs) > PREFILL_GRAPHS:
+                    self._pf_graphs.popitem(last=False)
+        if graph is not None:
+            self._pf_graphs.move_to_end(t)
+            graph.launch(cp.cuda.get_current_stream())
+        else:
+            self._prefill_kernels(t)
+            self._pf_seen.add(t)
+        return b.logits
+
+    def _pf_alloc(self) -> SimpleNamespace:
+        """forward_prompt's buffers (counted in _scratch_bytes) and per-layer GEMM plans, made once."""
+        if self._pf is not None:
+            return self._pf
+        cp, cfg = self.cp, self.cfg
+        tm = min(self.ctx, PREFILL_CHUNK)
+        d, f, nqkv = cfg.n_embd, cfg.n_ff, cfg.q_dim + 2 * cfg.kv_dim
+        f32 = cp.float32
+        b = SimpleNamespace(
+            ids=cp.zeros(tm, cp.int32), pos=cp.zeros(tm, cp.int32),
+            x=cp.empty(tm * d, f32),  # the residual stream
+            h16=cp.empty(tm * max(d, cfg.q_dim, f), cp.float16), scale=cp.empty(tm, f32),  # GEMM input
+            att16=cp.empty(tm * cfg.q_dim, cp.float16),  # attention output (O-projection input)
+            qkv=cp.empty(tm * nqkv, f32), gu=cp.empty(tm * 2 * f, f32), y=cp.empty(tm * max(d, cfg.q_dim), f32),
+            dq=cp.empty(DEQUANT_CHUNK, cp.float16), logits=cp.empty((1, cfg.vocab_size), f32), layers=[],
+        )
+        for i, L in enumerate(self.weights.layers):
+            qkv = [L.attn_qkv] if L.attn_qkv is not None else [L.attn_q, L.attn_k, L.attn_v]
+            gu = [L.ffn_up] if L.ffn_gate is None else [L.ffn_gate, L.ffn_up]
+            b.layers.append((_merge_rows(qkv), self._qkv_plan[i][1], [L.attn_output], _merge_rows(gu), [L.ffn_down]))
+        self._pf = b
+        return b
+
+    def _gemm_weights(self, x16_ptr: int, t: int, mats: list[DeviceMatrix], y_ptr: int, ldy: int,
+                      accumulate: bool = False) -> None:
+        """Y[t, :] (=, or +=) X16 [t, K] . [W0; W1; ...]^T, the rows of the matrices side by side in Y's
+        columns: F16 weights multiplied where they lie, others dequantized into the fp16 scratch (up to
+        DEQUANT_CHUNK values per GEMM)."""
+        dq = self._pf.dq.data.ptr
+        k = mats[0].cols
+        cap = max(1, DEQUANT_CHUNK // k)
+        col0, filled = 0, 0  # Y column of the scratch's first row; rows in the scratch
+
+        def flush() -> None:
+            nonlocal col0, filled
+            if filled:
+                self._gemm(x16_ptr, t, k, dq, filled, y_ptr, ldy, col0, accumulate)
+                col0, filled = col0 + filled, 0
+
+        for m in mats:
+            if m.qtype == QT.F16 and m.row_bytes == 2 * k:
+                flush()
+                self._gemm(x16_ptr, t, k, m.ptr, m.rows, y_ptr, ldy, col0, accumulate)
+                col0 += m.rows
+                continue
+            r = 0
+            while r < m.rows:
+                n = min(cap - filled, m.rows - r)
+                units = n * K.cdiv(k, 32)
+                K.launch("dequant", f"dequant_{qname(m.qtype)}", (min(K.cdiv(units, 256), 65535),), (256,),
+                         (K.ptr(m.ptr + r * m.row_bytes), K.i64(n), K.i32(k), K.ptr(dq + 2 * filled * k)))
+                filled, r = filled + n, r + n
+                if filled == cap:
+                    flush()
+        flush()
+
+    def _prefill_kernels(self, t: int) -> None:
+        """Launch the fused prefill of b.ids[:t] at b.pos[:t] (see forward_prompt) -> b.logits."""
+        cfg, w, b = self.cfg, self.weights, self._pf
+        d, f, eps = cfg.n_embd, cfg.n_ff, cfg.rms_eps
+        hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        nqkv = cfg.q_dim + 2 * cfg.kv_dim
+        mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
+        tc = t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc
+        x, h16, sc, qkv, gu, y = b.x, b.h16.data.ptr, b.scale, b.qkv, b.gu, b.y
+        sec = self._section
+        with sec("embedding"):
+            self._embed(b.ids, w.token_embd, x, t)
+        for i, L in enumerate(w.layers):
+            qkv_w, bias, o_w, gu_w, down_w = b.layers[i]
+            with sec("norm"):
+                K.launch("norm", "rms_norm_f16", (t,), (256,), (K.ptr(x), K.ptr(L.attn_norm), h16, K.ptr(sc), K.i32(d), K.f32(eps)))
+            with sec("QKV"):
+                self._gemm_weights(h16, t, qkv_w, qkv.data.ptr, nqkv)
+            with sec("RoPE"):
+                K.launch("rope", f"rope_store_pf_{mode}", (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
+                         (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim), K.ptr(b.pos),
+                          K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor), K.ptr(self.k_cache[i]),
+                          K.ptr(self.v_cache[i]), K.ptr(sc), K.ptr(bias)))
+            with sec("attention"):
+                if tc:
+                    K.launch("attention", f"attention_tc16_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
+                             (K.ptr(qkv), K.i32(nqkv), K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i]), K.ptr(b.pos),
+                              K.i32(t), K.i32(hq), K.i32(hkv), K.f32(1.0 / math.sqrt(dh)), K.ptr(b.att16),
+                              K.i32(cfg.q_dim)), shared=2 * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16)
+                else:  # fp32 CUDA-core attention, then fp16 with a row scale
+                    att = y[: t * cfg.q_dim].reshape(t, cfg.q_dim)
+                    self._attend(qkv, nqkv, self.k_cache[i], self.v_cache[i], b.pos, t, att, 1, self.ctx, None, None)
+                    K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,),
+                             (K.ptr(att), K.ptr(b.att16), K.ptr(sc), K.i32(cfg.q_dim)))
+            with sec("O-proj"):
+                if tc:  # unscaled fp16 input: accumulate straight into the residual stream
+                    self._gemm_weights(b.att16.data.ptr, t, o_w, x.data.ptr, d, accumulate=True)
+                else:
+                    self._gemm_weights(b.att16.data.ptr, t, o_w, y.data.ptr, d)
+                    K.launch("elementwise", "rowscale_add_f32", (min(K.cdiv(t * d, 256), 4096),), (256,),
+                             (K.ptr(x), K.ptr(y), K.ptr(sc), K.i64(t * d), K.i32(d)))
+            with sec("norm"):
+                K.launch("norm", "rms_norm_f16", (t,), (256,), (K.ptr(x), K.ptr(L.ffn_norm), h16, K.ptr(sc), K.i32(d), K.f32(eps)))
+            with sec("FFN"):
+                self._gemm_weights(h16, t, gu_w, gu.data.ptr, 2 * f)
+                K.launch("elementwise", "swiglu_f16_rowscale", (t,), (256,),
+                         (K.ptr(gu), K.ptr(sc), K.i32(f), h16, K.ptr(sc)))
+                self._gemm_weights(h16, t, down_w, y.data.ptr, d)
+                K.launch("elementwise", "rowscale_add_f32", (min(K.cdiv(t * d, 256), 4096),), (256,),
+                         (K.ptr(x), K.ptr(y), K.ptr(sc), K.i64(t * d), K.i32(d)))
+        with sec("LM head"):
+            last = x[(t - 1) * d : t * d].reshape(1, d)
+            self._matvec((w.output,), last, 1, b.logits, norm=w.output_norm)
+
+    def _capture(self, launch_all: Callable[[], None]) -> Any:
+        """Record launch_all()'s kernels into a CUDA graph (nothing runs) on a side stream."""
+        cp = self.cp
+        stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.get_current_stream().synchronize()
+        with stream:
+            stream.begin_capture()
+            try:
+                launch_all()
+            finally:
+                graph = stream.end_capture()
+        stream.synchronize()
+        return graph
+
     # -- the fused decode step (CUDA-graph shaped) --------------------------------------------------------
     def _alloc_step_buffers(self) -> None:
         cp, cfg = self.cp, self.cfg
@@ -603,6 +856,7 @@ class CudaBackend(Backend):
         n_split = self._n_split(self.ctx)
         self._part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), f)
         self._part_ml = cp.empty((n_split, cfg.n_head, 2), f)
+        self._att_count = cp.zeros(cfg.n_head_kv, cp.uint32)  # attention_step: finished splits per KV head
         # Fused argmax cells (kernels/matvec.cu mv1): key, block counter, flag, &step_ids, &step_pos.
         self._am = cp.asarray(np.asarray([0, 0, 0, self.step_ids.data.ptr, self.step_pos.data.ptr], np.uint64))
         self._dev_state: tuple[int, int] | None = None
@@ -635,13 +889,16 @@ class CudaBackend(Backend):
 
     def _step_kernels(self, greedy: bool) -> None:
         """Launch one decode step reading step_ids[0] and step_pos[0]; logits -> step_logits. Per layer:
-        QKV matvec (+ RMSNorm, bias) | rope + K/V store | attention split (+ combine) | O matvec + residual |
-        gate/up matvec (+ RMSNorm, SwiGLU) | down matvec + residual; then the LM head (+ RMSNorm, argmax)."""
+        QKV matvec (+ RMSNorm, bias) | attention step (RoPE + K/V store + splits + their merge; where the head
+        shape has no such kernel: rope_store, attention split, combine) | O matvec + residual | gate/up matvec
+        (+ RMSNorm, SwiGLU) | down matvec + residual; then the LM head (+ RMSNorm, argmax)."""
         cfg, w = self.cfg, self.weights
         x, qkv, att, ff = self._x, self._qkv, self._att, self._ff
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         n_split, chunk = self._n_split(self.ctx), self._chunk(self.ctx)
+        npl = next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
+        row_blocks = K.cdiv(cfg.n_group, self.decode_rows)
         sec = self._section
         with sec("embedding"):
             self._embed(self.step_ids, w.token_embd, x, 1)
@@ -656,14 +913,24 @@ class CudaBackend(Backend):
                         b = None if bias is None else bias[off : off + m.rows]
                         self._matvec((m,), x, 1, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm)
                         off += m.rows
-            with sec("RoPE+KV"):
-                K.launch("rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
-                         (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim),
-                          K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
-                          K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))
-            with sec("attention"):
-                self._attend(qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split,
-                             chunk, self._part_o, self._part_ml)
+            if self._decode_kernel_fits():  # one kernel: RoPE, K/V store, the attention splits and their merge
+                with sec("RoPE+KV+attention"):
+                    K.launch("attention", f"attention_step_{mode}_npl{npl}", (hkv, n_split, row_blocks), (256,),
+                             (K.ptr(qkv), K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i]), K.ptr(self.step_pos),
+                              K.i32(hq), K.i32(hkv), K.i32(dh), K.f32(1.0 / math.sqrt(dh)), K.i32(chunk),
+                              K.ptr(self._part_o), K.ptr(self._part_ml), K.ptr(qkv.data.ptr + 4 * cfg.q_dim),
+                              K.i32(cfg.rope_dim), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
+                              K.ptr(self._att_count), K.ptr(att)),
+                             shared=self._decode_smem())
+            else:
+                with sec("RoPE+KV"):
+                    K.launch("rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
+                             (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim),
+                              K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
+                              K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))
+                with sec("attention"):
+                    self._attend(qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att,
+                                 n_split, chunk, self._part_o, self._part_ml)
             with sec("O-proj"):
                 self._matvec((L.attn_output,), att, 1, x, resid=x)
             with sec("norm+FFN"):
@@ -695,16 +962,7 @@ class CudaBackend(Backend):
         if graph is None:
             self._ff_tmp()
             self._step_kernels(greedy)  # warm up: compile, first-launch setup, outside the capture
-            stream = cp.cuda.Stream(non_blocking=True)
-            cp.cuda.get_current_stream().synchronize()
-            with stream:
-                stream.begin_capture()
-                try:
-                    self._step_kernels(greedy)
-                finally:
-                    graph = stream.end_capture()
-            stream.synchronize()
-            self._graphs[key] = graph
+            graph = self._graphs[key] = self._capture(lambda: self._step_kernels(greedy))
             # The warm-up ran the step once (it wrote this position's K/V and, when greedy, advanced pos):
             # restore the inputs so the first replay computes the same step.
             self.step_ids[:1].set(np.asarray([self._cur_token], np.int32))
