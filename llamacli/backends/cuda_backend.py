@@ -14,8 +14,8 @@ is fp16 [layer, ctx, Hkv, Dh]. Two ways to run the model:
   output matvec + residual | gate/up matvec (RMSNorm fused, + SwiGLU) | down matvec + residual; then the LM head with
   the final RMSNorm and, when greedy, the argmax fused in (kernels/matvec.cu mv1_*).
 
-Prefill (`forward_prompt`, model.prefill's chunks of PREFILL_CHUNK tokens): the fused pass described above
-forward_prompt, captured into a CUDA graph from the second time a chunk length comes round.
+Prefill (`forward_prompt`, model.prefill's chunks of PREFILL_CHUNK tokens): a fused pass (see the comment
+above forward_prompt), captured into a CUDA graph from the second time a chunk length comes round.
 
 Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,439 tok/s, pp512 224,892
 tok/s; `llamacli bench --profile` breaks a step down by kernel family.
@@ -784,12 +784,20 @@ class CudaBackend(Backend):
         tc = t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc
         x, h16, sc, qkv, gu, y = b.x, b.h16.data.ptr, b.scale, b.qkv, b.gu, b.y
         sec = self._section
+
+        def norm16(weight: Any) -> None:  # h16, sc = fp16 RMSNorm(x) * weight with its row scales
+            K.launch("norm", "rms_norm_f16", (t,), (256,), (K.ptr(x), K.ptr(weight), h16, K.ptr(sc), K.i32(d), K.f32(eps)))
+
+        def add_scaled() -> None:  # x += y * sc (rows)
+            K.launch("elementwise", "rowscale_add_f32", (min(K.cdiv(t * d, 256), 4096),), (256,),
+                     (K.ptr(x), K.ptr(y), K.ptr(sc), K.i64(t * d), K.i32(d)))
+
         with sec("embedding"):
             self._embed(b.ids, w.token_embd, x, t)
         for i, L in enumerate(w.layers):
             qkv_w, bias, o_w, gu_w, down_w = b.layers[i]
             with sec("norm"):
-                K.launch("norm", "rms_norm_f16", (t,), (256,), (K.ptr(x), K.ptr(L.attn_norm), h16, K.ptr(sc), K.i32(d), K.f32(eps)))
+                norm16(L.attn_norm)
             with sec("QKV"):
                 self._gemm_weights(h16, t, qkv_w, qkv.data.ptr, nqkv)
             with sec("RoPE"):
@@ -813,17 +821,15 @@ class CudaBackend(Backend):
                     self._gemm_weights(b.att16.data.ptr, t, o_w, x.data.ptr, d, accumulate=True)
                 else:
                     self._gemm_weights(b.att16.data.ptr, t, o_w, y.data.ptr, d)
-                    K.launch("elementwise", "rowscale_add_f32", (min(K.cdiv(t * d, 256), 4096),), (256,),
-                             (K.ptr(x), K.ptr(y), K.ptr(sc), K.i64(t * d), K.i32(d)))
+                    add_scaled()
             with sec("norm"):
-                K.launch("norm", "rms_norm_f16", (t,), (256,), (K.ptr(x), K.ptr(L.ffn_norm), h16, K.ptr(sc), K.i32(d), K.f32(eps)))
+                norm16(L.ffn_norm)
             with sec("FFN"):
                 self._gemm_weights(h16, t, gu_w, gu.data.ptr, 2 * f)
                 K.launch("elementwise", "swiglu_f16_rowscale", (t,), (256,),
                          (K.ptr(gu), K.ptr(sc), K.i32(f), h16, K.ptr(sc)))
                 self._gemm_weights(h16, t, down_w, y.data.ptr, d)
-                K.launch("elementwise", "rowscale_add_f32", (min(K.cdiv(t * d, 256), 4096),), (256,),
-                         (K.ptr(x), K.ptr(y), K.ptr(sc), K.i64(t * d), K.i32(d)))
+                add_scaled()
         with sec("LM head"):
             last = x[(t - 1) * d : t * d].reshape(1, d)
             self._matvec((w.output,), last, 1, b.logits, norm=w.output_norm)
