@@ -13,8 +13,8 @@
 // partial sums meet by xor shuffles. Grid = ceil(N / (4 * 32/lpr)).
 //
 // One-token variants (decode; T = 1), the ones the fused decode step uses:
-//   mv1_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, am)
-//   mv1_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, lpr)
+//   mv1_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am)
+//   mv1_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, lpr, groups)
 //     x [K] is staged once per block in shared memory (units of 32 floats, float4 slots XOR-swizzled by
 //     the unit index so that 8 lanes reading 8 consecutive units hit 8 different bank groups). With norm_w,
 //     the block first computes RMSNorm(x) * norm_w itself (every block reads all of x anyway): the
@@ -28,12 +28,13 @@
 //     separate argmax kernel runs (argmax_f32's semantics).
 //     Q8_0, Q4_0, Q4_1, Q4_K and Q6_K dot their units without int -> float conversions (unit_dot below).
 //   Launch: block 256 (8 warps), dynamic shared memory units*132 bytes (x slots + per-unit sums of x), grid
-//   ceil(N / (8 * 32/lpr)).
+//   ceil(N / (groups * 8 * 32/lpr)): a block serves `groups` groups of rows with one staging of x (2 or 4
+//   where staging x per 8 rows costs as much as the rows; cuda_backend._mv1_groups).
 // Best measured on H100 (2026-11-22, `llamacli bench --kernels`, weights rotated past L2): mv1 at
-// 4096x4096 / 14336x4096: F16 17.3 / 48.0 us (1938 / 2450 GB/s, 65 / 83% of copy bandwidth), Q8_0 12.3 /
-// 31.4 us (1456 / 1987), Q4_K 12.5 / 32.0 us (755 / 1036), Q6_K 15.9 / 43.1 us (869 / 1120). The T<=8
-// kernel took ~39 us (240 GB/s) on the 4096x4096 Q4_K and ~65 us on F16. Quantized types are bound by
-// decode arithmetic + x reads from shared memory, not HBM: llama.cpp's q8_1 activations + dp4a is next.
+// 4096x4096 / 14336x4096 / 4096x14336: F16 16.7 / 47.4 / 50.6 us (2006 / 2480 / 2324 GB/s), Q8_0 12.1 / 32.4 /
+// 37.6 us, Q4_K 10.2 / 24.2 / 31.8 us (928 / 1367 / 1040 GB/s), Q6_K 12.9 / 33.0 / 45.0 us. Quantized types
+// stay well under memory speed (x staging, block barriers, 8 shared-memory loads per unit): int8
+// activations with dp4a, as llama.cpp's MMVQ, is the next step.
 
 #include "common.cuh"
 #include "quants.cuh"
@@ -339,19 +340,18 @@ template <class Q, bool SWIGLU>
 __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
                                          int n0, int n1, int N, int K, const float* __restrict__ x, float* y,
                                          const float* __restrict__ bias, const float* resid,
-                                         const float* __restrict__ norm_w, float eps, int lpr, u64* am) {
+                                         const float* __restrict__ norm_w, float eps, int lpr, int groups, u64* am) {
     extern __shared__ float4 xs4[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows_per_warp = 32 / lpr;
     const int sub = lane % lpr;
-    const int n = (blockIdx.x * (blockDim.x >> 5) + warp) * rows_per_warp + lane / lpr;
     const long long row_bytes = (long long)((K + Q::QK - 1) / Q::QK) * Q::BYTES;
     const int units = (K + 31) / 32;
-    const bool active = n < N;
-
-    const u8* ra = nullptr;
-    const u8* rb = nullptr;
-    if (active) {
+    // Row n of group g (a block serves `groups` groups of 8 * 32/lpr rows, one staging of x for all).
+    auto row_of = [&](int g) {
+        return (((int)blockIdx.x * groups + g) * (int)(blockDim.x >> 5) + warp) * rows_per_warp + lane / lpr;
+    };
+    auto row_ptr = [&](int n, const u8*& ra, const u8*& rb) {
         if (SWIGLU) {
             ra = w0 + n * row_bytes;
             rb = w1 + n * row_bytes;
@@ -362,12 +362,15 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
         } else {
             ra = w2 + (n - n0 - n1) * row_bytes;
         }
-    }
+    };
 
     // Start this lane's first weight units on their way to L2 (about where unit u lies in the row), then
     // stage x: the two global reads overlap instead of following each other.
-    if (active && (long long)N * row_bytes < (4ll << 20)) {  // small matrices only: latency-bound there;
-                                                              // large ones measured slower with it
+    if (row_of(0) < N && (long long)N * row_bytes < (4ll << 20)) {  // small matrices only: latency-bound
+                                                                     // there; large ones measured slower
+        const u8* ra = nullptr;
+        const u8* rb = nullptr;
+        row_ptr(row_of(0), ra, rb);
         for (int j = 0, uu = sub; j < 4 && uu < units; ++j, uu += lpr) {
             const long long off = (long long)uu * row_bytes / units;
             asm volatile("prefetch.global.L2 [%0];" ::"l"(ra + off));
@@ -377,45 +380,52 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
     stage_x<needs_xsum<Q>::value>(x, K, norm_w, eps, xs4);
     const float* xsum = reinterpret_cast<const float*>(xs4 + units * 8);
 
-    float acc = 0.0f, acc2 = 0.0f;
-    int u = sub;
-    if (active) {
-        if (SWIGLU) {
-            for (; u < units; u += lpr) {
-                acc += unit_dot<Q>(ra, u, K, xs4, xsum);
-                acc2 += unit_dot<Q>(rb, u, K, xs4, xsum);
+    u64 key = 0;  // fused argmax: this lane's best (logit, id) key over its rows, and NaN/+inf seen
+    int bad = 0;
+    for (int g = 0; g < groups; ++g) {
+        const int n = row_of(g);
+        const bool active = n < N;
+        const u8* ra = nullptr;
+        const u8* rb = nullptr;
+        float acc = 0.0f, acc2 = 0.0f;
+        int u = sub;
+        if (active) {
+            row_ptr(n, ra, rb);
+            if (SWIGLU) {
+                for (; u < units; u += lpr) {
+                    acc += unit_dot<Q>(ra, u, K, xs4, xsum);
+                    acc2 += unit_dot<Q>(rb, u, K, xs4, xsum);
+                }
+            } else {
+                for (; u + lpr < units; u += 2 * lpr)
+                    acc += unit_dot<Q>(ra, u, K, xs4, xsum) + unit_dot<Q>(ra, u + lpr, K, xs4, xsum);
+                if (u < units) acc += unit_dot<Q>(ra, u, K, xs4, xsum);
             }
-        } else {
-            for (; u + lpr < units; u += 2 * lpr)
-                acc += unit_dot<Q>(ra, u, K, xs4, xsum) + unit_dot<Q>(ra, u + lpr, K, xs4, xsum);
-            if (u < units) acc += unit_dot<Q>(ra, u, K, xs4, xsum);
         }
-    }
-    for (int o = lpr >> 1; o > 0; o >>= 1) {
-        acc += __shfl_xor_sync(FULL_MASK, acc, o);
-        if (SWIGLU) acc2 += __shfl_xor_sync(FULL_MASK, acc2, o);
-    }
-    float out = acc;
-    if (active && sub == 0) {
-        if (SWIGLU) {
-            out = acc / (1.0f + expf(-acc)) * acc2;
-        } else {
-            if (bias) out += bias[n];
-            if (resid) out += resid[n];
+        for (int o = lpr >> 1; o > 0; o >>= 1) {
+            acc += __shfl_xor_sync(FULL_MASK, acc, o);
+            if (SWIGLU) acc2 += __shfl_xor_sync(FULL_MASK, acc2, o);
         }
-        y[n] = out;
+        if (active && sub == 0) {
+            float out = acc;
+            if (SWIGLU) {
+                out = acc / (1.0f + expf(-acc)) * acc2;
+            } else {
+                if (bias) out += bias[n];
+                if (resid) out += resid[n];
+            }
+            y[n] = out;
+            if (am) {
+                const u64 k = ((u64)order_key_f(out) << 32) | (u64)(0xffffffffu - (u32)n);
+                key = k > key ? k : key;
+                bad |= (out != out) || (out == INFINITY);
+            }
+        }
     }
     if (am == nullptr) return;
 
     // Fused argmax: am[0] = packed best key, am[1] = finished-block counter, am[2] = NaN/+inf flag (all
     // zero between steps), am[3] = int* out [id, bad], am[4] = int* pos_inc or 0 (set once by the launcher).
-    const bool mine = active && sub == 0;
-    u64 key = 0;
-    int bad = 0;
-    if (mine) {
-        key = ((u64)order_key_f(out) << 32) | (u64)(0xffffffffu - (u32)n);
-        bad = (out != out) || (out == INFINITY);
-    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const u64 other = __shfl_xor_sync(FULL_MASK, key, o);
@@ -454,13 +464,14 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
 #define MV1_KERNELS(name, Q)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) mv1_##name(                                           \
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
-        const float* bias, const float* resid, const float* norm_w, float eps, int lpr, u64* am) {          \
-        mv1_body<Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, am);               \
+        const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am) {\
+        mv1_body<Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am);       \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256) mv1_##name##_swiglu(                                  \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
-        int lpr) {                                                                                           \
-        mv1_body<Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, nullptr);   \
+        int lpr, int groups) {                                                                               \
+        mv1_body<Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,     \
+                          nullptr);                                                                          \
     }
 
 FOR_EACH_QTYPE(MV1_KERNELS)

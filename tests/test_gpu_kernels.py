@@ -172,6 +172,36 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
     assert be.step_ids.get()[1] == 0  # and the flag was reset
 
 
+@pytest.mark.parametrize("shape", [(4100, 8192, 2), (33000, 512, 4)], ids=["long-rows", "lm-head"])
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda t: t.name)
+def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
+    """Large matrices with long or short rows run 2 or 4 row groups per mv1 block over one staging of x:
+    every row (the last group partly past N), the fused SwiGLU and the argmax across groups."""
+    from llamacli.backends.cuda_backend import _mv1_groups
+
+    rng = np.random.default_rng(5 + int(qtype))
+    cfg = make_cfg()
+    be, _ = bare(cfg, 16)
+    be.step_ids, be.step_pos = cp.zeros(2, cp.int32), cp.zeros(1, cp.int32)
+    be._am = cp.asarray(np.asarray([0, 0, 0, be.step_ids.data.ptr, be.step_pos.data.ptr], np.uint64))
+    n, k, groups = shape
+    assert _mv1_groups(n, k) == groups
+    w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ wref.T
+    scale = np.abs(x) @ np.abs(wref).T
+    y = poisoned((1, n))
+    be._matvec((w,), cp.asarray(x), 1, y, argmax=True)
+    assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"{qtype.name} groups")
+    assert be.step_ids.get()[0] == int(np.argmax(y.get()[0]))
+    u, _bu, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+    y = poisoned((1, n))
+    be._matvec_swiglu(w, u, cp.asarray(x), 1, y)
+    b = x.astype(np.float64) @ uref.T
+    sb = scale + np.abs(x) @ np.abs(uref).T
+    assert_close(y.get(), ref / (1 + np.exp(-ref)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu {qtype.name} groups")
+
+
 @pytest.mark.parametrize("qtype", RUNNABLE, ids=lambda t: t.name)
 def test_dequant_gemm_and_embed_every_type(qtype: QT) -> None:
     rng = np.random.default_rng(100 + int(qtype))

@@ -17,7 +17,7 @@ is fp16 [layer, ctx, Hkv, Dh]. Two ways to run the model:
 Prefill (`forward_prompt`, model.prefill's chunks of PREFILL_CHUNK tokens): a fused pass (see the comment
 above forward_prompt), captured into a CUDA graph from the second time a chunk length comes round.
 
-Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,439 tok/s, pp512 224,892
+Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,424 tok/s, pp512 232,455
 tok/s; `llamacli bench --profile` breaks a step down by kernel family.
 
 Sampling on the device (`sample`): penalties, then argmax (greedy), or top-k (k <= 1024) and the rest of
@@ -200,6 +200,18 @@ def _merge_rows(mats: list[DeviceMatrix]) -> list[DeviceMatrix]:
         else:
             out.append(m)
     return out
+
+
+def _mv1_groups(rows: int, cols: int) -> int:
+    """Row groups per mv1 block (kernels/matvec.cu), one staging of x for all: where staging x costs as
+    much as the rows (long rows: 57 KB of x at 14336 columns; short rows: a lane's whole share is one or two
+    units) and the matrix has rows enough to keep every SM busy. Measured on the H100 (BENCHMARKS.md):
+    tg128 +3-6% on the 0.5B/1B shapes, +12% on 8B Q4_K_M; 4096-column matrices were slower with 2."""
+    if cols <= 2048 and rows >= 32768:  # the LM head of a small model
+        return 4
+    if rows >= 4096 and (cols >= 8192 or cols <= 2048):
+        return 2
+    return 1
 
 
 def _lpr(cols: int) -> int:
@@ -543,11 +555,12 @@ class CudaBackend(Backend):
         n0 = ws[0].rows
         n1 = ws[1].rows if len(ws) > 1 else 0
         if t == 1:
-            rows_per_block = MV1_WARPS * (32 // lpr)
+            groups = _mv1_groups(n, w0.cols)
+            rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", f"mv1_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                       K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps), K.i32(lpr),
-                      K.ptr(self._am if argmax else None)),
+                      K.i32(groups), K.ptr(self._am if argmax else None)),
                      shared=K.cdiv(w0.cols, 32) * 132)
             return
         if norm is not None or argmax:
@@ -560,10 +573,11 @@ class CudaBackend(Backend):
     def _matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any, norm: Any = None) -> None:
         lpr = _lpr(wg.cols)
         if t == 1:
-            rows_per_block = MV1_WARPS * (32 // lpr)
+            groups = _mv1_groups(wg.rows, wg.cols)
+            rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", f"mv1_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
-                      K.f32(self.cfg.rms_eps), K.i32(lpr)),
+                      K.f32(self.cfg.rms_eps), K.i32(lpr), K.i32(groups)),
                      shared=K.cdiv(wg.cols, 32) * 132)
             return
         if norm is not None:
