@@ -41,6 +41,23 @@
 
 #define MATVEC_TMAX 8
 
+// Row n's bytes: the gate and up rows (SWIGLU), or row n of the three stacked segments w0 (n0 rows), w1 (n1
+// rows), w2 (the rest). Both matvec bodies address rows through this.
+template <bool SWIGLU>
+__device__ __forceinline__ void row_pointers(const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int n,
+                                             long long row_bytes, const u8*& ra, const u8*& rb) {
+    if (SWIGLU) {
+        ra = w0 + n * row_bytes;
+        rb = w1 + n * row_bytes;
+    } else if (n < n0) {
+        ra = w0 + n * row_bytes;
+    } else if (n < n0 + n1) {
+        ra = w1 + (n - n0) * row_bytes;
+    } else {
+        ra = w2 + (n - n0 - n1) * row_bytes;
+    }
+}
+
 template <class Q, bool SWIGLU>
 __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                             const u8* __restrict__ w2, int n0, int n1, int N, int K,
@@ -56,18 +73,7 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8*
 
     const u8* ra = nullptr;
     const u8* rb = nullptr;
-    if (active) {
-        if (SWIGLU) {
-            ra = w0 + n * row_bytes;
-            rb = w1 + n * row_bytes;
-        } else if (n < n0) {
-            ra = w0 + n * row_bytes;
-        } else if (n < n0 + n1) {
-            ra = w1 + (n - n0) * row_bytes;
-        } else {
-            ra = w2 + (n - n0 - n1) * row_bytes;
-        }
-    }
+    if (active) row_pointers<SWIGLU>(w0, w1, w2, n0, n1, n, row_bytes, ra, rb);
 
     float acc[MATVEC_TMAX], acc2[MATVEC_TMAX];
 #pragma unroll
@@ -351,18 +357,6 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
     auto row_of = [&](int g) {
         return (((int)blockIdx.x * groups + g) * (int)(blockDim.x >> 5) + warp) * rows_per_warp + lane / lpr;
     };
-    auto row_ptr = [&](int n, const u8*& ra, const u8*& rb) {
-        if (SWIGLU) {
-            ra = w0 + n * row_bytes;
-            rb = w1 + n * row_bytes;
-        } else if (n < n0) {
-            ra = w0 + n * row_bytes;
-        } else if (n < n0 + n1) {
-            ra = w1 + (n - n0) * row_bytes;
-        } else {
-            ra = w2 + (n - n0 - n1) * row_bytes;
-        }
-    };
 
     // Start this lane's first weight units on their way to L2 (about where unit u lies in the row), then
     // stage x: the two global reads overlap instead of following each other.
@@ -370,7 +364,7 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
                                                                      // there; large ones measured slower
         const u8* ra = nullptr;
         const u8* rb = nullptr;
-        row_ptr(row_of(0), ra, rb);
+        row_pointers<SWIGLU>(w0, w1, w2, n0, n1, row_of(0), row_bytes, ra, rb);
         for (int j = 0, uu = sub; j < 4 && uu < units; ++j, uu += lpr) {
             const long long off = (long long)uu * row_bytes / units;
             asm volatile("prefetch.global.L2 [%0];" ::"l"(ra + off));
@@ -390,7 +384,7 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
         float acc = 0.0f, acc2 = 0.0f;
         int u = sub;
         if (active) {
-            row_ptr(n, ra, rb);
+            row_pointers<SWIGLU>(w0, w1, w2, n0, n1, n, row_bytes, ra, rb);
             if (SWIGLU) {
                 for (; u < units; u += lpr) {
                     acc += unit_dot<Q>(ra, u, K, xs4, xsum);

@@ -105,23 +105,30 @@ def _check(rows: list[tuple[str, str, Outcome]], rebuild, seed: int, out_dir: Pa
     pytest.fail(f"{len(bugs)} of {len(rows)} fuzz cases (seed {seed}) ended outside LlamacliError:\n" + "\n".join(report))
 
 
-def test_mutation_fuzz(seed_files, seed, long_run, summary, tmp_path):
-    """The seeded batch: boundary truncations + random mutants of the synthetic models, then of real files."""
-    n_random = int(os.environ.get("LLAMACLI_FUZZ_CASES", CI_CASES * (LONG_FACTOR if long_run else 1)))
-    bases = {name: gm.sample_of(path) for name, path in seed_files.items()}
+def _case_maker(bases: dict, cut_kind: str, rng_key: str, limit: int | None, run_forward: bool):
+    """-> (make(i) -> Case, the truncation cuts): cases 0 .. len(cuts)-1 cut a base at a field boundary,
+    later ones are random mutants, kinds and bases in turn, each rebuilt from (rng_key, i) alone."""
     layouts = {name: gm.parse(s) for name, s in bases.items()}
-    cuts = [(name, c.size) for name, s in bases.items() for c in gm.boundary_truncations(s, layouts[name])]
+    cuts = [(name, c.size) for name, s in bases.items() for c in gm.boundary_truncations(s, layouts[name], limit=limit)]
     kinds, names = list(gm.MUTATORS), list(bases)
 
     def make(i: int) -> Case:
         if i < len(cuts):
             name, cut = cuts[i]
-            return Case("truncation at every field boundary", name, gm.Sample(bases[name].prefix[:cut], cut))
+            return Case(cut_kind, name, gm.Sample(bases[name].prefix[:cut], cut))
         j = i - len(cuts)
         kind, name = kinds[j % len(kinds)], names[(j // len(kinds)) % len(names)]
-        rng = random.Random(f"{seed}/{i}")  # each case rebuilds from (seed, i) alone
-        return Case(kind, name, gm.MUTATORS[kind](rng, bases[name], layouts[name]), run_forward=True)
+        mutant = gm.MUTATORS[kind](random.Random(f"{rng_key}{i}"), bases[name], layouts[name])
+        return Case(kind, name, mutant, run_forward=run_forward)
 
+    return make, cuts
+
+
+def test_mutation_fuzz(seed_files, seed, long_run, summary, tmp_path):
+    """The seeded batch: boundary truncations + random mutants of the synthetic models, then of real files."""
+    n_random = int(os.environ.get("LLAMACLI_FUZZ_CASES", CI_CASES * (LONG_FACTOR if long_run else 1)))
+    bases = {name: gm.sample_of(path) for name, path in seed_files.items()}
+    make, cuts = _case_maker(bases, "truncation at every field boundary", f"{seed}/", None, run_forward=True)
     n = len(cuts) + n_random
     t0 = time.perf_counter()
     rows, info = run_cases(n, make, tmp_path / "work", workers=2, mem_mb=MEM_MB, time_s=TIME_S)
@@ -147,19 +154,8 @@ def test_mutation_fuzz_real_files(seed, long_run, summary, request, tmp_path):
         "SmolLM2-135M header": gm.sample_of(smollm2, header_only=True),
         **{p: gm.sample_of(vocabs / f"ggml-vocab-{p}.gguf") for p in ("llama-spm", "phi-3", "gpt-2")},
     }
-    layouts = {name: gm.parse(s) for name, s in bases.items()}
-    cuts = [(name, c.size) for name, s in bases.items() for c in gm.boundary_truncations(s, layouts[name], limit=30)]
+    make, cuts = _case_maker(bases, "truncation at a field boundary", f"{seed}/real/", 30, run_forward=False)
     n_random = CI_REAL_CASES * (LONG_FACTOR if long_run else 1)
-    kinds, names = list(gm.MUTATORS), list(bases)
-
-    def make(i: int) -> Case:
-        if i < len(cuts):
-            name, cut = cuts[i]
-            return Case("truncation at a field boundary", name, gm.Sample(bases[name].prefix[:cut], cut))
-        j = i - len(cuts)
-        kind, name = kinds[j % len(kinds)], names[(j // len(kinds)) % len(names)]
-        return Case(kind, name, gm.MUTATORS[kind](random.Random(f"{seed}/real/{i}"), bases[name], layouts[name]))
-
     n = len(cuts) + n_random
     t0 = time.perf_counter()
     rows, info = run_cases(n, make, tmp_path / "work", workers=2, mem_mb=MEM_MB, time_s=TIME_S)
