@@ -206,7 +206,7 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
                                                       float scale, int chunk, float* part_o, float* part_ml,
                                                       const float* __restrict__ kv_src, int rope_dim,
                                                       const double* __restrict__ inv_freq, float attn,
-                                                      unsigned int* counters, float* __restrict__ out) {
+                                                      unsigned int* counters, float* __restrict__ out, int early) {
     extern __shared__ float dsm[];
     __shared__ int s_last;
     const int G = Hq / Hkv, kvh = blockIdx.x, split = blockIdx.y;
@@ -235,6 +235,9 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
             asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const u8*>(vc + off) + b));
         }
     }
+    pdl_wait();  // q, kv_src, the partials and the counters belong to earlier kernels of the step (the
+                 // position and the cache rows before it do not)
+    if (early) pdl_launch_dependents();
     if (STEP) {
         const int half = Dh / 2;
         for (int e = threadIdx.x; e < gn * half; e += blockDim.x) {
@@ -345,6 +348,7 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
         }
         __syncwarp();  // the next pass refills vt
     }
+    if (!early) pdl_launch_dependents();
     // Merge the 8 warps (a warp that saw no key has m = -inf and weight 0).
 #pragma unroll
     for (int r = 0; r < DEC_GMAX; ++r) {
@@ -415,16 +419,16 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
     extern "C" __global__ void __launch_bounds__(256, 1) attention_step_##MODE##_npl##N(                     \
         const float* qkv, u16* kc, u16* vc, const int* pos, int Hq, int Hkv, int Dh, float scale, int chunk,  \
         float* part_o, float* part_ml, const float* kv_src, int rope_dim, const double* inv_freq, float attn, \
-        unsigned int* counters, float* out) {                                                                \
+        unsigned int* counters, float* out, int early) {                                                     \
         attention_decode_body<N, true, NEOX>(qkv, kc, vc, pos, Hq, Hkv, Dh, scale, chunk, part_o, part_ml,   \
-                                             kv_src, rope_dim, inv_freq, attn, counters, out);               \
+                                             kv_src, rope_dim, inv_freq, attn, counters, out, early);        \
     }
 #define ATTENTION_DECODE_KERNEL(N)                                                                           \
     extern "C" __global__ void __launch_bounds__(256, 1) attention_decode_npl##N(                            \
         const float* q, u16* kc, u16* vc, const int* pos, int Hq, int Hkv, int Dh, float scale,               \
         int chunk, float* part_o, float* part_ml) {                                                          \
         attention_decode_body<N, false, false>(q, kc, vc, pos, Hq, Hkv, Dh, scale, chunk, part_o, part_ml,   \
-                                               nullptr, 0, nullptr, 1.0f, nullptr, nullptr);                 \
+                                               nullptr, 0, nullptr, 1.0f, nullptr, nullptr, 0);              \
     }                                                                                                        \
     ATTENTION_STEP_KERNEL(N, normal, false)                                                                  \
     ATTENTION_STEP_KERNEL(N, neox, true)

@@ -13,6 +13,25 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
+
+// Programmatic dependent launch (sm_90+; cuda_kernels.launch with pdl=True, inside the captured decode step):
+// such a kernel may start while the kernel before it in the stream is still running. Everything before
+// pdl_wait() may read only what no earlier kernel of the step writes (weights, the position); pdl_wait()
+// returns once the previous kernel has finished and its writes are visible. pdl_launch_dependents() lets
+// the next kernel's blocks start their own pre-wait work: right after pdl_wait() (`early`) where the next
+// kernel is latency-bound, after the main loop where it streams many megabytes (its blocks, placed on SMs
+// still busy with this kernel, measured spread badly: cuda_backend._step_kernels chooses). Both are no-ops
+// in an ordinary launch and below sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif

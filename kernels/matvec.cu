@@ -13,8 +13,11 @@
 // partial sums meet by xor shuffles. Grid = ceil(N / (4 * 32/lpr)).
 //
 // One-token variants (decode; T = 1), the ones the fused decode step uses:
-//   mv1_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am)
-//   mv1_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, lpr, groups)
+//   mv1_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am, early)
+//   mv1_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, lpr, groups, early)
+//     In the captured decode step these may run as programmatic dependents (common.cuh pdl_wait): the
+//     weight prefetch runs before pdl_wait(), everything else after; `early` lets the next kernel start
+//     right after the wait instead of after the main loop.
 //     x [K] is staged once per block in shared memory (units of 32 floats, float4 slots XOR-swizzled by
 //     the unit index so that 8 lanes reading 8 consecutive units hit 8 different bank groups). With norm_w,
 //     the block first computes RMSNorm(x) * norm_w itself (every block reads all of x anyway): the
@@ -40,6 +43,9 @@
 #include "quants.cuh"
 
 #define MATVEC_TMAX 8
+// mv1 prefetches its first weight units into L2 for matrices under this size (latency-bound there; larger
+// ones measured slower without programmatic launch)
+#define MV1_PREFETCH_MAX (4ll << 20)
 
 // Row n's bytes: the gate and up rows (SWIGLU), or row n of the three stacked segments w0 (n0 rows), w1 (n1
 // rows), w2 (the rest). Both matvec bodies address rows through this.
@@ -346,7 +352,8 @@ template <class Q, bool SWIGLU>
 __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
                                          int n0, int n1, int N, int K, const float* __restrict__ x, float* y,
                                          const float* __restrict__ bias, const float* resid,
-                                         const float* __restrict__ norm_w, float eps, int lpr, int groups, u64* am) {
+                                         const float* __restrict__ norm_w, float eps, int lpr, int groups, u64* am,
+                                         int early) {
     extern __shared__ float4 xs4[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows_per_warp = 32 / lpr;
@@ -359,9 +366,9 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
     };
 
     // Start this lane's first weight units on their way to L2 (about where unit u lies in the row), then
-    // stage x: the two global reads overlap instead of following each other.
-    if (row_of(0) < N && (long long)N * row_bytes < (4ll << 20)) {  // small matrices only: latency-bound
-                                                                     // there; large ones measured slower
+    // stage x: the two global reads overlap instead of following each other. Weights only, so this runs
+    // before pdl_wait(): in the captured decode step, while the previous kernel is still running.
+    if (row_of(0) < N && (long long)N * row_bytes < MV1_PREFETCH_MAX) {
         const u8* ra = nullptr;
         const u8* rb = nullptr;
         row_pointers<SWIGLU>(w0, w1, w2, n0, n1, row_of(0), row_bytes, ra, rb);
@@ -371,6 +378,8 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
             if (SWIGLU) asm volatile("prefetch.global.L2 [%0];" ::"l"(rb + off));
         }
     }
+    pdl_wait();  // x, resid, y and the argmax cells belong to earlier kernels of the step
+    if (early) pdl_launch_dependents();
     stage_x<needs_xsum<Q>::value>(x, K, norm_w, eps, xs4);
     const float* xsum = reinterpret_cast<const float*>(xs4 + units * 8);
 
@@ -416,6 +425,7 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
             }
         }
     }
+    if (!early) pdl_launch_dependents();
     if (am == nullptr) return;
 
     // Fused argmax: am[0] = packed best key, am[1] = finished-block counter, am[2] = NaN/+inf flag (all
@@ -458,14 +468,15 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
 #define MV1_KERNELS(name, Q)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) mv1_##name(                                           \
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
-        const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am) {\
-        mv1_body<Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am);       \
+        const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am, \
+        int early) {                                                                                         \
+        mv1_body<Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am, early);\
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256) mv1_##name##_swiglu(                                  \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
-        int lpr, int groups) {                                                                               \
+        int lpr, int groups, int early) {                                                                    \
         mv1_body<Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,     \
-                          nullptr);                                                                          \
+                          nullptr, early);                                                                   \
     }
 
 FOR_EACH_QTYPE(MV1_KERNELS)

@@ -261,10 +261,17 @@ def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str
         total = sum(ms for _, ms, _ in fams) or 1.0
         rows += [ProfileRow(phase, f, ms, ms / total, n) for f, ms, n in fams]
         spans[phase] = span
-    # The same step replayed from its CUDA graph (what tg measures), mean of 20 on the GPU timeline.
-    be.decode_greedy(token, n_prompt)
-    t = be.elapsed(lambda: [be.decode_greedy(token, n_prompt) for _ in range(20)]) / 20
-    spans["decode step, graph replay"] = t * 1e3
+    # The step replayed from its CUDA graph as tg runs it: the mean of up to 20 greedy tokens from position
+    # n_prompt on (each next step queued before the id is read), on the GPU timeline.
+    k = max(1, min(20, model.ctx - n_prompt - 1))
+
+    def tokens() -> None:
+        tok = token
+        for pos in range(n_prompt, n_prompt + k):
+            tok = be.decode_greedy(tok, pos)
+
+    tokens()
+    spans["decode step, graph replay"] = be.elapsed(tokens) / k * 1e3
     return rows, spans
 
 

@@ -125,6 +125,66 @@ def test_fused_decode_step_over_several_splits(random_model, shape, qtype, rows)
     assert not be._att_count.get().any()
 
 
+@pytest.mark.parametrize("shape,qtype", [("small-qwen2", QT.Q4_K), ("small-phi3", QT.Q8_0)], ids=["qwen2", "phi3"])
+def test_decode_graph_with_programmatic_launches_equals_plain(random_model, shape, qtype) -> None:
+    """The captured step launches its matvecs and attention as programmatic dependents (each may start while
+    the previous kernel runs, and waits in griddepcontrol.wait before reading its inputs). Same kernels,
+    same math: the logits and greedy ids must equal, bit for bit, those of the graph captured without it
+    and of the un-captured launches, step after step, across attention splits."""
+    from llamacli.backends import cuda_kernels as K
+
+    path = random_model(shape, qtype)
+    _, cfg, be = loaded(path, CudaBackend(), ctx=1024)
+    rng = np.random.default_rng(11)
+    forward(be, cfg, be.token_ids(rng.integers(0, cfg.vocab_size, size=250)), be.positions(0, 250))
+    steps = [(int(rng.integers(0, cfg.vocab_size)), 250 + i) for i in range(24)]  # crosses the split at 256
+
+    def run(pdl: bool, use_graph: bool) -> tuple[list[np.ndarray], list[int]]:
+        be._graphs.clear()
+        be.pdl, be.use_graph = pdl, use_graph
+        logits = [be.to_host(be.decode(tok, pos))[-1].copy() for tok, pos in steps]
+        ids = [be.decode_greedy(tok, pos) for tok, pos in steps]
+        return logits, ids
+
+    got_l, got_ids = run(True, True)
+    assert be.pdl == K.pdl_supported()  # the capture with programmatic launches did not fall back
+    for pdl, use_graph in ((False, True), (False, False)):
+        want_l, want_ids = run(pdl, use_graph)
+        assert got_ids == want_ids
+        for a, b in zip(got_l, want_l):
+            assert np.isfinite(a).all()
+            np.testing.assert_array_equal(a, b)
+    assert got_ids == [int(np.argmax(v)) for v in got_l]
+    assert not be._att_count.get().any()
+
+
+def test_greedy_step_queued_ahead_is_taken_only_when_it_matches(random_model) -> None:
+    """decode_greedy queues the next step (its own id at pos + 1, read from the device) before it reads the
+    id. The next call takes that step only if it asks for exactly it, with nothing launched in between; a
+    different token, or a prefill that rewrote the cache, recomputes. Same ids as the plain launches."""
+    path = random_model("small-qwen2", QT.Q4_K)
+    _, cfg, be = loaded(path, CudaBackend(), ctx=256)
+    rng = np.random.default_rng(5)
+    p, q = rng.integers(0, cfg.vocab_size, 20), rng.integers(0, cfg.vocab_size, 21)
+    x = int(rng.integers(0, cfg.vocab_size))
+
+    def script(use_graph: bool) -> list[int]:
+        be.use_graph = use_graph
+        be.forward_prompt(p, 0)
+        a = be.decode_greedy(3, 20)
+        assert (be._ahead is not None) == use_graph and (not use_graph or be._ahead[0] == (a, 21))
+        b = be.decode_greedy(x if x != a else (x + 1) % cfg.vocab_size, 21)  # not the step queued
+        c = be.decode_greedy(b, 22)  # the step queued
+        be.forward_prompt(q, 0)  # the step queued now, (c, 23), saw the old cache
+        assert be._ahead is None
+        d = be.decode_greedy(c, 23)
+        e = be.decode_greedy(d, 24)
+        return [a, b, c, d, e]
+
+    for _ in range(2):  # the second round replays captured prefill and step graphs
+        assert script(True) == script(False)
+
+
 def test_memory_error_names_need_free_and_ctx(random_model) -> None:
     from llamacli.errors import DeviceMemoryError
 

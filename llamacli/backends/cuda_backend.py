@@ -12,12 +12,14 @@ is fp16 [layer, ctx, Hkv, Dh]. Two ways to run the model:
   only when the device does not already hold them and reads back one id. Per layer: QKV matvec (RMSNorm
   fused into its input, + bias) | attention (RoPE, K/V store, splits and their merge in one kernel) |
   output matvec + residual | gate/up matvec (RMSNorm fused, + SwiGLU) | down matvec + residual; then the LM head with
-  the final RMSNorm and, when greedy, the argmax fused in (kernels/matvec.cu mv1_*).
+  the final RMSNorm and, when greedy, the argmax fused in (kernels/matvec.cu mv1_*). Inside the graph the
+  small matvecs and the attention are programmatic dependents (sm_90: each starts while the previous kernel
+  finishes; _step_kernels), and decode_greedy queues the next step before it reads this step's id.
 
 Prefill (`forward_prompt`, model.prefill's chunks of PREFILL_CHUNK tokens): a fused pass (see the comment
 above forward_prompt), captured into a CUDA graph from the second time a chunk length comes round.
 
-Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,424 tok/s, pp512 232,455
+Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,686 tok/s, pp512 249,906
 tok/s; `llamacli bench --profile` breaks a step down by kernel family.
 
 Sampling on the device (`sample`): penalties, then argmax (greedy), or top-k (k <= 1024) and the rest of
@@ -66,6 +68,9 @@ ATT_TC_DIMS = (64, 80, 96, 112, 128)  # head dims with a tensor-core prefill ker
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
 DEC_KEYS = 256  # attention_decode_npl*: keys per pass of a split (8 warps x 32 lanes)
 MV1_WARPS = 8  # kernels/matvec.cu mv1_*: warps per block
+# The captured decode step's programmatic launches (_step_kernels; measured on the H100, BENCHMARKS.md):
+PDL_MAX_BYTES = 16 << 20  # matvecs under this many weight bytes (and the attention) launch as dependents
+PDL_EARLY_BYTES = 2 << 20  # a kernel lets the next start early when the next reads under this many bytes
 _ALIGN = 256
 
 
@@ -241,6 +246,10 @@ class CudaBackend(Backend):
         # shortest dependent chain per lane (decode at short contexts is latency-bound); each block re-reads
         # its split's K/V from L2. Set before the first decode (the graph keeps it).
         self.decode_rows = 1
+        # The captured decode step launches its matvecs and attention as programmatic dependents (sm_90+):
+        # set before the first decode (the graph keeps it).
+        self.pdl = True
+        self.pdl_max_bytes, self.pdl_early_bytes = PDL_MAX_BYTES, PDL_EARLY_BYTES
         self._alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self._graphs: dict[str, Any] = {}
         self._pf: SimpleNamespace | None = None  # forward_prompt's buffers and per-layer plans
@@ -544,10 +553,11 @@ class CudaBackend(Backend):
             raise BackendError(f"cuBLAS GEMM ({t} x {n_rows} x {k}) failed with status {st}")
 
     def _matvec(self, ws: tuple[DeviceMatrix, ...], x: Any, t: int, y: Any, bias: Any = None, resid: Any = None,
-                norm: Any = None, argmax: bool = False) -> None:
+                norm: Any = None, argmax: bool = False, early: bool = False) -> None:
         """y [t, sum rows] = [W0; W1; W2] x (+ bias) (+ resid): up to three row segments of one type.
         One token goes through mv1 (x in shared memory), which can also apply RMSNorm(x) * norm first and
-        reduce the rows to the greedy argmax (into step_ids, advancing step_pos)."""
+        reduce the rows to the greedy argmax (into step_ids, advancing step_pos); `early`: where it lets a
+        programmatic dependent start (_step_kernels)."""
         w0 = ws[0]
         n = sum(w.rows for w in ws)
         lpr = _lpr(w0.cols)
@@ -560,7 +570,7 @@ class CudaBackend(Backend):
             K.launch("matvec", f"mv1_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                       K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps), K.i32(lpr),
-                      K.i32(groups), K.ptr(self._am if argmax else None)),
+                      K.i32(groups), K.ptr(self._am if argmax else None), K.i32(early)),
                      shared=K.cdiv(w0.cols, 32) * 132)
             return
         if norm is not None or argmax:
@@ -570,14 +580,15 @@ class CudaBackend(Backend):
                  (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                   K.ptr(x), K.i32(t), K.ptr(y), K.ptr(bias), K.ptr(resid), K.i32(lpr)))
 
-    def _matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any, norm: Any = None) -> None:
+    def _matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any, norm: Any = None,
+                       early: bool = False) -> None:
         lpr = _lpr(wg.cols)
         if t == 1:
             groups = _mv1_groups(wg.rows, wg.cols)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", f"mv1_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
-                      K.f32(self.cfg.rms_eps), K.i32(lpr), K.i32(groups)),
+                      K.f32(self.cfg.rms_eps), K.i32(lpr), K.i32(groups), K.i32(early)),
                      shared=K.cdiv(wg.cols, 32) * 132)
             return
         if norm is not None:
@@ -706,6 +717,7 @@ class CudaBackend(Backend):
     # into a CUDA graph and replayed (the first sighting runs the kernels directly: compilation, cuBLAS
     # plans); long prompts repeat PREFILL_CHUNK, so every chunk after the second replays.
     def forward_prompt(self, ids: np.ndarray, start: int) -> Any:
+        self._ahead = None  # a decode step queued ahead is stale once the cache changes
         t = int(np.asarray(ids).size)
         if t <= MATVEC_TMAX or t > min(self.ctx, PREFILL_CHUNK):
             return super().forward_prompt(ids, start)
@@ -880,6 +892,13 @@ class CudaBackend(Backend):
         # Fused argmax cells (kernels/matvec.cu mv1): key, block counter, flag, &step_ids, &step_pos.
         self._am = cp.asarray(np.asarray([0, 0, 0, self.step_ids.data.ptr, self.step_pos.data.ptr], np.uint64))
         self._dev_state: tuple[int, int] | None = None
+        # decode_greedy's step queued ahead: ((token, pos) it computes, its pinned slot, launch count then)
+        self._ahead: tuple[tuple[int, int], int, int] | None = None
+        self._ids_slot = 0
+        self._ids_out = []
+        for _ in range(2):  # pinned host slots for the (id, flag) of a step, each with its copy's event
+            mem = cp.cuda.alloc_pinned_memory(8)
+            self._ids_out.append((np.frombuffer(mem, np.int32, 2), cp.cuda.Event(disable_timing=True)))
         self._topk_vals = cp.empty(TOPK_MAX, f)
         self._topk_ids = cp.empty(TOPK_MAX, cp.int32)
         self._sample_out = cp.zeros(2, cp.int32)  # (token id, flag) from sample_topk_f32
@@ -922,50 +941,67 @@ class CudaBackend(Backend):
         sec = self._section
         with sec("embedding"):
             self._embed(self.step_ids, w.token_embd, x, 1)
+        # The step as (section, weight bytes, launch(early)). Inside the capture (_capture_step) the kernels
+        # of matrices under pdl_max_bytes and the attention launch as programmatic dependents: each starts
+        # while the one before finishes (hiding the launch gap and its prologue); larger matvecs launch
+        # plainly (there it measured slower). `early` tells a kernel to let the next one start right after
+        # its own pdl_wait() rather than after its main loop: right for a next kernel that is
+        # latency-bound (the attention, a matrix under pdl_early_bytes); a larger next matvec whose blocks
+        # wait on SMs busy with this one streamed slower. Measured on the H100 (BENCHMARKS.md): tg128
+        # SmolLM2 +17%, Qwen2.5-0.5B +9-10%, Llama-3.2-1B +4%, 8B unchanged.
+        step: list[tuple[str, int, Callable[[bool], None]]] = []
+
+        def mv(name: str, ws: tuple[DeviceMatrix, ...], src: Any, dst: Any, **kw: Any) -> None:
+            step.append((name, sum(m.rows * m.row_bytes for m in ws),
+                         lambda early: self._matvec(ws, src, 1, dst, early=early, **kw)))
+
         for i, L in enumerate(w.layers):
             segs, bias = self._qkv_plan[i]
-            with sec("norm+QKV"):
-                if len(segs) == 1:
-                    self._matvec(segs[0], x, 1, qkv, bias=bias, norm=L.attn_norm)
-                else:  # mixed types: three launches into the row ranges of qkv, each normalising x itself
-                    off = 0
-                    for (m,) in segs:
-                        b = None if bias is None else bias[off : off + m.rows]
-                        self._matvec((m,), x, 1, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm)
-                        off += m.rows
+            if len(segs) == 1:
+                mv("norm+QKV", segs[0], x, qkv, bias=bias, norm=L.attn_norm)
+            else:  # mixed types: three launches into the row ranges of qkv, each normalising x itself
+                off = 0
+                for (m,) in segs:
+                    b = None if bias is None else bias[off : off + m.rows]
+                    mv("norm+QKV", (m,), x, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm)
+                    off += m.rows
             if self._decode_kernel_fits():  # one kernel: RoPE, K/V store, the attention splits and their merge
-                with sec("RoPE+KV+attention"):
-                    K.launch("attention", f"attention_step_{mode}_npl{npl}", (hkv, n_split, row_blocks), (256,),
-                             (K.ptr(qkv), K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i]), K.ptr(self.step_pos),
-                              K.i32(hq), K.i32(hkv), K.i32(dh), K.f32(1.0 / math.sqrt(dh)), K.i32(chunk),
-                              K.ptr(self._part_o), K.ptr(self._part_ml), K.ptr(qkv.data.ptr + 4 * cfg.q_dim),
-                              K.i32(cfg.rope_dim), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
-                              K.ptr(self._att_count), K.ptr(att)),
-                             shared=self._decode_smem())
+                step.append(("RoPE+KV+attention", 0, lambda early, i=i: K.launch(
+                    "attention", f"attention_step_{mode}_npl{npl}", (hkv, n_split, row_blocks), (256,),
+                    (K.ptr(qkv), K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i]), K.ptr(self.step_pos),
+                     K.i32(hq), K.i32(hkv), K.i32(dh), K.f32(1.0 / math.sqrt(dh)), K.i32(chunk),
+                     K.ptr(self._part_o), K.ptr(self._part_ml), K.ptr(qkv.data.ptr + 4 * cfg.q_dim),
+                     K.i32(cfg.rope_dim), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
+                     K.ptr(self._att_count), K.ptr(att), K.i32(early)),
+                    shared=self._decode_smem())))
             else:
-                with sec("RoPE+KV"):
-                    K.launch("rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
-                             (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim),
-                              K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
-                              K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))
-                with sec("attention"):
-                    self._attend(qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att,
-                                 n_split, chunk, self._part_o, self._part_ml)
-            with sec("O-proj"):
-                self._matvec((L.attn_output,), att, 1, x, resid=x)
-            with sec("norm+FFN"):
-                plan = self._ffn_plan[i]
-                if plan is not None:
-                    self._matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm)
-                else:
-                    g = self._ff_tmp()
-                    self._matvec((L.ffn_gate,), x, 1, g[0], norm=L.ffn_norm)
-                    self._matvec((L.ffn_up,), x, 1, g[1], norm=L.ffn_norm)
-                    K.launch("elementwise", "swiglu_f32", (K.cdiv(cfg.n_ff, 256),), (256,),
-                             (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))
-                self._matvec((L.ffn_down,), ff, 1, x, resid=x)
-        with sec("norm+LM head+argmax" if greedy else "norm+LM head"):
-            self._matvec((w.output,), x, 1, self.step_logits, norm=w.output_norm, argmax=greedy)
+                step.append(("RoPE+KV", 0, lambda early, i=i: K.launch(
+                    "rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
+                    (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim),
+                     K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
+                     K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))))
+                step.append(("attention", 0, lambda early, i=i: self._attend(
+                    qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split, chunk,
+                    self._part_o, self._part_ml)))
+            mv("O-proj", (L.attn_output,), att, x, resid=x)
+            plan = self._ffn_plan[i]
+            if plan is not None:
+                step.append(("norm+FFN", 2 * plan[0].rows * plan[0].row_bytes, lambda early, plan=plan, L=L:
+                             self._matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm, early=early)))
+            else:
+                g = self._ff_tmp()
+                mv("norm+FFN", (L.ffn_gate,), x, g[0], norm=L.ffn_norm)
+                mv("norm+FFN", (L.ffn_up,), x, g[1], norm=L.ffn_norm)
+                step.append(("norm+FFN", 0, lambda early, g=g: K.launch(
+                    "elementwise", "swiglu_f32", (K.cdiv(cfg.n_ff, 256),), (256,),
+                    (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))))
+            mv("norm+FFN", (L.ffn_down,), ff, x, resid=x)
+        mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), x, self.step_logits,
+           norm=w.output_norm, argmax=greedy)
+        for j, (name, nbytes, launch) in enumerate(step):
+            nxt = step[j + 1][1] if j + 1 < len(step) else 0
+            with sec(name), (_NULL if nbytes < self.pdl_max_bytes else K.dependent_launches(False)):
+                launch(nxt < self.pdl_early_bytes)
 
     def _ff_tmp(self) -> Any:
         if not hasattr(self, "_ff2"):
@@ -982,7 +1018,7 @@ class CudaBackend(Backend):
         if graph is None:
             self._ff_tmp()
             self._step_kernels(greedy)  # warm up: compile, first-launch setup, outside the capture
-            graph = self._graphs[key] = self._capture(lambda: self._step_kernels(greedy))
+            graph = self._graphs[key] = self._capture_step(greedy)
             # The warm-up ran the step once (it wrote this position's K/V and, when greedy, advanced pos):
             # restore the inputs so the first replay computes the same step.
             self.step_ids[:1].set(np.asarray([self._cur_token], np.int32))
@@ -990,6 +1026,19 @@ class CudaBackend(Backend):
         # Replay on the current stream: ordered after the prefill and the input copies, and the host waits
         # only where it reads a result (step_ids.get(), or the caller's use of the logits).
         graph.launch(cp.cuda.get_current_stream())
+
+    def _capture_step(self, greedy: bool) -> Any:
+        """The decode step's graph, its matvecs and attention launched as programmatic dependents (each starts
+        while the one before finishes; cuda_kernels.dependent_launches) unless `pdl` is off or that capture
+        fails (then a plain one, with a warning)."""
+        if self.pdl:
+            try:
+                with K.dependent_launches():
+                    return self._capture(lambda: self._step_kernels(greedy))
+            except Exception as exc:  # a driver that refuses the attribute in capture: the plain graph
+                log.warning("decode step capture with programmatic launches failed (%s); capturing without", exc)
+                self.pdl = False
+        return self._capture(lambda: self._step_kernels(greedy))
 
     def _set_inputs(self, token: int, pos: int) -> None:
         """Upload token and position unless the device already holds them (a greedy step leaves its output
@@ -999,6 +1048,7 @@ class CudaBackend(Backend):
             self.step_ids[:1].set(np.asarray([token], np.int32))
             self.step_pos.set(np.asarray([pos], np.int32))
         self._dev_state = None
+        self._ahead = None
 
     def decode(self, token: int, pos: int) -> Any:
         """The fused decode step for `token` at position `pos` -> logits [1, V] (a device buffer that the
@@ -1008,14 +1058,47 @@ class CudaBackend(Backend):
         return self.step_logits
 
     def decode_greedy(self, token: int, pos: int) -> int:
-        """The fused decode step with the argmax fused into the LM head: only the chosen id comes back."""
-        self._set_inputs(token, pos)
-        self._run_step(greedy=True)
-        out = self.step_ids.get()
-        if out[1]:
+        """The fused decode step with the argmax fused into the LM head: only the chosen id comes back.
+
+        With graphs on, the following step is queued before this one's id is read: the device already holds
+        its inputs (this step's id and pos + 1), so the GPU does not wait for the host between tokens (~20 us
+        a token on the H100, BENCHMARKS.md). That step writes position pos + 1's K/V for the predicted token;
+        the next call, (that id, pos + 1), takes its result, and any other call or launch recomputes (positions
+        past pos must hold nothing the caller needs: true of generation, which extends the cache one token a
+        time). Each result leaves the device through its own pinned slot, copied between the two steps."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == (int(token), int(pos)) and ahead[2] == K.launch_count():
+            slot = ahead[1]
+            self._cur_token, self._cur_pos = int(token), int(pos)
+        else:
+            self._set_inputs(token, pos)
+            self._run_step(greedy=True)
+            slot = self._copy_ids()
+        nxt = None
+        if self.use_graph and pos + 1 < self.ctx and "greedy" in self._graphs:
+            self._run_step(greedy=True)  # reads (id, pos + 1) from the device
+            nxt = self._copy_ids()
+        ids, event = self._ids_out[slot]
+        event.synchronize()
+        tok, bad = int(ids[0]), int(ids[1])
+        if bad:
             raise NumericalError("the logits contain NaN or +inf: the model output is broken")
-        self._dev_state = (int(out[0]), self._cur_pos + 1)
-        return int(out[0])
+        if nxt is None:
+            self._dev_state = (tok, self._cur_pos + 1)
+        else:
+            self._dev_state = None  # the queued step moved the device on to (its id, pos + 2)
+            self._ahead = ((tok, self._cur_pos + 1), nxt, K.launch_count())
+        return tok
+
+    def _copy_ids(self) -> int:
+        """Queue the copy of step_ids into the next pinned slot (after the step just queued) -> the slot."""
+        cp = self.cp
+        slot = self._ids_slot = 1 - self._ids_slot
+        ids, event = self._ids_out[slot]
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(ids.ctypes.data, self.step_ids.data.ptr, 8, 2, stream.ptr)  # device -> host
+        event.record(stream)
+        return slot
 
     def profile_decode(self, token: int, pos: int) -> tuple[list[tuple[str, float, int]], float]:
         """profile() of one fused greedy decode step, launched un-captured (the graph's kernels, one by one)."""

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import KernelCompileError
+from ..errors import BackendError, KernelCompileError
 
 log = logging.getLogger("llamacli.kernels")
 
@@ -106,7 +108,8 @@ def launch_count() -> int:
 
 
 def launch(family: str, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared: int = 0) -> None:
-    """Launch kernels/<family>.cu:<name> on the current stream."""
+    """Launch kernels/<family>.cu:<name> on the current stream (inside `dependent_launches()`, a kernel of
+    PDL_KERNELS with programmatic stream serialization)."""
     fn = function(family, name)
     _launches[0] += 1
     if log.isEnabledFor(logging.DEBUG):
@@ -114,7 +117,84 @@ def launch(family: str, name: str, grid: tuple[int, ...], block: tuple[int, ...]
     if shared > 48 * 1024 and _smem_limit.get((family, name), 0) < shared:
         fn.max_dynamic_shared_size_bytes = shared  # above 48 KiB only once raised (cudaFuncSetAttribute)
         _smem_limit[(family, name)] = shared
-    fn(grid, block, args, shared_mem=shared)
+    if _pdl[0] and name.startswith(PDL_KERNELS):
+        _launch_dependent(fn, grid, block, args, shared)
+    else:
+        fn(grid, block, args, shared_mem=shared)
+
+
+# -- programmatic dependent launch ---------------------------------------------------------------------------
+# A kernel launched with programmatic stream serialization may start while the previous kernel of the stream
+# still runs, up to its griddepcontrol.wait (common.cuh pdl_wait): its blocks' set-up and weight prefetch
+# overlap the previous kernel's tail, and the launch gap between the two disappears. Only kernels that call
+# pdl_wait() before touching anything an earlier kernel writes may be launched so: these name prefixes.
+# CuPy's launcher cannot set launch attributes, so these go through the driver's cuLaunchKernelEx (ctypes);
+# stream capture records them as programmatic edges of the graph.
+PDL_KERNELS = ("mv1_", "attention_step_")
+_pdl = [False]
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h CUlaunchAttributeID
+
+
+@contextmanager
+def dependent_launches(on: bool = True) -> Iterator[None]:
+    """Launch PDL_KERNELS with programmatic stream serialization inside this block (sm_90+ only)."""
+    prev = _pdl[0]
+    _pdl[0] = on and pdl_supported()
+    try:
+        yield
+    finally:
+        _pdl[0] = prev
+
+
+@lru_cache(maxsize=None)
+def pdl_supported() -> bool:
+    """True on a GPU of compute capability 9.0 or later whose driver has cuLaunchKernelEx."""
+    import cupy as cp
+
+    try:
+        return int(cp.cuda.Device().compute_capability) >= 90 and _driver() is not None
+    except Exception:
+        return False
+
+
+@lru_cache(maxsize=None)
+def _driver() -> Any:
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+
+    class Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+    class Config(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("n_attrs", ctypes.c_uint)]
+
+    fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    attr = Attr()
+    attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    ctypes_of = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32,
+                 np.float32: ctypes.c_float}
+    return ctypes, fn, Config, attr, ctypes_of
+
+
+def _launch_dependent(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared: int) -> None:
+    import cupy as cp
+
+    ctypes, launch_ex, Config, attr, ctypes_of = _driver()
+    values = [ctypes_of[type(a)](a) for a in args]  # the argument helpers below make every argument one of these
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    cfg = Config(g, b, shared, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    st = launch_ex(ctypes.byref(cfg), fn.kernel.ptr, params, None)
+    if st:
+        raise BackendError(f"cuLaunchKernelEx failed with CUresult {st}")
 
 
 # -- argument helpers ----------------------------------------------------------------------------------------
