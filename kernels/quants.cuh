@@ -7,7 +7,8 @@
 // straddles rows; plain types (F32/F16/BF16) accept any K and zero-fill past its end.
 // Matvec, dequantize-to-fp16 and the embedding gather all call the same unit() so one decoder is tested
 // three ways. Byte loads use the widest access the block layout's alignment allows (uint4 for Q4_K and
-// Q5_K whose 144/176-byte blocks keep 16-byte alignment; 2-byte loads for the 18/22/34/110/210-byte ones).
+// Q5_K whose 144/176-byte blocks keep 16-byte alignment; aligned 4-byte loads and funnel shifts for the
+// 18/22/34/110/210-byte ones, which keep only 2).
 #pragma once
 
 // Load NW 32-bit words from p, which is ALIGN-byte aligned.
@@ -28,10 +29,19 @@ __device__ __forceinline__ void load_words(const u8* __restrict__ p, u32 (&w)[NW
     } else if constexpr (ALIGN >= 4) {
 #pragma unroll
         for (int k = 0; k < NW; ++k) w[k] = __ldg(reinterpret_cast<const u32*>(p) + k);
-    } else {
-        const u16* q = reinterpret_cast<const u16*>(p);
+    } else {  // 2-byte aligned: NW (+ 1) aligned words from p rounded down to 4, shifted into place by 0 or
+              // 16 bits (half the load instructions of 16-bit loads; each instruction's lanes touch as many
+              // cache lines either way). The extra word is read only when p is not 4-aligned; it then
+              // holds the last two bytes asked for, so it never leaves their (4-byte aligned) word's page.
+        const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+        const u32* q = reinterpret_cast<const u32*>(a & ~3ull);
+        const u32 sh = (u32)(a & 2) * 8;
+        u32 v[NW + 1];
 #pragma unroll
-        for (int k = 0; k < NW; ++k) w[k] = (u32)__ldg(q + 2 * k) | ((u32)__ldg(q + 2 * k + 1) << 16);
+        for (int k = 0; k < NW; ++k) v[k] = __ldg(q + k);
+        v[NW] = sh ? __ldg(q + NW) : 0u;
+#pragma unroll
+        for (int k = 0; k < NW; ++k) w[k] = __funnelshift_r(v[k], v[k + 1], sh);
     }
 }
 
