@@ -29,7 +29,8 @@
 //     float bits, then ~id so ties go to the lowest id) and atomicMax-es it into am[0]; the last block to
 //     finish writes out[0] = id, out[1] = NaN/+inf seen, advances *pos_inc and resets its cells, so no
 //     separate argmax kernel runs (argmax_f32's semantics).
-//     Q8_0, Q4_0, Q4_1, Q4_K and Q6_K dot their units without int -> float conversions (unit_dot below).
+//     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K dot their units without int -> float conversions
+//     (unit_dot below).
 //   Launch: block 256 (8 warps), dynamic shared memory units*132 bytes (x slots + per-unit sums of x), grid
 //   ceil(N / (groups * 8 * 32/lpr)): a block serves `groups` groups of rows with one staging of x (2 or 4
 //   where staging x per 8 rows costs as much as the rows; cuda_backend._mv1_groups).
@@ -275,13 +276,18 @@ __device__ __forceinline__ float unit_dot<QQ8_0>(const u8* row, int u, int, cons
     return ldh(p) * s;
 }
 
-// Q4_0 / Q4_1: 16 bytes of nibbles, value i < 16 the low nibble of byte i, value i + 16 its high nibble.
-__device__ __forceinline__ float nibbles_dot(const u32 (&q)[4], const float4* __restrict__ xs4, int u, float bias) {
+// Q4_0 / Q4_1 / Q5_0 / Q5_1: 16 bytes of nibbles, value i < 16 the low nibble of byte i, value i + 16 its
+// high nibble; Q5 types add bit i of qh as the value's fifth bit (qh = 0 for Q4: folded away).
+__device__ __forceinline__ u32 spread_bits4(u32 h) {  // bits 0-3 of h -> bit 4 of bytes 0-3 (no carries)
+    return (((h & 0xFu) * 0x00204081u) & 0x01010101u) << 4;
+}
+
+__device__ __forceinline__ float nibbles_dot(const u32* q, u32 qh, const float4* __restrict__ xs4, int u, float bias) {
     float s = 0.0f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        s = dot_bytes4(q[k] & 0x0F0F0F0Fu, xs4[xslot(u, k)], bias, s);
-        s = dot_bytes4((q[k] >> 4) & 0x0F0F0F0Fu, xs4[xslot(u, 4 + k)], bias, s);
+        s = dot_bytes4((q[k] & 0x0F0F0F0Fu) | spread_bits4(qh >> (4 * k)), xs4[xslot(u, k)], bias, s);
+        s = dot_bytes4(((q[k] >> 4) & 0x0F0F0F0Fu) | spread_bits4(qh >> (16 + 4 * k)), xs4[xslot(u, 4 + k)], bias, s);
     }
     return s;
 }
@@ -292,10 +298,20 @@ __device__ __forceinline__ float unit_dot<QQ4_0>(const u8* row, int u, int, cons
     const u8* p = row + u * QQ4_0::BYTES;
     u32 q[4];
     load_words<2, 4>(p + 2, q);
-    return ldh(p) * nibbles_dot(q, xs4, u, TWO23 + 8.0f);  // v = d * (q - 8)
+    return ldh(p) * nibbles_dot(q, 0u, xs4, u, TWO23 + 8.0f);  // v = d * (q - 8)
+}
+
+template <>
+__device__ __forceinline__ float unit_dot<QQ5_0>(const u8* row, int u, int, const float4* __restrict__ xs4,
+                                                 const float* __restrict__) {
+    const u8* p = row + u * QQ5_0::BYTES;
+    u32 q[5];  // qh, then the 16 bytes of nibbles
+    load_words<2, 5>(p + 2, q);
+    return ldh(p) * nibbles_dot(q + 1, q[0], xs4, u, TWO23 + 16.0f);  // v = d * (q - 16)
 }
 
 template <> struct needs_xsum<QQ4_1> { static constexpr bool value = true; };
+template <> struct needs_xsum<QQ5_1> { static constexpr bool value = true; };
 template <> struct needs_xsum<QQ4_K> { static constexpr bool value = true; };
 
 template <>
@@ -304,7 +320,16 @@ __device__ __forceinline__ float unit_dot<QQ4_1>(const u8* row, int u, int, cons
     const u8* p = row + u * QQ4_1::BYTES;
     u32 q[4];
     load_words<4, 4>(p + 4, q);
-    return ldh(p) * nibbles_dot(q, xs4, u, TWO23) + ldh(p + 2) * xsum[u];  // v = d * q + m
+    return ldh(p) * nibbles_dot(q, 0u, xs4, u, TWO23) + ldh(p + 2) * xsum[u];  // v = d * q + m
+}
+
+template <>
+__device__ __forceinline__ float unit_dot<QQ5_1>(const u8* row, int u, int, const float4* __restrict__ xs4,
+                                                 const float* __restrict__ xsum) {
+    const u8* p = row + u * QQ5_1::BYTES;
+    u32 q[5];
+    load_words<4, 5>(p + 4, q);
+    return ldh(p) * nibbles_dot(q + 1, q[0], xs4, u, TWO23) + ldh(p + 2) * xsum[u];  // v = d * q + m
 }
 
 template <>
