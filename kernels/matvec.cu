@@ -29,7 +29,7 @@
 //     float bits, then ~id so ties go to the lowest id) and atomicMax-es it into am[0]; the last block to
 //     finish writes out[0] = id, out[1] = NaN/+inf seen, advances *pos_inc and resets its cells, so no
 //     separate argmax kernel runs (argmax_f32's semantics).
-//     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K dot their units without int -> float conversions
+//     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K dot their units without int -> float conversions
 //     (unit_dot below).
 //   Launch: block 256 (8 warps), dynamic shared memory units*132 bytes (x slots + per-unit sums of x), grid
 //   ceil(N / (groups * 8 * 32/lpr)): a block serves `groups` groups of rows with one staging of x (2 or 4
@@ -345,6 +345,27 @@ __device__ __forceinline__ float unit_dot<QQ4_K>(const u8* row, int u, int, cons
 #pragma unroll
     for (int k = 0; k < 8; ++k) s = dot_bytes4((q[k] >> shift) & 0x0F0F0F0Fu, xs4[xslot(u, k)], TWO23, s);
     return ldh(p) * (float)sc * s - ldh(p + 2) * (float)m * xsum[u];
+}
+
+template <> struct needs_xsum<QQ5_K> { static constexpr bool value = true; };
+
+template <>
+__device__ __forceinline__ float unit_dot<QQ5_K>(const u8* row, int u, int, const float4* __restrict__ xs4,
+                                                 const float* __restrict__ xsum) {
+    const u8* p = row + (u >> 3) * QQ5_K::BYTES;
+    const int j = u & 7, shift = 4 * (j & 1);
+    u32 h[4], qh[8], q[8];  // header; the 32 bytes of fifth bits (bit j: this unit); 32 bytes of nibbles
+    load_words<16, 4>(p, h);
+    load_words<16, 8>(p + 16, qh);
+    load_words<16, 8>(p + 48 + (j >> 1) * 32, q);
+    int sc, m;
+    scale_min_k4w(h[1], h[2], h[3], j, sc, m);
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+        s = dot_bytes4(((q[k] >> shift) & 0x0F0F0F0Fu) | (((qh[k] >> j) & 0x01010101u) << 4), xs4[xslot(u, k)],
+                       TWO23, s);
+    return h2f((u16)(h[0] & 0xFFFFu)) * (float)sc * s - h2f((u16)(h[0] >> 16)) * (float)m * xsum[u];
 }
 
 template <>

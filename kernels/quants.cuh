@@ -249,6 +249,15 @@ __device__ __forceinline__ void scale_min_k4(const u8* s, int j, int& sc, int& m
     }
 }
 
+// The same from the 12 scale bytes held as three words (s0 = bytes 0-3, s1 = 4-7, s2 = 8-11): no byte loads,
+// no branch on j (the block header is one 16-byte load where the block keeps 16-byte alignment).
+__device__ __forceinline__ void scale_min_k4w(u32 s0, u32 s1, u32 s2, int j, int& sc, int& m) {
+    const int sh = 8 * (j & 3);
+    const int b0 = (s0 >> sh) & 0xFF, b1 = (s1 >> sh) & 0xFF, b2 = (s2 >> sh) & 0xFF;
+    sc = j < 4 ? b0 & 63 : (b2 & 15) | ((b0 >> 6) << 4);
+    m = j < 4 ? b1 & 63 : (b2 >> 4) | ((b1 >> 6) << 4);
+}
+
 struct QQ4_K {  // { f16 d, dmin; u8 scales[12]; u8 qs[128]; }  v = d*sc*q - dmin*m
     static constexpr int QK = 256, BYTES = 144;
     __device__ static void unit(const u8* row, int u, int, float (&w)[32]) {

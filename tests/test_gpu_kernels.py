@@ -130,8 +130,8 @@ def test_matvec_segments_bias_resid_swiglu(qtype: QT) -> None:
     assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-4, 1e-4, "swiglu")
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q6_K, QT.F16, QT.F32],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16,
+                                   QT.F32], ids=lambda t: t.name)
 def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
     """The one-token matvec (mv1) with RMSNorm fused into its input, the fused SwiGLU, and the argmax fused
     into the LM head (id and NaN flag into step_ids, step_pos advanced, cells reset for the next launch)."""
