@@ -36,7 +36,9 @@
 //   where staging x per 8 rows costs as much as the rows; cuda_backend._mv1_groups).
 // Best measured on H100 (2026-11-22, `llamacli bench --kernels`, weights rotated past L2): mv1 at
 // 4096x4096 / 14336x4096 / 4096x14336: F16 16.7 / 47.4 / 50.6 us (2006 / 2480 / 2324 GB/s), Q8_0 12.1 / 32.4 /
-// 37.6 us, Q4_K 10.2 / 24.2 / 31.8 us (928 / 1367 / 1040 GB/s), Q6_K 12.9 / 33.0 / 45.0 us. Quantized types
+// 37.6 us (later 11.5 / 29.8 / 35.9 with the funnel-shift loads), Q4_K 10.2 / 24.2 / 31.8 us (928 / 1367 /
+// 1040 GB/s), Q6_K 12.9 / 33.0 / 45.0 us (later 11.8 / 31.1 / 39.0), Q5_0 10.5 / 23.6 / 34.1, Q5_K 11.2 / 29.2
+// / 35.1 us (BENCHMARKS.md, fourth session). Quantized types
 // stay well under memory speed (x staging, block barriers, 8 shared-memory loads per unit): int8
 // activations with dp4a, as llama.cpp's MMVQ, is the next step.
 

@@ -19,7 +19,7 @@ is fp16 [layer, ctx, Hkv, Dh]. Two ways to run the model:
 Prefill (`forward_prompt`, model.prefill's chunks of PREFILL_CHUNK tokens): a fused pass (see the comment
 above forward_prompt), captured into a CUDA graph from the second time a chunk length comes round.
 
-Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,686 tok/s, pp512 249,906
+Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,690 tok/s, pp512 245,913
 tok/s; `llamacli bench --profile` breaks a step down by kernel family.
 
 Sampling on the device (`sample`): penalties, then argmax (greedy), or top-k (k <= 1024) and the rest of
