@@ -11,6 +11,7 @@ CLI's --debug) every launch is logged: name, grid, block, dynamic shared memory.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 from collections.abc import Iterator
@@ -157,41 +158,49 @@ def pdl_supported() -> bool:
         return False
 
 
+class LaunchAttribute(ctypes.Structure):  # cuda.h CUlaunchAttribute: id, 4 bytes of padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
+
+
+_CTYPE_OF = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
+
+
+def kernel_params(args: tuple) -> tuple[Any, list]:
+    """cuLaunchKernelEx's void** kernelParams for arguments made by the helpers below (np.uint64 pointers,
+    np.int32 / np.int64 / np.float32 scalars) -> (the array, the values it points into: keep both alive)."""
+    bad = [type(a).__name__ for a in args if type(a) not in _CTYPE_OF]
+    if bad:
+        raise TypeError(f"kernel arguments must come from ptr/i32/i64/f32, got {', '.join(bad)}")
+    values = [_CTYPE_OF[type(a)](a) for a in args]
+    return (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values]), values
+
+
 @lru_cache(maxsize=None)
 def _driver() -> Any:
-    import ctypes
-
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernelEx
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
     except (OSError, AttributeError):
         return None
-
-    class Attr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
-        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
-
-    class Config(ctypes.Structure):  # CUlaunchConfig
-        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
-                    ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("n_attrs", ctypes.c_uint)]
-
-    fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     fn.restype = ctypes.c_int
-    attr = Attr()
+    attr = LaunchAttribute()
     attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value[0] = 1  # programmaticStreamSerializationAllowed
-    ctypes_of = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32,
-                 np.float32: ctypes.c_float}
-    return ctypes, fn, Config, attr, ctypes_of
+    return fn, attr
 
 
 def _launch_dependent(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared: int) -> None:
     import cupy as cp
 
-    ctypes, launch_ex, Config, attr, ctypes_of = _driver()
-    values = [ctypes_of[type(a)](a) for a in args]  # the argument helpers below make every argument one of these
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    launch_ex, attr = _driver()
+    params, _values = kernel_params(args)
     g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-    cfg = Config(g, b, shared, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    cfg = LaunchConfig(g, b, shared, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
     st = launch_ex(ctypes.byref(cfg), fn.kernel.ptr, params, None)
     if st:
         raise BackendError(f"cuLaunchKernelEx failed with CUresult {st}")

@@ -1,0 +1,86 @@
+"""The driver-API launch path of the decode step's programmatic dependent launches (cuda_kernels): struct
+layouts as cuda.h defines them and the kernel-parameter array, checked without a GPU. (That the launches
+work and give the plain launches' results is tests/test_gpu_backend.py's programmatic-launch test.)"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from llamacli.backends import cuda_kernels as K
+
+
+def test_launch_structs_match_cuda_h() -> None:
+    A, C = K.LaunchAttribute, K.LaunchConfig
+    # CUlaunchAttribute: CUlaunchAttributeID id; char pad[8 - sizeof(id)]; CUlaunchAttributeValue value (64)
+    assert ctypes.sizeof(A) == 72 and A.value.offset == 8
+    # CUlaunchConfig: gridDim{X,Y,Z}, blockDim{X,Y,Z}, sharedMemBytes, hStream, attrs, numAttrs
+    assert [C.grid.offset, C.block.offset, C.shared.offset, C.stream.offset, C.attrs.offset, C.n_attrs.offset] == [
+        0, 12, 24, 32, 40, 48]
+    assert ctypes.sizeof(C) == 56
+
+
+def test_kernel_params_point_at_each_value() -> None:
+    args = (K.ptr(0xDEADBEEF00), K.i32(-3), K.f32(1.5), K.i64(1 << 40), K.ptr(None))
+    params, values = K.kernel_params(args)
+    assert len(params) == len(args) == len(values)
+    got = [ctypes.cast(params[0], ctypes.POINTER(ctypes.c_uint64))[0],
+           ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int32))[0],
+           ctypes.cast(params[2], ctypes.POINTER(ctypes.c_float))[0],
+           ctypes.cast(params[3], ctypes.POINTER(ctypes.c_int64))[0],
+           ctypes.cast(params[4], ctypes.POINTER(ctypes.c_uint64))[0]]
+    assert got == [0xDEADBEEF00, -3, 1.5, 1 << 40, 0]
+
+
+@pytest.mark.parametrize("bad", [3, 2.0, np.float64(1.0), None])
+def test_kernel_params_refuse_untyped_arguments(bad) -> None:
+    with pytest.raises(TypeError, match="ptr/i32/i64/f32"):
+        K.kernel_params((K.i32(1), bad))
+
+
+def test_dependent_launches_off_without_a_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(K, "pdl_supported", lambda: False)
+    with K.dependent_launches():
+        assert not K._pdl[0]
+    assert not K._pdl[0]
+
+
+def test_launch_dependent_hands_the_driver_config_attribute_and_params(monkeypatch) -> None:
+    """_launch_dependent end to end against a stand-in for cuLaunchKernelEx (a ctypes callback with its
+    signature) and for CuPy's current stream."""
+    import sys
+    import types
+
+    seen = {}
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(K.LaunchConfig), ctypes.c_void_p,
+                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+    def fake_launch(cfg, f, params, extra):
+        if "status" in seen:  # the failing call below
+            return seen["status"]
+        c = cfg.contents
+        a = c.attrs.contents
+        seen.update(grid=list(c.grid), block=list(c.block), shared=c.shared, stream=c.stream, f=f,
+                    attr=(a.id, a.value[0], c.n_attrs),
+                    p=(ctypes.cast(params[0], ctypes.POINTER(ctypes.c_uint64))[0],
+                       ctypes.cast(params[1], ctypes.POINTER(ctypes.c_float))[0]))
+        return 0
+
+    launch = proto(fake_launch)
+    attr = K.LaunchAttribute()
+    attr.id, attr.value[0] = 6, 1
+    monkeypatch.setattr(K, "_driver", lambda: (launch, attr))
+    fake_cupy = types.ModuleType("cupy")
+    fake_cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0x1234))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xABC))
+    K._launch_dependent(fn, (7, 2), (256,), (K.ptr(99), K.f32(2.5)), 4096)
+    assert seen == {"grid": [7, 2, 1], "block": [256, 1, 1], "shared": 4096, "stream": 0x1234, "f": 0xABC,
+                    "attr": (6, 1, 1), "p": (99, 2.5)}
+    seen["status"] = 1  # CUDA_ERROR_INVALID_VALUE
+    from llamacli.errors import BackendError
+
+    with pytest.raises(BackendError, match="CUresult 1"):
+        K._launch_dependent(fn, (1,), (32,), (K.i32(0),), 0)
