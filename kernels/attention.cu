@@ -19,7 +19,8 @@
 // kv_store: k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows pos[t] as fp16.
 // Prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128} run attention_tc_d<D> (tensor cores, below);
 // decode with G <= 8 and D % 8 == 0 runs attention_decode_npl<N> (keys over all 8 warps, below), and the
-// fused decode step its STEP form attention_step_<mode>_npl<N> (RoPE + K/V store + split + combine in one).
+// fused decode step its STEP form attention_step_<mode>_npl<N> (RoPE + K/V store + split + combine in one;
+// a programmatic dependent in the captured step: the K/V prefetch runs before pdl_wait, `early` as in mv1).
 // Best measured on H100 (2026-11-22, B16 H32 T512 D64 causal): attention_tc_d64 118-120 us (144 TFLOP/s;
 // this kernel 2,100 us; torch SDPA fp16 70 us). The f32 q rows and f32 output alone are 134 MB of the
 // 201 MB this shape must move: ~68 us at 2965 GB/s before any arithmetic.
