@@ -14,7 +14,7 @@ typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
 
-// Programmatic dependent launch (sm_90+; cuda_kernels.launch with pdl=True, inside the captured decode step):
+// Programmatic dependent launch (sm_90+; cuda_kernels.dependent_launches, inside the captured decode step):
 // such a kernel may start while the kernel before it in the stream is still running. Everything before
 // pdl_wait() may read only what no earlier kernel of the step writes (weights, the position); pdl_wait()
 // returns once the previous kernel has finished and its writes are visible. pdl_launch_dependents() lets
