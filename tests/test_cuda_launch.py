@@ -84,3 +84,18 @@ def test_launch_dependent_hands_the_driver_config_attribute_and_params(monkeypat
 
     with pytest.raises(BackendError, match="CUresult 1"):
         K._launch_dependent(fn, (1,), (32,), (K.i32(0),), 0)
+
+
+def test_merge_rows_joins_back_to_back_matrices_of_one_layout() -> None:
+    """The prefill merges Q/K/V (gate/up) lying back to back in the arena into one GEMM; nbytes is what the
+    decode step's launch plan sizes each matvec by."""
+    from gguf import GGMLQuantizationType as QT
+
+    from llamacli.backends.cuda_backend import DeviceMatrix, _merge_rows
+
+    a = DeviceMatrix(1000, 4, 64, QT.Q8_0, 68)
+    assert a.nbytes == 272
+    b = DeviceMatrix(1000 + a.nbytes, 2, 64, QT.Q8_0, 68)
+    gap = DeviceMatrix(b.ptr + b.nbytes + 256, 2, 64, QT.Q8_0, 68)
+    other = DeviceMatrix(gap.ptr + gap.nbytes, 3, 64, QT.F16, 128)
+    assert _merge_rows([a, b, gap, other]) == [DeviceMatrix(1000, 6, 64, QT.Q8_0, 68), gap, other]

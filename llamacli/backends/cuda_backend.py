@@ -152,6 +152,10 @@ class DeviceMatrix:
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
 
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
     def slice_rows(self, start: int, n: int) -> "DeviceMatrix":
         return DeviceMatrix(self.ptr + start * self.row_bytes, n, self.cols, self.qtype, self.row_bytes)
 
@@ -200,7 +204,7 @@ def _merge_rows(mats: list[DeviceMatrix]) -> list[DeviceMatrix]:
     out = [mats[0]]
     for m in mats[1:]:
         p = out[-1]
-        if (m.qtype, m.cols, m.row_bytes) == (p.qtype, p.cols, p.row_bytes) and m.ptr == p.ptr + p.rows * p.row_bytes:
+        if (m.qtype, m.cols, m.row_bytes) == (p.qtype, p.cols, p.row_bytes) and m.ptr == p.ptr + p.nbytes:
             out[-1] = DeviceMatrix(p.ptr, p.rows + m.rows, p.cols, p.qtype, p.row_bytes)
         else:
             out.append(m)
@@ -952,7 +956,7 @@ class CudaBackend(Backend):
         step: list[tuple[str, int, Callable[[bool], None]]] = []
 
         def mv(name: str, ws: tuple[DeviceMatrix, ...], src: Any, dst: Any, **kw: Any) -> None:
-            step.append((name, sum(m.rows * m.row_bytes for m in ws),
+            step.append((name, sum(m.nbytes for m in ws),
                          lambda early: self._matvec(ws, src, 1, dst, early=early, **kw)))
 
         for i, L in enumerate(w.layers):
@@ -986,7 +990,7 @@ class CudaBackend(Backend):
             mv("O-proj", (L.attn_output,), att, x, resid=x)
             plan = self._ffn_plan[i]
             if plan is not None:
-                step.append(("norm+FFN", 2 * plan[0].rows * plan[0].row_bytes, lambda early, plan=plan, L=L:
+                step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, lambda early, plan=plan, L=L:
                              self._matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm, early=early)))
             else:
                 g = self._ff_tmp()
