@@ -23,24 +23,24 @@
 //     the block first computes RMSNorm(x) * norm_w itself (every block reads all of x anyway): the
 //     stand-alone rms_norm kernel disappears from the step. Before staging x, each lane of a small matrix
 //     (< 4 MiB) prefetches its first 4 weight units into L2, so the weight reads start while x is read and
-//     normalised. Each lane decodes two units per iteration
+//     normalised. Each lane decodes two units per iteration (four for the int8 forms)
 //     before the FMAs, so two blocks' loads are in flight per lane. With `am` (the LM head of a greedy
 //     step) every block also reduces its rows' (logit, id) to one packed 64-bit key (order-preserving
 //     float bits, then ~id so ties go to the lowest id) and atomicMax-es it into am[0]; the last block to
 //     finish writes out[0] = id, out[1] = NaN/+inf seen, advances *pos_inc and resets its cells, so no
 //     separate argmax kernel runs (argmax_f32's semantics).
-//     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K dot their units without int -> float conversions
-//     (unit_dot below).
-//   Launch: block 256 (8 warps), dynamic shared memory units*132 bytes (x slots + per-unit sums of x), grid
-//   ceil(N / (groups * 8 * 32/lpr)): a block serves `groups` groups of rows with one staging of x (2 or 4
-//   where staging x per 8 rows costs as much as the rows; cuda_backend._mv1_groups).
+//     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 dot their units with float x without int -> float conversions (unit_dot
+//     below); Q4_K, Q5_K and Q6_K dot them with x rounded to int8 per 32 values (act8, stage_xq, unit_dot8:
+//     __dp4a, llama.cpp's MMVQ numerics).
+//   Launch: block 256 (8 warps), dynamic shared memory units*132 bytes (x slots + per-unit sums of x; the
+//   int8 forms units*40), grid ceil(N / (groups * 8 * 32/lpr)): a block serves `groups` groups of rows with
+//   one staging of x (2 or 4 where staging x per 8 rows costs as much as the rows; cuda_backend._mv1_groups).
 // Best measured on H100 (2026-11-22, `llamacli bench --kernels`, weights rotated past L2): mv1 at
-// 4096x4096 / 14336x4096 / 4096x14336: F16 16.7 / 47.4 / 50.6 us (2006 / 2480 / 2324 GB/s), Q8_0 12.1 / 32.4 /
-// 37.6 us (later 11.5 / 29.8 / 35.9 with the funnel-shift loads), Q4_K 10.2 / 24.2 / 31.8 us (928 / 1367 /
-// 1040 GB/s), Q6_K 12.9 / 33.0 / 45.0 us (later 11.8 / 31.1 / 39.0), Q5_0 10.5 / 23.6 / 34.1, Q5_K 11.2 / 29.2
-// / 35.1 us (BENCHMARKS.md, fourth session). Quantized types
-// stay well under memory speed (x staging, block barriers, 8 shared-memory loads per unit): int8
-// activations with dp4a, as llama.cpp's MMVQ, is the next step.
+// 4096x4096 / 14336x4096 / 4096x14336: F16 16.7 / 47.4 / 50.6 us (2006 / 2480 / 2324 GB/s), Q8_0 11.5 / 29.8 /
+// 35.9 us, Q5_0 10.5 / 23.6 / 34.1 us (fourth session); int8 x (fifth session, row groups as measured
+// best): Q4_K 9.5 / 19.0 / 23.8 us, Q6_K 12.3 / 28.5 / 32.9 us (float x: Q4_K 10.2 / 24.2 / 31.8, Q6_K 11.8
+// / 31.1 / 39.0). The quantized types stay under memory speed: each block's x staging and the short
+// per-lane loops (a 4096-column Q4_K row is 128 units: four per lane) keep too few bytes in flight.
 
 #include "common.cuh"
 #include "quants.cuh"
@@ -49,6 +49,13 @@
 // mv1 prefetches its first weight units into L2 for matrices under this size (latency-bound there; larger
 // ones measured slower without programmatic launch)
 #define MV1_PREFETCH_MAX (4ll << 20)
+// The int8-activation forms: units per lane and iteration (their loads issued together; the float forms: 2),
+// and the blocks per SM they are compiled for (__launch_bounds__: up to 64 registers). Left to itself ptxas
+// gave them 40-48 registers and issued the loads one unit at a time: 1B 1,125 / 8B 261 / Qwen 1,229 t/s
+// then, 1,192 / 273 / 1,279 with (4, 4); (2, 4) 1,178 / 278 / 1,278; (4, 3) and (8, 2-3) slower
+// (BENCHMARKS.md, fifth session).
+#define MV1_UNROLL8 4
+#define MV1_MINB8 4
 
 // Row n's bytes: the gate and up rows (SWIGLU), or row n of the three stacked segments w0 (n0 rows), w1 (n1
 // rows), w2 (the rest). Both matvec bodies address rows through this.
@@ -173,39 +180,57 @@ __device__ __forceinline__ float dot_unit(const float (&w)[32], const float4* __
     return s;
 }
 
+// Values 4i .. 4i+3 of x [K] (zeros past K). Staging reads STAGE_BATCH of these per thread before using any, so
+// a block's staging costs one memory latency per batch (not one per float4: the quantizing pass's shuffles
+// kept the compiler from overlapping them).
+#define STAGE_BATCH 4
+__device__ __forceinline__ float4 x4(const float* __restrict__ p, int K, int i) {
+    const int b = 4 * i;
+    float4 v;
+    if ((K & 3) == 0 && b + 4 <= K) {
+        v = *reinterpret_cast<const float4*>(p + b);
+    } else {
+        v.x = b < K ? p[b] : 0.0f;
+        v.y = b + 1 < K ? p[b + 1] : 0.0f;
+        v.z = b + 2 < K ? p[b + 2] : 0.0f;
+        v.w = b + 3 < K ? p[b + 3] : 0.0f;
+    }
+    return v;
+}
+
 // Stage x [K] (zero-padded to whole units) into xs4; with norm_w, x / rms(x) * norm_w (the norm weights are
 // read in the same pass as x, so their loads are in flight together). With XSUM, also the per-unit sums of
-// the staged x after the slots (the offset terms of Q4_1, Q4_K: d*q + m dotted with x is d * (q . x) +
+// the staged x after the slots (the offset terms of Q4_1, Q5_1: d*q + m dotted with x is d * (q . x) +
 // m * sum(x)); the 8 lanes of a unit are 8 consecutive lanes of one warp.
 template <bool XSUM>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int K, const float* __restrict__ norm_w, float eps,
                                         float4* xs4) {
     const int units = (K + 31) / 32, n = units * 8;
-    auto load4 = [K](const float* __restrict__ p, int b) {
-        float4 v;
-        if ((K & 3) == 0 && b + 4 <= K) {
-            v = *reinterpret_cast<const float4*>(p + b);
-        } else {
-            v.x = b < K ? p[b] : 0.0f;
-            v.y = b + 1 < K ? p[b + 1] : 0.0f;
-            v.z = b + 2 < K ? p[b + 2] : 0.0f;
-            v.w = b + 3 < K ? p[b + 3] : 0.0f;
-        }
-        return v;
-    };
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int u = i >> 3, k = i & 7, b = u * 32 + 4 * k;
-        float4 v = load4(x, b);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        if (norm_w) {
-            const float4 w = load4(norm_w, b);
-            v.x *= w.x;
-            v.y *= w.y;
-            v.z *= w.z;
-            v.w *= w.w;
+    for (int base = threadIdx.x; base < n; base += STAGE_BATCH * blockDim.x) {
+        float4 v[STAGE_BATCH], w[STAGE_BATCH];
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            const int i = base + b * blockDim.x;
+            if (i < n) {
+                v[b] = x4(x, K, i);
+                if (norm_w) w[b] = x4(norm_w, K, i);
+            }
         }
-        xs4[xslot(u, k)] = v;
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            const int i = base + b * blockDim.x;
+            if (i < n) {
+                ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+                if (norm_w) {
+                    v[b].x *= w[b].x;
+                    v[b].y *= w[b].y;
+                    v[b].z *= w[b].z;
+                    v[b].w *= w[b].w;
+                }
+                xs4[xslot(i >> 3, i & 7)] = v[b];
+            }
+        }
     }
     float r = 1.0f;
     if (norm_w) {
@@ -314,7 +339,6 @@ __device__ __forceinline__ float unit_dot<QQ5_0>(const u8* row, int u, int, cons
 
 template <> struct needs_xsum<QQ4_1> { static constexpr bool value = true; };
 template <> struct needs_xsum<QQ5_1> { static constexpr bool value = true; };
-template <> struct needs_xsum<QQ4_K> { static constexpr bool value = true; };
 
 template <>
 __device__ __forceinline__ float unit_dot<QQ4_1>(const u8* row, int u, int, const float4* __restrict__ xs4,
@@ -334,26 +358,128 @@ __device__ __forceinline__ float unit_dot<QQ5_1>(const u8* row, int u, int, cons
     return ldh(p) * nibbles_dot(q + 1, q[0], xs4, u, TWO23) + ldh(p + 2) * xsum[u];  // v = d * q + m
 }
 
+// ---- int8 activations (the K-quants): x rounded to 8 bits per 32 values, dotted with __dp4a -------------------
+// Weight types whose mv1 dots int8 activations (llama.cpp's MMVQ numerics): each block stages x as xq[u] =
+// rint(x[u] * 127 / max|x[u]|) (int8, 32 per unit), xd[u] = max|x[u]| / 127 and xsum[u] = xd[u] * sum(xq[u])
+// (for the offset terms), so the result is exactly W . (xd * xq) up to float32 summation. A unit's dot is 8
+// __dp4a on the weights' integer codes (4 products each) and one float multiply by the scales: about a
+// sixth of the float form's instructions, a quarter of its shared-memory reads. Each value of x moves by
+// at most xd[u] / 2; a non-finite value makes its unit's xd NaN, so NaN/inf still reach the output (the
+// fused argmax's flag).
+template <class Q> struct act8 { static constexpr bool value = false; };
+template <> struct act8<QQ4_K> { static constexpr bool value = true; };
+template <> struct act8<QQ5_K> { static constexpr bool value = true; };
+template <> struct act8<QQ6_K> { static constexpr bool value = true; };
+
+// uint4 slot of half h (values 16h .. 16h+15) of unit u: the halves swap every 4 units, so the 8 lanes of a
+// quarter-warp reading 8 consecutive units' same half hit 8 different bank groups.
+__device__ __forceinline__ int xqslot(int u, int h) { return 2 * u + (h ^ ((u >> 2) & 1)); }
+
+// Stage x [K] (with norm_w: x * norm_w / rms(x), stage_x's order of operations) as int8 units: xq4 [units * 2]
+// uint4, then xd [units] and xsum [units] floats. Thread i handles values 4i .. 4i+3; a unit's 8 threads are 8
+// consecutive lanes of one warp.
+__device__ __forceinline__ void stage_xq(const float* __restrict__ x, int K, const float* __restrict__ norm_w, float eps,
+                                         uint4* xq4) {
+    const int units = (K + 31) / 32, n = units * 8;
+    float* xd = reinterpret_cast<float*>(xq4 + 2 * units);
+    float* xsum = xd + units;
+    float r = 1.0f;
+    if (norm_w) {
+        float ss = 0.0f;
+        for (int base = threadIdx.x; base < n; base += STAGE_BATCH * blockDim.x) {
+            float4 v[STAGE_BATCH];
+#pragma unroll
+            for (int b = 0; b < STAGE_BATCH; ++b) {
+                const int i = base + b * blockDim.x;
+                v[b] = i < n ? x4(x, K, i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int b = 0; b < STAGE_BATCH; ++b) ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
+        }
+        r = rsqrtf(block_sum(ss) / (float)K + eps);
+    }
+    u32* xq = reinterpret_cast<u32*>(xq4);
+    for (int base = 0; base < n; base += STAGE_BATCH * blockDim.x) {  // uniform trip count: the shuffles need every lane
+        float4 vb[STAGE_BATCH];
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            const int i = base + b * blockDim.x + threadIdx.x;
+            vb[b] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (i < n) {
+                vb[b] = x4(x, K, i);
+                if (norm_w) {
+                    const float4 w = x4(norm_w, K, i);
+                    vb[b].x = vb[b].x * w.x * r;
+                    vb[b].y = vb[b].y * w.y * r;
+                    vb[b].z = vb[b].z * w.z * r;
+                    vb[b].w = vb[b].w * w.w * r;
+                }
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < STAGE_BATCH; ++b) {
+            const int i = base + b * blockDim.x + threadIdx.x;
+            const float4 v = vb[b];
+            float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+            int bad = !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) {
+                amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+                bad |= __shfl_xor_sync(FULL_MASK, bad, o);
+            }
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const int q0 = __float2int_rn(v.x * inv), q1 = __float2int_rn(v.y * inv);
+            const int q2 = __float2int_rn(v.z * inv), q3 = __float2int_rn(v.w * inv);
+            int qsum = (q0 + q1) + (q2 + q3);
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) qsum += __shfl_xor_sync(FULL_MASK, qsum, o);
+            if (i < n) {
+                const int u = i >> 3, k = i & 7;
+                xq[4 * xqslot(u, k >> 2) + (k & 3)] =
+                    ((u32)q0 & 0xFFu) | (((u32)q1 & 0xFFu) << 8) | (((u32)q2 & 0xFFu) << 16) | ((u32)q3 << 24);
+                if (k == 0) {
+                    const float d = bad ? __int_as_float(0x7fffffff) : amax / 127.0f;
+                    xd[u] = d;
+                    xsum[u] = d * (float)qsum;
+                }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// Sum over unit u of w[i] * x[i] against the int8 x: (scales) * xd[u] * (integer dot) (- the offset term).
+template <class Q>
+__device__ float unit_dot8(const u8* row, int u, const uint4* __restrict__ xq4, const float* __restrict__ xd,
+                           const float* __restrict__ xsum);
+
+// The unit's 8 words of int8 x (values 4k .. 4k+3 in word k).
+__device__ __forceinline__ void x8_words(const uint4* __restrict__ xq4, int u, int (&xw)[8]) {
+    const uint4 a = xq4[xqslot(u, 0)], b = xq4[xqslot(u, 1)];
+    xw[0] = (int)a.x; xw[1] = (int)a.y; xw[2] = (int)a.z; xw[3] = (int)a.w;
+    xw[4] = (int)b.x; xw[5] = (int)b.y; xw[6] = (int)b.z; xw[7] = (int)b.w;
+}
+
 template <>
-__device__ __forceinline__ float unit_dot<QQ4_K>(const u8* row, int u, int, const float4* __restrict__ xs4,
-                                                 const float* __restrict__ xsum) {
+__device__ __forceinline__ float unit_dot8<QQ4_K>(const u8* row, int u, const uint4* __restrict__ xq4,
+                                                  const float* __restrict__ xd, const float* __restrict__ xsum) {
     const u8* p = row + (u >> 3) * QQ4_K::BYTES;
     const int j = u & 7, shift = 4 * (j & 1);
     int sc, m;
     scale_min_k4(p + 4, j, sc, m);
     u32 q[8];
     load_words<16, 8>(p + 16 + (j >> 1) * 32, q);
-    float s = 0.0f;
+    int xw[8];
+    x8_words(xq4, u, xw);
+    int s = 0;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) s = dot_bytes4((q[k] >> shift) & 0x0F0F0F0Fu, xs4[xslot(u, k)], TWO23, s);
-    return ldh(p) * (float)sc * s - ldh(p + 2) * (float)m * xsum[u];
+    for (int k = 0; k < 8; ++k) s = __dp4a((int)((q[k] >> shift) & 0x0F0F0F0Fu), xw[k], s);
+    return ldh(p) * xd[u] * (float)(sc * s) - ldh(p + 2) * (float)m * xsum[u];
 }
 
-template <> struct needs_xsum<QQ5_K> { static constexpr bool value = true; };
-
 template <>
-__device__ __forceinline__ float unit_dot<QQ5_K>(const u8* row, int u, int, const float4* __restrict__ xs4,
-                                                 const float* __restrict__ xsum) {
+__device__ __forceinline__ float unit_dot8<QQ5_K>(const u8* row, int u, const uint4* __restrict__ xq4,
+                                                  const float* __restrict__ xd, const float* __restrict__ xsum) {
     const u8* p = row + (u >> 3) * QQ5_K::BYTES;
     const int j = u & 7, shift = 4 * (j & 1);
     u32 h[4], qh[8], q[8];  // header; the 32 bytes of fifth bits (bit j: this unit); 32 bytes of nibbles
@@ -362,33 +488,38 @@ __device__ __forceinline__ float unit_dot<QQ5_K>(const u8* row, int u, int, cons
     load_words<16, 8>(p + 48 + (j >> 1) * 32, q);
     int sc, m;
     scale_min_k4w(h[1], h[2], h[3], j, sc, m);
-    float s = 0.0f;
+    int xw[8];
+    x8_words(xq4, u, xw);
+    int s = 0;
 #pragma unroll
     for (int k = 0; k < 8; ++k)
-        s = dot_bytes4(((q[k] >> shift) & 0x0F0F0F0Fu) | (((qh[k] >> j) & 0x01010101u) << 4), xs4[xslot(u, k)],
-                       TWO23, s);
-    return h2f((u16)(h[0] & 0xFFFFu)) * (float)sc * s - h2f((u16)(h[0] >> 16)) * (float)m * xsum[u];
+        s = __dp4a((int)(((q[k] >> shift) & 0x0F0F0F0Fu) | (((qh[k] >> j) & 0x01010101u) << 4)), xw[k], s);
+    return h2f((u16)(h[0] & 0xFFFFu)) * xd[u] * (float)(sc * s) - h2f((u16)(h[0] >> 16)) * (float)m * xsum[u];
 }
 
 template <>
-__device__ __forceinline__ float unit_dot<QQ6_K>(const u8* row, int u, int, const float4* __restrict__ xs4,
-                                                 const float* __restrict__) {
+__device__ __forceinline__ float unit_dot8<QQ6_K>(const u8* row, int u, const uint4* __restrict__ xq4,
+                                                  const float* __restrict__ xd, const float* __restrict__) {
     const u8* p = row + (u >> 3) * QQ6_K::BYTES;
     const int j = u & 7, h = j >> 2, s4 = j & 3;
     u32 ql[8], qh[8];
     load_words<2, 8>(p + h * 64 + (s4 & 1) * 32, ql);
     load_words<2, 8>(p + 128 + h * 32, qh);
     const int lshift = 4 * (s4 >> 1), hshift = 2 * s4;
-    float s0 = 0.0f, s1 = 0.0f;  // values 0-15 and 16-31: one scale each
+    int xw[8];
+    x8_words(xq4, u, xw);
+    int s0 = 0, s1 = 0;  // values 0-15 and 16-31: one scale each
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-        const u32 w = ((ql[k] >> lshift) & 0x0F0F0F0Fu) | (((qh[k] >> hshift) & 0x03030303u) << 4);
+        // 6-bit codes c in 0..63 -> c - 32 in each byte, no borrow between bytes: (c + 128 - 32) ^ 128
+        const u32 c = ((ql[k] >> lshift) & 0x0F0F0F0Fu) | (((qh[k] >> hshift) & 0x03030303u) << 4);
+        const int w = (int)(((c | 0x80808080u) - 0x20202020u) ^ 0x80808080u);
         if (k < 4)
-            s0 = dot_bytes4(w, xs4[xslot(u, k)], TWO23 + 32.0f, s0);
+            s0 = __dp4a(w, xw[k], s0);
         else
-            s1 = dot_bytes4(w, xs4[xslot(u, k)], TWO23 + 32.0f, s1);
+            s1 = __dp4a(w, xw[k], s1);
     }
-    return ldh(p + 208) * ((float)(i8)p[192 + 2 * j] * s0 + (float)(i8)p[192 + 2 * j + 1] * s1);
+    return ldh(p + 208) * xd[u] * (float)((int)(i8)p[192 + 2 * j] * s0 + (int)(i8)p[192 + 2 * j + 1] * s1);
 }
 
 __device__ __forceinline__ u32 order_key_f(float f) {
@@ -428,8 +559,22 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
     }
     pdl_wait();  // x, resid, y and the argmax cells belong to earlier kernels of the step
     if (early) pdl_launch_dependents();
-    stage_x<needs_xsum<Q>::value>(x, K, norm_w, eps, xs4);
-    const float* xsum = reinterpret_cast<const float*>(xs4 + units * 8);
+    const uint4* xq4 = reinterpret_cast<const uint4*>(xs4);
+    const float* xd = reinterpret_cast<const float*>(xq4 + 2 * units);
+    const float* xsum;
+    if constexpr (act8<Q>::value) {
+        stage_xq(x, K, norm_w, eps, reinterpret_cast<uint4*>(xs4));
+        xsum = xd + units;
+    } else {
+        stage_x<needs_xsum<Q>::value>(x, K, norm_w, eps, xs4);
+        xsum = reinterpret_cast<const float*>(xs4 + units * 8);
+    }
+    auto dot = [&](const u8* r, int uu) {
+        if constexpr (act8<Q>::value)
+            return unit_dot8<Q>(r, uu, xq4, xd, xsum);
+        else
+            return unit_dot<Q>(r, uu, K, xs4, xsum);
+    };
 
     u64 key = 0;  // fused argmax: this lane's best (logit, id) key over its rows, and NaN/+inf seen
     int bad = 0;
@@ -442,15 +587,22 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
         int u = sub;
         if (active) {
             row_pointers<SWIGLU>(w0, w1, w2, n0, n1, n, row_bytes, ra, rb);
-            if (SWIGLU) {
-                for (; u < units; u += lpr) {
-                    acc += unit_dot<Q>(ra, u, K, xs4, xsum);
-                    acc2 += unit_dot<Q>(rb, u, K, xs4, xsum);
+            // UN units' loads in flight per lane and iteration (the SwiGLU form: UN / 2 units of two rows)
+            constexpr int UN = act8<Q>::value ? MV1_UNROLL8 : 2;
+            constexpr int UR = SWIGLU ? UN / 2 : UN;
+            for (; u + (UR - 1) * lpr < units; u += UR * lpr) {
+                float s = 0.0f, s2 = 0.0f;
+#pragma unroll
+                for (int i = 0; i < UR; ++i) {
+                    s += dot(ra, u + i * lpr);
+                    if (SWIGLU) s2 += dot(rb, u + i * lpr);
                 }
-            } else {
-                for (; u + lpr < units; u += 2 * lpr)
-                    acc += unit_dot<Q>(ra, u, K, xs4, xsum) + unit_dot<Q>(ra, u + lpr, K, xs4, xsum);
-                if (u < units) acc += unit_dot<Q>(ra, u, K, xs4, xsum);
+                acc += s;
+                if (SWIGLU) acc2 += s2;
+            }
+            for (; u < units; u += lpr) {
+                acc += dot(ra, u);
+                if (SWIGLU) acc2 += dot(rb, u);
             }
         }
         for (int o = lpr >> 1; o > 0; o >>= 1) {
@@ -514,13 +666,13 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
 }
 
 #define MV1_KERNELS(name, Q)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) mv1_##name(                                           \
+    extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name(            \
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
         const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am, \
         int early) {                                                                                         \
         mv1_body<Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am, early);\
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(256) mv1_##name##_swiglu(                                  \
+    extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name##_swiglu(   \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
         int lpr, int groups, int early) {                                                                    \
         mv1_body<Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,     \

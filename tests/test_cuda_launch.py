@@ -1,5 +1,6 @@
 """The driver-API launch path of the decode step's programmatic dependent launches (cuda_kernels): struct
-layouts as cuda.h defines them and the kernel-parameter array, checked without a GPU. (That the launches
+layouts as cuda.h defines them and the kernel-parameter array, checked without a GPU; and mv1's shared-memory
+size per weight type against the kernel source. (That the launches
 work and give the plain launches' results is tests/test_gpu_backend.py's programmatic-launch test.)"""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 import pytest
 
 from llamacli.backends import cuda_kernels as K
@@ -99,3 +101,18 @@ def test_merge_rows_joins_back_to_back_matrices_of_one_layout() -> None:
     gap = DeviceMatrix(b.ptr + b.nbytes + 256, 2, 64, QT.Q8_0, 68)
     other = DeviceMatrix(gap.ptr + gap.nbytes, 3, 64, QT.F16, 128)
     assert _merge_rows([a, b, gap, other]) == [DeviceMatrix(1000, 6, 64, QT.Q8_0, 68), gap, other]
+
+
+def test_mv1_int8_activation_types_match_the_kernel_source() -> None:
+    """cuda_backend sizes mv1's shared memory by MV1_ACT8 (int8 x, 40 bytes a unit; float x, 132): it must list
+    exactly the types kernels/matvec.cu stages as int8 (its act8<> specialisations)."""
+    import re
+    from pathlib import Path
+
+    from llamacli.backends.cuda_backend import MV1_ACT8, _mv1_smem
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
+    in_source = set(re.findall(r"template <> struct act8<Q(\w+)> \{ static constexpr bool value = true; \};", src))
+    assert in_source and in_source == {t.name for t in MV1_ACT8}
+    assert _mv1_smem(QT.Q4_K, 4096) == 128 * 40 and _mv1_smem(QT.Q8_0, 4096) == 128 * 132
+    assert _mv1_smem(QT.F16, 33) == 2 * 132

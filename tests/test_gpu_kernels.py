@@ -15,7 +15,7 @@ from llamacli.errors import NumericalError  # noqa: E402
 from llamacli import rope as rope_tables  # noqa: E402
 from llamacli import sampling as S  # noqa: E402
 from llamacli.backends.cuda_backend import (  # noqa: E402
-    ATT_TC_DIMS, ATT_TC_MIN_T, RUNNABLE, CudaBackend, DeviceMatrix, cuda_available,
+    ATT_TC_DIMS, ATT_TC_MIN_T, MV1_ACT8, RUNNABLE, CudaBackend, DeviceMatrix, cuda_available,
 )
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig  # noqa: E402
@@ -78,6 +78,43 @@ def assert_close(got, ref, atol, rtol, what=""):
     assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.size} beyond atol+rtol*|ref|, max err {err.max():.3g}"
 
 
+def act8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 activations mv1 dots for the MV1_ACT8 types (kernels/matvec.cu stage_xq), computed the same
+    way in float32 from x [k]: (the values they stand for, xq * xd, as float64 [k]; xd per 32-value unit)."""
+    k = x.shape[-1]
+    units = -(-k // 32)
+    xp = np.zeros(units * 32, np.float32)
+    xp[:k] = x
+    u = xp.reshape(units, 32)
+    amax = np.abs(u).max(axis=1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    q = np.rint(u * inv.astype(np.float32)[:, None])  # a float32 product, ties to even as __float2int_rn
+    xd = amax / np.float32(127)
+    return (q.astype(np.float64) * xd.astype(np.float64)[:, None]).reshape(-1)[:k], xd
+
+
+def act8_bound(h: np.ndarray, wref: np.ndarray) -> np.ndarray:
+    """The most int8 activations can move each row's dot: every value of h by at most half its unit's xd."""
+    k = h.shape[-1]
+    xd = np.abs(np.pad(h.astype(np.float64), (0, -k % 32)).reshape(-1, 32)).max(axis=1) / 127
+    return np.abs(wref) @ np.repeat(xd / 2, 32)[:k] * (1 + 1e-5)
+
+
+def test_act8_reference_rounds_like_the_kernel() -> None:
+    """act8 itself: values within half a step of x, the unit's largest |x| exactly 127 steps, ties to even,
+    a zero unit all zero, a ragged tail padded with zeros."""
+    ties = np.zeros(32, np.float32)
+    ties[:5] = [127.0, 2.5, 3.5, -2.5, 0.4]  # step 1: 2.5 -> 2, 3.5 -> 4, -2.5 -> -2, 0.4 -> 0
+    x = np.concatenate([np.linspace(-3, 5, 32), ties, np.zeros(32), [1.0, -0.5, 0.25]]).astype(np.float32)
+    got, xd = act8(x)
+    assert got.shape == (99,) and xd.shape == (4,)
+    assert np.all(np.abs(got - x) <= np.repeat(xd.astype(np.float64) / 2, 32)[:99] * (1 + 1e-6))
+    assert abs(got[31] - 5.0) < 1e-6 and xd[1] == 1.0
+    assert list(got[32:37]) == [127.0, 2.0, 4.0, -2.0, 0.0]
+    assert not got[64:96].any() and xd[2] == 0
+    assert abs(got[96] - 1.0) < 1e-6 and abs(got[97] + 0.5) <= xd[3] / 2
+
+
 def cols_for(qtype: QT) -> list[int]:
     from gguf import GGML_QUANT_SIZES
 
@@ -103,8 +140,9 @@ def test_matvec_every_type(qtype: QT) -> None:
                 x = rng.standard_normal((t, k)).astype(np.float32)
                 y = poisoned((t, n))
                 be._matvec((w,), cp.asarray(x), t, y)
-                ref = x.astype(np.float64) @ wref.T
-                scale = np.abs(x) @ np.abs(wref).T
+                xr = act8(x[0])[0][None] if t == 1 and qtype in MV1_ACT8 else x.astype(np.float64)
+                ref = xr @ wref.T
+                scale = np.abs(xr) @ np.abs(wref).T
                 assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"{qtype.name} n={n} k={k} t={t}")
 
 
@@ -148,9 +186,14 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
             h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_eps) * nw
             ref = h @ wref.T
             scale = np.abs(h) @ np.abs(wref).T
+            # int8 activations: each value of the normalised x rounded to its unit's step (the kernel's own
+            # float32 h may round a value the other way than h here would: the bound, not an emulation)
+            q8 = act8_bound(h[0], wref)[None] if qtype in MV1_ACT8 else 0.0
             y = poisoned((1, n))
             be._matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
-            assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"norm {qtype.name} n={n} k={k}")
+            assert_close(y.get(), ref, 1e-6 + 2e-6 * scale + q8, 1e-5, f"norm {qtype.name} n={n} k={k}")
+            if qtype in MV1_ACT8:  # and it is that rounding, not a looser error: well inside the bound
+                assert np.abs(y.get() - ref).mean() < 0.25 * np.mean(q8), qtype.name
             for rep in range(2):  # twice: the cells must come back reset
                 pos0 = int(be.step_pos.get()[0])
                 y = poisoned((1, n))
@@ -164,20 +207,27 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
                 be._matvec_swiglu(w, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
                 a, b = ref, h @ uref.T
                 sb = scale + np.abs(h) @ np.abs(uref).T
-                assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu {qtype.name}")
-    # A NaN in x reaches every logit: the flag says so.
-    x[0, 3] = np.nan
-    be._matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=True)
-    assert be.step_ids.get()[1] == 1
+                tol = 1e-5 + 1e-5 * sb * sb
+                if qtype in MV1_ACT8:  # silu(a) * b with a, b each off by up to their bounds ea, eb
+                    ea, eb = q8, act8_bound(h[0], uref)[None]
+                    tol = tol + 1.1 * (np.abs(b) + eb) * ea + np.abs(a / (1 + np.exp(-a))) * eb
+                assert_close(y.get(), a / (1 + np.exp(-a)) * b, tol, 1e-4, f"swiglu {qtype.name}")
+    # A NaN (or an infinity) in x reaches the logits: the flag says so.
+    for bad in (np.nan, np.inf):
+        x[0, 3] = bad
+        be._matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=True)
+        assert be.step_ids.get()[1] == 1, bad
     be._matvec((w,), cp.asarray(np.ones_like(x)), 1, poisoned((1, n)), argmax=True)
     assert be.step_ids.get()[1] == 0  # and the flag was reset
 
 
-@pytest.mark.parametrize("shape", [(4100, 8192, 2), (33000, 512, 4)], ids=["long-rows", "lm-head"])
+@pytest.mark.parametrize("shape", [(4100, 8192, 2), (33000, 512, 4), (12300, 4096, None)],
+                         ids=["long-rows", "lm-head", "many-rows"])
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda t: t.name)
 def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
-    """Large matrices with long or short rows run 2 or 4 row groups per mv1 block over one staging of x:
-    every row (the last group partly past N), the fused SwiGLU and the argmax across groups."""
+    """Large matrices with long or short rows run 2 or 4 row groups per mv1 block over one staging of x (and
+    the int8-activation types 4 on many 4096-column rows): every row (the last group partly past N), the
+    fused SwiGLU and the argmax across groups."""
     from llamacli.backends.cuda_backend import _mv1_groups
 
     rng = np.random.default_rng(5 + int(qtype))
@@ -186,11 +236,14 @@ def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
     be.step_ids, be.step_pos = cp.zeros(2, cp.int32), cp.zeros(1, cp.int32)
     be._am = cp.asarray(np.asarray([0, 0, 0, be.step_ids.data.ptr, be.step_pos.data.ptr], np.uint64))
     n, k, groups = shape
-    assert _mv1_groups(n, k) == groups
+    if groups is None:
+        groups = 4 if qtype in MV1_ACT8 else 1
+    assert _mv1_groups(n, k, qtype) == groups
     w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
     x = rng.standard_normal((1, k)).astype(np.float32)
-    ref = x.astype(np.float64) @ wref.T
-    scale = np.abs(x) @ np.abs(wref).T
+    xr = act8(x[0])[0][None] if qtype in MV1_ACT8 else x.astype(np.float64)
+    ref = xr @ wref.T
+    scale = np.abs(xr) @ np.abs(wref).T
     y = poisoned((1, n))
     be._matvec((w,), cp.asarray(x), 1, y, argmax=True)
     assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"{qtype.name} groups")
@@ -198,8 +251,8 @@ def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
     u, _bu, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
     y = poisoned((1, n))
     be._matvec_swiglu(w, u, cp.asarray(x), 1, y)
-    b = x.astype(np.float64) @ uref.T
-    sb = scale + np.abs(x) @ np.abs(uref).T
+    b = xr @ uref.T
+    sb = scale + np.abs(xr) @ np.abs(uref).T
     assert_close(y.get(), ref / (1 + np.exp(-ref)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu {qtype.name} groups")
 
 

@@ -211,16 +211,30 @@ def _merge_rows(mats: list[DeviceMatrix]) -> list[DeviceMatrix]:
     return out
 
 
-def _mv1_groups(rows: int, cols: int) -> int:
+# Weight types whose mv1 dots int8 activations (kernels/matvec.cu act8<>): x staged as int8 units (32 bytes)
+# plus a scale and a sum per unit; the others stage x as floats (128 bytes) plus a sum.
+MV1_ACT8 = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
+
+
+def _mv1_groups(rows: int, cols: int, qtype: QT | None = None) -> int:
     """Row groups per mv1 block (kernels/matvec.cu), one staging of x for all: where staging x costs as
     much as the rows (long rows: 57 KB of x at 14336 columns; short rows: a lane's whole share is one or two
     units) and the matrix has rows enough to keep every SM busy. Measured on the H100 (BENCHMARKS.md):
-    tg128 +3-6% on the 0.5B/1B shapes, +12% on 8B Q4_K_M; 4096-column matrices were slower with 2."""
+    tg128 +3-6% on the 0.5B/1B shapes, +12% on 8B Q4_K_M; 4096-column matrices were slower with 2 (float
+    x). The int8-activation forms also take 4 on 4096-column matrices of 12288 rows or more: Q4_K
+    14336x4096 19.0 us vs 23.3, its SwiGLU 33.9 vs 40.4 (fifth session)."""
     if cols <= 2048 and rows >= 32768:  # the LM head of a small model
+        return 4
+    if qtype in MV1_ACT8 and 4096 <= cols < 8192 and rows >= 12288:
         return 4
     if rows >= 4096 and (cols >= 8192 or cols <= 2048):
         return 2
     return 1
+
+
+def _mv1_smem(qtype: QT, cols: int) -> int:
+    """mv1's dynamic shared memory: x staged per 32-value unit (kernels/matvec.cu stage_x / stage_xq)."""
+    return K.cdiv(cols, 32) * (40 if qtype in MV1_ACT8 else 132)
 
 
 def _lpr(cols: int) -> int:
@@ -569,13 +583,13 @@ class CudaBackend(Backend):
         n0 = ws[0].rows
         n1 = ws[1].rows if len(ws) > 1 else 0
         if t == 1:
-            groups = _mv1_groups(n, w0.cols)
+            groups = _mv1_groups(n, w0.cols, w0.qtype)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", f"mv1_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                       K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps), K.i32(lpr),
                       K.i32(groups), K.ptr(self._am if argmax else None), K.i32(early)),
-                     shared=K.cdiv(w0.cols, 32) * 132)
+                     shared=_mv1_smem(w0.qtype, w0.cols))
             return
         if norm is not None or argmax:
             raise BackendError("fused RMSNorm / argmax need one token")
@@ -588,12 +602,12 @@ class CudaBackend(Backend):
                        early: bool = False) -> None:
         lpr = _lpr(wg.cols)
         if t == 1:
-            groups = _mv1_groups(wg.rows, wg.cols)
+            groups = _mv1_groups(wg.rows, wg.cols, wg.qtype)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", f"mv1_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
                       K.f32(self.cfg.rms_eps), K.i32(lpr), K.i32(groups), K.i32(early)),
-                     shared=K.cdiv(wg.cols, 32) * 132)
+                     shared=_mv1_smem(wg.qtype, wg.cols))
             return
         if norm is not None:
             raise BackendError("fused RMSNorm needs one token")
