@@ -23,8 +23,8 @@
 //     the block first computes RMSNorm(x) * norm_w itself (every block reads all of x anyway): the
 //     stand-alone rms_norm kernel disappears from the step. Before staging x, each lane of a small matrix
 //     (< 4 MiB) prefetches its first 4 weight units into L2, so the weight reads start while x is read and
-//     normalised. Each lane decodes two units per iteration (four for the int8 forms)
-//     before the FMAs, so two blocks' loads are in flight per lane. With `am` (the LM head of a greedy
+//     normalised. Each lane decodes two units per iteration (four for the int8 forms, MV1_UNROLL8)
+//     before the dots, so that many units' loads are in flight per lane. With `am` (the LM head of a greedy
 //     step) every block also reduces its rows' (logit, id) to one packed 64-bit key (order-preserving
 //     float bits, then ~id so ties go to the lowest id) and atomicMax-es it into am[0]; the last block to
 //     finish writes out[0] = id, out[1] = NaN/+inf seen, advances *pos_inc and resets its cells, so no

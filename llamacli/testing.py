@@ -128,6 +128,28 @@ SHAPES: dict[str, ModelSpec] = {
 }
 
 
+def act8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 activations the CUDA mv1 dots for the MV1_ACT8 types (kernels/matvec.cu stage_xq), computed the
+    same way in float32 from x [k]: (the values they stand for, xq * xd, as float64 [k]; xd per 32-value unit)."""
+    k = x.shape[-1]
+    units = -(-k // 32)
+    xp = np.zeros(units * 32, np.float32)
+    xp[:k] = x
+    u = xp.reshape(units, 32)
+    amax = np.abs(u).max(axis=1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    q = np.rint(u * inv.astype(np.float32)[:, None])  # a float32 product, ties to even as __float2int_rn
+    xd = amax / np.float32(127)
+    return (q.astype(np.float64) * xd.astype(np.float64)[:, None]).reshape(-1)[:k], xd
+
+
+def act8_bound(h: np.ndarray, wref: np.ndarray) -> np.ndarray:
+    """The most int8 activations can move each row's dot: every value of h by at most half its unit's xd."""
+    k = h.shape[-1]
+    xd = np.abs(np.pad(h.astype(np.float64), (0, -k % 32)).reshape(-1, 32)).max(axis=1) / 127
+    return np.abs(wref) @ np.repeat(xd / 2, 32)[:k] * (1 + 1e-5)
+
+
 def tensor_shapes(spec: ModelSpec, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, row-major shape) for every tensor of the model, in file order."""
     d, hd = spec.n_embd, spec.n_embd // spec.n_head

@@ -20,7 +20,7 @@ from llamacli.backends.cuda_backend import (  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig  # noqa: E402
 from llamacli.quants import dequantize  # noqa: E402
-from llamacli.testing import random_quant_rows  # noqa: E402
+from llamacli.testing import act8, act8_bound, random_quant_rows  # noqa: E402
 
 _ok, _why = cuda_available()
 if not _ok:
@@ -76,43 +76,6 @@ def assert_close(got, ref, atol, rtol, what=""):
     bound = atol + rtol * np.abs(ref)
     bad = err > bound
     assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.size} beyond atol+rtol*|ref|, max err {err.max():.3g}"
-
-
-def act8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The int8 activations mv1 dots for the MV1_ACT8 types (kernels/matvec.cu stage_xq), computed the same
-    way in float32 from x [k]: (the values they stand for, xq * xd, as float64 [k]; xd per 32-value unit)."""
-    k = x.shape[-1]
-    units = -(-k // 32)
-    xp = np.zeros(units * 32, np.float32)
-    xp[:k] = x
-    u = xp.reshape(units, 32)
-    amax = np.abs(u).max(axis=1)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
-    q = np.rint(u * inv.astype(np.float32)[:, None])  # a float32 product, ties to even as __float2int_rn
-    xd = amax / np.float32(127)
-    return (q.astype(np.float64) * xd.astype(np.float64)[:, None]).reshape(-1)[:k], xd
-
-
-def act8_bound(h: np.ndarray, wref: np.ndarray) -> np.ndarray:
-    """The most int8 activations can move each row's dot: every value of h by at most half its unit's xd."""
-    k = h.shape[-1]
-    xd = np.abs(np.pad(h.astype(np.float64), (0, -k % 32)).reshape(-1, 32)).max(axis=1) / 127
-    return np.abs(wref) @ np.repeat(xd / 2, 32)[:k] * (1 + 1e-5)
-
-
-def test_act8_reference_rounds_like_the_kernel() -> None:
-    """act8 itself: values within half a step of x, the unit's largest |x| exactly 127 steps, ties to even,
-    a zero unit all zero, a ragged tail padded with zeros."""
-    ties = np.zeros(32, np.float32)
-    ties[:5] = [127.0, 2.5, 3.5, -2.5, 0.4]  # step 1: 2.5 -> 2, 3.5 -> 4, -2.5 -> -2, 0.4 -> 0
-    x = np.concatenate([np.linspace(-3, 5, 32), ties, np.zeros(32), [1.0, -0.5, 0.25]]).astype(np.float32)
-    got, xd = act8(x)
-    assert got.shape == (99,) and xd.shape == (4,)
-    assert np.all(np.abs(got - x) <= np.repeat(xd.astype(np.float64) / 2, 32)[:99] * (1 + 1e-6))
-    assert abs(got[31] - 5.0) < 1e-6 and xd[1] == 1.0
-    assert list(got[32:37]) == [127.0, 2.0, 4.0, -2.0, 0.0]
-    assert not got[64:96].any() and xd[2] == 0
-    assert abs(got[96] - 1.0) < 1e-6 and abs(got[97] + 0.5) <= xd[3] / 2
 
 
 def cols_for(qtype: QT) -> list[int]:

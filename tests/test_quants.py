@@ -9,7 +9,7 @@ from gguf import quants as gq
 
 from llamacli.gguf_file import open_gguf
 from llamacli.quants import can_dequantize, dequantize, gather_rows
-from llamacli.testing import ModelSpec, random_quant_rows, write_model
+from llamacli.testing import ModelSpec, act8, random_quant_rows, write_model
 
 ALL_TYPES = [t for t in QT if t in GGML_QUANT_SIZES and can_dequantize(t) and t not in (QT.F64,)]
 
@@ -58,3 +58,18 @@ def test_random_blocks_have_requested_scale():
     for qtype in (QT.Q4_K, QT.Q6_K, QT.IQ4_XS, QT.Q2_K, QT.Q8_0):
         x = dequantize(random_quant_rows(qtype, 32, 512, rng, std=0.05), qtype)
         assert 0.02 < float(np.sqrt(np.mean(x**2))) < 0.1, qtype
+
+
+def test_act8_reference_rounds_like_the_kernel() -> None:
+    """act8 itself: values within half a step of x, the unit's largest |x| exactly 127 steps, ties to even,
+    a zero unit all zero, a ragged tail padded with zeros."""
+    ties = np.zeros(32, np.float32)
+    ties[:5] = [127.0, 2.5, 3.5, -2.5, 0.4]  # step 1: 2.5 -> 2, 3.5 -> 4, -2.5 -> -2, 0.4 -> 0
+    x = np.concatenate([np.linspace(-3, 5, 32), ties, np.zeros(32), [1.0, -0.5, 0.25]]).astype(np.float32)
+    got, xd = act8(x)
+    assert got.shape == (99,) and xd.shape == (4,)
+    assert np.all(np.abs(got - x) <= np.repeat(xd.astype(np.float64) / 2, 32)[:99] * (1 + 1e-6))
+    assert abs(got[31] - 5.0) < 1e-6 and xd[1] == 1.0
+    assert list(got[32:37]) == [127.0, 2.0, 4.0, -2.0, 0.0]
+    assert not got[64:96].any() and xd[2] == 0
+    assert abs(got[96] - 1.0) < 1e-6 and abs(got[97] + 0.5) <= xd[3] / 2
