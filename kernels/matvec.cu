@@ -180,9 +180,8 @@ __device__ __forceinline__ float dot_unit(const float (&w)[32], const float4* __
     return s;
 }
 
-// Values 4i .. 4i+3 of x [K] (zeros past K). Staging reads STAGE_BATCH of these per thread before using any, so
-// a block's staging costs one memory latency per batch (not one per float4: the quantizing pass's shuffles
-// kept the compiler from overlapping them).
+// Values 4i .. 4i+3 of x [K] (zeros past K). stage_x reads STAGE_BATCH of these per thread before using any, so
+// a block's staging costs one memory latency per batch, not one per float4.
 #define STAGE_BATCH 4
 __device__ __forceinline__ float4 x4(const float* __restrict__ p, int K, int i) {
     const int b = 4 * i;
@@ -375,77 +374,113 @@ template <> struct act8<QQ6_K> { static constexpr bool value = true; };
 // quarter-warp reading 8 consecutive units' same half hit 8 different bank groups.
 __device__ __forceinline__ int xqslot(int u, int h) { return 2 * u + (h ^ ((u >> 2) & 1)); }
 
+// The four float4 of half-unit h (values 16h .. 16h+15 of p [K]; zeros past K, or for h >= nh).
+__device__ __forceinline__ void load_half(const float* __restrict__ p, int K, int h, int nh, float4 (&v)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = h < nh ? x4(p, K, 4 * h + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// Round half-unit h (the 16 values v) to int8 into its uint4 slot; the unit's two halves are lanes 2j and
+// 2j + 1 of one warp, which meet by one shuffle for the unit's max and one for its code sum, and the even one
+// writes xd and xsum. Every lane must call it. The max runs on the float bits (an integer max orders
+// non-negative floats, and NaN lies above +inf), so max >= +inf's bits flags a non-finite value: the unit's
+// xd is then NaN (its codes do not matter).
+__device__ __forceinline__ void quant_half(const float4 (&v)[4], int h, int nh, uint4* xq4, float* xd, float* xsum) {
+    u32 ab = 0u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        ab = max(ab, max(max(__float_as_uint(fabsf(v[k].x)), __float_as_uint(fabsf(v[k].y))),
+                         max(__float_as_uint(fabsf(v[k].z)), __float_as_uint(fabsf(v[k].w)))));
+    ab = max(ab, __shfl_xor_sync(FULL_MASK, ab, 1));
+    const float amax = __uint_as_float(ab);
+    const bool bad = ab >= 0x7f800000u;
+    const float inv = !bad && amax > 0.0f ? 127.0f / amax : 0.0f;
+    u32 word[4];
+    int qsum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int q0 = __float2int_rn(v[k].x * inv), q1 = __float2int_rn(v[k].y * inv);
+        const int q2 = __float2int_rn(v[k].z * inv), q3 = __float2int_rn(v[k].w * inv);
+        qsum += (q0 + q1) + (q2 + q3);
+        word[k] = ((u32)q0 & 0xFFu) | (((u32)q1 & 0xFFu) << 8) | (((u32)q2 & 0xFFu) << 16) | ((u32)q3 << 24);
+    }
+    qsum += __shfl_xor_sync(FULL_MASK, qsum, 1);
+    if (h < nh) {
+        const int u = h >> 1;
+        xq4[xqslot(u, h & 1)] = make_uint4(word[0], word[1], word[2], word[3]);
+        if ((h & 1) == 0) {
+            const float d = bad ? __int_as_float(0x7fffffff) : amax / 127.0f;
+            xd[u] = d;
+            xsum[u] = d * (float)qsum;
+        }
+    }
+}
+
 // Stage x [K] (with norm_w: x * norm_w / rms(x), stage_x's order of operations) as int8 units: xq4 [units * 2]
-// uint4, then xd [units] and xsum [units] floats. Thread i handles values 4i .. 4i+3; a unit's 8 threads are 8
-// consecutive lanes of one warp.
-__device__ __forceinline__ void stage_xq(const float* __restrict__ x, int K, const float* __restrict__ norm_w, float eps,
-                                         uint4* xq4) {
-    const int units = (K + 31) / 32, n = units * 8;
+// uint4, then xd [units] and xsum [units] floats. Each thread rounds whole half-units (16 values), H per
+// pass (H * 4 float4 of x in registers; NORM: also the norm weights, H = 1). Normalised x that fits one pass
+// (K <= 4096 at 256 threads) is read once: sum of squares, block sum, then the rounding from registers.
+// Measured against 8 threads per unit with float4 values (three shuffles each for the max, the non-finite flag
+// and the code sum, per float4), tg128 1B Q4_K_M 1,195 -> 1,300, 8B 302 -> 324, Qwen2.5-0.5B Q4_K_M 1,274 ->
+// 1,333 (sixth session): that form's dependent shuffle chains, not its loads, were most of the staging time.
+template <int H, bool NORM>
+__device__ __forceinline__ void stage_xq_halves(const float* __restrict__ x, int K, const float* __restrict__ norm_w,
+                                                float eps, uint4* xq4) {
+    const int units = (K + 31) / 32, nh = units * 2, per = H * (int)blockDim.x;
     float* xd = reinterpret_cast<float*>(xq4 + 2 * units);
     float* xsum = xd + units;
     float r = 1.0f;
-    if (norm_w) {
+    if (NORM && nh > per) {  // a separate sum-of-squares pass
         float ss = 0.0f;
-        for (int base = threadIdx.x; base < n; base += STAGE_BATCH * blockDim.x) {
-            float4 v[STAGE_BATCH];
+        for (int base = threadIdx.x; base < nh; base += per) {
 #pragma unroll
-            for (int b = 0; b < STAGE_BATCH; ++b) {
-                const int i = base + b * blockDim.x;
-                v[b] = i < n ? x4(x, K, i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int j = 0; j < H; ++j) {
+                float4 v[4];
+                load_half(x, K, base + j * (int)blockDim.x, nh, v);
+#pragma unroll
+                for (int k = 0; k < 4; ++k) ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
             }
-#pragma unroll
-            for (int b = 0; b < STAGE_BATCH; ++b) ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
         }
         r = rsqrtf(block_sum(ss) / (float)K + eps);
     }
-    u32* xq = reinterpret_cast<u32*>(xq4);
-    for (int base = 0; base < n; base += STAGE_BATCH * blockDim.x) {  // uniform trip count: the shuffles need every lane
-        float4 vb[STAGE_BATCH];
+    for (int base = 0; base < nh; base += per) {  // uniform trip count: the shuffles need every lane
+        float4 v[H][4], w[NORM ? H : 1][4];
 #pragma unroll
-        for (int b = 0; b < STAGE_BATCH; ++b) {
-            const int i = base + b * blockDim.x + threadIdx.x;
-            vb[b] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (i < n) {
-                vb[b] = x4(x, K, i);
-                if (norm_w) {
-                    const float4 w = x4(norm_w, K, i);
-                    vb[b].x = vb[b].x * w.x * r;
-                    vb[b].y = vb[b].y * w.y * r;
-                    vb[b].z = vb[b].z * w.z * r;
-                    vb[b].w = vb[b].w * w.w * r;
-                }
+        for (int j = 0; j < H; ++j) {
+            const int h = base + j * (int)blockDim.x + (int)threadIdx.x;
+            load_half(x, K, h, nh, v[j]);
+            if (NORM) load_half(norm_w, K, h, nh, w[NORM ? j : 0]);
+        }
+        if (NORM) {
+            if (nh <= per) {
+                float ss = 0.0f;
+#pragma unroll
+                for (int j = 0; j < H; ++j)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+                        ss += v[j][k].x * v[j][k].x + v[j][k].y * v[j][k].y + v[j][k].z * v[j][k].z + v[j][k].w * v[j][k].w;
+                r = rsqrtf(block_sum(ss) / (float)K + eps);
             }
+#pragma unroll
+            for (int j = 0; j < H; ++j)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float4 a = v[j][k], b = w[NORM ? j : 0][k];
+                    v[j][k] = make_float4(a.x * b.x * r, a.y * b.y * r, a.z * b.z * r, a.w * b.w * r);
+                }
         }
 #pragma unroll
-        for (int b = 0; b < STAGE_BATCH; ++b) {
-            const int i = base + b * blockDim.x + threadIdx.x;
-            const float4 v = vb[b];
-            float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-            int bad = !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) {
-                amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
-                bad |= __shfl_xor_sync(FULL_MASK, bad, o);
-            }
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            const int q0 = __float2int_rn(v.x * inv), q1 = __float2int_rn(v.y * inv);
-            const int q2 = __float2int_rn(v.z * inv), q3 = __float2int_rn(v.w * inv);
-            int qsum = (q0 + q1) + (q2 + q3);
-#pragma unroll
-            for (int o = 1; o < 8; o <<= 1) qsum += __shfl_xor_sync(FULL_MASK, qsum, o);
-            if (i < n) {
-                const int u = i >> 3, k = i & 7;
-                xq[4 * xqslot(u, k >> 2) + (k & 3)] =
-                    ((u32)q0 & 0xFFu) | (((u32)q1 & 0xFFu) << 8) | (((u32)q2 & 0xFFu) << 16) | ((u32)q3 << 24);
-                if (k == 0) {
-                    const float d = bad ? __int_as_float(0x7fffffff) : amax / 127.0f;
-                    xd[u] = d;
-                    xsum[u] = d * (float)qsum;
-                }
-            }
-        }
+        for (int j = 0; j < H; ++j) quant_half(v[j], base + j * (int)blockDim.x + (int)threadIdx.x, nh, xq4, xd, xsum);
     }
     __syncthreads();
+}
+
+__device__ __forceinline__ void stage_xq(const float* __restrict__ x, int K, const float* __restrict__ norm_w, float eps,
+                                         uint4* xq4) {
+    if (norm_w)
+        stage_xq_halves<1, true>(x, K, norm_w, eps, xq4);
+    else
+        stage_xq_halves<2, false>(x, K, nullptr, eps, xq4);
 }
 
 // Sum over unit u of w[i] * x[i] against the int8 x: (scales) * xd[u] * (integer dot) (- the offset term).

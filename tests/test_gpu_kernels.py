@@ -184,6 +184,39 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
     assert be.step_ids.get()[1] == 0  # and the flag was reset
 
 
+@pytest.mark.parametrize("qtype", sorted(MV1_ACT8), ids=lambda t: t.name)
+def test_mv1_act8_long_rows(qtype: QT) -> None:
+    """x longer than one staging pass of the int8 forms (kernels/matvec.cu stage_xq_halves: 16 values per
+    thread and pass with the norm, 32 without; the norm then in a pass of its own), the last pass partly past
+    K; a non-finite value in a late pass still reaches the output."""
+    rng = np.random.default_rng(23 + int(qtype))
+    cfg = make_cfg()
+    be, _ = bare(cfg, 16)
+    for k in (4352, 8448, 14336):
+        n = 40
+        w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+        x = (3 * rng.standard_normal((1, k))).astype(np.float32)
+        xr = act8(x[0])[0][None]
+        y = poisoned((1, n))
+        be._matvec((w,), cp.asarray(x), 1, y)
+        assert_close(y.get(), xr @ wref.T, 1e-6 + 2e-6 * (np.abs(xr) @ np.abs(wref).T), 1e-5, f"{qtype.name} k={k}")
+        nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+        h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_eps) * nw
+        ref = h @ wref.T
+        q8 = act8_bound(h[0], wref)[None]
+        y = poisoned((1, n))
+        be._matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
+        assert_close(y.get(), ref, 1e-6 + 2e-6 * (np.abs(h) @ np.abs(wref).T) + q8, 1e-5, f"norm {qtype.name} k={k}")
+        assert np.abs(y.get() - ref).mean() < 0.25 * np.mean(q8), qtype.name
+        for bad in (np.nan, np.inf):
+            xb = x.copy()
+            xb[0, k - 5] = bad
+            for norm in (None, cp.asarray(nw)):
+                y = poisoned((1, n))
+                be._matvec((w,), cp.asarray(xb), 1, y, norm=norm)
+                assert np.isnan(y.get()).all(), (qtype.name, k, bad)
+
+
 @pytest.mark.parametrize("shape", [(4100, 8192, 2), (33000, 512, 4), (12300, 4096, None)],
                          ids=["long-rows", "lm-head", "many-rows"])
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda t: t.name)
