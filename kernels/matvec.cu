@@ -15,15 +15,18 @@
 // One-token variants (decode; T = 1), the ones the fused decode step uses:
 //   mv1_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am, early)
 //   mv1_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, lpr, groups, early)
+//   mv1_mixed_<a>_<b>(mv1_<t>'s arguments): w0 and w1 of type a, w2 of type b, both int8-activation types
+//     (Q4_K_M's layers with a Q6_K V: one QKV launch instead of three; tg128 8B 324 -> 331, 1B 1,299 ->
+//     1,363, seventh session).
 //     In the captured decode step these may run as programmatic dependents (common.cuh pdl_wait): the
 //     weight prefetch runs before pdl_wait(), everything else after; `early` lets the next kernel start
 //     right after the wait instead of after the main loop.
 //     x [K] is staged once per block in shared memory (units of 32 floats, float4 slots XOR-swizzled by
 //     the unit index so that 8 lanes reading 8 consecutive units hit 8 different bank groups). With norm_w,
 //     the block first computes RMSNorm(x) * norm_w itself (every block reads all of x anyway): the
-//     stand-alone rms_norm kernel disappears from the step. Before staging x, each lane of a small matrix
-//     (< 4 MiB) prefetches its first 4 weight units into L2, so the weight reads start while x is read and
-//     normalised. Each lane decodes two units per iteration (four for the int8 forms, MV1_UNROLL8)
+//     stand-alone rms_norm kernel disappears from the step. Before staging x, each lane of a matrix under
+//     MV1_PREFETCH_MAX prefetches its first 4 weight units into L2, so the weight reads start while x is
+//     read and normalised (and, as a programmatic dependent, while the previous kernel runs). Each lane decodes two units per iteration (four for the int8 forms, MV1_UNROLL8)
 //     before the dots, so that many units' loads are in flight per lane. With `am` (the LM head of a greedy
 //     step) every block also reduces its rows' (logit, id) to one packed 64-bit key (order-preserving
 //     float bits, then ~id so ties go to the lowest id) and atomicMax-es it into am[0]; the last block to
@@ -46,9 +49,11 @@
 #include "quants.cuh"
 
 #define MATVEC_TMAX 8
-// mv1 prefetches its first weight units into L2 for matrices under this size (latency-bound there; larger
-// ones measured slower without programmatic launch)
-#define MV1_PREFETCH_MAX (4ll << 20)
+// mv1 prefetches its first weight units into L2 for matrices under these sizes (the SwiGLU form: per matrix).
+// Plain forms under 16 MiB (8B Q4_K_M's QKV and O launches): tg128 8B 334 -> 340, 1B 1,357 -> 1,363; the
+// SwiGLU form stays under 4 MiB (16 MiB cost the 1B 2.7%); larger matrices measured slower (seventh session).
+#define MV1_PREFETCH_MAX (16ll << 20)
+#define MV1_PREFETCH_MAX_SWIGLU (4ll << 20)
 // The int8-activation forms: units per lane and iteration (their loads issued together; the float forms: 2),
 // and the blocks per SM they are compiled for (__launch_bounds__: up to 64 registers). Left to itself ptxas
 // gave them 40-48 registers and issued the loads one unit at a time: 1B 1,125 / 8B 261 / Qwen 1,229 t/s
@@ -562,32 +567,83 @@ __device__ __forceinline__ u32 order_key_f(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// Type equality for the mixed-type mv1 (no <type_traits> under NVRTC).
+template <class A, class B> struct same_type { static constexpr bool value = false; };
+template <class A> struct same_type<A, A> { static constexpr bool value = true; };
+
+// One unit's dot against the staged x: int8 x for the act8 types, float x for the rest.
+template <class Q>
+__device__ __forceinline__ float mv1_dot(const u8* r, int u, int K, const float4* __restrict__ xs4,
+                                         const uint4* __restrict__ xq4, const float* __restrict__ xd,
+                                         const float* __restrict__ xsum) {
+    if constexpr (act8<Q>::value)
+        return unit_dot8<Q>(r, u, xq4, xd, xsum);
+    else
+        return unit_dot<Q>(r, u, K, xs4, xsum);
+}
+
+// This lane's share of one row (with SWIGLU also of the up row rb): units u, u + lpr, ... added into acc
+// (acc2), UN units' loads in flight per iteration (the SwiGLU form: UN / 2 units of two rows).
 template <class Q, bool SWIGLU>
+__device__ __forceinline__ void mv1_row(const u8* ra, const u8* rb, int u, int lpr, int units, int K,
+                                        const float4* __restrict__ xs4, const uint4* __restrict__ xq4,
+                                        const float* __restrict__ xd, const float* __restrict__ xsum, float& acc,
+                                        float& acc2) {
+    constexpr int UN = act8<Q>::value ? MV1_UNROLL8 : 2;
+    constexpr int UR = SWIGLU ? UN / 2 : UN;
+    for (; u + (UR - 1) * lpr < units; u += UR * lpr) {
+        float s = 0.0f, s2 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < UR; ++i) {
+            s += mv1_dot<Q>(ra, u + i * lpr, K, xs4, xq4, xd, xsum);
+            if (SWIGLU) s2 += mv1_dot<Q>(rb, u + i * lpr, K, xs4, xq4, xd, xsum);
+        }
+        acc += s;
+        if (SWIGLU) acc2 += s2;
+    }
+    for (; u < units; u += lpr) {
+        acc += mv1_dot<Q>(ra, u, K, xs4, xq4, xd, xsum);
+        if (SWIGLU) acc2 += mv1_dot<Q>(rb, u, K, xs4, xq4, xd, xsum);
+    }
+}
+
+// QV: the type of segment w2 (the V rows of a QKV launch; Q elsewhere). A mixed pair (Q4_K_M's Q4_K Q/K
+// with Q6_K V) shares one int8 staging of x, so the three matrices still run as one launch.
+template <class Q, class QV, bool SWIGLU>
 __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
                                          int n0, int n1, int N, int K, const float* __restrict__ x, float* y,
                                          const float* __restrict__ bias, const float* resid,
                                          const float* __restrict__ norm_w, float eps, int lpr, int groups, u64* am,
                                          int early) {
+    constexpr bool MIXED = !same_type<Q, QV>::value;
+    static_assert(!MIXED || (act8<Q>::value && act8<QV>::value && !SWIGLU), "mixed mv1: two int8-activation types");
     extern __shared__ float4 xs4[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows_per_warp = 32 / lpr;
     const int sub = lane % lpr;
     const long long row_bytes = (long long)((K + Q::QK - 1) / Q::QK) * Q::BYTES;
+    const long long row_bytes_v = (long long)((K + QV::QK - 1) / QV::QK) * QV::BYTES;
     const int units = (K + 31) / 32;
     // Row n of group g (a block serves `groups` groups of 8 * 32/lpr rows, one staging of x for all).
     auto row_of = [&](int g) {
         return (((int)blockIdx.x * groups + g) * (int)(blockDim.x >> 5) + warp) * rows_per_warp + lane / lpr;
     };
+    auto in_v = [&](int n) { return MIXED && n >= n0 + n1; };
+    auto rows_at = [&](int n, const u8*& ra, const u8*& rb) {
+        row_pointers<SWIGLU>(w0, w1, w2, n0, n1, n, row_bytes, ra, rb);
+        if (in_v(n)) ra = w2 + (long long)(n - n0 - n1) * row_bytes_v;
+    };
 
     // Start this lane's first weight units on their way to L2 (about where unit u lies in the row), then
     // stage x: the two global reads overlap instead of following each other. Weights only, so this runs
     // before pdl_wait(): in the captured decode step, while the previous kernel is still running.
-    if (row_of(0) < N && (long long)N * row_bytes < MV1_PREFETCH_MAX) {
+    if (row_of(0) < N && (long long)N * row_bytes < (SWIGLU ? MV1_PREFETCH_MAX_SWIGLU : MV1_PREFETCH_MAX)) {
         const u8* ra = nullptr;
         const u8* rb = nullptr;
-        row_pointers<SWIGLU>(w0, w1, w2, n0, n1, row_of(0), row_bytes, ra, rb);
+        rows_at(row_of(0), ra, rb);
+        const long long rbytes = in_v(row_of(0)) ? row_bytes_v : row_bytes;
         for (int j = 0, uu = sub; j < 4 && uu < units; ++j, uu += lpr) {
-            const long long off = (long long)uu * row_bytes / units;
+            const long long off = (long long)uu * rbytes / units;
             asm volatile("prefetch.global.L2 [%0];" ::"l"(ra + off));
             if (SWIGLU) asm volatile("prefetch.global.L2 [%0];" ::"l"(rb + off));
         }
@@ -604,12 +660,6 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
         stage_x<needs_xsum<Q>::value>(x, K, norm_w, eps, xs4);
         xsum = reinterpret_cast<const float*>(xs4 + units * 8);
     }
-    auto dot = [&](const u8* r, int uu) {
-        if constexpr (act8<Q>::value)
-            return unit_dot8<Q>(r, uu, xq4, xd, xsum);
-        else
-            return unit_dot<Q>(r, uu, K, xs4, xsum);
-    };
 
     u64 key = 0;  // fused argmax: this lane's best (logit, id) key over its rows, and NaN/+inf seen
     int bad = 0;
@@ -619,26 +669,12 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
         const u8* ra = nullptr;
         const u8* rb = nullptr;
         float acc = 0.0f, acc2 = 0.0f;
-        int u = sub;
         if (active) {
-            row_pointers<SWIGLU>(w0, w1, w2, n0, n1, n, row_bytes, ra, rb);
-            // UN units' loads in flight per lane and iteration (the SwiGLU form: UN / 2 units of two rows)
-            constexpr int UN = act8<Q>::value ? MV1_UNROLL8 : 2;
-            constexpr int UR = SWIGLU ? UN / 2 : UN;
-            for (; u + (UR - 1) * lpr < units; u += UR * lpr) {
-                float s = 0.0f, s2 = 0.0f;
-#pragma unroll
-                for (int i = 0; i < UR; ++i) {
-                    s += dot(ra, u + i * lpr);
-                    if (SWIGLU) s2 += dot(rb, u + i * lpr);
-                }
-                acc += s;
-                if (SWIGLU) acc2 += s2;
-            }
-            for (; u < units; u += lpr) {
-                acc += dot(ra, u);
-                if (SWIGLU) acc2 += dot(rb, u);
-            }
+            rows_at(n, ra, rb);
+            if (in_v(n))
+                mv1_row<QV, SWIGLU>(ra, rb, sub, lpr, units, K, xs4, xq4, xd, xsum, acc, acc2);
+            else
+                mv1_row<Q, SWIGLU>(ra, rb, sub, lpr, units, K, xs4, xq4, xd, xsum, acc, acc2);
         }
         for (int o = lpr >> 1; o > 0; o >>= 1) {
             acc += __shfl_xor_sync(FULL_MASK, acc, o);
@@ -705,13 +741,29 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
         const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am, \
         int early) {                                                                                         \
-        mv1_body<Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am, early);\
+        mv1_body<Q, Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am, early);\
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name##_swiglu(   \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
         int lpr, int groups, int early) {                                                                    \
-        mv1_body<Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,     \
+        mv1_body<Q, Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,     \
                           nullptr, early);                                                                   \
     }
 
 FOR_EACH_QTYPE(MV1_KERNELS)
+
+// The QKV launch of Q4_K_M-style layers: Q and K rows (w0, w1) of type QA, V rows (w2) of type QB.
+#define MV1_MIXED(a, QA, b, QB)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, MV1_MINB8) mv1_mixed_##a##_##b(                        \
+        const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
+        const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am, \
+        int early) {                                                                                         \
+        mv1_body<QA, QB, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am,   \
+                                early);                                                                      \
+    }
+MV1_MIXED(q4_k, QQ4_K, q5_k, QQ5_K)
+MV1_MIXED(q4_k, QQ4_K, q6_k, QQ6_K)
+MV1_MIXED(q5_k, QQ5_K, q4_k, QQ4_K)
+MV1_MIXED(q5_k, QQ5_K, q6_k, QQ6_K)
+MV1_MIXED(q6_k, QQ6_K, q4_k, QQ4_K)
+MV1_MIXED(q6_k, QQ6_K, q5_k, QQ5_K)

@@ -116,3 +116,41 @@ def test_mv1_int8_activation_types_match_the_kernel_source() -> None:
     assert in_source and in_source == {t.name for t in MV1_ACT8}
     assert _mv1_smem(QT.Q4_K, 4096) == 128 * 40 and _mv1_smem(QT.Q8_0, 4096) == 128 * 132
     assert _mv1_smem(QT.F16, 33) == 2 * 132
+
+
+def test_mv1_kernel_names_mixed_qkv_launches() -> None:
+    """One type: mv1_<t>; Q/K of one int8-activation type with V of another (Q4_K_M's Q6_K V layers): one
+    mixed launch, a kernel the source defines for every such pair; any other mix has no single kernel."""
+    import itertools
+    import re
+    from pathlib import Path
+
+    from llamacli.backends.cuda_backend import MV1_ACT8, DeviceMatrix, _mv1_kernel, qname
+
+    def m(t: QT) -> DeviceMatrix:
+        return DeviceMatrix(0, 32, 256, t, 0)
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
+    defined = set(re.findall(r"^MV1_MIXED\((\w+), \w+, (\w+), \w+\)$", src, re.M))
+    assert _mv1_kernel((m(QT.Q8_0), m(QT.Q8_0), m(QT.Q8_0))) == "mv1_q8_0"
+    assert _mv1_kernel((m(QT.Q4_K),)) == "mv1_q4_k"
+    for a, b in itertools.permutations(sorted(MV1_ACT8), 2):
+        assert _mv1_kernel((m(a), m(a), m(b))) == f"mv1_mixed_{qname(a)}_{qname(b)}"
+        assert (qname(a), qname(b)) in defined
+    assert len(defined) == 6
+    for ws in [(m(QT.Q4_K), m(QT.Q6_K), m(QT.Q6_K)), (m(QT.Q4_K), m(QT.Q4_K), m(QT.Q8_0)),
+               (m(QT.Q4_0), m(QT.Q4_0), m(QT.Q6_K)), (m(QT.Q4_K), m(QT.Q6_K))]:
+        assert _mv1_kernel(ws) is None, ws
+
+
+def test_mv1_groups_keep_int8_launches_to_one_wave() -> None:
+    """An int8-activation matrix whose one-group blocks (8 rows each at 4096 columns) would overflow one wave
+    (4 blocks per SM) takes two row groups per block; other types, or enough SMs, keep one."""
+    from llamacli.backends.cuda_backend import _mv1_groups
+
+    assert _mv1_groups(6144, 4096, QT.Q4_K, 132) == 2  # Llama-3-8B's QKV: 768 blocks > 528
+    assert _mv1_groups(6144, 4096, QT.Q4_K, 200) == 1
+    assert _mv1_groups(6144, 4096, QT.Q8_0, 132) == 1
+    assert _mv1_groups(4096, 4096, QT.Q6_K, 132) == 1  # 512 blocks: one wave
+    assert _mv1_groups(14336, 4096, QT.Q4_K, 132) == 4  # the rules before it still decide first
+    assert _mv1_groups(128256, 2048, QT.Q6_K, 132) == 8 and _mv1_groups(128256, 2048, QT.Q8_0, 132) == 4

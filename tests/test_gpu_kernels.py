@@ -3,6 +3,7 @@ outputs poisoned with NaN before each launch; tolerances are atol + rtol*|ref|. 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
-from llamacli.errors import NumericalError  # noqa: E402
+from llamacli.errors import BackendError, NumericalError  # noqa: E402
 from llamacli import rope as rope_tables  # noqa: E402
 from llamacli import sampling as S  # noqa: E402
 from llamacli.backends.cuda_backend import (  # noqa: E402
@@ -131,6 +132,44 @@ def test_matvec_segments_bias_resid_swiglu(qtype: QT) -> None:
     assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-4, 1e-4, "swiglu")
 
 
+@pytest.mark.parametrize("pair", list(itertools.permutations(sorted(MV1_ACT8), 2)), ids=lambda p: f"{p[0].name}+{p[1].name}")
+def test_mv1_mixed_qkv_segments(pair) -> None:
+    """Q and K rows of one int8-activation type with V rows of another (Q4_K_M's Q6_K V layers) in one launch
+    (mv1_mixed_<a>_<b>), with bias and residual or with the norm: against the int8 emulation and the fp64
+    reference, and bit for bit the rows the single-type launches give."""
+    a, b = pair
+    rng = np.random.default_rng(31 + 3 * int(a) + int(b))
+    cfg = make_cfg()
+    be, _ = bare(cfg, 16)
+    k = 768
+    ws = [upload(random_quant_rows(t, n, k, rng, std=0.05), t, k) for t, n in ((a, 96), (a, 32), (b, 40))]
+    mats = tuple(w for w, _, _ in ws)
+    wref = np.concatenate([r for _, _, r in ws])
+    x = (3 * rng.standard_normal((1, k))).astype(np.float32)
+    xr = act8(x[0])[0][None]
+    bias = rng.standard_normal(168).astype(np.float32)
+    resid = rng.standard_normal((1, 168)).astype(np.float32)
+    y = cp.asarray(resid)  # resid aliases y
+    be._matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
+    ref = xr @ wref.T + bias + resid
+    tol = 1e-6 + 2e-6 * (np.abs(xr) @ np.abs(wref).T) + 1e-6 * (np.abs(bias) + np.abs(resid))
+    assert_close(y.get(), ref, tol, 1e-5, f"{a.name}+{b.name} bias+resid")
+
+    nw = cp.asarray((1 + 0.1 * rng.standard_normal(k)).astype(np.float32))
+    h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_eps) * nw.get()
+    q8 = act8_bound(h[0], wref)[None]
+    y = poisoned((1, 168))
+    be._matvec(mats, cp.asarray(x), 1, y, norm=nw)
+    got = y.get()
+    assert_close(got, h @ wref.T, 1e-6 + 2e-6 * (np.abs(h) @ np.abs(wref).T) + q8, 1e-5, f"{a.name}+{b.name} norm")
+    qk, v = poisoned((1, 128)), poisoned((1, 40))
+    be._matvec(mats[:2], cp.asarray(x), 1, qk, norm=nw)
+    be._matvec(mats[2:], cp.asarray(x), 1, v, norm=nw)
+    assert np.array_equal(got, np.concatenate([qk.get(), v.get()], axis=1))
+    with pytest.raises(BackendError):  # several tokens: no mixed kernel
+        be._matvec(mats, cp.asarray(np.repeat(x, 2, 0)), 2, poisoned((2, 168)))
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16,
                                    QT.F32], ids=lambda t: t.name)
 def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
@@ -217,13 +256,13 @@ def test_mv1_act8_long_rows(qtype: QT) -> None:
                 assert np.isnan(y.get()).all(), (qtype.name, k, bad)
 
 
-@pytest.mark.parametrize("shape", [(4100, 8192, 2), (33000, 512, 4), (12300, 4096, None)],
-                         ids=["long-rows", "lm-head", "many-rows"])
+@pytest.mark.parametrize("shape", [(4100, 8192, 2), (33000, 512, "lm"), (12300, 4096, None), (6150, 4096, "wave")],
+                         ids=["long-rows", "lm-head", "many-rows", "past-one-wave"])
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda t: t.name)
 def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
     """Large matrices with long or short rows run 2 or 4 row groups per mv1 block over one staging of x (and
-    the int8-activation types 4 on many 4096-column rows): every row (the last group partly past N), the
-    fused SwiGLU and the argmax across groups."""
+    the int8-activation types 4 on many 4096-column rows, 2 past one wave of blocks, 8 on short LM-head rows): every row (the last
+    group partly past N), the fused SwiGLU and the argmax across groups."""
     from llamacli.backends.cuda_backend import _mv1_groups
 
     rng = np.random.default_rng(5 + int(qtype))
@@ -234,7 +273,11 @@ def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
     n, k, groups = shape
     if groups is None:
         groups = 4 if qtype in MV1_ACT8 else 1
-    assert _mv1_groups(n, k, qtype) == groups
+    elif groups == "lm":  # a small model's LM head: 8 for the int8 forms, 4 else
+        groups = 8 if qtype in MV1_ACT8 else 4
+    elif groups == "wave":  # int8 forms: 2 where one group per block needs more than one wave (4 per SM)
+        groups = 2 if qtype in MV1_ACT8 and -(-n // 8) > 4 * be.n_sms else 1
+    assert _mv1_groups(n, k, qtype, be.n_sms) == groups
     w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
     x = rng.standard_normal((1, k)).astype(np.float32)
     xr = act8(x[0])[0][None] if qtype in MV1_ACT8 else x.astype(np.float64)

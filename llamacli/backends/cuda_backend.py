@@ -216,18 +216,34 @@ def _merge_rows(mats: list[DeviceMatrix]) -> list[DeviceMatrix]:
 MV1_ACT8 = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
 
 
-def _mv1_groups(rows: int, cols: int, qtype: QT | None = None) -> int:
+def _mv1_kernel(ws: tuple[Any, ...]) -> str | None:
+    """The mv1 kernel for these row segments: one type (mv1_<t>), or Q/K rows of one int8-activation type
+    with V rows of another (mv1_mixed_<a>_<b>: Q4_K_M's Q6_K V layers keep one QKV launch); None else."""
+    a, b = ws[0].qtype, ws[-1].qtype
+    if all(w.qtype == a for w in ws):
+        return f"mv1_{qname(a)}"
+    if len(ws) == 3 and ws[1].qtype == a and a in MV1_ACT8 and b in MV1_ACT8:
+        return f"mv1_mixed_{qname(a)}_{qname(b)}"
+    return None
+
+
+def _mv1_groups(rows: int, cols: int, qtype: QT | None = None, sms: int | None = None) -> int:
     """Row groups per mv1 block (kernels/matvec.cu), one staging of x for all: where staging x costs as
     much as the rows (long rows: 57 KB of x at 14336 columns; short rows: a lane's whole share is one or two
     units) and the matrix has rows enough to keep every SM busy. Measured on the H100 (BENCHMARKS.md):
     tg128 +3-6% on the 0.5B/1B shapes, +12% on 8B Q4_K_M; 4096-column matrices were slower with 2 (float
     x). The int8-activation forms also take 4 on 4096-column matrices of 12288 rows or more: Q4_K
-    14336x4096 19.0 us vs 23.3, its SwiGLU 33.9 vs 40.4 (fifth session)."""
+    14336x4096 19.0 us vs 23.3, its SwiGLU 33.9 vs 40.4 (fifth session); and 2 where one group per block
+    would need more than one wave of blocks on `sms` multiprocessors (4 blocks each: their
+    __launch_bounds__): the 8B's 6144-row QKV launch, 768 blocks on 132 SMs, tg +1.3%; and 8 on a small
+    model's int8 LM head (Llama-3.2-1B's Q6_K 128256x2048: tg128 1,363 -> 1,372; seventh session)."""
     if cols <= 2048 and rows >= 32768:  # the LM head of a small model
-        return 4
+        return 8 if qtype in MV1_ACT8 else 4
     if qtype in MV1_ACT8 and 4096 <= cols < 8192 and rows >= 12288:
         return 4
     if rows >= 4096 and (cols >= 8192 or cols <= 2048):
+        return 2
+    if qtype in MV1_ACT8 and sms and K.cdiv(rows, MV1_WARPS * (32 // _lpr(cols))) > 4 * sms:
         return 2
     return 1
 
@@ -264,6 +280,7 @@ class CudaBackend(Backend):
         # shortest dependent chain per lane (decode at short contexts is latency-bound); each block re-reads
         # its split's K/V from L2. Set before the first decode (the graph keeps it).
         self.decode_rows = 1
+        self.n_sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
         # The captured decode step launches its matvecs and attention as programmatic dependents (sm_90+):
         # set before the first decode (the graph keeps it).
         self.pdl = True
@@ -572,20 +589,24 @@ class CudaBackend(Backend):
 
     def _matvec(self, ws: tuple[DeviceMatrix, ...], x: Any, t: int, y: Any, bias: Any = None, resid: Any = None,
                 norm: Any = None, argmax: bool = False, early: bool = False) -> None:
-        """y [t, sum rows] = [W0; W1; W2] x (+ bias) (+ resid): up to three row segments of one type.
+        """y [t, sum rows] = [W0; W1; W2] x (+ bias) (+ resid): up to three row segments of one type (one
+        token: W2 may be another int8-activation type than W0 and W1, _mv1_kernel).
         One token goes through mv1 (x in shared memory), which can also apply RMSNorm(x) * norm first and
         reduce the rows to the greedy argmax (into step_ids, advancing step_pos); `early`: where it lets a
         programmatic dependent start (_step_kernels)."""
         w0 = ws[0]
+        kernel = _mv1_kernel(ws) if t == 1 else None
+        if kernel is None and any(w.qtype != w0.qtype for w in ws):
+            raise BackendError("matvec segments of mixed types need one token and int8-activation types")
         n = sum(w.rows for w in ws)
         lpr = _lpr(w0.cols)
         segs = [w.ptr for w in ws] + [0] * (3 - len(ws))
         n0 = ws[0].rows
         n1 = ws[1].rows if len(ws) > 1 else 0
         if t == 1:
-            groups = _mv1_groups(n, w0.cols, w0.qtype)
+            groups = _mv1_groups(n, w0.cols, w0.qtype, self.n_sms)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
-            K.launch("matvec", f"mv1_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
+            K.launch("matvec", kernel, (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                       K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps), K.i32(lpr),
                       K.i32(groups), K.ptr(self._am if argmax else None), K.i32(early)),
@@ -602,7 +623,7 @@ class CudaBackend(Backend):
                        early: bool = False) -> None:
         lpr = _lpr(wg.cols)
         if t == 1:
-            groups = _mv1_groups(wg.rows, wg.cols, wg.qtype)
+            groups = _mv1_groups(wg.rows, wg.cols, wg.qtype, self.n_sms)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", f"mv1_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
@@ -925,7 +946,7 @@ class CudaBackend(Backend):
         for L in self.weights.layers:
             if L.attn_qkv is not None:
                 segs = [(L.attn_qkv,)]
-            elif L.attn_q.qtype == L.attn_k.qtype == L.attn_v.qtype:
+            elif _mv1_kernel((L.attn_q, L.attn_k, L.attn_v)) is not None:
                 segs = [(L.attn_q, L.attn_k, L.attn_v)]
             else:
                 segs = [(L.attn_q,), (L.attn_k,), (L.attn_v,)]
