@@ -194,8 +194,6 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
 #define DEC_PASS (DEC_WARPS * 32)
 #define DEC_GMAX 8
 #define DEC_WIDE_POS 2048
-#define DEC_MERGE_E (DEC_GMAX * 128 / DEC_PASS)  // the split merge's elements per thread (G * Dh <= 8 * 128)
-#define DEC_MERGE_S 4                            // and splits per round of loads
 
 // STEP (attention_step_<mode>_npl<N>, the fused decode step): q is the QKV matvec's raw output and kv_src
 // its K and V part; every block rotates its G query heads into shared memory itself, the block whose split
@@ -401,50 +399,19 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    // Each thread's (at most DEC_MERGE_E) elements of the G rows, the splits DEC_MERGE_S a round: a round's
-    // loads issue together (one L2 latency a round instead of two per split) and merge as an online softmax
-    // (running max, sums rescaled). The loop over splits one at a time, max first, cost ~4% of a decode step.
-    float M[DEC_MERGE_E], L[DEC_MERGE_E], O[DEC_MERGE_E];
-#pragma unroll
-    for (int j = 0; j < DEC_MERGE_E; ++j) {
-        M[j] = -INFINITY;
-        L[j] = O[j] = 0.0f;
-    }
-    for (int sp0 = 0; sp0 < n_active; sp0 += DEC_MERGE_S) {
-        float2 ml[DEC_MERGE_E][DEC_MERGE_S];
-        float ov[DEC_MERGE_E][DEC_MERGE_S];
-#pragma unroll
-        for (int j = 0; j < DEC_MERGE_E; ++j) {
-            const int e = threadIdx.x + j * DEC_PASS, r = e / Dh, d = e - r * Dh;
-#pragma unroll
-            for (int k = 0; k < DEC_MERGE_S; ++k) {
-                const int row = (sp0 + k) * Hq + kvh * G + r;
-                const bool ok = e < G * Dh && sp0 + k < n_active;
-                ml[j][k] = ok ? __ldcg(reinterpret_cast<const float2*>(part_ml) + row) : make_float2(-INFINITY, 0.0f);
-                ov[j][k] = ok ? __ldcg(part_o + (long long)row * Dh + d) : 0.0f;
-            }
+    for (int e = threadIdx.x; e < G * Dh; e += blockDim.x) {
+        const int r = e / Dh, d = e - r * Dh;
+        const int h = kvh * G + r;
+        float M = -INFINITY;
+        for (int sp = 0; sp < n_active; ++sp) M = fmaxf(M, __ldcg(part_ml + 2 * (sp * Hq + h)));
+        float L = 0.0f, o = 0.0f;
+        for (int sp = 0; sp < n_active; ++sp) {
+            const int row = sp * Hq + h;
+            const float w = __expf(__ldcg(part_ml + 2 * row) - M);
+            L += __ldcg(part_ml + 2 * row + 1) * w;
+            o += __ldcg(part_o + (long long)row * Dh + d) * w;
         }
-#pragma unroll
-        for (int j = 0; j < DEC_MERGE_E; ++j) {
-            float mb = M[j];
-#pragma unroll
-            for (int k = 0; k < DEC_MERGE_S; ++k) mb = fmaxf(mb, ml[j][k].x);
-            const float a = __expf(M[j] - mb);  // 0 in the first round (split 0 holds key 0: mb is finite)
-            L[j] *= a;
-            O[j] *= a;
-#pragma unroll
-            for (int k = 0; k < DEC_MERGE_S; ++k) {
-                const float w = __expf(ml[j][k].x - mb);
-                L[j] += ml[j][k].y * w;
-                O[j] += ov[j][k] * w;
-            }
-            M[j] = mb;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < DEC_MERGE_E; ++j) {
-        const int e = threadIdx.x + j * DEC_PASS;
-        if (e < G * Dh) out[kvh * G * Dh + e] = O[j] / L[j];
+        out[h * Dh + d] = o / L;
     }
     if (threadIdx.x == 0) counters[kvh] = 0u;
 }
