@@ -26,8 +26,9 @@
 //     the block first computes RMSNorm(x) * norm_w itself (every block reads all of x anyway): the
 //     stand-alone rms_norm kernel disappears from the step. Before staging x, each lane of a matrix under
 //     MV1_PREFETCH_MAX prefetches its first 4 weight units into L2, so the weight reads start while x is
-//     read and normalised (and, as a programmatic dependent, while the previous kernel runs). Each lane decodes two units per iteration (four for the int8 forms, MV1_UNROLL8)
-//     before the dots, so that many units' loads are in flight per lane. With `am` (the LM head of a greedy
+//     read and normalised (and, as a programmatic dependent, while the previous kernel runs). Each lane
+//     decodes two units per iteration (four for the int8 forms, MV1_UNROLL8) before the dots, so that many
+//     units' loads are in flight per lane. With `am` (the LM head of a greedy
 //     step) every block also reduces its rows' (logit, id) to one packed 64-bit key (order-preserving
 //     float bits, then ~id so ties go to the lowest id) and atomicMax-es it into am[0]; the last block to
 //     finish writes out[0] = id, out[1] = NaN/+inf seen, advances *pos_inc and resets its cells, so no
@@ -741,13 +742,14 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
         const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am, \
         int early) {                                                                                         \
-        mv1_body<Q, Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am, early);\
+        mv1_body<Q, Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am,     \
+                              early);                                                                        \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name##_swiglu(   \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
         int lpr, int groups, int early) {                                                                    \
-        mv1_body<Q, Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,     \
-                          nullptr, early);                                                                   \
+        mv1_body<Q, Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,  \
+                             nullptr, early);                                                                \
     }
 
 FOR_EACH_QTYPE(MV1_KERNELS)
