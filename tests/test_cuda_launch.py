@@ -146,8 +146,13 @@ def test_mv1_kernel_names_mixed_qkv_launches() -> None:
 def test_mv1_groups_keep_int8_launches_to_one_wave() -> None:
     """An int8-activation matrix whose one-group blocks (8 rows each at 4096 columns) would overflow one wave
     (4 blocks per SM) takes two row groups per block; other types, or enough SMs, keep one."""
-    from llamacli.backends.cuda_backend import _mv1_groups
+    import re
+    from pathlib import Path
 
+    from llamacli.backends.cuda_backend import MV1_ACT8_BLOCKS_PER_SM, _mv1_groups
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
+    assert re.search(r"^#define MV1_MINB8 (\d+)$", src, re.M).group(1) == str(MV1_ACT8_BLOCKS_PER_SM)
     assert _mv1_groups(6144, 4096, QT.Q4_K, 132) == 2  # Llama-3-8B's QKV: 768 blocks > 528
     assert _mv1_groups(6144, 4096, QT.Q4_K, 200) == 1
     assert _mv1_groups(6144, 4096, QT.Q8_0, 132) == 1

@@ -261,8 +261,8 @@ def test_mv1_act8_long_rows(qtype: QT) -> None:
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16], ids=lambda t: t.name)
 def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
     """Large matrices with long or short rows run 2 or 4 row groups per mv1 block over one staging of x (and
-    the int8-activation types 4 on many 4096-column rows, 2 past one wave of blocks, 8 on short LM-head rows): every row (the last
-    group partly past N), the fused SwiGLU and the argmax across groups."""
+    the int8-activation types 4 on many 4096-column rows, 2 past one wave of blocks, 8 on short LM-head
+    rows): every row (the last group partly past N), the fused SwiGLU and the argmax across groups."""
     from llamacli.backends.cuda_backend import _mv1_groups
 
     rng = np.random.default_rng(5 + int(qtype))

@@ -214,6 +214,7 @@ def _merge_rows(mats: list[DeviceMatrix]) -> list[DeviceMatrix]:
 # Weight types whose mv1 dots int8 activations (kernels/matvec.cu act8<>): x staged as int8 units (32 bytes)
 # plus a scale and a sum per unit; the others stage x as floats (128 bytes) plus a sum.
 MV1_ACT8 = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
+MV1_ACT8_BLOCKS_PER_SM = 4  # kernels/matvec.cu MV1_MINB8: the int8 forms' __launch_bounds__ minimum
 
 
 def _mv1_kernel(ws: tuple[Any, ...]) -> str | None:
@@ -234,8 +235,7 @@ def _mv1_groups(rows: int, cols: int, qtype: QT | None = None, sms: int | None =
     tg128 +3-6% on the 0.5B/1B shapes, +12% on 8B Q4_K_M; 4096-column matrices were slower with 2 (float
     x). The int8-activation forms also take 4 on 4096-column matrices of 12288 rows or more: Q4_K
     14336x4096 19.0 us vs 23.3, its SwiGLU 33.9 vs 40.4 (fifth session); and 2 where one group per block
-    would need more than one wave of blocks on `sms` multiprocessors (4 blocks each: their
-    __launch_bounds__): the 8B's 6144-row QKV launch, 768 blocks on 132 SMs, tg +1.3%; and 8 on a small
+    would need more than one wave of blocks on `sms` multiprocessors (MV1_ACT8_BLOCKS_PER_SM each): the 8B's 6144-row QKV launch, 768 blocks on 132 SMs, tg +1.3%; and 8 on a small
     model's int8 LM head (Llama-3.2-1B's Q6_K 128256x2048: tg128 1,363 -> 1,372; seventh session)."""
     if cols <= 2048 and rows >= 32768:  # the LM head of a small model
         return 8 if qtype in MV1_ACT8 else 4
@@ -243,7 +243,7 @@ def _mv1_groups(rows: int, cols: int, qtype: QT | None = None, sms: int | None =
         return 4
     if rows >= 4096 and (cols >= 8192 or cols <= 2048):
         return 2
-    if qtype in MV1_ACT8 and sms and K.cdiv(rows, MV1_WARPS * (32 // _lpr(cols))) > 4 * sms:
+    if qtype in MV1_ACT8 and sms and K.cdiv(rows, MV1_WARPS * (32 // _lpr(cols))) > MV1_ACT8_BLOCKS_PER_SM * sms:
         return 2
     return 1
 
