@@ -472,24 +472,29 @@ extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v
 // ---- Prefill on tensor cores ----------------------------------------------------------------------------
 // attention_tc_d<D>(...): the same math as attention_npl with n_split == 1, FlashAttention-2 style
 // (Dao 2023) on mma.sync.m16n8k16 (fp16 inputs, fp32 accumulate; softmax in fp32 with exp2).
-// grid (ceil(T*G / 64), Hkv), block 128 = 4 warps; each warp owns 16 query rows (row r -> (t, h) as in
-// attention_npl), so the 64 rows of a block share every K/V tile: a KV head is read once per 64 rows.
-// Keys go in tiles of 64 through shared memory, double-buffered with cp.async (16-byte copies, zero-filled
-// past the last key any row sees). Rows are padded by 8 halves (16 bytes): the K fragment loads (32-bit)
-// and the V ldmatrix.trans row reads are conflict-free for D = 64, 96, 128.
-// Per tile and warp: S[16 x 64] = Q K^T (Q fragments held in registers for the whole kernel, pre-scaled
-// by log2(e)/sqrt(D) and rounded to fp16), causal mask key > pos[t] -> -inf, running max / rescale, P
-// rounded to fp16 and fed straight from the S accumulators as the A operand of O += P V (the C layout of
-// two n8 tiles is the A layout of one k16 step); the row sum l adds the rounded P, so O / l is a convex
-// combination of V rows even with fp16 weights. Dynamic shared memory: 2 stages x (K + V) x 64 x (D + 8)
-// x 2 bytes + 16 (D = 64: 36.9 KB, 128: 69.6 KB).
+// q: fp16 rows [T, Hq, D] (token stride q_stride halves) already multiplied by log2(e)/sqrt(D): the fused
+// prefill's RoPE epilogue (rope_store_pf_*) writes them so, and the op-by-op path converts its f32 q once.
+// grid (ceil(T*G / BR), Hkv), block 128 = 4 warps; each warp owns MT x 16 query rows (MT = 2 for D <= 64,
+// else 1: the accumulators of 32 rows x D > 64 would not fit the registers), so BR = 64 * MT rows share
+// every K/V tile (row r -> (t, h) as in attention_npl): a KV head is read once per BR rows, and each K or V
+// fragment a warp loads from shared memory feeds MT m-tiles.
+// Keys go in tiles of 64 through shared memory, three stages deep (two for D > 64) with cp.async (16-byte
+// copies, zero-filled past the last key any row sees). Rows are padded by 8 halves (16 bytes): the ldmatrix
+// row reads (K plain, V transposed) are conflict-free for D = 64, 96, 128.
+// Per tile and warp: S[16 x 64] = Q K^T per m-tile (Q fragments held in registers for the whole kernel),
+// causal mask key > pos[t] -> -inf, running max / rescale, P rounded to fp16 and fed straight from the S
+// accumulators as the A operand of O += P V (the C layout of two n8 tiles is the A layout of one k16 step).
+// The row sum l is one more MMA per k16 step, P times a column of ones: it adds the rounded P in fp32, so
+// O / l is a convex combination of V rows even with fp16 weights (fp16 output cannot overflow).
+// Dynamic shared memory: stages x (K + V) x 64 x (D + 8) x 2 bytes + 16 (D = 64: 55.3 KB, 128: 69.6 KB).
 // attention_tc16_d<D>: the same, output stored as fp16 (the fused prefill's O-projection GEMM input).
-// Accuracy vs the fp32 reference: fp16 Q and P, |err| ~ 1e-3 at unit-variance inputs (tests: atol 2e-3,
+// Accuracy vs the fp32 reference: fp16 Q and P, |err| ~ 1e-3 at unit-variance inputs (tests: atol 4e-3,
 // rtol 1e-2). The CUDA-core kernel above stays for decode, short chunks and head dims not a multiple of 16.
 
 #define TC_WARPS 4
-#define TC_BR (TC_WARPS * 16)
 #define TC_BC 64
+#define TC_STAGES(D) ((D) <= 64 ? 3 : 2)  // D = 128 at 3 stages (104 KB) fits 2 blocks per SM, not 3
+#define TC_MT(D) ((D) <= 64 ? 2 : 1)
 
 
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
@@ -498,8 +503,6 @@ __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     return r;
 }
 
-__device__ __forceinline__ float h2_sum(u32 h) { return h2f((u16)(h & 0xffffu)) + h2f((u16)(h >> 16)); }
-
 __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -507,42 +510,57 @@ __device__ __forceinline__ float ex2(float x) {
 }
 
 __device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
 template <int D, bool OUT16>
-__device__ __forceinline__ void attention_tc_body(const float* __restrict__ q, int q_stride,
+__device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int q_stride,
                                                   const u16* __restrict__ kc, const u16* __restrict__ vc,
-                                                  const int* __restrict__ pos, int T, int Hq, int Hkv, float scale,
+                                                  const int* __restrict__ pos, int T, int Hq, int Hkv,
                                                   void* __restrict__ out, int out_stride) {
+    constexpr int MT = TC_MT(D);     // m16 tiles (16 query rows each) per warp
+    constexpr int NST = TC_STAGES(D);  // K/V tiles in flight
+    constexpr int BR = TC_WARPS * 16 * MT;
     constexpr int KS = D / 16;       // k16 steps over the head dim (S = Q K^T)
     constexpr int NO = D / 8;        // n8 tiles of the output row
     constexpr int NS = TC_BC / 8;    // n8 tiles of a score row
     constexpr int RS = D + 8;        // shared row stride in halves
     constexpr int CPR = D / 8;       // 16-byte chunks per key row
+    constexpr u32 ONES = 0x3c003c00u;  // half2(1, 1): B operand of the row-sum MMA
     extern __shared__ __align__(16) u16 tc_smem[];
-    u16* ks = tc_smem;                    // [2][TC_BC][RS]
-    u16* vs = ks + 2 * TC_BC * RS;        // [2][TC_BC][RS]
-    int* s_kend = reinterpret_cast<int*>(vs + 2 * TC_BC * RS);
+    u16* ks = tc_smem;                      // [NST][TC_BC][RS]
+    u16* vs = ks + NST * TC_BC * RS;        // [NST][TC_BC][RS]
+    int* s_kend = reinterpret_cast<int*>(vs + NST * TC_BC * RS);
 
     const int G = Hq / Hkv, kvh = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tg = lane & 3;
 
-    // This lane's two rows: warp row g and g + 8.
-    int tt[2], hh[2], qp[2];
+    // This lane's rows: m-tile mt, rows g and g + 8 (index r = 2 mt + i).
+    int tt[2 * MT], hh[2 * MT], qp[2 * MT];
+    int wmax = -1, wmin = 0x7fffffff;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int gr = (gridDim.x - 1 - blockIdx.x) * TC_BR + warp * 16 + g + 8 * i;  // longest rows first
-        tt[i] = gr / G;
-        hh[i] = kvh * G + gr % G;
-        qp[i] = tt[i] < T ? pos[tt[i]] : -1;
+    for (int r = 0; r < 2 * MT; ++r) {
+        const int gr = (gridDim.x - 1 - blockIdx.x) * BR + warp * 16 * MT + (r >> 1) * 16 + g + 8 * (r & 1);
+        tt[r] = gr / G;  // longest rows first: the last block of rows starts first
+        hh[r] = kvh * G + gr % G;
+        qp[r] = tt[r] < T ? pos[tt[r]] : -1;
+        wmax = max(wmax, qp[r]);
+        wmin = min(wmin, qp[r]);
     }
-    int wmax = max(qp[0], qp[1]), wmin = min(qp[0], qp[1]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         wmax = max(wmax, __shfl_xor_sync(FULL_MASK, wmax, o));
@@ -554,35 +572,36 @@ __device__ __forceinline__ void attention_tc_body(const float* __restrict__ q, i
     __syncthreads();
     const int kend = *s_kend;  // keys [0, kend) hold every key a row of this block sees
 
-    // Q fragments (A operand, row-major 16 x 16 per k step): a0 (g, 2tg), a1 (g+8, 2tg), a2 (g, 2tg+8), a3 (g+8, 2tg+8).
-    const float qs = scale * 1.4426950408889634f;  // log2(e): softmax in base 2
-    u32 qa[KS][4];
+    // Q fragments (A operand, row-major 16 x 16 per k step): a0 (g, 2tg), a1 (g+8, 2tg), a2 (g, 2tg+8),
+    // a3 (g+8, 2tg+8); rows past T read as zeros.
+    u32 qa[MT][KS][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const float* qr = q + (long long)(tt[i] < T ? tt[i] : 0) * q_stride + hh[i] * D + 2 * tg;
+    for (int r = 0; r < 2 * MT; ++r) {
+        const u16* qr = q + (long long)(tt[r] < T ? tt[r] : 0) * q_stride + hh[r] * D + 2 * tg;
 #pragma unroll
         for (int k = 0; k < KS; ++k) {
-            float2 x0 = make_float2(0.0f, 0.0f), x1 = x0;
-            if (tt[i] < T) {
-                x0 = *reinterpret_cast<const float2*>(qr + 16 * k);
-                x1 = *reinterpret_cast<const float2*>(qr + 16 * k + 8);
-            }
-            qa[k][i] = pack_h2(x0.x * qs, x0.y * qs);
-            qa[k][2 + i] = pack_h2(x1.x * qs, x1.y * qs);
+            qa[r >> 1][k][r & 1] = tt[r] < T ? *reinterpret_cast<const u32*>(qr + 16 * k) : 0u;
+            qa[r >> 1][k][2 + (r & 1)] = tt[r] < T ? *reinterpret_cast<const u32*>(qr + 16 * k + 8) : 0u;
         }
     }
 
-    float o[NO][4];
+    float o[MT][NO][4], l[MT][4];
 #pragma unroll
-    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int n = 0; n < NO; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
+        l[mt][0] = l[mt][1] = l[mt][2] = l[mt][3] = 0.0f;
+    }
+    float m[2 * MT];
+#pragma unroll
+    for (int r = 0; r < 2 * MT; ++r) m[r] = -INFINITY;
 
     const int n_tiles = (kend + TC_BC - 1) / TC_BC;
-    auto load_tile = [&](int tile, int buf) {
-        const int k0 = tile * TC_BC;
+    auto load_tile = [&](int tile) {  // one cp.async group per call, empty past the last tile
+        const int k0 = tile * TC_BC, buf = tile % NST;
         u16* kd = ks + buf * TC_BC * RS;
         u16* vd = vs + buf * TC_BC * RS;
-        for (int e = threadIdx.x; e < TC_BC * CPR; e += TC_WARPS * 32) {
+        for (int e = threadIdx.x; tile < n_tiles && e < TC_BC * CPR; e += TC_WARPS * 32) {
             const int j = e / CPR, c = e - j * CPR, key = k0 + j;
             const bool ok = key < kend;
             const long long off = ((long long)(ok ? key : 0) * Hkv + kvh) * D + c * 8;
@@ -591,125 +610,433 @@ __device__ __forceinline__ void attention_tc_body(const float* __restrict__ q, i
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    if (n_tiles > 0) load_tile(0, 0);
+#pragma unroll
+    for (int i = 0; i < NST - 1; ++i) load_tile(i);
+
+    // ldmatrix row addresses: lane supplies row lane % 8 of matrix mi = lane / 8.
+    // K (plain): matrix mi = keys 8 (mi >> 1) + [0, 8) at dims 8 (mi & 1) + [0, 8) of a 16-key, 16-dim step:
+    //   registers b0, b1 of n8 tile 2np and b0, b1 of tile 2np + 1.
+    // V (transposed): matrix mi = keys 8 (mi & 1) + [0, 8) at dims 8 (mi >> 1) + [0, 8): b0, b1 of the
+    //   output n8 tile 2nd and b0, b1 of tile 2nd + 1.
+    const int mi = lane >> 3, r8 = lane & 7;
+    const int koff = (((mi >> 1) << 3) + r8) * RS + ((mi & 1) << 3);
+    const int voff = (((mi & 1) << 3) + r8) * RS + ((mi >> 1) << 3);
 
     for (int it = 0; it < n_tiles; ++it) {
-        const int buf = it & 1, k0 = it * TC_BC;
-        if (it + 1 < n_tiles) {
-            load_tile(it + 1, buf ^ 1);
-            asm volatile("cp.async.wait_group 1;" ::: "memory");
-        } else {
-            asm volatile("cp.async.wait_group 0;" ::: "memory");
-        }
+        const int buf = it % NST, k0 = it * TC_BC;
+        // Groups 0..it+1 are committed (group j = tile j): tile it has landed when at most one is pending.
+        asm volatile("cp.async.wait_group %0;" ::"n"(NST - 2) : "memory");
+        // Every thread's copies of tile it are visible, and every warp is done with tile it - 1, whose
+        // buffer the next load refills.
         __syncthreads();
+        load_tile(it + NST - 1);
         if (k0 <= wmax) {  // warp-uniform: some row of this warp sees a key of the tile
-            const u16* kt = ks + buf * TC_BC * RS;
-            const u16* vt = vs + buf * TC_BC * RS;
-            float s[NS][4];
+            const u32 kt = smem_addr(ks + buf * TC_BC * RS + koff);
+            const u32 vt = smem_addr(vs + buf * TC_BC * RS + voff);
+            float s[MT][NS][4];
 #pragma unroll
-            for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
             // S = Q K^T: B (16 x 8, col-major) = K rows n*8 + g, dims 16k + 2tg (b0) and + 8 (b1).
 #pragma unroll
             for (int k = 0; k < KS; ++k) {
 #pragma unroll
-                for (int n = 0; n < NS; ++n) {
-                    const u16* kr = kt + (n * 8 + g) * RS + 16 * k + 2 * tg;
-                    mma_16816(s[n], qa[k], *reinterpret_cast<const u32*>(kr), *reinterpret_cast<const u32*>(kr + 8));
+                for (int np = 0; np < NS / 2; ++np) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(kt + (u32)((np * 16 * RS + k * 16) * 2), b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816(s[mt][2 * np], qa[mt][k], b0, b1);
+                        mma_16816(s[mt][2 * np + 1], qa[mt][k], b2, b3);
+                    }
                 }
             }
             if (k0 + TC_BC - 1 > wmin) {  // causal mask (and keys past kend) only where some row needs it
 #pragma unroll
-                for (int n = 0; n < NS; ++n)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int c = 0; c < 4; ++c)
-                        if (k0 + n * 8 + 2 * tg + (c & 1) > qp[c >> 1]) s[n][c] = -INFINITY;
+                    for (int n = 0; n < NS; ++n)
+#pragma unroll
+                        for (int c = 0; c < 4; ++c)
+                            if (k0 + n * 8 + 2 * tg + (c & 1) > qp[2 * mt + (c >> 1)]) s[mt][n][c] = -INFINITY;
             }
             // Online softmax per row (the 4 lanes of a quad hold one row's 64 scores).
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
+            for (int r = 0; r < 2 * MT; ++r) {
+                const int mt = r >> 1, i = r & 1;
                 float mx = -INFINITY;
 #pragma unroll
-                for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+                for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * i], s[mt][n][2 * i + 1]));
                 mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-                const float m_new = fmaxf(m[i], mx);
+                const float m_new = fmaxf(m[r], mx);
                 const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet stays at 0
-                const float alpha = ex2(m[i] - m_use);
-                m[i] = m_new;
-                l[i] *= alpha;
+                const float alpha = ex2(m[r] - m_use);
+                m[r] = m_new;
+                l[mt][2 * i] *= alpha;
+                l[mt][2 * i + 1] *= alpha;
 #pragma unroll
                 for (int n = 0; n < NO; ++n) {
-                    o[n][2 * i] *= alpha;
-                    o[n][2 * i + 1] *= alpha;
+                    o[mt][n][2 * i] *= alpha;
+                    o[mt][n][2 * i + 1] *= alpha;
                 }
 #pragma unroll
                 for (int n = 0; n < NS; ++n) {
-                    s[n][2 * i] = ex2(s[n][2 * i] - m_use);
-                    s[n][2 * i + 1] = ex2(s[n][2 * i + 1] - m_use);
+                    s[mt][n][2 * i] = ex2(s[mt][n][2 * i] - m_use);
+                    s[mt][n][2 * i + 1] = ex2(s[mt][n][2 * i + 1] - m_use);
                 }
             }
-            // O += P V, 16 keys per k step; B = V (16 keys x 8 dims) via ldmatrix.x4.trans: matrix mi =
-            // lane / 8 gives rows (keys) 16kk + (mi & 1) * 8 + lane % 8 at dims 16nd + (mi >> 1) * 8.
-            const int mi = lane >> 3;
-            const u32 vbase = smem_addr(vt + (((mi & 1) << 3) + (lane & 7)) * RS + ((mi >> 1) << 3));
+            // O += P V and l += P 1, 16 keys per k step.
 #pragma unroll
             for (int kk = 0; kk < TC_BC / 16; ++kk) {
-                u32 pa[4];
-                pa[0] = pack_h2(s[2 * kk][0], s[2 * kk][1]);
-                pa[1] = pack_h2(s[2 * kk][2], s[2 * kk][3]);
-                pa[2] = pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pa[3] = pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-                l[0] += h2_sum(pa[0]) + h2_sum(pa[2]);
-                l[1] += h2_sum(pa[1]) + h2_sum(pa[3]);
+                u32 pa[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    pa[mt][0] = pack_h2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][1] = pack_h2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][2] = pack_h2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][3] = pack_h2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                    mma_16816(l[mt], pa[mt], ONES, ONES);
+                }
 #pragma unroll
                 for (int nd = 0; nd < D / 16; ++nd) {
                     u32 b0, b1, b2, b3;
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                                 : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                                 : "r"(vbase + (u32)((kk * 16 * RS + nd * 16) * 2)));
-                    mma_16816(o[2 * nd], pa, b0, b1);
-                    mma_16816(o[2 * nd + 1], pa, b2, b3);
+                    ldsm_x4_trans(vt + (u32)((kk * 16 * RS + nd * 16) * 2), b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma_16816(o[mt][2 * nd], pa[mt], b0, b1);
+                        mma_16816(o[mt][2 * nd + 1], pa[mt], b2, b3);
+                    }
                 }
             }
         }
-        __syncthreads();  // the next iteration refills the other buffer: every warp is done with this one
     }
 
+    // l[mt][c]: every column of the ones-MMA holds the full row sum (c = 0 row g, c = 2 row g + 8).
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float lt = l[i];
-        lt += __shfl_xor_sync(FULL_MASK, lt, 1);
-        lt += __shfl_xor_sync(FULL_MASK, lt, 2);
-        if (tt[i] >= T) continue;
-        const float inv = 1.0f / lt;
-        const long long at = (long long)tt[i] * out_stride + hh[i] * D + 2 * tg;
+    for (int r = 0; r < 2 * MT; ++r) {
+        const int mt = r >> 1, i = r & 1;
+        if (tt[r] >= T) continue;
+        const float inv = 1.0f / l[mt][2 * i];
+        const long long at = (long long)tt[r] * out_stride + hh[r] * D + 2 * tg;
         if (OUT16) {  // |out| <= max |V| (a convex combination of fp16 rows): fp16 cannot overflow
             u16* orow = static_cast<u16*>(out) + at;
 #pragma unroll
             for (int n = 0; n < NO; ++n)
-                *reinterpret_cast<u32*>(orow + 8 * n) = pack_h2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+                *reinterpret_cast<u32*>(orow + 8 * n) = pack_h2(o[mt][n][2 * i] * inv, o[mt][n][2 * i + 1] * inv);
         } else {
             float* orow = static_cast<float*>(out) + at;
 #pragma unroll
             for (int n = 0; n < NO; ++n)
-                *reinterpret_cast<float2*>(orow + 8 * n) = make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+                *reinterpret_cast<float2*>(orow + 8 * n) =
+                    make_float2(o[mt][n][2 * i] * inv, o[mt][n][2 * i + 1] * inv);
         }
     }
 }
 
 #define ATTENTION_TC_KERNEL(D)                                                                                \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tc_d##D(                            \
-        const float* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,   \
-        float scale, float* out, int out_stride) {                                                            \
-        attention_tc_body<D, false>(q, q_stride, kc, vc, pos, T, Hq, Hkv, scale, out, out_stride);            \
+        const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
+        float* out, int out_stride) {                                                                         \
+        attention_tc_body<D, false>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride);                   \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tc16_d##D(                          \
-        const float* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,   \
-        float scale, u16* out, int out_stride) {                                                              \
-        attention_tc_body<D, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, scale, out, out_stride);             \
+        const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
+        u16* out, int out_stride) {                                                                           \
+        attention_tc_body<D, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride);                    \
     }
 ATTENTION_TC_KERNEL(64)
 ATTENTION_TC_KERNEL(80)
 ATTENTION_TC_KERNEL(96)
 ATTENTION_TC_KERNEL(112)
 ATTENTION_TC_KERNEL(128)
+
+// ---- Prefill on Hopper's warpgroup MMA (sm_90a only) -----------------------------------------------------
+// attention_wg_d<D> / attention_wg16_d<D> (D = 64, 128): the same contract as attention_tc*_d<D> (fp16 q
+// times log2(e)/sqrt(D), f32 or fp16 output), on wgmma.mma_async (m64nNk16, fp16 in, fp32 accumulate):
+// twice the tensor throughput of mma.sync on the H100, which the tensor-core kernel above is bound by.
+// grid (ceil(T*G / 64), Hkv), block 128 = one warpgroup; warp w owns query rows 16w..16w+15 of the
+// block's 64 (row r -> (t, h) as in attention_npl, longest rows first). Per 64-key tile:
+//   S[64 x 64] = Q K^T: D/16 wgmma with A = the Q fragments in registers (the mma.sync A layout), B = the
+//   K tile in shared memory (K-major: key rows, dims contiguous);
+//   mask, online softmax in fp32 with ex2 exactly as attention_tc (the accumulators have mma.sync's C
+//   layout per 8 columns), P rounded to fp16 in registers;
+//   O += P V: 4 wgmma m64nDk16 with A = P in registers, B = the V tile (transposed: dims contiguous), and
+//   l += P 1: 4 wgmma m64n8k16 against a 16 x 8 block of ones, so l sums the rounded P (O / l a convex
+//   combination of V rows, as attention_tc).
+// Shared tiles: K and V as [64 keys][64 dims] regions (one, or two for D = 128: dims 0-63 and 64-127), a
+// 128-byte key row per region with its 16-byte chunks XOR-swizzled by key % 8 (the 128-byte swizzle of the
+// MMA descriptors: conflict-free for the MMA's reads and for the cp.async writes, thread e -> chunk e % 8),
+// each region 1024-byte aligned. Descriptors: K, k16 step k: region k / 4, start + 32 (k % 4) bytes, 1024
+// bytes per 8 keys; V, k16 step kk: start + 2048 kk, 1024 bytes per 8 keys, the next 64 dims 8192 further.
+// cp.async fills them; fence.proxy.async makes the copies visible to the MMA's async proxy.
+// Dynamic shared memory: 1024 (alignment) + stages x 2 x 64 x D x 2 + 256 (ones) + 16 bytes.
+// On anything but sm_90a the entries exist (the kernel list is the same everywhere) but trap.
+#define WG_BC 64  // keys per tile
+#define WG_STAGES(D) ((D) <= 64 ? 3 : 2)  // D = 128 at 3 stages (97 KB) fits 2 blocks per SM, not 3
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+typedef unsigned long long u64;
+
+// Shared-memory matrix descriptor: start address, leading and stride byte offsets, swizzle mode (1: 128 B).
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lead, u32 stride, u32 swizzle) {
+    return (u64)((addr & 0x3ffff) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(stride >> 4) << 32) |
+           ((u64)swizzle << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+// d[N/2] (+)= a (64 x 16, registers) * B (16 x N, shared memory descriptor b); d scaled by 0 when !acc.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_n8(float* d, const u32* a, u64 b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
+        "{"
+        "%0, %1, %2, %3"
+        "}, {%4, %5, %6, %7}, %8, p, 1, 1, %10;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TRANS_B));
+}
+
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_n64(float* d, const u32* a, u64 b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TRANS_B));
+}
+
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_n128(float* d, const u32* a, u64 b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc), "n"(TRANS_B));
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_s(float* d, const u32* a, u64 b, int acc) {  // S: N keys, K-major
+    if constexpr (N == 128) wgmma_n128<0>(d, a, b, acc);
+    else wgmma_n64<0>(d, a, b, acc);
+}
+
+// Keep the compiler from moving accumulator reads or writes across the asynchronous MMAs.
+template <int N>
+__device__ __forceinline__ void wg_pin(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int D, bool OUT16>
+__device__ __forceinline__ void attention_wg_body(const u16* __restrict__ q, int q_stride,
+                                                  const u16* __restrict__ kc, const u16* __restrict__ vc,
+                                                  const int* __restrict__ pos, int T, int Hq, int Hkv,
+                                                  void* __restrict__ out, int out_stride) {
+    constexpr int KS = D / 16;        // k16 steps of S = Q K^T
+    constexpr int CPR = D / 8;        // 16-byte chunks per key row
+    constexpr int NST = WG_STAGES(D);
+    constexpr int BC = WG_BC;         // keys per tile
+    constexpr int NS = BC / 8;        // n8 column blocks of S
+    constexpr u32 REGION = BC * 128;  // bytes of a [BC keys][64 dims] region
+    constexpr u32 TILE = BC * D * 2;  // bytes of a K (or V) tile
+    extern __shared__ __align__(16) u8 wg_smem[];
+    const u32 base = (smem_addr(wg_smem) + 1023) & ~1023u;
+    const u32 ksm = base, vsm = base + NST * TILE, ones = base + 2 * NST * TILE;
+    u8* ones_p = wg_smem + (ones - smem_addr(wg_smem));
+    int* s_kend = reinterpret_cast<int*>(ones_p + 256);
+
+    const int G = Hq / Hkv, kvh = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tg = lane & 3;
+
+    int tt[2], hh[2], qp[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int gr = (gridDim.x - 1 - blockIdx.x) * 64 + warp * 16 + g + 8 * i;  // longest rows first
+        tt[i] = gr / G;
+        hh[i] = kvh * G + gr % G;
+        qp[i] = tt[i] < T ? pos[tt[i]] : -1;
+    }
+    int wmin = min(qp[0], qp[1]), bmax = max(qp[0], qp[1]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        wmin = min(wmin, __shfl_xor_sync(FULL_MASK, wmin, o));
+        bmax = max(bmax, __shfl_xor_sync(FULL_MASK, bmax, o));
+    }
+    if (threadIdx.x == 0) *s_kend = 0;
+    if (threadIdx.x < 64) reinterpret_cast<u32*>(ones_p)[threadIdx.x] = 0x3c003c00u;  // 16 x 8 ones
+    __syncthreads();
+    if (lane == 0) atomicMax(s_kend, bmax + 1);
+    __syncthreads();
+    const int kend = *s_kend;  // keys [0, kend) hold every key a row of this block sees
+
+    u32 qa[KS][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const u16* qr = q + (long long)(tt[i] < T ? tt[i] : 0) * q_stride + hh[i] * D + 2 * tg;
+#pragma unroll
+        for (int k = 0; k < KS; ++k) {
+            qa[k][i] = tt[i] < T ? *reinterpret_cast<const u32*>(qr + 16 * k) : 0u;
+            qa[k][2 + i] = tt[i] < T ? *reinterpret_cast<const u32*>(qr + 16 * k + 8) : 0u;
+        }
+    }
+
+    float o[D / 2], l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < D / 2; ++n) o[n] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY};
+
+    const int n_tiles = (kend + BC - 1) / BC;
+    auto load_tile = [&](int tile) {  // one cp.async group per call, empty past the last tile
+        const int k0 = tile * BC, buf = tile % NST;
+        for (int e = threadIdx.x; tile < n_tiles && e < BC * CPR; e += 128) {
+            const int c = e % CPR, j = e / CPR, key = k0 + j;
+            const bool ok = key < kend;
+            const long long off = ((long long)(ok ? key : 0) * Hkv + kvh) * D + c * 8;
+            const u32 at = (u32)((c >> 3) * REGION + j * 128 + (((c & 7) ^ (j & 7)) << 4));
+            cp_async16(ksm + buf * TILE + at, kc + off, ok ? 16 : 0);
+            cp_async16(vsm + buf * TILE + at, vc + off, ok ? 16 : 0);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    const u64 ones_desc = wg_desc(ones, 128, 256, 0);  // 16 x 8, no swizzle: two 8 x 8 cores, 128 B apart
+#pragma unroll
+    for (int i = 0; i < NST - 1; ++i) load_tile(i);
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const int buf = it % NST, k0 = it * BC;
+        // Tile it resident: every thread's copies done (at most the next tile's pending), visible to the
+        // MMA's async proxy and to all warps; every warp is done with tile it - 1, whose buffer refills.
+        asm volatile("cp.async.wait_group %0;" ::"n"(NST - 2) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        load_tile(it + NST - 1);
+        const u32 kb = ksm + buf * TILE, vb = vsm + buf * TILE;
+
+        float s[4 * NS];
+        wg_fence();
+#pragma unroll
+        for (int k = 0; k < KS; ++k)
+            wgmma_s<BC>(s, qa[k], wg_desc(kb + (k >> 2) * REGION + (k & 3) * 32, 16, 1024, 1), k);
+        wg_commit();
+        wg_wait0();
+        wg_pin(s);
+
+        if (k0 + BC - 1 > wmin) {
+#pragma unroll
+            for (int n = 0; n < NS; ++n)
+#pragma unroll
+                for (int c = 0; c < 4; ++c)
+                    if (k0 + n * 8 + 2 * tg + (c & 1) > qp[c >> 1]) s[4 * n + c] = -INFINITY;
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            const float m_new = fmaxf(m[i], mx);
+            const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+            const float alpha = ex2(m[i] - m_use);
+            m[i] = m_new;
+            l[2 * i] *= alpha;
+            l[2 * i + 1] *= alpha;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[4 * n + 2 * i] *= alpha;
+                o[4 * n + 2 * i + 1] *= alpha;
+            }
+#pragma unroll
+            for (int n = 0; n < NS; ++n) {
+                s[4 * n + 2 * i] = ex2(s[4 * n + 2 * i] - m_use);
+                s[4 * n + 2 * i + 1] = ex2(s[4 * n + 2 * i + 1] - m_use);
+            }
+        }
+        u32 pa[BC / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            pa[kk][0] = pack_h2(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack_h2(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack_h2(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack_h2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        wg_pin(o);  // the rescale stays before the fence
+        wg_pin(l);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            const u64 vd = wg_desc(vb + kk * 2048, REGION, 1024, 1);
+            if constexpr (D == 64) wgmma_n64<1>(o, pa[kk], vd, 1);
+            else wgmma_n128<1>(o, pa[kk], vd, 1);
+            wgmma_n8<0>(l, pa[kk], ones_desc, 1);
+        }
+        wg_commit();
+        wg_wait0();
+        wg_pin(o);
+        wg_pin(l);
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (tt[i] >= T) continue;
+        const float inv = 1.0f / l[2 * i];
+        const long long at = (long long)tt[i] * out_stride + hh[i] * D + 2 * tg;
+        if (OUT16) {
+            u16* orow = static_cast<u16*>(out) + at;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+                *reinterpret_cast<u32*>(orow + 8 * n) = pack_h2(o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
+        } else {
+            float* orow = static_cast<float*>(out) + at;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+                *reinterpret_cast<float2*>(orow + 8 * n) =
+                    make_float2(o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
+        }
+    }
+}
+#define WG_BODY(D, OUT16) attention_wg_body<D, OUT16>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride)
+#else
+#define WG_BODY(D, OUT16) __trap()
+#endif
+
+#define ATTENTION_WG_KERNEL(D)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) attention_wg_d##D(                                      \
+        const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
+        float* out, int out_stride) {                                                                         \
+        WG_BODY(D, false);                                                                                    \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) attention_wg16_d##D(                                    \
+        const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
+        u16* out, int out_stride) {                                                                           \
+        WG_BODY(D, true);                                                                                     \
+    }
+ATTENTION_WG_KERNEL(64)
+ATTENTION_WG_KERNEL(128)

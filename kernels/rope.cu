@@ -12,9 +12,12 @@
 //   rope_store_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn_factor, kcache, vcache)
 //       qkv [T, (Hq+2Hkv)*Dh] as the fused QKV matvec writes it; rotates q and k in place and writes k, v
 //       as fp16 into the layer's cache [ctx, Hkv, Dh] at row pos[t]. grid (T, Hq + 2*Hkv), block as above.
-//   rope_store_pf_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, scale, bias)
+//   rope_store_pf_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, scale, bias,
+//                        q16, q16_stride, qscale)
 //       the fused prefill's QKV epilogue: first qkv[t, :] = qkv[t, :] * scale[t] + bias (the GEMM's row
-//       scale, kernels/norm.cu rms_norm_f16; bias [(Hq+2Hkv)*Dh] or NULL), then as rope_store_<mode>.
+//       scale, kernels/norm.cu rms_norm_f16; bias [(Hq+2Hkv)*Dh] or NULL), then as rope_store_<mode>, except
+//       that the rotated q goes to q16 [T, Hq*Dh] (token stride q16_stride) as fp16(q * qscale), the form
+//       attention_tc*_d* reads (qscale = log2(e)/sqrt(Dh)), instead of back into qkv.
 // Best measured on H100: not yet tuned (tiny: T*H*Dh/2 threads).
 
 #include "common.cuh"
@@ -38,7 +41,8 @@ __device__ __forceinline__ void rope_body(float* x, int stride, int H, int Dh, i
 template <bool NEOX>
 __device__ __forceinline__ void rope_store_body(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
                                                 const int* pos, const double* inv_freq, float attn, u16* kcache,
-                                                u16* vcache) {
+                                                u16* vcache, u16* q16 = nullptr, int q16_stride = 0,
+                                                float qscale = 1.0f) {
     const int t = blockIdx.x, hd = blockIdx.y, i = threadIdx.x;
     const int p = pos[t];
     float* h = qkv + (long long)t * stride + hd * Dh;
@@ -49,6 +53,12 @@ __device__ __forceinline__ void rope_store_body(float* qkv, int stride, int Hq, 
         if (on) rope_pair<NEOX>(h, i, Dh, rope_dim, p, inv_freq, attn, da, db, oa, ob);
         __syncthreads();
         if (!on) return;
+        if (hd < Hq && q16) {  // q as the tensor-core attention reads it: fp16, times qscale
+            u16* qd = q16 + (long long)t * q16_stride + hd * Dh;
+            qd[da] = f2h(oa * qscale);
+            qd[db] = f2h(ob * qscale);
+            return;
+        }
         h[da] = oa;
         h[db] = ob;
         if (hd >= Hq) {
@@ -69,7 +79,8 @@ template <bool NEOX>
 __device__ __forceinline__ void rope_store_pf_body(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
                                                    const int* pos, const double* inv_freq, float attn, u16* kcache,
                                                    u16* vcache, const float* __restrict__ scale,
-                                                   const float* __restrict__ bias) {
+                                                   const float* __restrict__ bias, u16* q16, int q16_stride,
+                                                   float qscale) {
     const int t = blockIdx.x, hd = blockIdx.y, i = threadIdx.x;
     if (i < Dh / 2) {
         float* h = qkv + (long long)t * stride + hd * Dh + 2 * i;
@@ -79,18 +90,23 @@ __device__ __forceinline__ void rope_store_pf_body(float* qkv, int stride, int H
         h[1] = h[1] * s + (b ? b[1] : 0.0f);
     }
     __syncthreads();
-    rope_store_body<NEOX>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache);
+    rope_store_body<NEOX>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, q16, q16_stride,
+                          qscale);
 }
 
 extern "C" __global__ void rope_store_pf_normal(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
                                                 const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
-                                                const float* scale, const float* bias) {
-    rope_store_pf_body<false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias);
+                                                const float* scale, const float* bias, u16* q16, int q16_stride,
+                                                float qscale) {
+    rope_store_pf_body<false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
+                              q16_stride, qscale);
 }
 extern "C" __global__ void rope_store_pf_neox(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
                                               const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
-                                              const float* scale, const float* bias) {
-    rope_store_pf_body<true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias);
+                                              const float* scale, const float* bias, u16* q16, int q16_stride,
+                                              float qscale) {
+    rope_store_pf_body<true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
+                              q16_stride, qscale);
 }
 
 extern "C" __global__ void rope_normal(float* x, int stride, int H, int Dh, int rope_dim, const int* pos,

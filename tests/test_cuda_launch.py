@@ -13,6 +13,8 @@ import pytest
 
 from llamacli.backends import cuda_kernels as K
 
+TERNARY = r"\(\(D\) <= (\d+) \? (\d+) : (\d+)\)"  # a kernel macro's body `((D) <= limit ? wide : narrow)`
+
 
 def test_launch_structs_match_cuda_h() -> None:
     A, C = K.LaunchAttribute, K.LaunchConfig
@@ -159,3 +161,40 @@ def test_mv1_groups_keep_int8_launches_to_one_wave() -> None:
     assert _mv1_groups(4096, 4096, QT.Q6_K, 132) == 1  # 512 blocks: one wave
     assert _mv1_groups(14336, 4096, QT.Q4_K, 132) == 4  # the rules before it still decide first
     assert _mv1_groups(128256, 2048, QT.Q6_K, 132) == 8 and _mv1_groups(128256, 2048, QT.Q8_0, 132) == 4
+
+
+def test_tensor_core_attention_rows_per_block_match_the_kernel_source() -> None:
+    """_tc_rows sizes attention_tc*'s grid: 16 rows x TC_MT(D) m-tiles x TC_WARPS warps per block, and
+    _tc_smem its shared memory: TC_STAGES(D) x (K + V) tiles of TC_BC keys, as kernels/attention.cu defines them
+    (a grid too small would leave query rows unwritten; too little shared memory, tiles overwritten)."""
+    import re
+    from pathlib import Path
+
+    from llamacli.backends.cuda_backend import ATT_TC_DIMS, _tc_rows, _tc_smem
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "attention.cu").read_text()
+    define = {k: int(v) for k, v in re.findall(r"^#define (TC_WARPS|TC_BC) (\d+)$", src, re.M)}
+    s_limit, s_wide, s_narrow = map(int, re.search(r"^#define TC_STAGES\(D\) " + TERNARY, src, re.M).groups())
+    warps = define["TC_WARPS"]
+    limit, wide, narrow = map(int, re.search(r"^#define TC_MT\(D\) " + TERNARY + "$", src, re.M).groups())
+    for dh in ATT_TC_DIMS:
+        assert _tc_rows(dh) == 16 * warps * (wide if dh <= limit else narrow), dh
+        stages = s_wide if dh <= s_limit else s_narrow
+        assert _tc_smem(dh) == stages * 2 * define["TC_BC"] * (dh + 8) * 2 + 16, dh
+
+
+def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:
+    """_wg_smem sizes attention_wg*'s shared memory: 1024 (alignment) + WG_STAGES(D) x (K + V) tiles of WG_BC
+    keys + 256 (ones) + 16, as kernels/attention.cu defines them; its kernels exist for ATT_WG_DIMS."""
+    import re
+    from pathlib import Path
+
+    from llamacli.backends.cuda_backend import ATT_WG_DIMS, _wg_smem
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "attention.cu").read_text()
+    bc = int(re.search(r"^#define WG_BC (\d+)", src, re.M).group(1))
+    limit, wide, narrow = map(int, re.search(r"^#define WG_STAGES\(D\) " + TERNARY, src, re.M).groups())
+    assert set(ATT_WG_DIMS) == {int(d) for d in re.findall(r"^ATTENTION_WG_KERNEL\((\d+)\)$", src, re.M)}
+    for dh in ATT_WG_DIMS:
+        stages = wide if dh <= limit else narrow
+        assert _wg_smem(dh) == 1024 + stages * 2 * bc * dh * 2 + 256 + 16, dh

@@ -461,6 +461,56 @@ def test_attention_prefill_tensor_cores_unsorted_positions() -> None:
     assert_close(out.get(), want, 4e-3, 1e-2, "unsorted positions")
 
 
+@pytest.mark.parametrize("kernel", ["tc", "wg"])
+@pytest.mark.parametrize("dh", ATT_TC_DIMS)
+@pytest.mark.parametrize("hkv,group", [(3, 1), (2, 7)])
+def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
+    """The fused prefill's form: q already fp16 and times log2(e)/sqrt(dh) (as rope_store_pf writes it),
+    fp16 output for the O-projection GEMM; both kernels (attention_tc16_d* on mma.sync, everywhere; and
+    attention_wg16_d* on Hopper's wgmma, where built for sm_90a); every head dim with a kernel, row counts
+    that leave the last block partly empty, a chunk on a filled cache; output poisoned with NaN; float64
+    reference on the same fp16 q. Also values near the fp16 limit in V: the output stays finite (a convex
+    combination). f32 output too, on one shape."""
+    from llamacli.backends.cuda_backend import ATT_WG_DIMS, _tc_qscale, _tc_rows
+
+    rng = np.random.default_rng(2000 + dh + group)
+    hq, ctx = hkv * group, 700
+    cfg = make_cfg(n_head=hq, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hq * dh)
+    be, _ = bare(cfg, ctx)
+    if kernel == "wg" and not (be.attention_wg and dh in ATT_WG_DIMS):
+        pytest.skip("no wgmma kernel for this head dim or device")
+    be.attention_wg = kernel == "wg"
+    kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    be.k_cache[0], be.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
+    qs = _tc_qscale(dh)
+    for start, t in ((0, _tc_rows(dh) // group + 3), (0, 16), (131, 333), (690, 10 + 16)):
+        t = min(t, ctx - start)
+        q16 = (rng.standard_normal((t, hq, dh)) * qs).astype(np.float16)
+        pos = np.arange(start, start + t, dtype=np.int32)
+        out = cp.full((t, hq * dh), cp.nan, dtype=cp.float16)
+        be._attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out)
+        # q16 / qs is the q the kernel sees in natural-log softmax units.
+        want = attention_ref(q16.astype(np.float64) / qs, kc.astype(np.float32), vc.astype(np.float32), pos, group)
+        got = out.get().astype(np.float64)
+        assert_close(got, want, 4e-3, 1e-2, f"fp16 io t={t} start={start}")
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+        if start == 131:  # f32 output (the op-by-op path's)
+            out32 = cp.full((t, hq * dh), cp.nan, dtype=cp.float32)
+            be._attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t,
+                          out32)
+            assert_close(out32.get(), want, 4e-3, 1e-2, f"f32 out t={t} start={start}")
+    big = np.full((ctx, hkv, dh), 65504.0, np.float16)
+    big[::2] = -65504.0
+    be.v_cache[0] = cp.asarray(big)
+    t = 40
+    q16 = (rng.standard_normal((t, hq, dh)) * qs).astype(np.float16)
+    out = cp.full((t, hq * dh), cp.nan, dtype=cp.float16)
+    be._attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0],
+                  cp.asarray(np.arange(t, dtype=np.int32)), t, out)
+    assert np.isfinite(out.get()).all()
+
+
 @pytest.mark.parametrize("dh,hkv,group", [(64, 3, 3), (128, 1, 8), (96, 2, 7), (64, 2, 1)])
 def test_attention_decode_warps_and_wide_chunks(dh, hkv, group) -> None:
     """attention_decode_npl*: a context past 65536 keys makes chunks of 512 (two 256-key passes per split);

@@ -77,3 +77,13 @@ def test_backend_cuda_without_cupy_says_how_to_install(monkeypatch) -> None:
     assert not ok and "pip install 'llamacli[cuda12]'" in reason and "[cuda13]" in reason
     with pytest.raises(BackendError, match=r"CuPy is not installed.*pip install 'llamacli\[cuda12\]'"):
         select_backend("cuda")
+
+
+def test_attention_has_hopper_code_only_for_sm90a() -> None:
+    """attention.cu's wgmma kernels: real code when compiled for sm_90a (as cuda_kernels does on a Hopper GPU),
+    a trap for any other target, and the same kernel list everywhere."""
+    hopper = K.compile_ptx("attention", "compute_90a")
+    plain = K.compile_ptx("attention", "compute_90")
+    assert "wgmma.mma_async" in hopper and "wgmma" not in plain
+    assert set(re.findall(r"\.entry\s+(\w+)\(", hopper)) == set(re.findall(r"\.entry\s+(\w+)\(", plain))
+    assert K.FEATURE_ARCH["attention"] == ("90", "sm_90a")

@@ -63,8 +63,9 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill pass (forward_prompt's buffers;
 PREFILL_GRAPHS = 8  # captured prefill passes kept, by length (least recently used dropped)
 TOPK_MAX = 1024  # device top-k candidates
 ATT_ROWS = 32  # kernels/attention.cu: query rows per block
-ATT_TC_ROWS, ATT_TC_KEYS = 64, 64  # attention_tc_d*: query rows per block, keys per shared-memory tile
+ATT_TC_KEYS = 64  # attention_tc_d*: keys per shared-memory tile
 ATT_TC_DIMS = (64, 80, 96, 112, 128)  # head dims with a tensor-core prefill kernel
+ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: attention_wg*_d*
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
 DEC_KEYS = 256  # attention_decode_npl*: keys per pass of a split (8 warps x 32 lanes)
 MV1_WARPS = 8  # kernels/matvec.cu mv1_*: warps per block
@@ -72,6 +73,29 @@ MV1_WARPS = 8  # kernels/matvec.cu mv1_*: warps per block
 PDL_MAX_BYTES = 16 << 20  # matvecs under this many weight bytes (and the attention) launch as dependents
 PDL_EARLY_BYTES = 2 << 20  # a kernel lets the next start early when the next reads under this many bytes
 _ALIGN = 256
+
+
+def _tc_rows(dh: int) -> int:
+    """attention_tc*_d<dh>: query rows per block (kernels/attention.cu TC_MT: 4 warps x 16 rows x 2 m-tiles
+    up to head dim 64, one m-tile above)."""
+    return 4 * 16 * (2 if dh <= 64 else 1)
+
+
+def _tc_smem(dh: int) -> int:
+    """attention_tc*_d<dh>'s dynamic shared memory: K and V tiles of ATT_TC_KEYS rows of dh + 8 halves per
+    stage (TC_STAGES: 3 up to head dim 64, else 2), and one int."""
+    return (3 if dh <= 64 else 2) * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16
+
+
+def _wg_smem(dh: int) -> int:
+    """attention_wg*_d<dh>'s dynamic shared memory: 1024 for alignment, WG_STAGES(D) (3 up to head dim 64,
+    else 2) K and V tiles of 64 keys x dh halves, 256 of ones, one int."""
+    return 1024 + (3 if dh <= 64 else 2) * 2 * 64 * dh * 2 + 256 + 16
+
+
+def _tc_qscale(dh: int) -> float:
+    """The factor attention_tc*_d* expects q multiplied by: log2(e) / sqrt(dh) (its softmax is base 2)."""
+    return math.log2(math.e) / math.sqrt(dh)
 
 
 def cuda_available() -> tuple[bool, str]:
@@ -276,6 +300,8 @@ class CudaBackend(Backend):
         self.cp = cp
         self.use_graph = use_graph
         self.attention_tc = True  # prefill attention on tensor cores (False: the fp32 CUDA-core kernel)
+        # ... with Hopper's warpgroup MMA where attention.cu is built for sm_90a (False: mma.sync everywhere)
+        self.attention_wg = K.feature_arch("attention") == "sm_90a"
         # Query rows per block in the fused step's attention (of the G sharing a KV head): 1 gives the
         # shortest dependent chain per lane (decode at short contexts is latency-bound); each block re-reads
         # its split's K/V from L2. Set before the first decode (the graph keeps it).
@@ -674,11 +700,11 @@ class CudaBackend(Backend):
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
-            # Prefill on tensor cores (fp16 Q and P, fp32 accumulate): 64 query rows per block.
-            smem = 2 * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16
-            K.launch("attention", f"attention_tc_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
-                     (K.ptr(q), K.i32(q_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
-                      K.f32(1.0 / math.sqrt(dh)), K.ptr(out), K.i32(cfg.q_dim)), shared=smem)
+            # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e)/sqrt(dh)), as the fused
+            # prefill's RoPE epilogue writes it.
+            q32 = q.reshape(t, q_stride)[:, : hq * dh]
+            q16 = (q32 * np.float32(_tc_qscale(dh))).astype(self.cp.float16)
+            self._attend_tc(q16, hq * dh, kc, vc, pos, t, out)
             return
         npl = next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
         if n_split > 1 and t == 1 and self._decode_kernel_fits():
@@ -701,6 +727,21 @@ class CudaBackend(Backend):
             K.launch("attention", "attention_combine", (t * hq,), (max(32, K.cdiv(dh, 32) * 32),),
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(dh), K.i32(n_split),
                       K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
+
+    def _attend_tc(self, q16: Any, q16_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any) -> None:
+        """Causal prefill attention on tensor cores (attention_tc*_d*): q16 [t, Hq*dh] fp16 rows q16_stride
+        apart, already times _tc_qscale; out [t, q_dim] f32, or fp16 (the O-projection GEMM's input)."""
+        cfg = self.cfg
+        hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        f16 = "16" if out.dtype == self.cp.float16 else ""
+        args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
+                K.ptr(out), K.i32(cfg.q_dim))
+        if self.attention_wg and dh in ATT_WG_DIMS:  # 64 query rows per block, one warpgroup
+            K.launch("attention", f"attention_wg{f16}_d{dh}", (K.cdiv(t * cfg.n_group, 64), hkv), (128,), args,
+                     shared=_wg_smem(dh))
+        else:
+            K.launch("attention", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, _tc_rows(dh)), hkv), (128,),
+                     args, shared=_tc_smem(dh))
 
     def _decode_smem(self) -> int:
         """attention_decode / attention_step: q [G, Dh] + per-warp o [8, G, Dh] and (m, l) f32, V tiles [8, 32, Dh] fp16."""
@@ -869,13 +910,11 @@ class CudaBackend(Backend):
                 K.launch("rope", f"rope_store_pf_{mode}", (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
                          (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim), K.ptr(b.pos),
                           K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor), K.ptr(self.k_cache[i]),
-                          K.ptr(self.v_cache[i]), K.ptr(sc), K.ptr(bias)))
+                          K.ptr(self.v_cache[i]), K.ptr(sc), K.ptr(bias), K.ptr(h16 if tc else None),
+                          K.i32(cfg.q_dim), K.f32(_tc_qscale(dh))))
             with sec("attention"):
-                if tc:
-                    K.launch("attention", f"attention_tc16_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
-                             (K.ptr(qkv), K.i32(nqkv), K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i]), K.ptr(b.pos),
-                              K.i32(t), K.i32(hq), K.i32(hkv), K.f32(1.0 / math.sqrt(dh)), K.ptr(b.att16),
-                              K.i32(cfg.q_dim)), shared=2 * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16)
+                if tc:  # q16 in h16 (the QKV GEMM is done with it), written by rope_store_pf
+                    self._attend_tc(b.h16, cfg.q_dim, self.k_cache[i], self.v_cache[i], b.pos, t, b.att16)
                 else:  # fp32 CUDA-core attention, then fp16 with a row scale
                     att = y[: t * cfg.q_dim].reshape(t, cfg.q_dim)
                     self._attend(qkv, nqkv, self.k_cache[i], self.v_cache[i], b.pos, t, att, 1, self.ctx, None, None)

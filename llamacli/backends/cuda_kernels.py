@@ -5,6 +5,11 @@ the text CuPy hashes for its on-disk cache (~/.cupy/kernel_cache) is the whole p
 recompiles, and a cache hit in a new process costs milliseconds. CuPy adds `-arch=sm_XY` of the current
 device itself; we add `-std=c++17`. An NVRTC error becomes KernelCompileError naming the file, with the log.
 
+A family in FEATURE_ARCH holds code for one architecture's own features (attention.cu: Hopper's wgmma, which
+only `sm_90a` code may use, guarded by __CUDA_ARCH_FEAT_SM90_ALL). On that device it is compiled here with
+NVRTC for that target (CuPy can only name `sm_XY`) into a cubin cached under the llamacli cache, keyed by the
+source, the options and the NVRTC version, and loaded with RawModule(path=...); elsewhere as above.
+
 Launchers live next to the get_function call and compute grid and block there. With logging at DEBUG (the
 CLI's --debug) every launch is logged: name, grid, block, dynamic shared memory.
 """
@@ -27,6 +32,7 @@ from ..errors import BackendError, KernelCompileError
 log = logging.getLogger("llamacli.kernels")
 
 NVRTC_OPTIONS = ("-std=c++17",)
+FEATURE_ARCH = {"attention": ("90", "sm_90a")}  # family -> (compute capability, NVRTC target on it)
 FAMILIES = ("attention", "dequant", "elementwise", "matvec", "norm", "rope", "sampling")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
@@ -86,12 +92,58 @@ def module(family: str) -> Any:
     import cupy as cp
 
     src = kernel_source(family)
+    arch = feature_arch(family)
+    if arch is not None:
+        return cp.RawModule(path=str(_feature_cubin(family, src, arch)))
     mod = cp.RawModule(code=src, options=NVRTC_OPTIONS)
     try:
         mod.compile()
     except cp.cuda.compiler.CompileException as exc:
         raise KernelCompileError(f"kernels/{family}.cu failed to compile:\n{exc.get_message()}") from None
     return mod
+
+
+def feature_arch(family: str) -> str | None:
+    """The architecture-specific target `family` is compiled for on this device (see the module docstring),
+    or None."""
+    import cupy as cp
+
+    want = FEATURE_ARCH.get(family)
+    return want[1] if want and cp.cuda.Device().compute_capability == want[0] else None
+
+
+def _feature_cubin(family: str, src: str, arch: str) -> Path:
+    """kernels/<family>.cu compiled for `arch` (e.g. sm_90a): a cubin file in the cache, made once."""
+    import hashlib
+    import os
+    import tempfile
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    from ..registry import cache_home
+
+    # -ftz=true as CuPy compiles every other family (same float behaviour whichever path compiled it).
+    options = [f"-arch={arch}", *NVRTC_OPTIONS, "-ftz=true"]
+    key = hashlib.sha256("\0".join([src, *options, repr(nvrtc.getVersion())]).encode()).hexdigest()[:24]
+    path = cache_home() / "kernels" / f"{family}-{arch}-{key}.cubin"
+    if path.is_file():
+        return path
+    prog = nvrtc.createProgram(src, f"{family}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except Exception as exc:  # nvrtc.NVRTCError
+            log_text = nvrtc.getProgramLog(prog)
+            raise KernelCompileError(f"kernels/{family}.cu failed to compile for {arch}:\n{log_text}") from exc
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
+    with os.fdopen(fd, "wb") as f:
+        f.write(cubin)
+    os.replace(tmp, path)  # atomic: a concurrent process finds the whole file or none
+    return path
 
 
 @lru_cache(maxsize=None)
