@@ -474,10 +474,9 @@ extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v
 // (Dao 2023) on mma.sync.m16n8k16 (fp16 inputs, fp32 accumulate; softmax in fp32 with exp2).
 // q: fp16 rows [T, Hq, D] (token stride q_stride halves) already multiplied by log2(e)/sqrt(D): the fused
 // prefill's RoPE epilogue (rope_store_pf_*) writes them so, and the op-by-op path converts its f32 q once.
-// grid (ceil(T*G / BR), Hkv), block 128 = 4 warps; each warp owns MT x 16 query rows (MT = 2 for D <= 64,
-// else 1: the accumulators of 32 rows x D > 64 would not fit the registers), so BR = 64 * MT rows share
-// every K/V tile (row r -> (t, h) as in attention_npl): a KV head is read once per BR rows, and each K or V
-// fragment a warp loads from shared memory feeds MT m-tiles.
+// grid (ceil(T*G / BR), Hkv), block 128 = 4 warps; each warp owns MT x 16 query rows (TC_MT; the code takes
+// 2 for D <= 64, which feeds each K or V fragment loaded from shared memory to two m-tiles), so BR = 64 * MT
+// rows share every K/V tile (row r -> (t, h) as in attention_npl): a KV head is read once per BR rows.
 // Keys go in tiles of 64 through shared memory, three stages deep (two for D > 64) with cp.async (16-byte
 // copies, zero-filled past the last key any row sees). Rows are padded by 8 halves (16 bytes): the ldmatrix
 // row reads (K plain, V transposed) are conflict-free for D = 64, 96, 128.
@@ -494,7 +493,7 @@ extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v
 #define TC_WARPS 4
 #define TC_BC 64
 #define TC_STAGES(D) ((D) <= 64 ? 3 : 2)  // D = 128 at 3 stages (104 KB) fits 2 blocks per SM, not 3
-#define TC_MT(D) ((D) <= 64 ? 2 : 1)
+#define TC_MT 1  // m16 tiles per warp: 2 measured no faster (H100, B16 H32 T512 D64), and halves the blocks
 
 
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
@@ -531,7 +530,7 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
                                                   const u16* __restrict__ kc, const u16* __restrict__ vc,
                                                   const int* __restrict__ pos, int T, int Hq, int Hkv,
                                                   void* __restrict__ out, int out_stride) {
-    constexpr int MT = TC_MT(D);     // m16 tiles (16 query rows each) per warp
+    constexpr int MT = TC_MT;        // m16 tiles (16 query rows each) per warp
     constexpr int NST = TC_STAGES(D);  // K/V tiles in flight
     constexpr int BR = TC_WARPS * 16 * MT;
     constexpr int KS = D / 16;       // k16 steps over the head dim (S = Q K^T)

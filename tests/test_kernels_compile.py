@@ -87,3 +87,18 @@ def test_attention_has_hopper_code_only_for_sm90a() -> None:
     assert "wgmma.mma_async" in hopper and "wgmma" not in plain
     assert set(re.findall(r"\.entry\s+(\w+)\(", hopper)) == set(re.findall(r"\.entry\s+(\w+)\(", plain))
     assert K.FEATURE_ARCH["attention"] == ("90", "sm_90a")
+
+
+def test_feature_cubin_is_compiled_once_into_the_cache(tmp_path, monkeypatch) -> None:
+    """attention.cu for sm_90a: a cubin under $LLAMACLI_HOME/kernels named by family, target and a hash of
+    the source; a second call finds it (no compile); another source, another file."""
+    monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path))
+    src = K.kernel_source("attention")
+    path = K._feature_cubin("attention", src, "sm_90a")
+    assert path.parent == tmp_path / "kernels" and path.name.startswith("attention-sm_90a-")
+    assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin
+    stamp = path.stat().st_mtime_ns
+    assert K._feature_cubin("attention", src, "sm_90a") == path and path.stat().st_mtime_ns == stamp
+    other = K._feature_cubin("attention", src + "\n// edited\n", "sm_90a")
+    assert other != path and other.is_file()
+    assert not list(path.parent.glob("*.part"))

@@ -76,9 +76,8 @@ _ALIGN = 256
 
 
 def _tc_rows(dh: int) -> int:
-    """attention_tc*_d<dh>: query rows per block (kernels/attention.cu TC_MT: 4 warps x 16 rows x 2 m-tiles
-    up to head dim 64, one m-tile above)."""
-    return 4 * 16 * (2 if dh <= 64 else 1)
+    """attention_tc*_d<dh>: query rows per block (kernels/attention.cu: 4 warps x 16 rows x TC_MT m-tiles)."""
+    return 4 * 16 * 1
 
 
 def _tc_smem(dh: int) -> int:
@@ -301,7 +300,7 @@ class CudaBackend(Backend):
         self.use_graph = use_graph
         self.attention_tc = True  # prefill attention on tensor cores (False: the fp32 CUDA-core kernel)
         # ... with Hopper's warpgroup MMA where attention.cu is built for sm_90a (False: mma.sync everywhere)
-        self.attention_wg = K.feature_arch("attention") == "sm_90a"
+        self.attention_wg = K.built_arch("attention") == "sm_90a"
         # Query rows per block in the fused step's attention (of the G sharing a KV head): 1 gives the
         # shortest dependent chain per lane (decode at short contexts is latency-bound); each block re-reads
         # its split's K/V from L2. Set before the first decode (the graph keeps it).

@@ -94,13 +94,31 @@ def module(family: str) -> Any:
     src = kernel_source(family)
     arch = feature_arch(family)
     if arch is not None:
-        return cp.RawModule(path=str(_feature_cubin(family, src, arch)))
+        try:
+            mod = cp.RawModule(path=str(_feature_cubin(family, src, arch)))
+        except Exception as exc:  # an NVRTC without that target, say: the portable build serves
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            log.warning("kernels/%s.cu for %s: %s; using the portable build", family, arch, first)
+        else:
+            _built_for[family] = arch
+            return mod
+    _built_for[family] = None
     mod = cp.RawModule(code=src, options=NVRTC_OPTIONS)
     try:
         mod.compile()
     except cp.cuda.compiler.CompileException as exc:
         raise KernelCompileError(f"kernels/{family}.cu failed to compile:\n{exc.get_message()}") from None
     return mod
+
+
+_built_for: dict[str, str | None] = {}  # family -> the architecture-specific target its module was built for
+
+
+def built_arch(family: str) -> str | None:
+    """The architecture-specific target (FEATURE_ARCH) kernels/<family>.cu's module was built for, or None
+    (the portable build: its architecture-specific kernels trap). Builds the module if need be."""
+    module(family)
+    return _built_for[family]
 
 
 def feature_arch(family: str) -> str | None:
