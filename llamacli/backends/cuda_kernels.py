@@ -32,6 +32,9 @@ from ..errors import BackendError, KernelCompileError
 log = logging.getLogger("llamacli.kernels")
 
 NVRTC_OPTIONS = ("-std=c++17",)
+# Our own NVRTC calls (compile_ptx, the FEATURE_ARCH builds) add what CuPy adds to its: unannotated functions
+# (a generic lambda, say) are device functions.
+_NVRTC_DIRECT = (*NVRTC_OPTIONS, "-default-device")
 FEATURE_ARCH = {"attention": ("90", "sm_90a")}  # family -> (compute capability, NVRTC target on it)
 FAMILIES = ("attention", "dequant", "elementwise", "matvec", "norm", "rope", "sampling")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
@@ -76,7 +79,7 @@ def compile_ptx(family: str, arch: str = "compute_90", directory: Path | None = 
     prog = nvrtc.createProgram(src, f"{family}.cu", [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [f"-arch={arch}", *NVRTC_OPTIONS])
+            nvrtc.compileProgram(prog, [f"-arch={arch}", *_NVRTC_DIRECT])
         except Exception as exc:  # nvrtc.NVRTCError
             raise KernelCompileError(
                 f"kernels/{family}.cu failed to compile for {arch}:\n{nvrtc.getProgramLog(prog)}"
@@ -141,7 +144,7 @@ def _feature_cubin(family: str, src: str, arch: str) -> Path:
     from ..registry import cache_home
 
     # -ftz=true as CuPy compiles every other family (same float behaviour whichever path compiled it).
-    options = [f"-arch={arch}", *NVRTC_OPTIONS, "-ftz=true"]
+    options = [f"-arch={arch}", *_NVRTC_DIRECT, "-ftz=true"]
     key = hashlib.sha256("\0".join([src, *options, repr(nvrtc.getVersion())]).encode()).hexdigest()[:24]
     path = cache_home() / "kernels" / f"{family}-{arch}-{key}.cubin"
     if path.is_file():
