@@ -17,13 +17,14 @@
 //   the keys are what must spread over the SMs). Dynamic shared memory: 32*Dh*4 + 32*(Dh/2+1)*4 + 32*Dh*2.
 // attention_combine: grid T*Hq, block Dh rounded up to 32: merges the ceil((pos[t]+1)/chunk) partials.
 // kv_store: k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows pos[t] as fp16.
-// Prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128} run attention_tc_d<D> (tensor cores, below);
+// Prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128} run attention_tc_d<D> (tensor cores, below),
+// or on a Hopper GPU with D 64 or 128 attention_wg_d<D> (its warpgroup MMA, built for sm_90a; last below);
 // decode with G <= 8 and D % 8 == 0 runs attention_decode_npl<N> (keys over all 8 warps, below), and the
 // fused decode step its STEP form attention_step_<mode>_npl<N> (RoPE + K/V store + split + combine in one;
 // a programmatic dependent in the captured step: the K/V prefetch runs before pdl_wait, `early` as in mv1).
-// Best measured on H100 (2026-11-22, B16 H32 T512 D64 causal): attention_tc_d64 118-120 us (144 TFLOP/s;
-// this kernel 2,100 us; torch SDPA fp16 70 us). The f32 q rows and f32 output alone are 134 MB of the
-// 201 MB this shape must move: ~68 us at 2965 GB/s before any arithmetic.
+// Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal, fp16 q/K/V/out): attention_wg16_d64 83-84 us
+// (205 TFLOP/s), attention_tc16_d64 103-105 us; this kernel (f32 q and out) ~2,100 us; torch SDPA fp16
+// (cuDNN's sm90 flash kernel) 71-72 us, FlashAttention-2 (mma.sync) 119 us.
 
 #include "common.cuh"
 #include "rope.cuh"

@@ -17,7 +17,7 @@
 //       the fused prefill's QKV epilogue: first qkv[t, :] = qkv[t, :] * scale[t] + bias (the GEMM's row
 //       scale, kernels/norm.cu rms_norm_f16; bias [(Hq+2Hkv)*Dh] or NULL), then as rope_store_<mode>, except
 //       that the rotated q goes to q16 [T, Hq*Dh] (token stride q16_stride) as fp16(q * qscale), the form
-//       attention_tc*_d* reads (qscale = log2(e)/sqrt(Dh)), instead of back into qkv.
+//       attention_tc*_d* and attention_wg*_d* read (qscale = log2(e)/sqrt(Dh)), instead of back into qkv.
 // Best measured on H100: not yet tuned (tiny: T*H*Dh/2 threads).
 
 #include "common.cuh"

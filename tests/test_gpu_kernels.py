@@ -471,7 +471,7 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
     that leave the last block partly empty, a chunk on a filled cache; output poisoned with NaN; float64
     reference on the same fp16 q. Also values near the fp16 limit in V: the output stays finite (a convex
     combination). f32 output too, on one shape."""
-    from llamacli.backends.cuda_backend import ATT_WG_DIMS, _tc_qscale, _tc_rows
+    from llamacli.backends.cuda_backend import ATT_TC_ROWS, ATT_WG_DIMS, _tc_qscale
 
     rng = np.random.default_rng(2000 + dh + group)
     hq, ctx = hkv * group, 700
@@ -484,7 +484,7 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
     vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     be.k_cache[0], be.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
     qs = _tc_qscale(dh)
-    for start, t in ((0, _tc_rows(dh) // group + 3), (0, 16), (131, 333), (690, 10 + 16)):
+    for start, t in ((0, ATT_TC_ROWS // group + 3), (0, 16), (131, 333), (690, 10 + 16)):
         t = min(t, ctx - start)
         q16 = (rng.standard_normal((t, hq, dh)) * qs).astype(np.float16)
         pos = np.arange(start, start + t, dtype=np.int32)

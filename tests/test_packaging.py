@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -35,10 +36,16 @@ def test_wheel_contents(wheel):
 
 def test_installed_wheel_runs_outside_the_checkout(wheel, tmp_path):
     env_dir = tmp_path / "venv"
-    # System site-packages provide the dependencies; llamacli itself comes from the wheel, and we run from a
-    # folder outside the checkout so that nothing of the source tree can be picked up.
+    # The running interpreter's packages provide the dependencies (a path line in a .pth file: the base
+    # interpreter's site-packages need not hold them when the tests run in a virtual environment, as CI's do,
+    # and the editable install's finder there is not activated); llamacli itself comes from the wheel, and we
+    # run from a folder outside the checkout so that nothing of the source tree can be picked up.
     venv.create(env_dir, system_site_packages=True, with_pip=True)
     py = env_dir / "bin" / "python"
+    inner = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    outer = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    (Path(inner) / "_outer_deps.pth").write_text("".join(f"{d}\n" for d in sorted(outer)))
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True, cwd=tmp_path)
     r = subprocess.run([env_dir / "bin" / "llamacli", "--help"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0 and "inspect" in r.stdout and "generate" in r.stdout

@@ -63,7 +63,7 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill pass (forward_prompt's buffers;
 PREFILL_GRAPHS = 8  # captured prefill passes kept, by length (least recently used dropped)
 TOPK_MAX = 1024  # device top-k candidates
 ATT_ROWS = 32  # kernels/attention.cu: query rows per block
-ATT_TC_KEYS = 64  # attention_tc_d*: keys per shared-memory tile
+ATT_TC_ROWS, ATT_TC_KEYS = 64, 64  # attention_tc_d*: query rows per block (4 warps x 16 x TC_MT), keys/tile
 ATT_TC_DIMS = (64, 80, 96, 112, 128)  # head dims with a tensor-core prefill kernel
 ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: attention_wg*_d*
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
@@ -73,11 +73,6 @@ MV1_WARPS = 8  # kernels/matvec.cu mv1_*: warps per block
 PDL_MAX_BYTES = 16 << 20  # matvecs under this many weight bytes (and the attention) launch as dependents
 PDL_EARLY_BYTES = 2 << 20  # a kernel lets the next start early when the next reads under this many bytes
 _ALIGN = 256
-
-
-def _tc_rows(dh: int) -> int:
-    """attention_tc*_d<dh>: query rows per block (kernels/attention.cu: 4 warps x 16 rows x TC_MT m-tiles)."""
-    return 4 * 16 * 1
 
 
 def _tc_smem(dh: int) -> int:
@@ -739,7 +734,7 @@ class CudaBackend(Backend):
             K.launch("attention", f"attention_wg{f16}_d{dh}", (K.cdiv(t * cfg.n_group, 64), hkv), (128,), args,
                      shared=_wg_smem(dh))
         else:
-            K.launch("attention", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, _tc_rows(dh)), hkv), (128,),
+            K.launch("attention", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
                      args, shared=_tc_smem(dh))
 
     def _decode_smem(self) -> int:
