@@ -889,13 +889,7 @@ __device__ __forceinline__ void attention_wg_body(const u16* __restrict__ q, int
         wmin = min(wmin, __shfl_xor_sync(FULL_MASK, wmin, o));
         bmax = max(bmax, __shfl_xor_sync(FULL_MASK, bmax, o));
     }
-    if (threadIdx.x == 0) *s_kend = 0;
-    if (threadIdx.x < 64) reinterpret_cast<u32*>(ones_p)[threadIdx.x] = 0x3c003c00u;  // 16 x 8 ones
-    __syncthreads();
-    if (lane == 0) atomicMax(s_kend, bmax + 1);
-    __syncthreads();
-    const int kend = *s_kend;  // keys [0, kend) hold every key a row of this block sees
-
+    // The Q fragments first: their loads run during the barriers below.
     u32 qa[KS][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -906,6 +900,13 @@ __device__ __forceinline__ void attention_wg_body(const u16* __restrict__ q, int
             qa[k][2 + i] = tt[i] < T ? *reinterpret_cast<const u32*>(qr + 16 * k + 8) : 0u;
         }
     }
+    if (threadIdx.x == 0) *s_kend = 0;
+    if (threadIdx.x < 64) reinterpret_cast<u32*>(ones_p)[threadIdx.x] = 0x3c003c00u;  // 16 x 8 ones
+    __syncthreads();
+    if (lane == 0) atomicMax(s_kend, bmax + 1);
+    __syncthreads();
+    const int kend = *s_kend;  // keys [0, kend) hold every key a row of this block sees
+
 
     float o[D / 2], l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
