@@ -755,7 +755,7 @@ ATTENTION_TC_KERNEL(128)
 // ---- Prefill on Hopper's warpgroup MMA (sm_90a only) -----------------------------------------------------
 // attention_wg_d<D> / attention_wg16_d<D> (D = 64, 128): the same contract as attention_tc*_d<D> (fp16 q
 // times log2(e)/sqrt(D), f32 or fp16 output), on wgmma.mma_async (m64nNk16, fp16 in, fp32 accumulate):
-// twice the tensor throughput of mma.sync on the H100, which the tensor-core kernel above is bound by.
+// twice mma.sync's tensor throughput on the H100, and asynchronous (B16 H32 T512 D64: 83 us vs 104 us).
 // grid (ceil(T*G / 64), Hkv), block 128 = one warpgroup; warp w owns query rows 16w..16w+15 of the
 // block's 64 (row r -> (t, h) as in attention_npl, longest rows first). Per 64-key tile:
 //   S[64 x 64] = Q K^T: D/16 wgmma with A = the Q fragments in registers (the mma.sync A layout), B = the
