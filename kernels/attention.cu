@@ -526,6 +526,40 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
+// One tile of scores in the mma C layout, s[4n + c] for n < NS: row g (c < 2) or g + 8 of the m-tile, key
+// k0 + 8n + 2tg + (c & 1). Masks keys past each row's position qp[0..1] (only where the tile reaches past
+// wmin, the lowest position of the warp), then the online softmax step (the 4 lanes of a quad hold a row):
+// m[i] takes the tile's max, alpha[i] = 2^(m_old - m_new) rescales what was summed before, and s becomes
+// 2^(s - m_new); a row with no key yet keeps m = -inf and P = 0.
+template <int NS>
+__device__ __forceinline__ void tile_softmax(float* s, float* m, float* alpha, const int* qp, int k0, int wmin,
+                                             int tg) {
+    if (k0 + 8 * NS - 1 > wmin) {
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+                if (k0 + n * 8 + 2 * tg + (c & 1) > qp[c >> 1]) s[4 * n + c] = -INFINITY;
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+        const float m_new = fmaxf(m[i], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[i] = ex2(m[i] - m_use);
+        m[i] = m_new;
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+            s[4 * n + 2 * i] = ex2(s[4 * n + 2 * i] - m_use);
+            s[4 * n + 2 * i + 1] = ex2(s[4 * n + 2 * i + 1] - m_use);
+        }
+    }
+}
+
 template <int D, bool OUT16>
 __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int q_stride,
                                                   const u16* __restrict__ kc, const u16* __restrict__ vc,
@@ -652,39 +686,15 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
                     }
                 }
             }
-            if (k0 + TC_BC - 1 > wmin) {  // causal mask (and keys past kend) only where some row needs it
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt) {
+                float alpha[2];
+                tile_softmax<NS>(&s[mt][0][0], &m[2 * mt], alpha, &qp[2 * mt], k0, wmin, tg);
 #pragma unroll
-                    for (int n = 0; n < NS; ++n)
+                for (int c = 0; c < 4; ++c) {
+                    l[mt][c] *= alpha[c >> 1];
 #pragma unroll
-                        for (int c = 0; c < 4; ++c)
-                            if (k0 + n * 8 + 2 * tg + (c & 1) > qp[2 * mt + (c >> 1)]) s[mt][n][c] = -INFINITY;
-            }
-            // Online softmax per row (the 4 lanes of a quad hold one row's 64 scores).
-#pragma unroll
-            for (int r = 0; r < 2 * MT; ++r) {
-                const int mt = r >> 1, i = r & 1;
-                float mx = -INFINITY;
-#pragma unroll
-                for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * i], s[mt][n][2 * i + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-                const float m_new = fmaxf(m[r], mx);
-                const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet stays at 0
-                const float alpha = ex2(m[r] - m_use);
-                m[r] = m_new;
-                l[mt][2 * i] *= alpha;
-                l[mt][2 * i + 1] *= alpha;
-#pragma unroll
-                for (int n = 0; n < NO; ++n) {
-                    o[mt][n][2 * i] *= alpha;
-                    o[mt][n][2 * i + 1] *= alpha;
-                }
-#pragma unroll
-                for (int n = 0; n < NS; ++n) {
-                    s[mt][n][2 * i] = ex2(s[mt][n][2 * i] - m_use);
-                    s[mt][n][2 * i + 1] = ex2(s[mt][n][2 * i + 1] - m_use);
+                    for (int n = 0; n < NO; ++n) o[mt][n][c] *= alpha[c >> 1];
                 }
             }
             // O += P V and l += P 1, 16 keys per k step.
@@ -949,36 +959,13 @@ __device__ __forceinline__ void attention_wg_body(const u16* __restrict__ q, int
         wg_wait0();
         wg_pin(s);
 
-        if (k0 + BC - 1 > wmin) {
+        float alpha[2];
+        tile_softmax<NS>(s, m, alpha, qp, k0, wmin, tg);
 #pragma unroll
-            for (int n = 0; n < NS; ++n)
+        for (int c = 0; c < 4; ++c) {
+            l[c] *= alpha[c >> 1];
 #pragma unroll
-                for (int c = 0; c < 4; ++c)
-                    if (k0 + n * 8 + 2 * tg + (c & 1) > qp[c >> 1]) s[4 * n + c] = -INFINITY;
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < NS; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * i], s[4 * n + 2 * i + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-            const float m_new = fmaxf(m[i], mx);
-            const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-            const float alpha = ex2(m[i] - m_use);
-            m[i] = m_new;
-            l[2 * i] *= alpha;
-            l[2 * i + 1] *= alpha;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                o[4 * n + 2 * i] *= alpha;
-                o[4 * n + 2 * i + 1] *= alpha;
-            }
-#pragma unroll
-            for (int n = 0; n < NS; ++n) {
-                s[4 * n + 2 * i] = ex2(s[4 * n + 2 * i] - m_use);
-                s[4 * n + 2 * i + 1] = ex2(s[4 * n + 2 * i + 1] - m_use);
-            }
+            for (int n = 0; n < D / 8; ++n) o[4 * n + c] *= alpha[c >> 1];
         }
         u32 pa[BC / 16][4];
 #pragma unroll
