@@ -475,13 +475,14 @@ extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v
 // (Dao 2023) on mma.sync.m16n8k16 (fp16 inputs, fp32 accumulate; softmax in fp32 with exp2).
 // q: fp16 rows [T, Hq, D] (token stride q_stride halves) already multiplied by log2(e)/sqrt(D): the fused
 // prefill's RoPE epilogue (rope_store_pf_*) writes them so, and the op-by-op path converts its f32 q once.
-// grid (ceil(T*G / BR), Hkv), block 128 = 4 warps; each warp owns MT x 16 query rows (TC_MT; the code takes
-// 2 for D <= 64, which feeds each K or V fragment loaded from shared memory to two m-tiles), so BR = 64 * MT
-// rows share every K/V tile (row r -> (t, h) as in attention_npl): a KV head is read once per BR rows.
+// grid (ceil(T*G / 64), Hkv), block 128 = 4 warps; each warp owns 16 query rows (row r -> (t, h) as in
+// attention_npl), so the 64 rows of a block share every K/V tile: a KV head is read once per 64 rows. (Two
+// m-tiles of 16 rows per warp, each K or V fragment feeding both, measured no faster on the H100 at
+// B16 H32 T512 D64 and halve a model's few blocks.)
 // Keys go in tiles of 64 through shared memory, three stages deep (two for D > 64) with cp.async (16-byte
 // copies, zero-filled past the last key any row sees). Rows are padded by 8 halves (16 bytes): the ldmatrix
 // row reads (K plain, V transposed) are conflict-free for D = 64, 96, 128.
-// Per tile and warp: S[16 x 64] = Q K^T per m-tile (Q fragments held in registers for the whole kernel),
+// Per tile and warp: S[16 x 64] = Q K^T (Q fragments held in registers for the whole kernel),
 // causal mask key > pos[t] -> -inf, running max / rescale, P rounded to fp16 and fed straight from the S
 // accumulators as the A operand of O += P V (the C layout of two n8 tiles is the A layout of one k16 step).
 // The row sum l is one more MMA per k16 step, P times a column of ones: it adds the rounded P in fp32, so
@@ -494,7 +495,7 @@ extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v
 #define TC_WARPS 4
 #define TC_BC 64
 #define TC_STAGES(D) ((D) <= 64 ? 3 : 2)  // D = 128 at 3 stages (104 KB) fits 2 blocks per SM, not 3
-#define TC_MT 1  // m16 tiles per warp: 2 measured no faster (H100, B16 H32 T512 D64), and halves the blocks
+#define TC_BR (TC_WARPS * 16)  // query rows per block
 
 
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
@@ -560,14 +561,53 @@ __device__ __forceinline__ void tile_softmax(float* s, float* m, float* alpha, c
     }
 }
 
+// This lane's Q fragments (the MMA's A operand, row-major 16 x 16 per k step): a0 (row g, dims 2tg, 2tg+1),
+// a1 (g+8, 2tg), a2 (g, 2tg+8), a3 (g+8, 2tg+8) of k step k; rows tt[i] past T read as zeros.
+template <int D>
+__device__ __forceinline__ void load_q_frags(u32 (&qa)[D / 16][4], const u16* __restrict__ q, int q_stride,
+                                             const int* tt, const int* hh, int T, int tg) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const u16* qr = q + (long long)(tt[i] < T ? tt[i] : 0) * q_stride + hh[i] * D + 2 * tg;
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+            qa[k][i] = tt[i] < T ? *reinterpret_cast<const u32*>(qr + 16 * k) : 0u;
+            qa[k][2 + i] = tt[i] < T ? *reinterpret_cast<const u32*>(qr + 16 * k + 8) : 0u;
+        }
+    }
+}
+
+// This lane's part of the output rows: o[4n + c] (the MMA C layout: dims 8n + 2tg + (c & 1) of row g, c < 2,
+// or g + 8) divided by the row sum l[0] (row g) or l[2] (row g + 8), as fp16 (OUT16) or f32.
+template <int D, bool OUT16>
+__device__ __forceinline__ void store_rows(void* __restrict__ out, int out_stride, const float* o, const float* l,
+                                           const int* tt, const int* hh, int T, int tg) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (tt[i] >= T) continue;
+        const float inv = 1.0f / l[2 * i];
+        const long long at = (long long)tt[i] * out_stride + hh[i] * D + 2 * tg;
+        if (OUT16) {  // |out| <= max |V| (a convex combination of fp16 rows): fp16 cannot overflow
+            u16* orow = static_cast<u16*>(out) + at;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+                *reinterpret_cast<u32*>(orow + 8 * n) = pack_h2(o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
+        } else {
+            float* orow = static_cast<float*>(out) + at;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+                *reinterpret_cast<float2*>(orow + 8 * n) =
+                    make_float2(o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
+        }
+    }
+}
+
 template <int D, bool OUT16>
 __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int q_stride,
                                                   const u16* __restrict__ kc, const u16* __restrict__ vc,
                                                   const int* __restrict__ pos, int T, int Hq, int Hkv,
                                                   void* __restrict__ out, int out_stride) {
-    constexpr int MT = TC_MT;        // m16 tiles (16 query rows each) per warp
     constexpr int NST = TC_STAGES(D);  // K/V tiles in flight
-    constexpr int BR = TC_WARPS * 16 * MT;
     constexpr int KS = D / 16;       // k16 steps over the head dim (S = Q K^T)
     constexpr int NO = D / 8;        // n8 tiles of the output row
     constexpr int NS = TC_BC / 8;    // n8 tiles of a score row
@@ -583,12 +623,13 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tg = lane & 3;
 
-    // This lane's rows: m-tile mt, rows g and g + 8 (index r = 2 mt + i).
-    int tt[2 * MT], hh[2 * MT], qp[2 * MT];
+    // This lane's rows: g and g + 8 of the warp's 16.
+    int tt[2], hh[2], qp[2];
     int wmax = -1, wmin = 0x7fffffff;
 #pragma unroll
-    for (int r = 0; r < 2 * MT; ++r) {
-        const int gr = (gridDim.x - 1 - blockIdx.x) * BR + warp * 16 * MT + (r >> 1) * 16 + g + 8 * (r & 1);
+    for (int r = 0; r < 2; ++r) {
+        // ((r >> 1) * 16 is 0 here; written so the compiled code stays the one measured and GPU-tested.)
+        const int gr = (gridDim.x - 1 - blockIdx.x) * TC_BR + warp * 16 + (r >> 1) * 16 + g + 8 * (r & 1);
         tt[r] = gr / G;  // longest rows first: the last block of rows starts first
         hh[r] = kvh * G + gr % G;
         qp[r] = tt[r] < T ? pos[tt[r]] : -1;
@@ -606,29 +647,13 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
     __syncthreads();
     const int kend = *s_kend;  // keys [0, kend) hold every key a row of this block sees
 
-    // Q fragments (A operand, row-major 16 x 16 per k step): a0 (g, 2tg), a1 (g+8, 2tg), a2 (g, 2tg+8),
-    // a3 (g+8, 2tg+8); rows past T read as zeros.
-    u32 qa[MT][KS][4];
-#pragma unroll
-    for (int r = 0; r < 2 * MT; ++r) {
-        const u16* qr = q + (long long)(tt[r] < T ? tt[r] : 0) * q_stride + hh[r] * D + 2 * tg;
-#pragma unroll
-        for (int k = 0; k < KS; ++k) {
-            qa[r >> 1][k][r & 1] = tt[r] < T ? *reinterpret_cast<const u32*>(qr + 16 * k) : 0u;
-            qa[r >> 1][k][2 + (r & 1)] = tt[r] < T ? *reinterpret_cast<const u32*>(qr + 16 * k + 8) : 0u;
-        }
-    }
+    u32 qa[KS][4];
+    load_q_frags<D>(qa, q, q_stride, tt, hh, T, tg);
 
-    float o[MT][NO][4], l[MT][4];
+    float o[NO][4], l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int n = 0; n < NO; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.0f;
-        l[mt][0] = l[mt][1] = l[mt][2] = l[mt][3] = 0.0f;
-    }
-    float m[2 * MT];
-#pragma unroll
-    for (int r = 0; r < 2 * MT; ++r) m[r] = -INFINITY;
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY};
 
     const int n_tiles = (kend + TC_BC - 1) / TC_BC;
     auto load_tile = [&](int tile) {  // one cp.async group per call, empty past the last tile
@@ -667,11 +692,9 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
         if (k0 <= wmax) {  // warp-uniform: some row of this warp sees a key of the tile
             const u32 kt = smem_addr(ks + buf * TC_BC * RS + koff);
             const u32 vt = smem_addr(vs + buf * TC_BC * RS + voff);
-            float s[MT][NS][4];
+            float s[NS][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int n = 0; n < NS; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.0f;
+            for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
             // S = Q K^T: B (16 x 8, col-major) = K rows n*8 + g, dims 16k + 2tg (b0) and + 8 (b1).
 #pragma unroll
             for (int k = 0; k < KS; ++k) {
@@ -679,70 +702,40 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
                 for (int np = 0; np < NS / 2; ++np) {
                     u32 b0, b1, b2, b3;
                     ldsm_x4(kt + (u32)((np * 16 * RS + k * 16) * 2), b0, b1, b2, b3);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_16816(s[mt][2 * np], qa[mt][k], b0, b1);
-                        mma_16816(s[mt][2 * np + 1], qa[mt][k], b2, b3);
-                    }
+                    mma_16816(s[2 * np], qa[k], b0, b1);
+                    mma_16816(s[2 * np + 1], qa[k], b2, b3);
                 }
             }
+            float alpha[2];
+            tile_softmax<NS>(&s[0][0], m, alpha, qp, k0, wmin, tg);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                float alpha[2];
-                tile_softmax<NS>(&s[mt][0][0], &m[2 * mt], alpha, &qp[2 * mt], k0, wmin, tg);
+            for (int c = 0; c < 4; ++c) {
+                l[c] *= alpha[c >> 1];
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    l[mt][c] *= alpha[c >> 1];
-#pragma unroll
-                    for (int n = 0; n < NO; ++n) o[mt][n][c] *= alpha[c >> 1];
-                }
+                for (int n = 0; n < NO; ++n) o[n][c] *= alpha[c >> 1];
             }
             // O += P V and l += P 1, 16 keys per k step.
 #pragma unroll
             for (int kk = 0; kk < TC_BC / 16; ++kk) {
-                u32 pa[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    pa[mt][0] = pack_h2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    pa[mt][1] = pack_h2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    pa[mt][2] = pack_h2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    pa[mt][3] = pack_h2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                    mma_16816(l[mt], pa[mt], ONES, ONES);
-                }
+                u32 pa[4];
+                pa[0] = pack_h2(s[2 * kk][0], s[2 * kk][1]);
+                pa[1] = pack_h2(s[2 * kk][2], s[2 * kk][3]);
+                pa[2] = pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[3] = pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                mma_16816(l, pa, ONES, ONES);
 #pragma unroll
                 for (int nd = 0; nd < D / 16; ++nd) {
                     u32 b0, b1, b2, b3;
                     ldsm_x4_trans(vt + (u32)((kk * 16 * RS + nd * 16) * 2), b0, b1, b2, b3);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_16816(o[mt][2 * nd], pa[mt], b0, b1);
-                        mma_16816(o[mt][2 * nd + 1], pa[mt], b2, b3);
-                    }
+                    mma_16816(o[2 * nd], pa, b0, b1);
+                    mma_16816(o[2 * nd + 1], pa, b2, b3);
                 }
             }
         }
     }
 
-    // l[mt][c]: every column of the ones-MMA holds the full row sum (c = 0 row g, c = 2 row g + 8).
-#pragma unroll
-    for (int r = 0; r < 2 * MT; ++r) {
-        const int mt = r >> 1, i = r & 1;
-        if (tt[r] >= T) continue;
-        const float inv = 1.0f / l[mt][2 * i];
-        const long long at = (long long)tt[r] * out_stride + hh[r] * D + 2 * tg;
-        if (OUT16) {  // |out| <= max |V| (a convex combination of fp16 rows): fp16 cannot overflow
-            u16* orow = static_cast<u16*>(out) + at;
-#pragma unroll
-            for (int n = 0; n < NO; ++n)
-                *reinterpret_cast<u32*>(orow + 8 * n) = pack_h2(o[mt][n][2 * i] * inv, o[mt][n][2 * i + 1] * inv);
-        } else {
-            float* orow = static_cast<float*>(out) + at;
-#pragma unroll
-            for (int n = 0; n < NO; ++n)
-                *reinterpret_cast<float2*>(orow + 8 * n) =
-                    make_float2(o[mt][n][2 * i] * inv, o[mt][n][2 * i + 1] * inv);
-        }
-    }
+    // l[c]: every column of the ones-MMA holds the full row sum (c = 0 row g, c = 2 row g + 8).
+    store_rows<D, OUT16>(out, out_stride, &o[0][0], l, tt, hh, T, tg);
 }
 
 #define ATTENTION_TC_KERNEL(D)                                                                                \
@@ -901,22 +894,13 @@ __device__ __forceinline__ void attention_wg_body(const u16* __restrict__ q, int
     }
     // The Q fragments first: their loads run during the barriers below.
     u32 qa[KS][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const u16* qr = q + (long long)(tt[i] < T ? tt[i] : 0) * q_stride + hh[i] * D + 2 * tg;
-#pragma unroll
-        for (int k = 0; k < KS; ++k) {
-            qa[k][i] = tt[i] < T ? *reinterpret_cast<const u32*>(qr + 16 * k) : 0u;
-            qa[k][2 + i] = tt[i] < T ? *reinterpret_cast<const u32*>(qr + 16 * k + 8) : 0u;
-        }
-    }
+    load_q_frags<D>(qa, q, q_stride, tt, hh, T, tg);
     if (threadIdx.x == 0) *s_kend = 0;
     if (threadIdx.x < 64) reinterpret_cast<u32*>(ones_p)[threadIdx.x] = 0x3c003c00u;  // 16 x 8 ones
     __syncthreads();
     if (lane == 0) atomicMax(s_kend, bmax + 1);
     __syncthreads();
     const int kend = *s_kend;  // keys [0, kend) hold every key a row of this block sees
-
 
     float o[D / 2], l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -991,24 +975,7 @@ __device__ __forceinline__ void attention_wg_body(const u16* __restrict__ q, int
         wg_pin(l);
     }
 
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        if (tt[i] >= T) continue;
-        const float inv = 1.0f / l[2 * i];
-        const long long at = (long long)tt[i] * out_stride + hh[i] * D + 2 * tg;
-        if (OUT16) {
-            u16* orow = static_cast<u16*>(out) + at;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n)
-                *reinterpret_cast<u32*>(orow + 8 * n) = pack_h2(o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
-        } else {
-            float* orow = static_cast<float*>(out) + at;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n)
-                *reinterpret_cast<float2*>(orow + 8 * n) =
-                    make_float2(o[4 * n + 2 * i] * inv, o[4 * n + 2 * i + 1] * inv);
-        }
-    }
+    store_rows<D, OUT16>(out, out_stride, o, l, tt, hh, T, tg);
 }
 #define WG_BODY(D, OUT16) attention_wg_body<D, OUT16>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride)
 #else

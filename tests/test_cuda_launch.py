@@ -164,7 +164,7 @@ def test_mv1_groups_keep_int8_launches_to_one_wave() -> None:
 
 
 def test_tensor_core_attention_rows_per_block_match_the_kernel_source() -> None:
-    """ATT_TC_ROWS sizes attention_tc*'s grid: 16 rows x TC_MT m-tiles x TC_WARPS warps per block, and
+    """ATT_TC_ROWS sizes attention_tc*'s grid: TC_BR = 16 rows x TC_WARPS warps per block, and
     _tc_smem its shared memory: TC_STAGES(D) x (K + V) tiles of TC_BC keys, as kernels/attention.cu defines them
     (a grid too small would leave query rows unwritten; too little shared memory, tiles overwritten)."""
     import re
@@ -176,8 +176,8 @@ def test_tensor_core_attention_rows_per_block_match_the_kernel_source() -> None:
     define = {k: int(v) for k, v in re.findall(r"^#define (TC_WARPS|TC_BC) (\d+)$", src, re.M)}
     s_limit, s_wide, s_narrow = map(int, re.search(r"^#define TC_STAGES\(D\) " + TERNARY, src, re.M).groups())
     warps = define["TC_WARPS"]
-    mt = int(re.search(r"^#define TC_MT (\d+)", src, re.M).group(1))
-    assert ATT_TC_ROWS == 16 * warps * mt
+    assert re.search(r"^#define TC_BR \(TC_WARPS \* 16\)", src, re.M)
+    assert ATT_TC_ROWS == 16 * warps
     for dh in ATT_TC_DIMS:
         stages = s_wide if dh <= s_limit else s_narrow
         assert _tc_smem(dh) == stages * 2 * define["TC_BC"] * (dh + 8) * 2 + 16, dh
