@@ -43,8 +43,10 @@
 // 4096x4096 / 14336x4096 / 4096x14336: F16 16.7 / 47.4 / 50.6 us (2006 / 2480 / 2324 GB/s), Q8_0 11.5 / 29.8 /
 // 35.9 us, Q5_0 10.5 / 23.6 / 34.1 us (fourth session); int8 x (fifth session, row groups as measured
 // best): Q4_K 9.5 / 19.0 / 23.8 us, Q6_K 12.3 / 28.5 / 32.9 us (float x: Q4_K 10.2 / 24.2 / 31.8, Q6_K 11.8
-// / 31.1 / 39.0). The quantized types stay under memory speed: each block's x staging and the short
-// per-lane loops (a 4096-column Q4_K row is 128 units: four per lane) keep too few bytes in flight.
+// / 31.1 / 39.0). F16 / BF16 rows go through mv1_stream (below) instead: 14336x4096 SwiGLU 91.4 -> 81.0 us,
+// 4096x14336 48.1 -> 45.8, 6144x4096 25.2 -> 22.6 (ninth session, before its staging batch of 2). The
+// quantized types stay under memory speed: each block's x staging and the short per-lane loops (a
+// 4096-column Q4_K row is 128 units: four per lane) keep too few bytes in flight.
 
 #include "common.cuh"
 #include "quants.cuh"
@@ -187,7 +189,8 @@ __device__ __forceinline__ float dot_unit(const float (&w)[32], const float4* __
 }
 
 // Values 4i .. 4i+3 of x [K] (zeros past K). stage_x reads STAGE_BATCH of these per thread before using any, so
-// a block's staging costs one memory latency per batch, not one per float4.
+// a block's staging costs one memory latency per batch, not one per float4 (SB: another batch, for a kernel
+// that holds many registers across the staging, mv1_stream).
 #define STAGE_BATCH 4
 __device__ __forceinline__ float4 x4(const float* __restrict__ p, int K, int i) {
     const int b = 4 * i;
@@ -207,15 +210,15 @@ __device__ __forceinline__ float4 x4(const float* __restrict__ p, int K, int i) 
 // read in the same pass as x, so their loads are in flight together). With XSUM, also the per-unit sums of
 // the staged x after the slots (the offset terms of Q4_1, Q5_1: d*q + m dotted with x is d * (q . x) +
 // m * sum(x)); the 8 lanes of a unit are 8 consecutive lanes of one warp.
-template <bool XSUM>
+template <bool XSUM, int SB = STAGE_BATCH>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int K, const float* __restrict__ norm_w, float eps,
                                         float4* xs4) {
     const int units = (K + 31) / 32, n = units * 8;
     float ss = 0.0f;
-    for (int base = threadIdx.x; base < n; base += STAGE_BATCH * blockDim.x) {
-        float4 v[STAGE_BATCH], w[STAGE_BATCH];
+    for (int base = threadIdx.x; base < n; base += SB * blockDim.x) {
+        float4 v[SB], w[SB];
 #pragma unroll
-        for (int b = 0; b < STAGE_BATCH; ++b) {
+        for (int b = 0; b < SB; ++b) {
             const int i = base + b * blockDim.x;
             if (i < n) {
                 v[b] = x4(x, K, i);
@@ -223,7 +226,7 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, int K, cons
             }
         }
 #pragma unroll
-        for (int b = 0; b < STAGE_BATCH; ++b) {
+        for (int b = 0; b < SB; ++b) {
             const int i = base + b * blockDim.x;
             if (i < n) {
                 ss += v[b].x * v[b].x + v[b].y * v[b].y + v[b].z * v[b].z + v[b].w * v[b].w;
@@ -608,6 +611,67 @@ __device__ __forceinline__ void mv1_row(const u8* ra, const u8* rb, int u, int l
     }
 }
 
+// Row n's output: silu(a) * b (SWIGLU), else a (+ bias[n]) (+ resid[n]) into y[n]; with the fused argmax,
+// this lane's best packed (logit, id) key and NaN/+inf flag take it in (mv1 and mv1_stream).
+template <bool SWIGLU>
+__device__ __forceinline__ void mv1_put(float a, float b, int n, float* y, const float* __restrict__ bias,
+                                        const float* resid, bool argmax, u64& key, int& bad) {
+    float out = a;
+    if (SWIGLU) {
+        out = a / (1.0f + expf(-a)) * b;
+    } else {
+        if (bias) out += bias[n];
+        if (resid) out += resid[n];
+    }
+    y[n] = out;
+    if (argmax) {
+        const u64 k = ((u64)order_key_f(out) << 32) | (u64)(0xffffffffu - (u32)n);
+        key = k > key ? k : key;
+        bad |= (out != out) || (out == INFINITY);
+    }
+}
+
+// The fused argmax's block and grid steps (mv1 and mv1_stream; every thread of the block calls it, `key`
+// and `bad` its own rows' best packed (logit, id) key and NaN/+inf seen). am[0] = packed best key, am[1] =
+// finished-block counter, am[2] = NaN/+inf flag (all zero between steps), am[3] = int* out [id, bad], am[4] =
+// int* pos_inc or 0 (set once by the launcher).
+__device__ __forceinline__ void mv1_argmax(u64 key, int bad, u64* am) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(FULL_MASK, key, o);
+        key = other > key ? other : key;
+    }
+    __shared__ u64 s_key[32];
+    __shared__ int s_last;
+    bad = __syncthreads_or(bad);
+    if (lane == 0) s_key[warp] = key;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 best = 0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) best = s_key[i] > best ? s_key[i] : best;
+        atomicMax(am, best);
+        if (bad) atomicOr(reinterpret_cast<unsigned int*>(am + 2), 1u);
+        __threadfence();
+        const unsigned int done = atomicAdd(reinterpret_cast<unsigned int*>(am + 1), 1u);
+        s_last = done == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (s_last && threadIdx.x == 0) {
+        __threadfence();
+        const u64 best = atomicMax(am, 0ull);  // an atomic read: every block's max has landed
+        const unsigned int flag = atomicOr(reinterpret_cast<unsigned int*>(am + 2), 0u);
+        int* ids = *reinterpret_cast<int**>(am + 3);
+        ids[0] = (int)(0xffffffffu - (u32)(best & 0xffffffffull));
+        ids[1] = flag ? 1 : 0;
+        int* pos_inc = *reinterpret_cast<int**>(am + 4);
+        if (pos_inc) pos_inc[0] += 1;
+        am[0] = 0ull;
+        am[1] = 0ull;
+        am[2] = 0ull;
+    }
+}
+
 // QV: the type of segment w2 (the V rows of a QKV launch; Q elsewhere). A mixed pair (Q4_K_M's Q4_K Q/K
 // with Q6_K V) shares one int8 staging of x, so the three matrices still run as one launch.
 template <class Q, class QV, bool SWIGLU>
@@ -681,60 +745,10 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
             acc += __shfl_xor_sync(FULL_MASK, acc, o);
             if (SWIGLU) acc2 += __shfl_xor_sync(FULL_MASK, acc2, o);
         }
-        if (active && sub == 0) {
-            float out = acc;
-            if (SWIGLU) {
-                out = acc / (1.0f + expf(-acc)) * acc2;
-            } else {
-                if (bias) out += bias[n];
-                if (resid) out += resid[n];
-            }
-            y[n] = out;
-            if (am) {
-                const u64 k = ((u64)order_key_f(out) << 32) | (u64)(0xffffffffu - (u32)n);
-                key = k > key ? k : key;
-                bad |= (out != out) || (out == INFINITY);
-            }
-        }
+        if (active && sub == 0) mv1_put<SWIGLU>(acc, acc2, n, y, bias, resid, am != nullptr, key, bad);
     }
     if (!early) pdl_launch_dependents();
-    if (am == nullptr) return;
-
-    // Fused argmax: am[0] = packed best key, am[1] = finished-block counter, am[2] = NaN/+inf flag (all
-    // zero between steps), am[3] = int* out [id, bad], am[4] = int* pos_inc or 0 (set once by the launcher).
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 other = __shfl_xor_sync(FULL_MASK, key, o);
-        key = other > key ? other : key;
-    }
-    __shared__ u64 s_key[32];
-    __shared__ int s_last;
-    bad = __syncthreads_or(bad);
-    if (lane == 0) s_key[warp] = key;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u64 best = 0;
-        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) best = s_key[i] > best ? s_key[i] : best;
-        atomicMax(am, best);
-        if (bad) atomicOr(reinterpret_cast<unsigned int*>(am + 2), 1u);
-        __threadfence();
-        const unsigned int done = atomicAdd(reinterpret_cast<unsigned int*>(am + 1), 1u);
-        s_last = done == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (s_last && threadIdx.x == 0) {
-        __threadfence();
-        const u64 best = atomicMax(am, 0ull);  // an atomic read: every block's max has landed
-        const unsigned int flag = atomicOr(reinterpret_cast<unsigned int*>(am + 2), 0u);
-        int* ids = *reinterpret_cast<int**>(am + 3);
-        ids[0] = (int)(0xffffffffu - (u32)(best & 0xffffffffull));
-        ids[1] = flag ? 1 : 0;
-        int* pos_inc = *reinterpret_cast<int**>(am + 4);
-        if (pos_inc) pos_inc[0] += 1;
-        am[0] = 0ull;
-        am[1] = 0ull;
-        am[2] = 0ull;
-    }
+    if (am != nullptr) mv1_argmax(key, bad, am);
 }
 
 #define MV1_KERNELS(name, Q)                                                                                 \
@@ -769,3 +783,184 @@ MV1_MIXED(q5_k, QQ5_K, q4_k, QQ4_K)
 MV1_MIXED(q5_k, QQ5_K, q6_k, QQ6_K)
 MV1_MIXED(q6_k, QQ6_K, q4_k, QQ4_K)
 MV1_MIXED(q6_k, QQ6_K, q5_k, QQ5_K)
+
+// ---- one token, 16-bit float rows: the streaming form ---------------------------------------------------------
+// mv1_stream_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, am, early) and
+// mv1_stream_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, early), t = f16 / bf16: mv1's results (segments,
+// bias, residual, fused RMSNorm, SwiGLU, argmax; `early` as mv1's) for rows with K % 8 == 0 in 16-byte
+// aligned segments (cuda_backend._mv1_stream_ok). mv1 reads F16 rows as 64-byte units per lane with one pair
+// of units in flight, stages x once per 8 rows, and runs grids of many waves that launch plainly in the
+// decode step; Llama-3-8B F16 decoded at 159 tok/s with it. Here:
+//   - 16-byte chunks, chunk c of a row (values 8c .. 8c+7) read by lane c % 32 of its warp: one load
+//     instruction of a warp reads 512 contiguous bytes;
+//   - one wave: at most MV1S_BLOCKS_PER_SM blocks of 256 threads per SM (cuda_backend._mv1_stream_grid), x
+//     staged once per block; warp w of W in the grid serves rows w, w + W, ... (the SwiGLU form: the gate
+//     row, then the up row);
+//   - each lane keeps MV1S_BUFS batches of MV1S_BATCH chunks in flight (256 bytes): a batch is loaded again
+//     as soon as it is dotted, across row ends;
+//   - the first MV1S_BUFS batches are loaded before pdl_wait(): as a programmatic dependent (the decode step
+//     lets it in early) the block does that while the kernel before it finishes.
+// Measured on the H100 (8B F16 tg128, BENCHMARKS.md, ninth session), (batch, buffers, blocks per SM), x
+// staged one float4 a thread at a time, the next kernel let in after the main loop: (4, 2, 2) 167.4 tok/s,
+// (4, 3, 2) 170.1, (4, 4, 2) 170.5, (6, 3, 2) 171.6, (8, 2, 2) 173.5, (12, 2, 2) 167.4, (8, 3, 1) 158.5,
+// (16, 2, 1) 162.5. With (8, 2, 2) the next streaming kernel let in right after pdl_wait() (`early`; its
+// blocks take the SMs this kernel's leave): 176.8; and x staged 2 float4 a thread at a time
+// (MV1S_STAGE_BATCH): 179.1. Weights prefetched into L2 before pdl_wait() measured slower or the same.
+// Sums in float32 as mv1's; the order of the additions differs (per lane: its chunks in row order).
+#define MV1S_BATCH 8
+#define MV1S_BUFS 2
+#define MV1S_BLOCKS_PER_SM 2
+#define MV1S_STAGE_BATCH 2
+
+__device__ __forceinline__ uint4 ld_stream16(const u8* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+template <bool BF> __device__ __forceinline__ float half_lo(u32 w) {
+    return BF ? __uint_as_float(w << 16) : h2f((u16)(w & 0xffffu));
+}
+template <bool BF> __device__ __forceinline__ float half_hi(u32 w) {
+    return BF ? __uint_as_float(w & 0xffff0000u) : h2f((u16)(w >> 16));
+}
+
+// s + chunk c (values 8c .. 8c+7 as the 16-bit floats of w) dotted with the staged x (unit c / 4, float4
+// slots 2 (c % 4) and the next: 8 consecutive lanes read 8 different bank groups).
+template <bool BF>
+__device__ __forceinline__ float chunk_dot(uint4 w, const float4* __restrict__ xs4, int c, float s) {
+    const int u = c >> 2, k = 2 * (c & 3);
+    const float4 a = xs4[xslot(u, k)], b = xs4[xslot(u, k + 1)];
+    s = fmaf(half_lo<BF>(w.x), a.x, s);
+    s = fmaf(half_hi<BF>(w.x), a.y, s);
+    s = fmaf(half_lo<BF>(w.y), a.z, s);
+    s = fmaf(half_hi<BF>(w.y), a.w, s);
+    s = fmaf(half_lo<BF>(w.z), b.x, s);
+    s = fmaf(half_hi<BF>(w.z), b.y, s);
+    s = fmaf(half_lo<BF>(w.w), b.z, s);
+    s = fmaf(half_hi<BF>(w.w), b.w, s);
+    return s;
+}
+
+// Where a warp's weight stream stands: batch j (MV1S_BATCH chunks a lane) of pass p (SwiGLU: 0 gate, 1 up)
+// of row n, whose bytes start at row. Rows n, n + W, ... are the warp's (W warps in the grid).
+template <bool SWIGLU>
+struct StreamCursor {
+    const u8 *w0, *w1, *w2;
+    int n0, n1, N, W, nb;
+    long long row_bytes;
+    int n, p, j;
+    const u8* row;
+    __device__ __forceinline__ void seek() {
+        if (n >= N) return;
+        const u8* ra = nullptr;
+        const u8* rb = nullptr;
+        row_pointers<SWIGLU>(w0, w1, w2, n0, n1, n, row_bytes, ra, rb);
+        row = SWIGLU && p ? rb : ra;
+    }
+    __device__ __forceinline__ void next() {
+        if (++j < nb) return;
+        j = 0;
+        if (SWIGLU && p == 0) {
+            p = 1;
+        } else {
+            p = 0;
+            n += W;
+        }
+        seek();
+    }
+    // Chunk i of this batch for this lane: its index in the row (past the row's end: cpr or more).
+    __device__ __forceinline__ int chunk(int i, int lane) const { return (j * MV1S_BATCH + i) * 32 + lane; }
+};
+
+template <bool BF, bool SWIGLU>
+__device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* __restrict__ w1,
+                                          const u8* __restrict__ w2, int n0, int n1, int N, int K,
+                                          const float* __restrict__ x, float* y, const float* __restrict__ bias,
+                                          const float* resid, const float* __restrict__ norm_w, float eps, u64* am,
+                                          int early) {
+    constexpr int B = MV1S_BATCH, NB = MV1S_BUFS;
+    extern __shared__ float4 xs4[];
+    const int lane = threadIdx.x & 31;
+    const int W = (int)(gridDim.x * (blockDim.x >> 5));
+    const int gw = (int)(blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5));
+    const int cpr = K >> 3;                        // 16-byte chunks per row
+    const int nb = (cpr + 32 * B - 1) / (32 * B);  // batches per row (pass)
+    // The warp's steps: its rows, each in 1 pass (SwiGLU: 2, gate then up) of nb batches; warp-uniform.
+    const int steps = (gw < N ? (N - 1 - gw) / W + 1 : 0) * (SWIGLU ? 2 : 1) * nb;
+    StreamCursor<SWIGLU> ld{w0, w1, w2, n0, n1, N, W, nb, 2ll * K, gw, 0, 0, nullptr};
+    ld.seek();
+    auto load = [&](uint4 (&v)[B]) {
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            const int c = ld.chunk(i, lane);
+            if (c < cpr) v[i] = ld_stream16(ld.row + 16ll * c);
+        }
+        ld.next();
+    };
+
+    // Before pdl_wait(): the first NB batches into registers.
+    uint4 v[NB][B];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+        for (int i = 0; i < B; ++i) v[b][i] = make_uint4(0u, 0u, 0u, 0u);
+        if (b < steps) load(v[b]);
+    }
+    pdl_wait();  // x, resid, y and the argmax cells belong to earlier kernels of the step
+    if (early) pdl_launch_dependents();
+    stage_x<false, MV1S_STAGE_BATCH>(x, K, norm_w, eps, xs4);
+
+    // Dot cursor: batch cj of pass cp of row cn.
+    int cn = gw, cp = 0, cj = 0;
+    float acc = 0.0f, gate = 0.0f;
+    u64 key = 0;  // fused argmax, as mv1's
+    int bad = 0;
+    auto dot = [&](const uint4 (&w)[B]) {
+#pragma unroll
+        for (int i = 0; i < B; ++i) {
+            const int c = (cj * B + i) * 32 + lane;
+            if (c < cpr) acc = chunk_dot<BF>(w[i], xs4, c, acc);
+        }
+        if (++cj < nb) return;
+        cj = 0;
+        const float t = warp_sum(acc);
+        acc = 0.0f;
+        if (SWIGLU && cp == 0) {
+            cp = 1;
+            gate = t;
+            return;
+        }
+        cp = 0;
+        if (lane == 0) mv1_put<SWIGLU>(SWIGLU ? gate : t, t, cn, y, bias, resid, am != nullptr, key, bad);
+        cn += W;
+    };
+    for (int s = 0; s < steps; s += NB) {
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            if (s + b < steps) {
+                dot(v[b]);
+                if (s + b + NB < steps) load(v[b]);
+            }
+        }
+    }
+    if (!early) pdl_launch_dependents();
+    if (am != nullptr) mv1_argmax(key, bad, am);
+}
+
+#define MV1S_KERNELS(name, BF)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name(                         \
+        const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,   \
+        const float* bias, const float* resid, const float* norm_w, float eps, u64* am, int early) {        \
+        mv1s_body<BF, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, am, early);          \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name##_swiglu(                \
+        const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps, \
+        int early) {                                                                                        \
+        mv1s_body<BF, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, nullptr,      \
+                            early);                                                                         \
+    }
+MV1S_KERNELS(f16, false)
+MV1S_KERNELS(bf16, true)

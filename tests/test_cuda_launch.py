@@ -198,3 +198,37 @@ def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:
     for dh in ATT_WG_DIMS:
         stages = wide if dh <= limit else narrow
         assert _wg_smem(dh) == 1024 + stages * 2 * bc * dh * 2 + 256 + 16, dh
+
+
+def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
+    """mv1_stream serves one 16-bit float type in rows of whole 16-byte chunks, every segment 16-byte aligned
+    (else mv1 does); its grid is at most one wave of the kernel's blocks per SM, with every warp's row count
+    within one of the others' and as few blocks as that allows."""
+    import re
+    from pathlib import Path
+
+    from llamacli.backends.cuda_backend import (
+        MV1_WARPS, MV1S_BLOCKS_PER_SM, DeviceMatrix, _mv1_stream_grid, _mv1_stream_ok,
+    )
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
+    assert re.search(r"^#define MV1S_BLOCKS_PER_SM (\d+)$", src, re.M).group(1) == str(MV1S_BLOCKS_PER_SM)
+    assert "__launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_" in src
+
+    def m(t: QT, cols: int = 4096, ptr: int = 1 << 20) -> DeviceMatrix:
+        return DeviceMatrix(ptr, 8, cols, t, cols * (2 if t in (QT.F16, QT.BF16) else 4))
+
+    assert _mv1_stream_ok((m(QT.F16),)) and _mv1_stream_ok((m(QT.BF16), m(QT.BF16), m(QT.BF16)))
+    assert _mv1_stream_ok((m(QT.F16, 8),)) and _mv1_stream_ok((m(QT.F16, 40),))
+    assert not _mv1_stream_ok((m(QT.F32),)) and not _mv1_stream_ok((m(QT.F16, 100),))
+    assert not _mv1_stream_ok((m(QT.F16), m(QT.F16, ptr=(1 << 20) + 8)))  # a segment off 16-byte alignment
+    assert not _mv1_stream_ok((m(QT.F16), m(QT.BF16)))
+    assert not _mv1_stream_ok((DeviceMatrix(1 << 20, 8, 4096, QT.F16, 8200),))  # padded rows
+    sms = 132
+    for rows in (1, 5, 8, 9, 4096, 6144, 14336, 128256, 2 * MV1_WARPS * sms + 1):
+        grid = _mv1_stream_grid(rows, sms)
+        assert 1 <= grid <= MV1S_BLOCKS_PER_SM * sms
+        warps = grid * MV1_WARPS
+        per = -(-rows // warps)
+        assert rows > (grid - 1) * MV1_WARPS * per  # no block without a row; fewer blocks would need per + 1
+    assert _mv1_stream_grid(6144, 132) == 256 and _mv1_stream_grid(4096, 132) == 256

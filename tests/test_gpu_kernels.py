@@ -295,6 +295,64 @@ def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
     assert_close(y.get(), ref / (1 + np.exp(-ref)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu {qtype.name} groups")
 
 
+@pytest.mark.parametrize("qtype", [QT.F16, QT.BF16], ids=lambda t: t.name)
+def test_mv1_stream_16_bit_rows(qtype: QT) -> None:
+    """mv1_stream (16-bit float rows of whole 16-byte chunks): rows shorter than one batch of a warp (8, 40
+    columns), a last batch partly past the row (1032), many rows a warp (past one wave of warps); three
+    segments with bias and the residual aliasing y, the fused RMSNorm, SwiGLU and argmax (cells reset); NaN
+    reaching the output; against float64 and against mv1 (be.mv1_stream off)."""
+    from llamacli.backends.cuda_backend import MV1_WARPS, _mv1_stream_ok
+
+    rng = np.random.default_rng(31 + int(qtype))
+    cfg = make_cfg()
+    be, _ = bare(cfg, 16)
+    be.step_ids, be.step_pos = cp.zeros(2, cp.int32), cp.zeros(1, cp.int32)
+    be._am = cp.asarray(np.asarray([0, 0, 0, be.step_ids.data.ptr, be.step_pos.data.ptr], np.uint64))
+    many = 2 * MV1_WARPS * 2 * be.n_sms + 3  # over two rows for some warps of a full wave
+    for n, k in [(1, 8), (5, 40), (37, 264), (300, 1032), (many, 64), (70, 4096)]:
+        ws = [upload(random_quant_rows(qtype, r, k, rng, std=0.05), qtype, k) for r in (n, 3, n + 1)]
+        mats = tuple(w for w, _, _ in ws)
+        assert _mv1_stream_ok(mats)
+        wref = np.concatenate([r for _, _, r in ws])
+        rows = wref.shape[0]
+        x = (3 * rng.standard_normal((1, k))).astype(np.float32)
+        bias = rng.standard_normal(rows).astype(np.float32)
+        resid = rng.standard_normal((1, rows)).astype(np.float32)
+        scale = np.abs(x) @ np.abs(wref).T
+        y = cp.asarray(resid)  # resid aliases y
+        be._matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
+        assert_close(y.get(), x @ wref.T + bias + resid, 1e-6 + 2e-6 * scale, 1e-5, f"segments n={n} k={k}")
+
+        nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+        h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_eps) * nw
+        ref = h @ wref.T
+        hs = np.abs(h) @ np.abs(wref).T
+        outs = []
+        for stream in (True, False):
+            be.mv1_stream = stream
+            y = poisoned((1, rows))
+            be._matvec(mats, cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
+            outs.append(y.get())
+            assert_close(outs[-1], ref, 1e-6 + 2e-6 * hs, 1e-5, f"norm n={n} k={k} stream={stream}")
+            assert be.step_ids.get()[0] == int(np.argmax(outs[-1][0])) and be.step_ids.get()[1] == 0
+        be.mv1_stream = True
+        assert_close(outs[0], outs[1], 2e-6 + 4e-6 * hs, 2e-5, f"stream vs mv1 n={n} k={k}")
+
+        (g, _bg, gref), (u, _bu, uref) = [upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+                                          for _ in range(2)]
+        a, b = h @ gref.T, h @ uref.T
+        sb = np.abs(h) @ np.abs(gref).T + np.abs(h) @ np.abs(uref).T
+        y = poisoned((1, n))
+        be._matvec_swiglu(g, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
+        assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu n={n} k={k}")
+
+        xb = x.copy()
+        xb[0, k - 1] = np.nan
+        y = poisoned((1, rows))
+        be._matvec(mats, cp.asarray(xb), 1, y, argmax=True)
+        assert np.isnan(y.get()).all() and be.step_ids.get()[1] == 1
+
+
 @pytest.mark.parametrize("qtype", RUNNABLE, ids=lambda t: t.name)
 def test_dequant_gemm_and_embed_every_type(qtype: QT) -> None:
     rng = np.random.default_rng(100 + int(qtype))

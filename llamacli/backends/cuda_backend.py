@@ -266,6 +266,29 @@ def _mv1_groups(rows: int, cols: int, qtype: QT | None = None, sms: int | None =
     return 1
 
 
+# 16-bit float rows with whole 16-byte chunks take the streaming one-token matvec (kernels/matvec.cu
+# mv1_stream_<t>): one wave of MV1S_BLOCKS_PER_SM blocks per SM, loads in flight across row ends and the
+# kernel boundary.
+MV1S_TYPES = frozenset({QT.F16, QT.BF16})
+MV1S_BLOCKS_PER_SM = 2  # kernels/matvec.cu MV1S_BLOCKS_PER_SM
+
+
+def _mv1_stream_ok(ws: tuple[Any, ...]) -> bool:
+    """Whether mv1_stream serves these row segments: one 16-bit float type, rows of whole 16-byte chunks
+    (K % 8 == 0), every segment 16-byte aligned."""
+    a, k = ws[0].qtype, ws[0].cols
+    return (a in MV1S_TYPES and k % 8 == 0
+            and all(w.qtype == a and w.cols == k and w.row_bytes == 2 * k and w.ptr % 16 == 0 for w in ws))
+
+
+def _mv1_stream_grid(rows: int, sms: int) -> int:
+    """mv1_stream's grid: at most one wave (MV1S_BLOCKS_PER_SM blocks per SM), each warp a row of every
+    `per` (its rows w, w + warps, ...): the fewest blocks that still give every warp at most `per` rows, so the
+    warps end together (6144 rows: 256 blocks of 3 rows a warp rather than 264 of 2 or 3)."""
+    per = K.cdiv(rows, MV1_WARPS * MV1S_BLOCKS_PER_SM * sms)
+    return K.cdiv(rows, MV1_WARPS * per)
+
+
 def _mv1_smem(qtype: QT, cols: int) -> int:
     """mv1's dynamic shared memory: x staged per 32-value unit (kernels/matvec.cu stage_x / stage_xq)."""
     return K.cdiv(cols, 32) * (40 if qtype in MV1_ACT8 else 132)
@@ -304,6 +327,9 @@ class CudaBackend(Backend):
         # The captured decode step launches its matvecs and attention as programmatic dependents (sm_90+):
         # set before the first decode (the graph keeps it).
         self.pdl = True
+        # 16-bit float matvecs of one token through mv1_stream (False: mv1, as before it; for comparisons).
+        self.mv1_stream = True
+        self.pdl_stream = True  # and they launch as programmatic dependents (False: as mv1's, by size)
         self.pdl_max_bytes, self.pdl_early_bytes = PDL_MAX_BYTES, PDL_EARLY_BYTES
         self._alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self._graphs: dict[str, Any] = {}
@@ -623,6 +649,13 @@ class CudaBackend(Backend):
         segs = [w.ptr for w in ws] + [0] * (3 - len(ws))
         n0 = ws[0].rows
         n1 = ws[1].rows if len(ws) > 1 else 0
+        if t == 1 and self.mv1_stream and _mv1_stream_ok(ws):
+            K.launch("matvec", f"mv1_stream_{qname(w0.qtype)}", (_mv1_stream_grid(n, self.n_sms),), (32 * MV1_WARPS,),
+                     (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
+                      K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps),
+                      K.ptr(self._am if argmax else None), K.i32(early)),
+                     shared=_mv1_smem(w0.qtype, w0.cols))
+            return
         if t == 1:
             groups = _mv1_groups(n, w0.cols, w0.qtype, self.n_sms)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
@@ -642,6 +675,13 @@ class CudaBackend(Backend):
     def _matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any, norm: Any = None,
                        early: bool = False) -> None:
         lpr = _lpr(wg.cols)
+        if t == 1 and self.mv1_stream and _mv1_stream_ok((wg, wu)):
+            K.launch("matvec", f"mv1_stream_{qname(wg.qtype)}_swiglu", (_mv1_stream_grid(wg.rows, self.n_sms),),
+                     (32 * MV1_WARPS,),
+                     (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
+                      K.f32(self.cfg.rms_eps), K.i32(early)),
+                     shared=_mv1_smem(wg.qtype, wg.cols))
+            return
         if t == 1:
             groups = _mv1_groups(wg.rows, wg.cols, wg.qtype, self.n_sms)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
@@ -1013,18 +1053,21 @@ class CudaBackend(Backend):
         sec = self._section
         with sec("embedding"):
             self._embed(self.step_ids, w.token_embd, x, 1)
-        # The step as (section, weight bytes, launch(early)). Inside the capture (_capture_step) the kernels
-        # of matrices under pdl_max_bytes and the attention launch as programmatic dependents: each starts
-        # while the one before finishes (hiding the launch gap and its prologue); larger matvecs launch
+        # The step as (section, weight bytes, streams, launch(early)). Inside the capture (_capture_step) the
+        # kernels of matrices under pdl_max_bytes, the streaming matvecs (mv1_stream) and the attention
+        # launch as programmatic dependents: each starts while the one before finishes (hiding the launch gap
+        # and its prologue; mv1_stream also loads its first weights then); other large matvecs launch
         # plainly (there it measured slower). `early` tells a kernel to let the next one start right after
-        # its own pdl_wait() rather than after its main loop: right for a next kernel that is
-        # latency-bound (the attention, a matrix under pdl_early_bytes); a larger next matvec whose blocks
-        # wait on SMs busy with this one streamed slower. Measured on the H100 (BENCHMARKS.md): tg128
-        # SmolLM2 +17%, Qwen2.5-0.5B +9-10%, Llama-3.2-1B +4%, 8B unchanged.
-        step: list[tuple[str, int, Callable[[bool], None]]] = []
+        # its own pdl_wait() rather than after its main loop: right for a next kernel that is latency-bound
+        # (a matrix under pdl_early_bytes) and for a streaming one, whose blocks then take each SM a block of
+        # this kernel leaves and load their first weights during this kernel's tail (8B F16 tg128 173.5 ->
+        # 176.8 t/s); an mv1 matvec whose blocks wait on SMs busy with this one streamed slower. Measured on
+        # the H100 (BENCHMARKS.md): tg128 SmolLM2 +17%, Qwen2.5-0.5B +9-10%, Llama-3.2-1B +4%, 8B F16 159 -> 177.
+        step: list[tuple[str, int, bool, Callable[[bool], None]]] = []
+        stream = self.mv1_stream and self.pdl_stream
 
         def mv(name: str, ws: tuple[DeviceMatrix, ...], src: Any, dst: Any, **kw: Any) -> None:
-            step.append((name, sum(m.nbytes for m in ws),
+            step.append((name, sum(m.nbytes for m in ws), stream and _mv1_stream_ok(ws),
                          lambda early: self._matvec(ws, src, 1, dst, early=early, **kw)))
 
         for i, L in enumerate(w.layers):
@@ -1038,7 +1081,7 @@ class CudaBackend(Backend):
                     mv("norm+QKV", (m,), x, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm)
                     off += m.rows
             if self._decode_kernel_fits():  # one kernel: RoPE, K/V store, the attention splits and their merge
-                step.append(("RoPE+KV+attention", 0, lambda early, i=i: K.launch(
+                step.append(("RoPE+KV+attention", 0, False, lambda early, i=i: K.launch(
                     "attention", f"attention_step_{mode}_npl{npl}", (hkv, n_split, row_blocks), (256,),
                     (K.ptr(qkv), K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i]), K.ptr(self.step_pos),
                      K.i32(hq), K.i32(hkv), K.i32(dh), K.f32(1.0 / math.sqrt(dh)), K.i32(chunk),
@@ -1047,33 +1090,35 @@ class CudaBackend(Backend):
                      K.ptr(self._att_count), K.ptr(att), K.i32(early)),
                     shared=self._decode_smem())))
             else:
-                step.append(("RoPE+KV", 0, lambda early, i=i: K.launch(
+                step.append(("RoPE+KV", 0, False, lambda early, i=i: K.launch(
                     "rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
                     (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim),
                      K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
                      K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))))
-                step.append(("attention", 0, lambda early, i=i: self._attend(
+                step.append(("attention", 0, False, lambda early, i=i: self._attend(
                     qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split, chunk,
                     self._part_o, self._part_ml)))
             mv("O-proj", (L.attn_output,), att, x, resid=x)
             plan = self._ffn_plan[i]
             if plan is not None:
-                step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, lambda early, plan=plan, L=L:
+                step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, stream and _mv1_stream_ok(plan),
+                             lambda early, plan=plan, L=L:
                              self._matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm, early=early)))
             else:
                 g = self._ff_tmp()
                 mv("norm+FFN", (L.ffn_gate,), x, g[0], norm=L.ffn_norm)
                 mv("norm+FFN", (L.ffn_up,), x, g[1], norm=L.ffn_norm)
-                step.append(("norm+FFN", 0, lambda early, g=g: K.launch(
+                step.append(("norm+FFN", 0, False, lambda early, g=g: K.launch(
                     "elementwise", "swiglu_f32", (K.cdiv(cfg.n_ff, 256),), (256,),
                     (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))))
             mv("norm+FFN", (L.ffn_down,), ff, x, resid=x)
         mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), x, self.step_logits,
            norm=w.output_norm, argmax=greedy)
-        for j, (name, nbytes, launch) in enumerate(step):
-            nxt = step[j + 1][1] if j + 1 < len(step) else 0
-            with sec(name), (_NULL if nbytes < self.pdl_max_bytes else K.dependent_launches(False)):
-                launch(nxt < self.pdl_early_bytes)
+        for j, (name, nbytes, streams, launch) in enumerate(step):
+            nxt_bytes, nxt_streams = step[j + 1][1:3] if j + 1 < len(step) else (0, False)
+            plain = nbytes >= self.pdl_max_bytes and not streams
+            with sec(name), (K.dependent_launches(False) if plain else _NULL):
+                launch(nxt_bytes < self.pdl_early_bytes or nxt_streams)
 
     def _ff_tmp(self) -> Any:
         if not hasattr(self, "_ff2"):

@@ -1,7 +1,8 @@
 """`llamacli bench --kernels`: micro-benchmarks of the CUDA kernels, no model needed.
 
-- mv1_<type> (the one-token matvec of the decode step) at (N, K) shapes, random valid blocks made on the GPU,
-  rotated over enough copies to exceed the 50 MB L2 so every launch reads HBM; GB/s = weight bytes / time.
+- mv1_<type> / mv1_stream_<type> (the one-token matvec of the decode step) at (N, K) shapes, random valid
+  blocks made on the GPU, rotated over enough copies to exceed the 50 MB L2 so every launch reads HBM;
+  GB/s = weight bytes / time.
 - attention prefill (causal, head dim 64) as the fused prefill runs it: fp16 q (times log2(e)/sqrt(D), as
   RoPE writes it), fp16 K/V in our cache layout, fp16 output; batch folded into heads (each (batch, head)
   pair is its own KV head over its own 512 keys); the wgmma kernel on a Hopper GPU and the portable mma.sync
@@ -54,7 +55,7 @@ def _time_launches(cp: Any, launch: Any, reps: int) -> float:
 
 
 def run(be: Any, shapes: tuple, types: tuple, att: tuple[int, int, int, int]) -> tuple[list[dict], float]:
-    from .cuda_backend import DeviceMatrix
+    from .cuda_backend import DeviceMatrix, _mv1_stream_ok
 
     cp = be.cp
     bandwidth = be.memory_bandwidth()
@@ -71,7 +72,8 @@ def run(be: Any, shapes: tuple, types: tuple, att: tuple[int, int, int, int]) ->
             y = cp.empty((1, n), cp.float32)
             t = _time_launches(cp, lambda i: be._matvec((mats[i % copies],), x, 1, y), 60)
             nbytes = one.nbytes + 4 * (k + n)
-            rows.append({"kernel": f"mv1_{name.lower()}", "shape": f"{n}x{k}", "us": t * 1e6,
+            kernel = "mv1_stream" if be.mv1_stream and _mv1_stream_ok(mats[:1]) else "mv1"
+            rows.append({"kernel": f"{kernel}_{name.lower()}", "shape": f"{n}x{k}", "us": t * 1e6,
                          "gb_per_s": nbytes / t / 1e9, "tflops": 2 * n * k / t / 1e12, "vs": "copy bandwidth"})
             del bufs, mats, one
             cp.get_default_memory_pool().free_all_blocks()
