@@ -327,9 +327,9 @@ class CudaBackend(Backend):
         # The captured decode step launches its matvecs and attention as programmatic dependents (sm_90+):
         # set before the first decode (the graph keeps it).
         self.pdl = True
-        # 16-bit float matvecs of one token through mv1_stream (False: mv1, as before it; for comparisons).
+        # 16-bit float matvecs of one token through mv1_stream, as programmatic dependents in the decode step
+        # (False: mv1, as before it; for comparisons).
         self.mv1_stream = True
-        self.pdl_stream = True  # and they launch as programmatic dependents (False: as mv1's, by size)
         self.pdl_max_bytes, self.pdl_early_bytes = PDL_MAX_BYTES, PDL_EARLY_BYTES
         self._alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self._graphs: dict[str, Any] = {}
@@ -1064,10 +1064,9 @@ class CudaBackend(Backend):
         # 176.8 t/s); an mv1 matvec whose blocks wait on SMs busy with this one streamed slower. Measured on
         # the H100 (BENCHMARKS.md): tg128 SmolLM2 +17%, Qwen2.5-0.5B +9-10%, Llama-3.2-1B +4%, 8B F16 159 -> 177.
         step: list[tuple[str, int, bool, Callable[[bool], None]]] = []
-        stream = self.mv1_stream and self.pdl_stream
 
         def mv(name: str, ws: tuple[DeviceMatrix, ...], src: Any, dst: Any, **kw: Any) -> None:
-            step.append((name, sum(m.nbytes for m in ws), stream and _mv1_stream_ok(ws),
+            step.append((name, sum(m.nbytes for m in ws), self.mv1_stream and _mv1_stream_ok(ws),
                          lambda early: self._matvec(ws, src, 1, dst, early=early, **kw)))
 
         for i, L in enumerate(w.layers):
@@ -1101,7 +1100,7 @@ class CudaBackend(Backend):
             mv("O-proj", (L.attn_output,), att, x, resid=x)
             plan = self._ffn_plan[i]
             if plan is not None:
-                step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, stream and _mv1_stream_ok(plan),
+                step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, self.mv1_stream and _mv1_stream_ok(plan),
                              lambda early, plan=plan, L=L:
                              self._matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm, early=early)))
             else:
