@@ -22,9 +22,9 @@
 // decode with G <= 8 and D % 8 == 0 runs attention_decode_npl<N> (keys over all 8 warps, below), and the
 // fused decode step its STEP form attention_step_<mode>_npl<N> (RoPE + K/V store + split + combine in one;
 // a programmatic dependent in the captured step: the K/V prefetch runs before pdl_wait, `early` as in mv1).
-// Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal, fp16 q/K/V/out): attention_wg16_d64 83-84 us
-// (205 TFLOP/s), attention_tc16_d64 103-105 us; this kernel (f32 q and out) ~2,100 us; torch SDPA fp16
-// (cuDNN's sm90 flash kernel) 71-72 us, FlashAttention-2 (mma.sync) 119 us.
+// Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal, fp16 q/K/V/out): attention_wg16_d64 75 us
+// (229 TFLOP/s), attention_tc16_d64 103-105 us; this kernel (f32 q and out) ~2,100 us; torch SDPA fp16
+// (cuDNN's sm90 flash kernel) 68-72 us, FlashAttention-2 (mma.sync) 119 us.
 
 #include "common.cuh"
 #include "rope.cuh"
@@ -864,7 +864,7 @@ __device__ __forceinline__ void attention_wg_body(const u16* __restrict__ q, int
     constexpr int KS = D / 16;        // k16 steps of S = Q K^T
     constexpr int CPR = D / 8;        // 16-byte chunks per key row
     constexpr int NST = WG_STAGES(D);
-    constexpr int BC = WG_BC;         // keys per tile
+    constexpr int BC = WG_BC;         // keys per tile (a multiple of 128 / CPR)
     constexpr int NS = BC / 8;        // n8 column blocks of S
     constexpr u32 REGION = BC * 128;  // bytes of a [BC keys][64 dims] region
     constexpr u32 TILE = BC * D * 2;  // bytes of a K (or V) tile
@@ -908,15 +908,25 @@ __device__ __forceinline__ void attention_wg_body(const u16* __restrict__ q, int
     float m[2] = {-INFINITY, -INFINITY};
 
     const int n_tiles = (kend + BC - 1) / BC;
+    // Thread t copies 16-byte chunk t % CPR of key rows t / CPR + RPI i of every tile: one swizzled shared
+    // offset plus 128 RPI i (RPI is a multiple of 8, so the swizzle is the same), the global row RPI i rows
+    // further; all of it set up once (recomputing the index math per chunk cost 10% of the kernel's time).
+    constexpr int RPI = 128 / CPR;  // key rows per round of 128 chunks
+    static_assert(128 % CPR == 0 && RPI % 8 == 0 && BC % RPI == 0, "head dim without an exact copy round");
+    const int c = threadIdx.x % CPR, j0 = threadIdx.x / CPR;
+    const long long row_step = (long long)Hkv * D;  // elements from one key's row to the next
+    const long long first = j0 * row_step + kvh * D + c * 8;
+    const u32 at0 = (u32)((c >> 3) * REGION + j0 * 128 + (((c & 7) ^ (j0 & 7)) << 4));
     auto load_tile = [&](int tile) {  // one cp.async group per call, empty past the last tile
-        const int k0 = tile * BC, buf = tile % NST;
-        for (int e = threadIdx.x; tile < n_tiles && e < BC * CPR; e += 128) {
-            const int c = e % CPR, j = e / CPR, key = k0 + j;
-            const bool ok = key < kend;
-            const long long off = ((long long)(ok ? key : 0) * Hkv + kvh) * D + c * 8;
-            const u32 at = (u32)((c >> 3) * REGION + j * 128 + (((c & 7) ^ (j & 7)) << 4));
-            cp_async16(ksm + buf * TILE + at, kc + off, ok ? 16 : 0);
-            cp_async16(vsm + buf * TILE + at, vc + off, ok ? 16 : 0);
+        if (tile < n_tiles) {
+            const u32 at = at0 + (tile % NST) * TILE;
+            const long long off = first + (long long)tile * BC * row_step;
+#pragma unroll
+            for (int i = 0; i < BC / RPI; ++i) {
+                const bool ok = tile * BC + j0 + RPI * i < kend;  // zeros past the last key, as P V needs
+                cp_async16(ksm + at + i * RPI * 128, kc + (ok ? off + i * RPI * row_step : 0), ok ? 16 : 0);
+                cp_async16(vsm + at + i * RPI * 128, vc + (ok ? off + i * RPI * row_step : 0), ok ? 16 : 0);
+            }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
