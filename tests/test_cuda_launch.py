@@ -90,6 +90,45 @@ def test_launch_dependent_hands_the_driver_config_attribute_and_params(monkeypat
         K._launch_dependent(fn, (1,), (32,), (K.i32(0),), 0)
 
 
+def test_tensor_map_2d_hands_the_driver_the_matrix_and_box(monkeypatch) -> None:
+    """tensor_map_2d against a stand-in for cuTensorMapEncodeTiled (a ctypes callback with its signature):
+    fp16, rank 2, dims innermost first, the row stride in bytes, the box, the 128-byte swizzle, zeros past the
+    end; the result is a one-element 128-byte array (CuPy passes it by value) holding what the driver wrote
+    at a 64-byte aligned address; a failing status or an unaligned matrix raises BackendError."""
+    from llamacli.errors import BackendError
+
+    seen = {}
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p,
+                             u64p, u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+
+    def fake_encode(out, dtype, rank, address, dims, strides, box, elem, interleave, swizzle, l2, oob):
+        seen.update(aligned=out % 64 == 0, dtype=dtype, rank=rank, address=address, dims=(dims[0], dims[1]),
+                    strides=strides[0], box=(box[0], box[1]), elem=(elem[0], elem[1]), interleave=interleave,
+                    swizzle=swizzle, oob=oob)
+        ctypes.memmove(out, bytes(range(128)), 128)
+        return seen.get("status", 0)
+
+    encode = proto(fake_encode)
+    monkeypatch.setattr(K, "_tensor_map_encoder", lambda: encode)
+    K.tensor_map_2d.cache_clear()
+    m = K.tensor_map_2d(0x7F0000001000, 700, 3 * 64, 64, 64)
+    assert m.dtype == K.TENSOR_MAP and m.size == 1 and m.tobytes() == bytes(range(128))
+    assert seen == {"aligned": True, "dtype": 6, "rank": 2, "address": 0x7F0000001000, "dims": (192, 700),
+                    "strides": 384, "box": (64, 64), "elem": (1, 1), "interleave": 0, "swizzle": 3, "oob": 0}
+    assert K.tensor_map_2d(0x7F0000001000, 700, 3 * 64, 64, 64) is m  # cached
+    seen.clear()
+    seen["status"] = 1
+    K.tensor_map_2d.cache_clear()
+    with pytest.raises(BackendError, match="CUresult 1"):
+        K.tensor_map_2d(0x7F0000001000, 700, 192, 64, 64)
+    for bad in ((0x7F0000001008, 700, 192, 64, 64), (0x7F0000001000, 700, 196, 64, 64),
+                (0x7F0000001000, 700, 192, 64, 128)):
+        with pytest.raises(BackendError, match="no TMA descriptor"):
+            K.tensor_map_2d(*bad)
+    K.tensor_map_2d.cache_clear()
+
+
 def test_merge_rows_joins_back_to_back_matrices_of_one_layout() -> None:
     """The prefill merges Q/K/V (gate/up) lying back to back in the arena into one GEMM; nbytes is what the
     decode step's launch plan sizes each matvec by."""
@@ -185,7 +224,8 @@ def test_tensor_core_attention_rows_per_block_match_the_kernel_source() -> None:
 
 def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:
     """_wg_smem sizes attention_wg*'s shared memory: 1024 (alignment) + WG_STAGES(D) x (K + V) tiles of WG_BC
-    keys + 256 (ones) + 16, as kernels/attention.cu defines them; its kernels exist for ATT_WG_DIMS."""
+    keys + WG_ONES(D) (ones) + 8 (one int, padded) + an 8-byte mbarrier per stage, as kernels/attention.cu
+    defines them; its kernels exist for ATT_WG_DIMS."""
     import re
     from pathlib import Path
 
@@ -194,10 +234,12 @@ def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:
     src = (Path(__file__).resolve().parents[1] / "kernels" / "attention.cu").read_text()
     bc = int(re.search(r"^#define WG_BC (\d+)", src, re.M).group(1))
     limit, wide, narrow = map(int, re.search(r"^#define WG_STAGES\(D\) " + TERNARY, src, re.M).groups())
+    o_limit, o_wide, o_narrow = map(int, re.search(r"^#define WG_ONES\(D\) " + TERNARY, src, re.M).groups())
     assert set(ATT_WG_DIMS) == {int(d) for d in re.findall(r"^ATTENTION_WG_KERNEL\((\d+)\)$", src, re.M)}
     for dh in ATT_WG_DIMS:
         stages = wide if dh <= limit else narrow
-        assert _wg_smem(dh) == 1024 + stages * 2 * bc * dh * 2 + 256 + 16, dh
+        ones = o_wide if dh <= o_limit else o_narrow
+        assert _wg_smem(dh) == 1024 + stages * 2 * bc * dh * 2 + ones + 8 + 8 * stages, dh
 
 
 def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:

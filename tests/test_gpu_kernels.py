@@ -526,9 +526,10 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
     """The fused prefill's form: q already fp16 and times log2(e)/sqrt(dh) (as rope_store_pf writes it),
     fp16 output for the O-projection GEMM; both kernels (attention_tc16_d* on mma.sync, everywhere; and
     attention_wg16_d* on Hopper's wgmma, where built for sm_90a); every head dim with a kernel, row counts
-    that leave the last block partly empty, a chunk on a filled cache; output poisoned with NaN; float64
-    reference on the same fp16 q. Also values near the fp16 limit in V: the output stays finite (a convex
-    combination). f32 output too, on one shape."""
+    that leave the last block partly empty, a chunk on a filled cache, the cache's rows past the chunk's last
+    key NaN (they must never reach the output; the last chunk ends near the cache's end, past which the
+    copies read nothing); output poisoned with NaN; float64 reference on the same fp16 q. Also values near
+    the fp16 limit in V: the output stays finite (a convex combination). f32 output too, on one shape."""
     from llamacli.backends.cuda_backend import ATT_TC_ROWS, ATT_WG_DIMS, _tc_qscale
 
     rng = np.random.default_rng(2000 + dh + group)
@@ -540,10 +541,12 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
     be.attention_wg = kernel == "wg"
     kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
-    be.k_cache[0], be.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
     qs = _tc_qscale(dh)
     for start, t in ((0, ATT_TC_ROWS // group + 3), (0, 16), (131, 333), (690, 10 + 16)):
         t = min(t, ctx - start)
+        kp, vp = kc.copy(), vc.copy()
+        kp[start + t :], vp[start + t :] = np.nan, np.nan
+        be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
         q16 = (rng.standard_normal((t, hq, dh)) * qs).astype(np.float16)
         pos = np.arange(start, start + t, dtype=np.int32)
         out = cp.full((t, hq * dh), cp.nan, dtype=cp.float16)

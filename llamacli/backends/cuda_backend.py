@@ -83,8 +83,10 @@ def _tc_smem(dh: int) -> int:
 
 def _wg_smem(dh: int) -> int:
     """attention_wg*_d<dh>'s dynamic shared memory: 1024 for alignment, WG_STAGES(D) (3 up to head dim 64,
-    else 2) K and V tiles of 64 keys x dh halves, 256 of ones, one int."""
-    return 1024 + (3 if dh <= 64 else 2) * 2 * 64 * dh * 2 + 256 + 16
+    else 2) K and V tiles of 64 keys x dh halves, WG_ONES(D) bytes of ones (2048 up to head dim 64, else
+    256), one int (8 bytes with padding) and an 8-byte mbarrier per stage."""
+    stages = 3 if dh <= 64 else 2
+    return 1024 + stages * 2 * 64 * dh * 2 + (2048 if dh <= 64 else 256) + 8 + 8 * stages
 
 
 def _tc_qscale(dh: int) -> float:
@@ -317,8 +319,9 @@ class CudaBackend(Backend):
         self.cp = cp
         self.use_graph = use_graph
         self.attention_tc = True  # prefill attention on tensor cores (False: the fp32 CUDA-core kernel)
-        # ... with Hopper's warpgroup MMA where attention.cu is built for sm_90a (False: mma.sync everywhere)
-        self.attention_wg = K.built_arch("attention") == "sm_90a"
+        # ... with Hopper's warpgroup MMA where attention.cu is built for sm_90a and the driver makes TMA
+        # descriptors (False: mma.sync everywhere)
+        self.attention_wg = K.built_arch("attention") == "sm_90a" and K.tma_supported()
         # Query rows per block in the fused step's attention (of the G sharing a KV head): 1 gives the
         # shortest dependent chain per lane (decode at short contexts is latency-bound); each block re-reads
         # its split's K/V from L2. Set before the first decode (the graph keeps it).
@@ -768,14 +771,19 @@ class CudaBackend(Backend):
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         f16 = "16" if out.dtype == self.cp.float16 else ""
-        args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
-                K.ptr(out), K.i32(cfg.q_dim))
         if self.attention_wg and dh in ATT_WG_DIMS:  # 64 query rows per block, one warpgroup
+            # K and V by the tensor copy engine: each cache a [rows, hkv * dh] matrix in [64 x 64] boxes.
+            rows = kc.size // (hkv * dh)
+            maps = [K.tensor_map_2d(x.data.ptr, rows, hkv * dh, 64, 64) for x in (kc, vc)]
+            args = (K.ptr(q16), K.i32(q16_stride), *maps, K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv), K.ptr(out),
+                    K.i32(cfg.q_dim))
             K.launch("attention", f"attention_wg{f16}_d{dh}", (K.cdiv(t * cfg.n_group, 64), hkv), (128,), args,
                      shared=_wg_smem(dh))
-        else:
-            K.launch("attention", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
-                     args, shared=_tc_smem(dh))
+            return
+        args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
+                K.ptr(out), K.i32(cfg.q_dim))
+        K.launch("attention", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,), args,
+                 shared=_tc_smem(dh))
 
     def _decode_smem(self) -> int:
         """attention_decode / attention_step: q [G, Dh] + per-warp o [8, G, Dh] and (m, l) f32, V tiles [8, 32, Dh] fp16."""

@@ -279,6 +279,56 @@ def _launch_dependent(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], ar
         raise BackendError(f"cuLaunchKernelEx failed with CUresult {st}")
 
 
+# -- TMA descriptors -----------------------------------------------------------------------------------------
+# Hopper's tensor copy engine copies a box of a matrix into shared memory in one instruction, described by a
+# CUtensorMap that the host encodes (the driver's cuTensorMapEncodeTiled) and the kernel takes by value
+# (a __grid_constant__ parameter): CuPy passes the bytes of a one-element NumPy array by value.
+TENSOR_MAP = np.dtype("V128")  # cuda.h CUtensorMap: 128 opaque bytes
+_TMA_FLOAT16, _TMA_SWIZZLE_128B, _TMA_L2_PROMOTION_128B = 6, 3, 2  # cuda.h CUtensorMap* enums
+
+
+@lru_cache(maxsize=None)
+def _tensor_map_encoder() -> Any:
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def tma_supported() -> bool:
+    """True where the CUDA driver can encode TMA descriptors (cuTensorMapEncodeTiled, CUDA 12 and later)."""
+    return _tensor_map_encoder() is not None
+
+
+@lru_cache(maxsize=256)
+def tensor_map_2d(address: int, rows: int, cols: int, box_rows: int, box_cols: int) -> np.ndarray:
+    """The TMA descriptor (a one-element TENSOR_MAP array, a kernel argument) of a row-major fp16 matrix
+    [rows, cols] at device address `address`, copied in boxes of [box_rows, box_cols] (box_cols x 2 = 128
+    bytes) into shared memory with the 128-byte swizzle; rows past `rows` read as zeros. A pure function of
+    its arguments, so cached."""
+    if address % 16 or cols % 8 or box_cols * 2 != 128 or not 0 < box_rows <= 256:
+        raise BackendError(f"no TMA descriptor for a [{rows}, {cols}] fp16 matrix at {address:#x} in "
+                           f"[{box_rows}, {box_cols}] boxes")
+    encode = _tensor_map_encoder()
+    if encode is None:
+        raise BackendError("this CUDA driver has no cuTensorMapEncodeTiled")
+    raw = np.zeros(TENSOR_MAP.itemsize + 64, np.uint8)  # the driver writes it 64-byte aligned
+    at = -raw.ctypes.data % 64
+    st = encode(raw.ctypes.data + at, _TMA_FLOAT16, 2, address, (ctypes.c_uint64 * 2)(cols, rows),
+                (ctypes.c_uint64 * 1)(cols * 2), (ctypes.c_uint32 * 2)(box_cols, box_rows),
+                (ctypes.c_uint32 * 2)(1, 1), 0, _TMA_SWIZZLE_128B, _TMA_L2_PROMOTION_128B, 0)
+    if st:
+        raise BackendError(f"cuTensorMapEncodeTiled failed with CUresult {st}")
+    out = raw[at : at + TENSOR_MAP.itemsize].view(TENSOR_MAP)
+    out.flags.writeable = False
+    return out
+
+
 # -- argument helpers ----------------------------------------------------------------------------------------
 
 i32, i64, f32 = np.int32, np.int64, np.float32
