@@ -766,8 +766,9 @@ class CudaBackend(Backend):
                       K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
 
     def _attend_tc(self, q16: Any, q16_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any) -> None:
-        """Causal prefill attention on tensor cores (attention_tc*_d*): q16 [t, Hq*dh] fp16 rows q16_stride
-        apart, already times _tc_qscale; out [t, q_dim] f32, or fp16 (the O-projection GEMM's input)."""
+        """Causal prefill attention on tensor cores: q16 [t, Hq*dh] fp16 rows q16_stride apart, already times
+        _tc_qscale; out [t, q_dim] f32, or fp16 (the O-projection GEMM's input). attention_wg*_d* (Hopper,
+        K/V through TMA descriptors of the caches) where it serves, else attention_tc*_d* (mma.sync)."""
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         f16 = "16" if out.dtype == self.cp.float16 else ""
