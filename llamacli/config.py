@@ -1,8 +1,8 @@
 """ModelConfig: the one place GGUF metadata keys are read (after llama.cpp's llama-model.cpp key names).
 
-Architectures: `llama` (Llama 2/3/3.1/3.2, Mistral 7B, TinyLlama, SmolLM2), `qwen2` (Qwen2/2.5: Q/K/V
-biases, NEOX RoPE) and `phi3` (Phi-3-mini: fused attn_qkv, ffn_up holding gate and up, NEOX RoPE,
-long/short rope factors).
+The keys every architecture shares are read here; what differs between architectures (RoPE pairing, the
+per-layer plan: biases, fused matrices, q/k norms, RoPE-less layers) comes from its module in
+llamacli/models/, and lands in `ModelConfig.layers`, one plan per layer, which every forward path reads.
 """
 
 from __future__ import annotations
@@ -11,15 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import CorruptFileError, MissingMetadataError, UnknownArchitectureError
+from .errors import CorruptFileError, MissingMetadataError
+from .models import ARCHITECTURES, ROPE_NEOX, ROPE_NORMAL, LayerPlan, architecture
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "phi3")
-
-# RoPE pairing. "normal": dims (2i, 2i+1) rotate together (llama; the converter permuted Q/K for it).
-# "neox": dims (i, i + rope_dim/2) rotate together (qwen2, phi3).
-ROPE_NORMAL = "normal"
-ROPE_NEOX = "neox"
-_ROPE_TYPE = {"llama": ROPE_NORMAL, "qwen2": ROPE_NEOX, "phi3": ROPE_NEOX}
+SUPPORTED_ARCHITECTURES = tuple(sorted(ARCHITECTURES))
+__all__ = ["ROPE_NEOX", "ROPE_NORMAL", "SUPPORTED_ARCHITECTURES", "ModelConfig", "config_from_metadata"]
+ROPE_SCALINGS = ("none", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -35,21 +32,29 @@ class ModelConfig:
     vocab_size: int
     context_length: int
     rope_type: str  # ROPE_NORMAL | ROPE_NEOX
-    rope_dim: int  # dims of each head that rotate (== head_dim for every supported model)
+    rope_dim: int  # dims of each head that rotate (<= head_dim: Phi-4-mini rotates 96 of 128)
     rope_freq_base: float
     # RoPE scaling: "none", "linear" (positions / factor), "llama3" (per-frequency factors in the
-    # rope_freqs tensor), "longrope" (phi3: rope_factors_long/short tensors and an attention factor).
+    # rope_freqs tensor), "longrope" (phi3: rope_factors_long/short tensors and an attention factor),
+    # "yarn" (frequencies blended between interpolated and original by a ramp; rope.py).
     rope_scaling: str
     rope_scaling_factor: float
     rope_original_context: int
-    rope_attn_factor: float  # multiplies cos/sin (phi3 longrope); 1.0 otherwise
+    rope_attn_factor: float  # multiplies cos/sin (phi3 longrope, YaRN's magnitude scale); 1.0 otherwise
     rms_eps: float
     tied_embeddings: bool  # no output.weight: the LM head is token_embd
-    qkv_bias: bool  # qwen2
-    fused_qkv: bool  # phi3 attn_qkv
-    fused_gate_up: bool  # phi3 ffn_up holds [gate; up]
     bos_token_id: int | None
     eos_token_id: int | None
+    # What each block does (models/base.py LayerPlan), one per layer; empty: every layer the plain Llama block.
+    layers: tuple[LayerPlan, ...] = ()
+    rope_yarn_beta_fast: float = 32.0  # YaRN's ramp: dims turning fewer than beta_slow times over the
+    rope_yarn_beta_slow: float = 1.0  # original context are interpolated, more than beta_fast kept
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            object.__setattr__(self, "layers", (LayerPlan(),) * self.n_layer)
+        if len(self.layers) != self.n_layer:
+            raise ValueError(f"{len(self.layers)} layer plans for {self.n_layer} layers")
 
     # -- derived -------------------------------------------------------------------------------------
     @property
@@ -79,10 +84,7 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
     arch = md.get("general.architecture")
     if not isinstance(arch, str):
         raise MissingMetadataError("missing metadata key 'general.architecture'")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnknownArchitectureError(
-            f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    model = architecture(arch)
 
     def get(key: str, kind: type, default: Any = None, required: bool = True) -> Any:
         full = f"{arch}.{key}"
@@ -155,6 +157,8 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
         1 << 24,
     )
     attn_factor = get("rope.scaling.attn_factor", float, default=1.0, required=False)
+    beta_fast = get("rope.scaling.yarn_beta_fast", float, default=32.0, required=False)
+    beta_slow = get("rope.scaling.yarn_beta_slow", float, default=1.0, required=False)
     if "rope_freqs.weight" in tensors:
         scaling = "llama3"
     elif "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
@@ -163,6 +167,13 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
             # llama.cpp: attn_factor = sqrt(1 + ln(ctx/orig)/ln(orig)) when the file does not say
             ratio = context_length / original
             attn_factor = math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 and original > 1 else 1.0
+    elif scaling == "yarn":
+        if not factor > 0:
+            raise CorruptFileError(f"YaRN scaling factor {factor} must be positive")
+        if not 0 < beta_slow < beta_fast:
+            raise CorruptFileError(f"YaRN betas fast {beta_fast} / slow {beta_slow} must satisfy 0 < slow < fast")
+        log_mul = get("rope.scaling.yarn_log_multiplier", float, default=0.0, required=False)
+        attn_factor *= _yarn_magnitude(factor, log_mul)
     elif scaling in ("none", "", "linear") and factor == 1.0:
         scaling = "none"
     elif scaling in ("none", "", "linear"):  # llama.cpp applies the factor whatever the type says here
@@ -170,10 +181,7 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
         if not factor > 0:
             raise CorruptFileError(f"RoPE linear scaling factor {factor} must be positive")
     else:
-        raise CorruptFileError(f"RoPE scaling {scaling!r} is not supported (supported: none, linear, llama3, longrope)")
-
-    # phi3 files hold one attn_qkv matrix; llama.cpp also takes separate attn_q/k/v, and so do we.
-    fused_qkv = arch == "phi3" and not ("blk.0.attn_q.weight" in tensors and "blk.0.attn_qkv.weight" not in tensors)
+        raise CorruptFileError(f"RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
     tok = lambda key: md.get(f"tokenizer.ggml.{key}")  # noqa: E731
     return ModelConfig(
         architecture=arch,
@@ -186,7 +194,7 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
         n_ff=n_ff,
         vocab_size=vocab,
         context_length=context_length,
-        rope_type=_ROPE_TYPE[arch],
+        rope_type=model.rope_type,
         rope_dim=rope_dim,
         rope_freq_base=rope_base,
         rope_scaling=scaling,
@@ -195,12 +203,23 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
         rope_attn_factor=attn_factor,
         rms_eps=rms_eps,
         tied_embeddings=bool(tensors) and "output.weight" not in tensors,
-        qkv_bias=arch == "qwen2",
-        fused_qkv=fused_qkv,
-        fused_gate_up=arch == "phi3",
         bos_token_id=_token_id(tok("bos_token_id"), vocab),
         eos_token_id=_token_id(tok("eos_token_id"), vocab),
+        layers=model.plans(n_layer, tensors, md),
+        rope_yarn_beta_fast=beta_fast,
+        rope_yarn_beta_slow=beta_slow,
     )
+
+
+def _yarn_magnitude(factor: float, log_mul: float) -> float:
+    """YaRN's multiplier on cos/sin: 0.1 ln(s) + 1 for a context stretched s times (transformers'
+    get_mscale); with rope.scaling.yarn_log_multiplier m (DeepSeek-style files) the ratio
+    mscale(s, 1) / mscale(s, m), as llama.cpp's llama-context.cpp computes it."""
+
+    def mscale(s: float, m: float) -> float:
+        return 1.0 if s <= 1.0 else 0.1 * m * math.log(s) + 1.0
+
+    return mscale(factor, 1.0) / mscale(factor, log_mul) if log_mul else mscale(factor, 1.0)
 
 
 def _scalar(value: Any, arch: str, key: str) -> int:

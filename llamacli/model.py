@@ -1,7 +1,8 @@
 """The transformer forward pass, written once against the backend operations (backends/base.py).
 
-Llama-family decoder (Llama 2/3, Mistral, Qwen2, Phi-3): pre-norm blocks of grouped-query attention and a
-SwiGLU feed-forward, RMSNorm, rotary positions. Activations float32; shapes in brackets with T tokens,
+Pre-norm decoder blocks of grouped-query attention and a SwiGLU feed-forward, RMSNorm, rotary positions;
+what differs by architecture (fused matrices, biases, q/k norms, RoPE-less layers) is read from each layer's
+plan, cfg.layers[i] (llamacli/models/). Activations float32; shapes in brackets with T tokens,
 D = n_embd, Hq/Hkv heads, Dh = head_dim, F = n_ff, V = vocab.
 
 Prefill passes the whole prompt (T > 1, matrix-matrix products); decode passes one token (T = 1,
@@ -26,23 +27,27 @@ def forward(be: Backend, cfg: ModelConfig, ids: Any, pos: Any, all_logits: bool 
     hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     x = be.embed(ids)  # [T, D]
     for i, L in enumerate(w.layers):
+        plan = cfg.layers[i]
         # Attention block: x += Wo . attention(rope(Wq h), rope(Wk h), Wv h), h = rmsnorm(x)
         h = be.rms_norm(x, L.attn_norm, cfg.rms_eps)
-        if cfg.fused_qkv:  # phi3: one matrix, rows [q; k; v]
+        if plan.fused_qkv:  # phi3: one matrix, rows [q; k; v]
             qkv = be.matmul(h, L.attn_qkv)  # [T, (Hq + 2 Hkv) Dh]
             q, k, v = qkv[:, : cfg.q_dim], qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim], qkv[:, cfg.q_dim + cfg.kv_dim :]
         else:
             q = be.matmul(h, L.attn_q, L.attn_q_bias)  # [T, Hq Dh]
             k = be.matmul(h, L.attn_k, L.attn_k_bias)  # [T, Hkv Dh]
             v = be.matmul(h, L.attn_v, L.attn_v_bias)  # [T, Hkv Dh]
-        q = be.rope(q.reshape(t, hq, dh), pos)
-        k = be.rope(k.reshape(t, hkv, dh), pos)
+        q, k = q.reshape(t, hq, dh), k.reshape(t, hkv, dh)
+        if plan.qk_norm:  # qwen3: RMSNorm of each head's q and k, one weight [Dh] for all heads
+            q, k = be.rms_norm(q, L.attn_q_norm, cfg.rms_eps), be.rms_norm(k, L.attn_k_norm, cfg.rms_eps)
+        if plan.rope:  # smollm3's NoPE layers skip it
+            q, k = be.rope(q, pos), be.rope(k, pos)
         a = be.attention(i, q, k, v.reshape(t, hkv, dh), pos)  # [T, Hq Dh]
         x = be.add(x, be.matmul(a, L.attn_output))
 
         # Feed-forward block: x += W_down (silu(W_gate h) * W_up h), h = rmsnorm(x)
         h = be.rms_norm(x, L.ffn_norm, cfg.rms_eps)
-        if cfg.fused_gate_up:  # phi3: ffn_up rows [gate; up]
+        if plan.fused_gate_up:  # phi3: ffn_up rows [gate; up]
             gu = be.matmul(h, L.ffn_up)  # [T, 2F]
             g, u = gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]
         else:

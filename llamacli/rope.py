@@ -5,10 +5,16 @@ theta[i] = base^(-2i / rope_dim) for i < rope_dim/2, then
   llama3:   theta / rope_freqs[i]                   (per-frequency factors stored as a tensor)
   longrope: theta / rope_factors_{long|short}[i]    (phi3; long when the context exceeds the original),
             and cos/sin multiplied by the attention factor.
-The angle of pair i at position p is p * theta[i].
+  yarn:     theta / factor * (1 - r[i]) + theta * r[i] (Peng et al. 2023, as ggml's rope_yarn and
+            transformers' _compute_yarn_parameters): r[i] = 1 - clamp((i - lo) / max(hi - lo, 0.001), 0, 1),
+            where lo / hi are the pair indices that turn beta_fast / beta_slow times over the original
+            context; cos/sin multiplied by the magnitude factor config.py computes.
+The angle of pair i at position p is p * theta[i]. Only the first rope_dim dims of a head rotate.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -24,11 +30,27 @@ def inv_freq(cfg: ModelConfig, gguf: GGUFFile | None, ctx: int) -> np.ndarray:
         theta /= cfg.rope_scaling_factor
     elif cfg.rope_scaling == "llama3" and gguf is not None:
         theta /= gguf.dequantize("rope_freqs.weight").astype(np.float64)
+    elif cfg.rope_scaling == "yarn":
+        theta *= _yarn_blend(cfg, half)
     elif cfg.rope_scaling == "longrope" and gguf is not None:
         # llama.cpp picks the long factors when the context in use exceeds the original training context.
         name = "rope_factors_long.weight" if ctx > cfg.rope_original_context else "rope_factors_short.weight"
         theta /= gguf.dequantize(name).astype(np.float64)
     return theta.astype(np.float32)
+
+
+def _yarn_blend(cfg: ModelConfig, half: int) -> np.ndarray:
+    """Per-pair multipliers [rope_dim/2] on theta: 1/factor for slow (interpolated) pairs, 1 for fast ones,
+    a linear ramp between."""
+    dims, base, orig = cfg.rope_dim, cfg.rope_freq_base, cfg.rope_original_context
+
+    def corr_dim(rotations: float) -> float:  # the pair index that turns `rotations` times over `orig`
+        return dims * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(0.0, math.floor(corr_dim(cfg.rope_yarn_beta_fast)))
+    hi = min(dims - 1.0, math.ceil(corr_dim(cfg.rope_yarn_beta_slow)))
+    keep = 1.0 - np.clip((np.arange(half, dtype=np.float64) - lo) / max(hi - lo, 0.001), 0.0, 1.0)
+    return (1.0 - keep) / cfg.rope_scaling_factor + keep
 
 
 def cos_sin(theta: np.ndarray, pos: np.ndarray, attn_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

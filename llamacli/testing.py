@@ -4,10 +4,11 @@
   quantize are quantized from Gaussian floats; the K- and IQ-types get random quants with small finite
   scales, rescaled so that values have about the requested standard deviation. gguf.quants.dequantize
   is the reference for both.
-- `write_model(path, spec, qtype)`: a whole model (llama, qwen2, phi3) at any shape, streamed tensor by
+- `write_model(path, spec, qtype)`: a whole model of any supported architecture (llama, qwen2, phi3, qwen3,
+  smollm3) at any shape, streamed tensor by
   tensor (an 8B-shape F16 model never sits in RAM), with a tiny byte-level BPE vocabulary or a real one
   copied from llama.cpp's vocabulary-only GGUFs (`vocab_file=`).
-- `SHAPES`: tiny test shapes and real ones (Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B, SmolLM2-135M).
+- `SHAPES`: tiny test shapes and real ones (Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B, SmolLM2-135M, Qwen3-8B).
 """
 
 from __future__ import annotations
@@ -106,9 +107,15 @@ class ModelSpec:
     rope_base: float = 10000.0
     rms_eps: float = 1e-5
     tied: bool = False
-    rope_scaling: str = "none"  # none | linear | llama3 | longrope
+    rope_scaling: str = "none"  # none | linear | llama3 | longrope | yarn
     rope_factor: float = 1.0
     name: str = "random"
+    head_dim: int = 0  # attention.key_length; 0: n_embd / n_head
+    rope_dim: int = 0  # rope.dimension_count; 0: the head dim (partial rotary when smaller)
+
+    @property
+    def dh(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
 
 SHAPES: dict[str, ModelSpec] = {
@@ -125,6 +132,10 @@ SHAPES: dict[str, ModelSpec] = {
         "llama", 16, 2048, 32, 8, 8192, 128256, 131072, 500000.0, 1e-5, True, "llama3", 32.0, "Llama-3.2-1B-shape"
     ),
     "llama-3-8b": ModelSpec("llama", 32, 4096, 32, 8, 14336, 128256, 8192, 500000.0, 1e-5, False, name="Llama-3-8B-shape"),
+    # transformers' GGUF loader takes Qwen3's head dim as 128 whatever the file says: tiny ones keep it so.
+    "tiny-qwen3": ModelSpec("qwen3", 2, 256, 2, 1, 256, rope_base=1e6, rms_eps=1e-6, tied=True, name="tiny-qwen3"),
+    "tiny-smollm3": ModelSpec("smollm3", 4, 64, 4, 2, 128, rope_base=5e6, name="tiny-smollm3"),
+    "qwen3-8b": ModelSpec("qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, 1e6, 1e-6, False, name="Qwen3-8B-shape"),
 }
 
 
@@ -151,33 +162,51 @@ def act8_bound(h: np.ndarray, wref: np.ndarray) -> np.ndarray:
 
 
 def tensor_shapes(spec: ModelSpec, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, row-major shape) for every tensor of the model, in file order."""
-    d, hd = spec.n_embd, spec.n_embd // spec.n_head
-    q, kv, ff = spec.n_head * hd, spec.n_head_kv * hd, spec.n_ff
-    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, d))]
-    if spec.rope_scaling == "llama3":
-        out.append(("rope_freqs.weight", (hd // 2,)))
-    if spec.rope_scaling == "longrope":
-        out += [("rope_factors_long.weight", (hd // 2,)), ("rope_factors_short.weight", (hd // 2,))]
-    for i in range(spec.n_layer):
-        p = f"blk.{i}."
-        out.append((p + "attn_norm.weight", (d,)))
-        if spec.arch == "phi3":
-            out.append((p + "attn_qkv.weight", (q + 2 * kv, d)))
-        else:
-            out += [(p + "attn_q.weight", (q, d)), (p + "attn_k.weight", (kv, d)), (p + "attn_v.weight", (kv, d))]
-        if spec.arch == "qwen2":
-            out += [(p + "attn_q.bias", (q,)), (p + "attn_k.bias", (kv,)), (p + "attn_v.bias", (kv,))]
-        out += [(p + "attn_output.weight", (d, q)), (p + "ffn_norm.weight", (d,))]
-        if spec.arch == "phi3":
-            out.append((p + "ffn_up.weight", (2 * ff, d)))
-        else:
-            out += [(p + "ffn_gate.weight", (ff, d)), (p + "ffn_up.weight", (ff, d))]
-        out.append((p + "ffn_down.weight", (d, ff)))
-    out.append(("output_norm.weight", (d,)))
+    """(name, row-major shape) for every tensor of the model, in file order: what the architecture's plan
+    needs (weights.model_specs reads the config these keys make)."""
+    from .config import config_from_metadata
+    from .weights import model_specs
+
+    present = {"token_embd.weight", "blk.0.attn_qkv.weight"}
     if not spec.tied:
-        out.append(("output.weight", (vocab, d)))
-    return out
+        present.add("output.weight")
+    if spec.rope_scaling == "llama3":
+        present.add("rope_freqs.weight")
+    if spec.rope_scaling == "longrope":
+        present.add("rope_factors_long.weight")
+    cfg = config_from_metadata(model_metadata(spec, vocab), present)
+    specs = model_specs(cfg)
+    first = [s for s in specs if s.name == "token_embd.weight" or s.name.startswith("rope_")]
+    return [(s.name, s.shape) for s in first + [s for s in specs if s not in first]]
+
+
+def model_metadata(spec: ModelSpec, n_vocab: int) -> dict[str, Any]:
+    """The architecture keys of a model of this shape (no tokenizer, no file type)."""
+    arch = spec.arch
+    kv: dict[str, Any] = {
+        "general.architecture": arch,
+        f"{arch}.block_count": spec.n_layer,
+        f"{arch}.context_length": spec.context_length,
+        f"{arch}.embedding_length": spec.n_embd,
+        f"{arch}.feed_forward_length": spec.n_ff,
+        f"{arch}.attention.head_count": spec.n_head,
+        f"{arch}.attention.head_count_kv": spec.n_head_kv,
+        f"{arch}.rope.freq_base": float(spec.rope_base),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(spec.rms_eps),
+        f"{arch}.rope.dimension_count": spec.rope_dim or spec.dh,
+        f"{arch}.vocab_size": n_vocab,
+    }
+    if spec.head_dim:
+        kv[f"{arch}.attention.key_length"] = kv[f"{arch}.attention.value_length"] = spec.head_dim
+    if spec.rope_scaling in ("linear", "yarn"):
+        kv[f"{arch}.rope.scaling.type"] = spec.rope_scaling
+        kv[f"{arch}.rope.scaling.factor"] = float(spec.rope_factor)
+    if spec.rope_scaling == "yarn":
+        kv[f"{arch}.rope.scaling.original_context_length"] = spec.context_length // 4
+    if spec.rope_scaling == "longrope":
+        kv[f"{arch}.rope.scaling.original_context_length"] = spec.context_length // 4
+        kv[f"{arch}.rope.scaling.attn_factor"] = 1.19
+    return kv
 
 
 # llama.cpp's fallbacks when a row is not a whole number of 256-value super-blocks (llama-quant.cpp).
@@ -319,25 +348,8 @@ def write_model(
     arch = spec.arch
     w = GGUFWriter(str(path), arch)
     w.add_name(spec.name)
-    hd = spec.n_embd // spec.n_head
-    kv = {
-        f"{arch}.block_count": spec.n_layer,
-        f"{arch}.context_length": spec.context_length,
-        f"{arch}.embedding_length": spec.n_embd,
-        f"{arch}.feed_forward_length": spec.n_ff,
-        f"{arch}.attention.head_count": spec.n_head,
-        f"{arch}.attention.head_count_kv": spec.n_head_kv,
-        f"{arch}.rope.freq_base": float(spec.rope_base),
-        f"{arch}.attention.layer_norm_rms_epsilon": float(spec.rms_eps),
-        f"{arch}.rope.dimension_count": hd,
-        f"{arch}.vocab_size": n_vocab,
-    }
-    if spec.rope_scaling == "linear":
-        kv[f"{arch}.rope.scaling.type"] = "linear"
-        kv[f"{arch}.rope.scaling.factor"] = float(spec.rope_factor)
-    if spec.rope_scaling == "longrope":
-        kv[f"{arch}.rope.scaling.original_context_length"] = spec.context_length // 4
-        kv[f"{arch}.rope.scaling.attn_factor"] = 1.19
+    kv = model_metadata(spec, n_vocab)
+    del kv["general.architecture"]  # GGUFWriter writes it
     if isinstance(qtype, str) and qtype != "Q4_K_M":
         qtype = QT[qtype]
     file_type = {QT.F32: 0, QT.F16: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q8_0: 7, QT.Q5_0: 8, QT.Q5_1: 9, "Q4_K_M": 15}

@@ -23,10 +23,12 @@ class TensorSpec:
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
-    d, q, kv, ff = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff
+    """The tensors block i needs, as its plan (cfg.layers[i]) implies."""
+    d, q, kv, ff, dh = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff, cfg.head_dim
+    plan = cfg.layers[i]
     p = f"blk.{i}."
     specs = [TensorSpec(p + "attn_norm.weight", (d,))]
-    if cfg.fused_qkv:
+    if plan.fused_qkv:
         specs.append(TensorSpec(p + "attn_qkv.weight", (q + 2 * kv, d)))  # [q; k; v] rows
     else:
         specs += [
@@ -34,17 +36,19 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
             TensorSpec(p + "attn_k.weight", (kv, d)),
             TensorSpec(p + "attn_v.weight", (kv, d)),
         ]
-    if cfg.qkv_bias:
+    if plan.qkv_bias:
         specs += [
             TensorSpec(p + "attn_q.bias", (q,)),
             TensorSpec(p + "attn_k.bias", (kv,)),
             TensorSpec(p + "attn_v.bias", (kv,)),
         ]
+    if plan.qk_norm:  # one weight per head dim, shared by every head
+        specs += [TensorSpec(p + "attn_q_norm.weight", (dh,)), TensorSpec(p + "attn_k_norm.weight", (dh,))]
     specs += [
         TensorSpec(p + "attn_output.weight", (d, q)),
         TensorSpec(p + "ffn_norm.weight", (d,)),
     ]
-    if cfg.fused_gate_up:
+    if plan.fused_gate_up:
         specs.append(TensorSpec(p + "ffn_up.weight", (2 * ff, d)))  # [gate; up] rows
     else:
         specs += [TensorSpec(p + "ffn_gate.weight", (ff, d)), TensorSpec(p + "ffn_up.weight", (ff, d))]

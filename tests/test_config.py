@@ -17,7 +17,7 @@ def test_smollm2(smollm2):
     assert (cfg.architecture, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv) == ("llama", 30, 576, 9, 3)
     assert (cfg.head_dim, cfg.n_ff, cfg.vocab_size, cfg.context_length) == (64, 1536, 49152, 8192)
     assert cfg.rope_type == ROPE_NORMAL and cfg.rope_freq_base == 100000.0 and cfg.rope_scaling == "none"
-    assert cfg.tied_embeddings and not cfg.qkv_bias and cfg.n_group == 3 and cfg.kv_dim == 192
+    assert cfg.tied_embeddings and not cfg.layers[0].qkv_bias and cfg.n_group == 3 and cfg.kv_dim == 192
     assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
     assert math.isclose(cfg.rms_eps, 1e-5, rel_tol=1e-6)
     assert cfg.kv_cache_bytes(2048) == 2 * 30 * 2048 * 192 * 2
@@ -42,9 +42,9 @@ def md(arch="llama", **over):
 
 def test_per_architecture_features():
     q = ModelConfig.from_gguf(md("qwen2"), {"output.weight"})
-    assert q.rope_type == ROPE_NEOX and q.qkv_bias and not q.fused_qkv and not q.tied_embeddings
+    assert q.rope_type == ROPE_NEOX and q.layers[0].qkv_bias and not q.layers[0].fused_qkv and not q.tied_embeddings
     p = ModelConfig.from_gguf(md("phi3"), {"output.weight"})
-    assert p.rope_type == ROPE_NEOX and p.fused_qkv and p.fused_gate_up
+    assert p.rope_type == ROPE_NEOX and p.layers[0].fused_qkv and p.layers[0].fused_gate_up
     assert ModelConfig.from_gguf(md(), {"token_embd.weight"}).tied_embeddings
 
 
@@ -54,8 +54,12 @@ def test_rope_scaling_kinds():
     assert lin.rope_scaling == "linear" and lin.rope_scaling_factor == 4.0
     phi = ModelConfig.from_gguf(md("phi3", **{"rope__scaling__original_context_length": 64}), {"rope_factors_long.weight"})
     assert phi.rope_scaling == "longrope" and phi.rope_attn_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
-    with pytest.raises(CorruptFileError, match="yarn"):
-        ModelConfig.from_gguf(md(**{"rope__scaling__type": "yarn", "rope__scaling__factor": 4.0}), set())
+    yarn = ModelConfig.from_gguf(md(**{"rope__scaling__type": "yarn", "rope__scaling__factor": 4.0}), set())
+    assert yarn.rope_scaling == "yarn" and yarn.rope_attn_factor == pytest.approx(1 + 0.1 * math.log(4))
+    with pytest.raises(CorruptFileError, match="dynamic"):
+        ModelConfig.from_gguf(md(**{"rope__scaling__type": "dynamic", "rope__scaling__factor": 4.0}), set())
+    with pytest.raises(CorruptFileError, match="YaRN"):
+        ModelConfig.from_gguf(md(**{"rope__scaling__type": "yarn", "rope__scaling__yarn_beta_fast": 0.5}), set())
 
 
 @pytest.mark.parametrize("keys, scaling, factor", [
@@ -77,8 +81,8 @@ def test_phi3_with_separate_q_k_v():
     """llama.cpp also loads phi3 files whose attention is split into attn_q/k/v: so do we."""
     split = {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "output.weight"}
     cfg = ModelConfig.from_gguf(md("phi3"), split)
-    assert not cfg.fused_qkv and cfg.fused_gate_up
-    assert ModelConfig.from_gguf(md("phi3"), {"blk.0.attn_qkv.weight"}).fused_qkv
+    assert not cfg.layers[0].fused_qkv and cfg.layers[0].fused_gate_up
+    assert ModelConfig.from_gguf(md("phi3"), {"blk.0.attn_qkv.weight"}).layers[0].fused_qkv
 
 
 def test_head_dim_from_key_length():
@@ -89,7 +93,7 @@ def test_head_dim_from_key_length():
 def test_unknown_architecture_lists_supported():
     with pytest.raises(UnknownArchitectureError) as info:
         ModelConfig.from_gguf(md("mamba"), set())
-    assert "'mamba'" in str(info.value) and "llama, qwen2, phi3" in str(info.value)
+    assert "'mamba'" in str(info.value) and "llama, phi3, qwen2, qwen3, smollm3" in str(info.value)
 
 
 @pytest.mark.parametrize("key", ["block_count", "embedding_length", "attention__head_count", "feed_forward_length",

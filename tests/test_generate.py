@@ -208,6 +208,6 @@ def test_phi3_with_split_attention_runs_as_the_fused_file(random_model, tmp_path
     logits = []
     for path in (fused, split):
         be, cfg = _numpy_backend(path, 64)
-        assert cfg.fused_qkv == (path == fused)
+        assert cfg.layers[0].fused_qkv == (path == fused)
         logits.append(be.to_host(prefill(be, cfg, ids, 0)))
     np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=1e-5 * float(np.abs(logits[0]).max()))

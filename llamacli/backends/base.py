@@ -38,6 +38,8 @@ class LayerWeights:
     attn_q_bias: Any = None  # [Hq*Dh] (qwen2)
     attn_k_bias: Any = None  # [Hkv*Dh]
     attn_v_bias: Any = None  # [Hkv*Dh]
+    attn_q_norm: Any = None  # [Dh] per-head RMSNorm of q (qwen3)
+    attn_k_norm: Any = None  # [Dh] per-head RMSNorm of k
     attn_output: Any = None  # [D, Hq*Dh]
     ffn_norm: Any = None  # [D]
     ffn_gate: Any = None  # [F, D]
@@ -94,7 +96,7 @@ class Backend(ABC):
 
     @abstractmethod
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
-        """[T, D] -> x / sqrt(mean(x^2) + eps) * weight."""
+        """[..., D] -> x / sqrt(mean(x^2) + eps) * weight, over the last axis ([T, H, Dh]: per head)."""
 
     @abstractmethod
     def matmul(self, x: Any, w: Any, bias: Any = None) -> Any:
@@ -102,7 +104,8 @@ class Backend(ABC):
 
     @abstractmethod
     def rope(self, x: Any, pos: Any) -> Any:
-        """[T, H, Dh] rotated at positions pos [T] (the config's pairing and scaling)."""
+        """[T, H, Dh] rotated at positions pos [T] (the config's pairing and scaling; the first rope_dim
+        dims of each head rotate, the rest pass through)."""
 
     @abstractmethod
     def attention(self, layer: int, q: Any, k: Any, v: Any, pos: Any) -> Any:

@@ -74,6 +74,8 @@ class NumpyBackend(Backend):
                     attn_q_bias=get("attn_q.bias"),
                     attn_k_bias=get("attn_k.bias"),
                     attn_v_bias=get("attn_v.bias"),
+                    attn_q_norm=get("attn_q_norm.weight"),
+                    attn_k_norm=get("attn_k_norm.weight"),
                     attn_output=get("attn_output.weight"),
                     ffn_norm=get("ffn_norm.weight"),
                     ffn_gate=get("ffn_gate.weight"),
