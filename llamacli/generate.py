@@ -283,6 +283,24 @@ def load(path: str | Path, backend: str = "auto", ctx: int | None = None, **kw: 
     return Model(path, backend=backend, ctx=ctx, **kw)
 
 
+def context_warning(cfg: ModelConfig, ctx: int) -> str | None:
+    """Why a context past the trained length may give worse text, naming the RoPE scaling that applies (the
+    file's own, unchanged: positions past its context_length were never seen in training)."""
+    trained = cfg.context_length
+    if ctx <= trained:
+        return None
+    scaling = {
+        "none": "no RoPE scaling applies",
+        "linear": f"the file's linear RoPE scaling (factor {cfg.rope_scaling_factor:g}) applies unchanged",
+        "llama3": f"the file's llama3 RoPE scaling (from {cfg.rope_original_context} tokens) applies unchanged",
+        "longrope": f"the long RoPE factors apply (as past {cfg.rope_original_context} tokens)",
+        "yarn": f"the file's YaRN RoPE scaling (factor {cfg.rope_scaling_factor:g}, from "
+                f"{cfg.rope_original_context} tokens) applies unchanged",
+    }.get(cfg.rope_scaling, f"{cfg.rope_scaling} RoPE scaling applies")
+    return (f"warning: a context of {ctx} tokens is longer than the {trained} the model was trained for, and "
+            f"{scaling}: text past {trained} tokens may degrade")
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     n = 0
     for x, y in zip(a, b):

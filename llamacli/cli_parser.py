@@ -1,0 +1,87 @@
+"""The command line's parsing habits, as llama.cpp and ollama users expect them.
+
+- `-ngl 99`, `-fa`, `-ctk q8_0`: llama.cpp spells options with one dash and several letters. Click would
+  split an unknown `-ngl` into the short option `-n` with the value `gl`; here a single-dash word is one
+  option name, known or reported as unknown. `-n32` (a short option with its value attached) still works.
+- `-fa on` / `-fa 1`: newer llama.cpp gives flag-like options a value; for the flags listed in
+  `VALUED_FLAGS` such a word is taken along with the flag instead of becoming a positional argument.
+- `-h` is `--help` (set on the app's context); `llamacli` alone prints the help on stdout and exits 0.
+- `list`/`ls` name `models` and `show` names `inspect`; `serve` says it does not exist yet.
+
+These are click classes (TyperGroup/TyperCommand subclasses); the parser class is taken from whichever click
+typer uses (its own vendored copy in newer versions), so both work.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from typer.core import TyperCommand, TyperGroup
+
+from .errors import UsageError
+
+ALIASES = {"list": "models", "ls": "models", "show": "inspect"}
+VALUED_FLAGS = {"-fa", "--flash-attn"}
+FLAG_WORDS = {"on", "off", "auto", "0", "1", "true", "false"}
+
+_WORD_OPTION = re.compile(r"-[A-Za-z][A-Za-z-]+")  # -ngl, -fa, -ctk, -no-cnv; not -n32, not --long
+_parser_classes: dict[type, type] = {}
+
+
+def _whole_name_parser(base: type) -> type:
+    """A subclass of click's option parser `base` that never splits a single-dash word into short options."""
+    if base in _parser_classes:
+        return _parser_classes[base]
+
+    class WholeNameParser(base):  # type: ignore[misc, valid-type]
+        def _process_opts(self, arg: str, state: Any) -> None:
+            name, eq, value = arg.partition("=")
+            if _WORD_OPTION.fullmatch(name) and not self.ignore_unknown_options:
+                # Matched as a whole name: "no such option: -ngl" (with close matches) when it is unknown.
+                self._match_long_opt(name, value if eq else None, state)
+                return
+            super()._process_opts(arg, state)
+
+        def _match_long_opt(self, opt: str, explicit_value: str | None, state: Any) -> None:
+            if opt in VALUED_FLAGS:
+                if explicit_value is not None and explicit_value.lower() in FLAG_WORDS:
+                    explicit_value = None
+                elif explicit_value is None and state.rargs and state.rargs[0].lower() in FLAG_WORDS:
+                    state.rargs.pop(0)
+            super()._match_long_opt(opt, explicit_value, state)
+
+    _parser_classes[base] = WholeNameParser
+    return WholeNameParser
+
+
+class _WholeNames:
+    """Mixin for a click command or group: its parser reads single-dash words as whole option names."""
+
+    def make_parser(self, ctx: Any) -> Any:
+        parser = super().make_parser(ctx)  # type: ignore[misc]
+        parser.__class__ = _whole_name_parser(type(parser))
+        return parser
+
+
+class HabitCommand(_WholeNames, TyperCommand):
+    """A subcommand parsed with llama.cpp's option habits."""
+
+
+class HabitGroup(_WholeNames, TyperGroup):
+    """The `llamacli` group: help without arguments, verb aliases, llama.cpp's option habits."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if not args and not ctx.resilient_parsing:
+            # `llamacli` alone is a request for help, not a mistake: the help on stdout, exit 0.
+            print(ctx.get_help())
+            ctx.exit(0)
+        return super().parse_args(ctx, args)
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name == "serve":
+            raise UsageError(
+                "there is no `serve` command yet: use `llamacli run`, `chat` or `generate`, "
+                "or llama.cpp's llama-server or vLLM for an HTTP server"
+            )
+        return super().get_command(ctx, ALIASES.get(cmd_name, cmd_name))

@@ -1,0 +1,75 @@
+"""What to tell a user whose model does not fit the GPU: what it needs and what the GPU has, then what would
+fit (a smaller --ctx, a smaller quantization) and, for a model larger than one GPU, the engines that split a
+model across several. Pure arithmetic on sizes, so it is tested without a GPU; the CUDA backend's memory check
+raises DeviceMemoryError(not_enough_memory(...)).
+"""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+from .units import human_bytes
+
+# Bits per weight of llama.cpp's common quantizations, best quality first: the file sizes its quantize tool
+# lists for Llama-3-8B (8.03B parameters), as bits per parameter. A file of another model lands near these.
+QUANT_BITS = (("Q8_0", 8.50), ("Q6_K", 6.57), ("Q5_K_M", 5.70), ("Q4_K_M", 4.90), ("Q3_K_M", 4.00), ("Q2_K", 3.17))
+
+CTX_STEP = 256  # suggested contexts are multiples of this
+MULTI_GPU = ("llamacli runs a model on one GPU; llama.cpp (`llama-server -m FILE -sm layer`) and vLLM "
+             "(`vllm serve MODEL --tensor-parallel-size N`) split one across several")
+
+
+def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scratch: int, free: int, total: int,
+                      n_params: int | None = None) -> str:
+    """The message for a model that needs weights + kv + scratch bytes at `ctx` and finds `free` of `total`.
+
+    The KV cache grows linearly with the context (cfg.kv_cache_bytes), so the largest context that fits is
+    the room left after the weights and scratch over the bytes per position. `n_params` defaults to the count
+    the config implies (the matrices of every layer and the embeddings)."""
+    need = weights + kv + scratch
+    head = (f"not enough GPU memory: the model needs {human_bytes(need)} at --ctx {ctx} (weights "
+            f"{human_bytes(weights)}, KV cache {human_bytes(kv)}, scratch {human_bytes(scratch)}); the GPU has "
+            f"{human_bytes(free)} free of {human_bytes(total)}")
+    hints = []
+    fit = largest_ctx(cfg, free - weights - scratch)
+    if fit:
+        hints.append(f"--ctx {fit} fits (KV cache {human_bytes(cfg.kv_cache_bytes(fit))})")
+    quant = smaller_quant(cfg, ctx, weights, kv, scratch, free, n_params or parameter_count(cfg))
+    if quant:
+        hints.append(quant)
+    if weights + scratch > total or not hints:
+        hints.append(("the weights alone are larger than this GPU: " if weights + scratch > total else "")
+                     + MULTI_GPU)
+    return head + "; " + "; ".join(hints)
+
+
+def largest_ctx(cfg: ModelConfig, room: int) -> int:
+    """The largest multiple of CTX_STEP positions whose KV cache fits in `room` bytes (0 when none does)."""
+    per_position = cfg.kv_cache_bytes(1)
+    if room <= 0 or per_position <= 0:
+        return 0
+    return min(room // per_position, cfg.context_length) // CTX_STEP * CTX_STEP
+
+
+def smaller_quant(cfg: ModelConfig, ctx: int, weights: int, kv: int, scratch: int, free: int, n_params: int) -> str:
+    """The best-quality common quantization smaller than this file's that fits, at `ctx` if it can, else at
+    the largest context it leaves room for; "" when none is smaller or none fits."""
+    if n_params <= 0:
+        return ""
+    bits_now = weights * 8 / n_params
+    smaller = [(name, int(n_params * bits / 8)) for name, bits in QUANT_BITS if bits <= 0.9 * bits_now]
+    for name, size in smaller:
+        if size + kv + scratch <= free:
+            return f"a {name} file (weights about {human_bytes(size)}) fits at --ctx {ctx}"
+    for name, size in smaller:
+        fit = largest_ctx(cfg, free - size - scratch)
+        if fit:
+            return f"a {name} file (weights about {human_bytes(size)}) fits at --ctx {fit}"
+    return ""
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Weights of the matrices (attention, feed-forward, embeddings, LM head unless tied); norms are noise."""
+    attention = cfg.n_embd * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.n_embd
+    feed_forward = 3 * cfg.n_embd * cfg.n_ff
+    embeddings = cfg.vocab_size * cfg.n_embd * (1 if cfg.tied_embeddings else 2)
+    return cfg.n_layer * (attention + feed_forward) + embeddings
