@@ -31,7 +31,11 @@ with the system message (if any) first. `load` validates everything before it ch
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -120,18 +124,34 @@ class ChatSession:
         return max(1, min(self.max_tokens, self.model.ctx // 2))
 
     def fit(self) -> list[int]:
-        """The ids of the window, after dropping the oldest exchanges if it does not fit (see the module doc)."""
+        """The ids of the window, after dropping the oldest exchanges if it does not fit (see the module doc).
+        The drop is found by binary search over where the window may start (a prompt gets shorter as the
+        window starts later): a few renders, not one per dropped exchange, so a long conversation loaded
+        into a small context does not render itself thousands of times."""
         budget = self.model.ctx - self.reserve
         ids = self.model.chat_ids(self.window())
         if len(ids) <= budget:
             return ids
         before = self.first
-        while len(ids) > budget // 2:
-            nxt = self._next_exchange()
-            if nxt is None:
-                break
-            self.first = nxt
-            ids = self.model.chat_ids(self.window())
+        starts = self._exchange_starts()
+        rendered: dict[int, list[int]] = {}
+
+        def ids_from(k: int) -> list[int]:
+            if k not in rendered:
+                self.first = starts[k]
+                rendered[k] = self.model.chat_ids(self.window())
+            return rendered[k]
+
+        lo, hi = 0, len(starts) - 1  # the earliest start whose prompt fills at most half the budget, else the last
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(ids_from(mid)) <= budget // 2:
+                hi = mid
+            else:
+                lo = mid + 1
+        if starts:
+            ids = ids_from(lo)
+            self.first = starts[lo]
         if len(ids) > budget:
             self.first = before
             raise ContextOverflowError(
@@ -142,14 +162,11 @@ class ChatSession:
                     f"prefilling the conversation again")
         return ids
 
-    def _next_exchange(self) -> int | None:
-        """Where the window starts once its oldest exchange is gone: the next user message, if it is not
-        the newest one (the message being answered)."""
+    def _exchange_starts(self) -> list[int]:
+        """Where the window may start once exchanges leave it, oldest drop first: each user message after
+        the window's first, up to the newest one (the message being answered, which always stays)."""
         last_user = max((i for i, m in enumerate(self.history) if m["role"] == "user"), default=-1)
-        for i in range(self.first + 1, last_user + 1):
-            if self.history[i]["role"] == "user":
-                return i
-        return None
+        return [i for i in range(self.first + 1, last_user + 1) if self.history[i]["role"] == "user"]
 
     # -- a turn -----------------------------------------------------------------------------------------------
     def send(self, text: str, completion: Completion | None = None) -> Iterator[str]:
@@ -211,11 +228,14 @@ class ChatSession:
 
     # -- files ------------------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> int:
-        """Write the conversation as JSON; returns the number of messages."""
+        """Write the conversation as JSON; returns the number of messages. The file is replaced atomically:
+        the text goes to a temporary file beside it, reaches the disk (fsync), then takes the file's name, so
+        a full disk or a crash leaves the previous conversation intact."""
         messages = self.messages
-        text = json.dumps(messages, ensure_ascii=False, indent=2) + "\n"
+        data = (json.dumps(messages, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
+        target = _checked_path(path)
         try:
-            Path(path).write_text(text, encoding="utf-8")
+            _replace_atomically(os.path.realpath(target), data)  # through a symlink: its target is the file
         except OSError as exc:
             raise ConversationFileError(f"cannot write {path}: {exc.strerror or exc}") from None
         return len(messages)
@@ -223,7 +243,8 @@ class ChatSession:
     def load(self, path: str | Path) -> int:
         """Replace the conversation (system prompt included) with the one in a JSON file; returns the
         number of messages. Nothing changes if the file is bad."""
-        name = "./-" if str(path) == "-" else str(path)  # a file named "-", not standard input
+        name = _checked_path(path)
+        name = "./-" if name == "-" else name  # a file named "-", not standard input
         text = read_text(name, "conversation file", ConversationFileError)
         try:
             data = json.loads(text)
@@ -231,6 +252,8 @@ class ChatSession:
             raise ConversationFileError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
         except RecursionError:  # [[[[... nested deeper than Python's parser recurses
             raise ConversationFileError(f"{path} nests JSON too deeply to be a conversation") from None
+        except ValueError:  # an integer of thousands of digits (Python's int-string conversion limit)
+            raise ConversationFileError(f"{path} holds a number too long to be part of a conversation") from None
         messages = check_messages(data, str(path))
         self.load_messages(messages)
         return len(messages)
@@ -241,6 +264,39 @@ class ChatSession:
         self.system = system
         self.history = messages[1:] if system is not None else messages
         self.first = 0
+
+
+def _checked_path(path: str | Path) -> str:
+    """The path as text; a NUL byte (which no file name holds) is a bad-input error, not a ValueError."""
+    name = os.fspath(path)
+    if "\0" in name:
+        raise ConversationFileError(f"{name!r} is not a file name: it holds a NUL byte")
+    return name
+
+
+def _replace_atomically(path: str, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same directory, fsync'ed, then os.replace: the
+    old file stays whole until the new one is complete on disk. A new file gets the usual permissions, an
+    existing one keeps its own."""
+    directory = os.path.dirname(path) or "."
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def check_messages(data: Any, where: str = "conversation") -> list[dict[str, str]]:

@@ -308,3 +308,162 @@ def test_closing_the_stream_after_the_reply_ended_keeps_its_finish_reason():
     pieces.close()
     assert c.finish_reason == "eos" and s.turns[-1].finish_reason == "eos"
     assert s.messages[-1] == {"role": "assistant", "content": "fine thanks"}
+
+
+# -- hostile files and long conversations --------------------------------------------------------------------
+
+_FULL_DISK_CHILD = r"""
+import resource, signal, sys
+from llamacli.chat_session import ChatSession, ConversationFileError
+sys.path.insert(0, sys.argv[2])
+from test_chat_session import FakeModel
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG instead of a kill
+s = ChatSession(FakeModel(ctx=64))
+s.load_messages([{"role": "user", "content": "x" * 5000}])
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))  # the disk fills after 2000 bytes
+try:
+    s.save(sys.argv[1])
+    print("saved")
+except ConversationFileError as exc:
+    print("error:", exc)
+"""
+
+
+def test_a_save_that_fills_the_disk_keeps_the_old_file(tmp_path):
+    """/save over an existing conversation on a disk that fills mid-write (RLIMIT_FSIZE in a child: a real
+    short write): a clean error, the old file intact, no temporary file left behind."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    f = tmp_path / "c.json"
+    old = ChatSession(FakeModel(ctx=64), system="be brief")
+    old.reply("hello there")
+    old.save(f)
+    before = f.read_bytes()
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": str(tests.parent)}
+    p = subprocess.run([sys.executable, "-c", _FULL_DISK_CHILD, str(f), str(tests)], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert p.stdout.startswith("error: cannot write"), p.stdout + p.stderr
+    assert f.read_bytes() == before
+    assert os.listdir(tmp_path) == ["c.json"]
+
+
+def test_save_replaces_atomically_and_keeps_permissions(tmp_path, monkeypatch):
+    """The new text is complete on disk before it takes the name; a failure at any step leaves the old file."""
+    import os
+
+    import llamacli.chat_session as cs
+
+    f = tmp_path / "c.json"
+    s = ChatSession(FakeModel(ctx=64))
+    s.reply("hello there")
+    s.save(f)
+    os.chmod(f, 0o640)
+    before = f.read_bytes()
+    s.reply("and more")
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cs.os, "fsync", no_space)
+    with pytest.raises(ConversationFileError, match="No space left"):
+        s.save(f)
+    assert f.read_bytes() == before and os.listdir(tmp_path) == ["c.json"]
+    monkeypatch.undo()
+    s.save(f)
+    assert json.loads(f.read_text(encoding="utf-8")) == s.messages
+    assert os.stat(f).st_mode & 0o777 == 0o640 and os.listdir(tmp_path) == ["c.json"]
+    link = tmp_path / "link.json"
+    link.symlink_to(f)
+    s.reply("once more")
+    s.save(link)  # through a symlink: the file it points to is updated, the link stays a link
+    assert link.is_symlink() and json.loads(f.read_text(encoding="utf-8")) == s.messages
+
+
+def test_nul_bytes_in_file_names_are_clean_errors(tmp_path):
+    s = ChatSession(FakeModel(ctx=64))
+    s.reply("hello")
+    for action in (s.save, s.load):
+        with pytest.raises(ConversationFileError, match="NUL byte"):
+            action(str(tmp_path / "a\0b.json"))
+    assert s.messages[0] == {"role": "user", "content": "hello"}
+
+
+def test_a_number_of_thousands_of_digits_is_a_clean_error(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text('[{"role": "user", "content": "hi", "n": ' + "9" * 5000 + "}]", encoding="utf-8")
+    s = ChatSession(FakeModel(ctx=64))
+    with pytest.raises(ConversationFileError, match="number too long"):
+        s.load(f)
+    assert s.messages == []
+
+
+def _old_trim_start(s: ChatSession) -> int:
+    """Where the window started under the first trimming rule: drop one exchange at a time, re-rendering after
+    each, until the prompt fills at most half the budget (the reference the binary search must agree with)."""
+    budget = s.model.ctx - s.reserve
+    first = s.first
+    if len(s.model.chat_ids(s.window())) <= budget:
+        return first
+    last_user = max(i for i, m in enumerate(s.history) if m["role"] == "user")
+    while len(s.model.chat_ids(s._with_system(s.history[first:]))) > budget // 2:
+        nxt = next((i for i in range(first + 1, last_user + 1) if s.history[i]["role"] == "user"), None)
+        if nxt is None:
+            break
+        first = nxt
+    return first
+
+
+def _long_conversation(exchanges: int) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": "be brief"}]
+    for i in range(exchanges):
+        words = " ".join(["word"] * (i % 7))  # exchanges of different lengths
+        messages += [{"role": "user", "content": f"question {i} {words}"},
+                     {"role": "assistant", "content": f"answer {i}"}]
+    return messages
+
+
+@pytest.mark.parametrize("exchanges", [1, 2, 3, 17, 60])
+def test_trimming_keeps_the_turns_the_one_by_one_rule_keeps(exchanges):
+    for ctx in (24, 40, 64, 200):
+        s = ChatSession(FakeModel(ctx=ctx), max_tokens=4)
+        s.load_messages(_long_conversation(exchanges))
+        s.history.append({"role": "user", "content": "the new question"})
+        want = _old_trim_start(s)
+        try:
+            s.fit()
+        except ContextOverflowError:
+            assert s.first == 0
+            continue
+        assert s.first == want, (exchanges, ctx)
+
+
+def test_loading_a_long_conversation_into_a_small_context_is_fast():
+    """2,000 exchanges /load'ed into a small context: the next turn trims in a few renders (it used to
+    re-render the conversation once per dropped exchange: minutes on a real model)."""
+    import time
+
+    s = ChatSession(FakeModel(ctx=64), max_tokens=8)
+    s.load_messages(_long_conversation(2000))
+    renders = 0
+    chat_ids = s.model.chat_ids
+
+    def counted(*args, **kwargs):
+        nonlocal renders
+        renders += 1
+        return chat_ids(*args, **kwargs)
+
+    s.model.chat_ids = counted
+    t0 = time.perf_counter()
+    c = s.reply("the new question")
+    assert time.perf_counter() - t0 < 2.0
+    assert renders <= 16
+    budget = s.model.ctx - s.reserve
+    assert len(c.prompt_tokens) <= budget // 2
+    assert s.window()[-2] == {"role": "user", "content": "the new question"}
+    assert s.window()[1]["content"].startswith("question 199")  # the most recent exchanges that fit
+    earlier = s._with_system(s.history[s.first - 2 :])[:-1]  # one more exchange would not fit in half
+    assert len(s.model.chat_ids(earlier)) > budget // 2

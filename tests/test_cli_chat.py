@@ -87,6 +87,34 @@ def test_piped_bad_load_is_one_line_error(smollm2, tmp_path, content, words):
     assert words in r.one_line_error()
 
 
+def test_piped_hostile_save_and_load_are_one_line_errors(smollm2, tmp_path):
+    """A NUL byte in a /save or /load path, and a number of thousands of digits in a conversation file:
+    exit 2 with one `error:` line (they were a ValueError traceback)."""
+    digits = tmp_path / "digits.json"
+    digits.write_text('[{"role": "user", "content": "hi", "n": ' + "9" * 5000 + "}]", encoding="utf-8")
+    for line, words in [(f"/save {tmp_path}/a\0b.json", "NUL byte"), (f"/load {digits}", "number too long")]:
+        r = chat(smollm2, stdin=f"{line}\n{Q1}\n")
+        assert r.code == 2 and r.out == "", r.err
+        assert words in r.one_line_error()
+    assert sorted(os.listdir(tmp_path)) == ["digits.json"]
+
+
+def test_piped_load_of_a_long_conversation_into_a_small_context(smollm2, tmp_path):
+    """2,000 exchanges /load'ed into --ctx 64: the next turn trims in a few renders and answers (it used to
+    render and tokenize the conversation once per dropped exchange: minutes)."""
+    f = tmp_path / "long.json"
+    messages = []
+    for i in range(2000):
+        messages += [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
+    f.write_text(json.dumps(messages), encoding="utf-8")
+    t0 = time.perf_counter()
+    r = chat(smollm2, "--ctx", "64", "-n", "1", stdin=f"/load {f}\n{Q2}\n/stats\n")
+    assert r.code == 0, r.err
+    assert time.perf_counter() - t0 < 30
+    assert len(r.out.splitlines()) == 1 and "context full: dropped the" in r.err
+    assert "conversation: 4002 messages" in r.err
+
+
 def test_context_fills_drops_oldest_turns_with_notice(smollm2):
     qs = ["What is the capital of France?", "And of Italy?", "And of Spain?", "And of Poland?"]
     r = chat(smollm2, "--ctx", "96", "-n", "10", "--system", "Be brief.", stdin="".join(q + "\n" for q in qs) + "/stats\n")

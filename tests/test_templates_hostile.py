@@ -310,3 +310,110 @@ def test_cli_stops_a_template_that_loops_for_ever(tmp_path):
     assert time.perf_counter() - t0 < 15
     assert r.code == 2
     assert "longer than" in r.one_line_error()
+
+
+# -- resource bombs: one expensive call, checked before it runs ------------------------------------------------
+#
+# Each payload is a single operation that used to build gigabytes or run for minutes inside one C call, where
+# neither the size check on its result nor the deadline could stop it. They run in a child process with an
+# address-space limit of 1 GiB over what it had after import (a bomb that allocates first dies with
+# MemoryError there, which the sandbox reports as "ran out of memory": that counts as a failure here), each
+# must end within BOMB_SECONDS (well under the 5 s deadline: the check, not the deadline, stops it).
+
+BOMB_SECONDS = 2.5
+BIG = "{% set big = {'a': 'x' * 1000000} %}"
+BOMBS: list[tuple[str, str]] = [
+    ("format widths", "{{ '%(a)999999999s' % {'a': 1} }}"),
+    ("format widths", "{{ ('%(a)s' * 1000000) % {'a': 'x' * 1000} }}"),
+    ("format widths", "{{ ('{0}' * 1000000).format('x' * 1000) }}"),
+    ("format widths", "{% set f = '%(a)999999999s' %}{{ f|format(a=1) }}"),
+    ("indent/expandtabs/center/ljust", "{{ ('x\\n' * 1000000)|indent(1000) }}"),
+    ("indent/expandtabs/center/ljust", "{{ ('x\\n' * 1000)|indent('y' * 1000000) }}"),
+    ("indent/expandtabs/center/ljust", "{{ ('\\t' * 1000000).expandtabs(1000) }}"),
+    ("indent/expandtabs/center/ljust", "{{ 'x'.encode().center(10**10) }}"),
+    ("indent/expandtabs/center/ljust", "{{ 'x'.encode().ljust(10**10) }}"),
+    ("join with attribute", BIG + "{{ ([big]|batch(5000, big)|first)|join(attribute='a') }}"),
+    ("sum of lists", "{{ ([[1]] * 200000)|sum(start=[])|length }}"),
+    ("multiplication", "{{ 'x'.encode() * 10**10 }}"),
+    ("replace", "{{ ('x' * 1000000).encode().replace('x'.encode(), ('y' * 1000).encode()) }}"),
+    ("replace", "{{ ('x' * 1000000).translate({120: 'y' * 1000}) }}"),
+    ("wordwrap/urlize", "{{ ('x ' * 1000000)|wordwrap(1, wrapstring='y' * 1000) }}"),
+    ("wordwrap/urlize", "{{ ('a.com ' * 1000000)|urlize|length }}"),
+    ("numbers", "{{ 1|round(-100000000) }}"),
+    ("numbers", "{% set p = 100000000 %}{{ 1.5|round(p, 'floor') }}"),
+    ("numbers", "{% set x = ('f' * 2000000)|int(base=16) %}{% set y = ('f' * 1000000)|int(base=16) %}{{ x // y }}"),
+    ("numbers", "{% set x = ('f' * 2000000)|int(base=16) %}{% set y = ('f' * 1000000)|int(base=16) %}"
+                "{{ x is divisibleby(y) }}"),
+    ("numbers", "{{ (1).to_bytes(10**10, 'big') }}"),
+    ("batch fill", "{{ [1]|batch(10**9, 'x')|list|length }}"),
+    ("strftime", "{{ strftime_now('%c' * 2000000) }}"),
+    ("memory held across a loop", "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+                                  "{% set ns.l = [ns.l, 'x' * 4000000 ~ i] %}{% endfor %}"),
+]
+
+_BOMB_CHILD = r"""
+import json, resource, sys, time
+from llamacli.chat import ChatTemplate
+from llamacli.errors import TemplateError
+vm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))
+for i, payload in enumerate(json.load(sys.stdin)):
+    t0 = time.perf_counter()
+    try:
+        ChatTemplate(payload).render([{"role": "user", "content": "hi"}])
+        outcome = "rendered"
+    except TemplateError as exc:
+        outcome = str(exc)
+    print(json.dumps([i, outcome, time.perf_counter() - t0]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def bomb_outcomes() -> dict[int, tuple[str, float]]:
+    """{payload index: (outcome, seconds)} from one child process; a payload that hangs leaves the rest out."""
+    import json
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs Linux (/proc and RLIMIT_AS)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        p = subprocess.run([sys.executable, "-c", _BOMB_CHILD], input=json.dumps([b for _, b in BOMBS]),
+                           capture_output=True, text=True, timeout=60, env=env)
+        out = p.stdout
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+    return {i: (outcome, took) for i, outcome, took in map(json.loads, out.splitlines())}
+
+
+@pytest.mark.parametrize("index", range(len(BOMBS)), ids=[f"{i}-{k}" for i, (k, _) in enumerate(BOMBS)])
+def test_resource_bombs_are_stopped_before_they_allocate(index, bomb_outcomes):
+    kind, payload = BOMBS[index]
+    assert index in bomb_outcomes, f"{payload}: did not finish (an earlier payload hung)"
+    outcome, took = bomb_outcomes[index]
+    assert took < BOMB_SECONDS, f"{payload}: took {took:.1f} s"
+    assert "out of memory" not in outcome, f"{payload}: allocated past the address-space limit"
+    if kind == "sum of lists":
+        assert outcome == "rendered"  # in linear time
+    else:
+        assert outcome.startswith("chat template (custom) stopped"), (payload, outcome)
+
+
+def test_template_source_size_is_bounded():
+    """A multi-megabyte template used to take tens of seconds and gigabytes to compile."""
+    t0 = time.perf_counter()
+    with pytest.raises(TemplateError, match="characters long; the limit is"):
+        ChatTemplate("{{ messages[0].content }}\n" * 100_000)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_cli_refuses_a_bomb_and_a_huge_template(tmp_path):
+    """Through the real command: exit 2, one `error:` line naming the template, quickly."""
+    for i, payload in enumerate(["{{ ([[1]] * 10) | sum(start=[]) }}{{ '%(a)999999999s' % {'a': 1} }}",
+                                 "{{ messages[0].content }}\n" * 100_000]):
+        path = _gguf_with_template(tmp_path / f"t{i}.gguf", payload)
+        t0 = time.perf_counter()
+        r = run("tokenize", "-m", str(path), "--text", "hi", "--chat")
+        assert time.perf_counter() - t0 < 5
+        assert r.code == 2 and "chat template (gguf)" in r.one_line_error(), r.err
