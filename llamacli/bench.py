@@ -304,9 +304,9 @@ def run_kernels(backend: Any, attention_shape: tuple[int, int, int, int] = (16, 
 
     if not hasattr(backend, "profile"):
         raise UsageError(f"--kernels needs the CUDA backend (this run uses {backend.name}): pass --backend cuda on a machine with a GPU")
-    from .backends import cuda_bench
+    from .backends.cuda.profile import kernel_benchmarks
 
-    return cuda_bench.run(backend, KERNEL_SHAPES, KERNEL_TYPES, attention_shape)
+    return kernel_benchmarks(backend, KERNEL_SHAPES, KERNEL_TYPES, attention_shape)
 
 
 def render_kernels(rows: list[dict], bandwidth: float, fmt: str, device: str) -> str:

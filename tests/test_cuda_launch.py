@@ -1,4 +1,4 @@
-"""The driver-API launch path of the decode step's programmatic dependent launches (cuda_kernels): struct
+"""The driver-API launch path of the decode step's programmatic dependent launches (cuda/loader.py): struct
 layouts as cuda.h defines them and the kernel-parameter array, checked without a GPU; and mv1's shared-memory
 size per weight type against the kernel source. (That the launches
 work and give the plain launches' results is tests/test_gpu_backend.py's programmatic-launch test.)"""
@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 import pytest
 
-from llamacli.backends import cuda_kernels as K
+from llamacli.backends.cuda import loader as K
 
 TERNARY = r"\(\(D\) <= (\d+) \? (\d+) : (\d+)\)"  # a kernel macro's body `((D) <= limit ? wide : narrow)`
 
@@ -47,12 +47,12 @@ def test_kernel_params_refuse_untyped_arguments(bad) -> None:
 def test_dependent_launches_off_without_a_gpu(monkeypatch) -> None:
     monkeypatch.setattr(K, "pdl_supported", lambda: False)
     with K.dependent_launches():
-        assert not K._pdl[0]
-    assert not K._pdl[0]
+        assert not K.pdl_active()
+    assert not K.pdl_active()
 
 
 def test_launch_dependent_hands_the_driver_config_attribute_and_params(monkeypatch) -> None:
-    """_launch_dependent end to end against a stand-in for cuLaunchKernelEx (a ctypes callback with its
+    """launch_dependent end to end against a stand-in for cuLaunchKernelEx (a ctypes callback with its
     signature) and for CuPy's current stream."""
     import sys
     import types
@@ -75,19 +75,19 @@ def test_launch_dependent_hands_the_driver_config_attribute_and_params(monkeypat
     launch = proto(fake_launch)
     attr = K.LaunchAttribute()
     attr.id, attr.value[0] = 6, 1
-    monkeypatch.setattr(K, "_driver", lambda: (launch, attr))
+    monkeypatch.setattr(K, "cu_launch_kernel_ex", lambda: (launch, attr))
     fake_cupy = types.ModuleType("cupy")
     fake_cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0x1234))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     fn = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xABC))
-    K._launch_dependent(fn, (7, 2), (256,), (K.ptr(99), K.f32(2.5)), 4096)
+    K.launch_dependent(fn, (7, 2), (256,), (K.ptr(99), K.f32(2.5)), 4096)
     assert seen == {"grid": [7, 2, 1], "block": [256, 1, 1], "shared": 4096, "stream": 0x1234, "f": 0xABC,
                     "attr": (6, 1, 1), "p": (99, 2.5)}
     seen["status"] = 1  # CUDA_ERROR_INVALID_VALUE
     from llamacli.errors import BackendError
 
     with pytest.raises(BackendError, match="CUresult 1"):
-        K._launch_dependent(fn, (1,), (32,), (K.i32(0),), 0)
+        K.launch_dependent(fn, (1,), (32,), (K.i32(0),), 0)
 
 
 def test_tensor_map_2d_hands_the_driver_the_matrix_and_box(monkeypatch) -> None:
@@ -110,7 +110,7 @@ def test_tensor_map_2d_hands_the_driver_the_matrix_and_box(monkeypatch) -> None:
         return seen.get("status", 0)
 
     encode = proto(fake_encode)
-    monkeypatch.setattr(K, "_tensor_map_encoder", lambda: encode)
+    monkeypatch.setattr(K, "cu_tensor_map_encoder", lambda: encode)
     K.tensor_map_2d.cache_clear()
     m = K.tensor_map_2d(0x7F0000001000, 700, 3 * 64, 64, 64)
     assert m.dtype == K.TENSOR_MAP and m.size == 1 and m.tobytes() == bytes(range(128))
@@ -134,29 +134,29 @@ def test_merge_rows_joins_back_to_back_matrices_of_one_layout() -> None:
     decode step's launch plan sizes each matvec by."""
     from gguf import GGMLQuantizationType as QT
 
-    from llamacli.backends.cuda_backend import DeviceMatrix, _merge_rows
+    from llamacli.backends.cuda.linear import DeviceMatrix, merge_rows
 
     a = DeviceMatrix(1000, 4, 64, QT.Q8_0, 68)
     assert a.nbytes == 272
     b = DeviceMatrix(1000 + a.nbytes, 2, 64, QT.Q8_0, 68)
     gap = DeviceMatrix(b.ptr + b.nbytes + 256, 2, 64, QT.Q8_0, 68)
     other = DeviceMatrix(gap.ptr + gap.nbytes, 3, 64, QT.F16, 128)
-    assert _merge_rows([a, b, gap, other]) == [DeviceMatrix(1000, 6, 64, QT.Q8_0, 68), gap, other]
+    assert merge_rows([a, b, gap, other]) == [DeviceMatrix(1000, 6, 64, QT.Q8_0, 68), gap, other]
 
 
 def test_mv1_int8_activation_types_match_the_kernel_source() -> None:
-    """cuda_backend sizes mv1's shared memory by MV1_ACT8 (int8 x, 40 bytes a unit; float x, 132): it must list
+    """cuda/linear.py sizes mv1's shared memory by MV1_ACT8 (int8 x, 40 bytes a unit; float x, 132): it must list
     exactly the types kernels/matvec.cu stages as int8 (its act8<> specialisations)."""
     import re
     from pathlib import Path
 
-    from llamacli.backends.cuda_backend import MV1_ACT8, _mv1_smem
+    from llamacli.backends.cuda.linear import MV1_ACT8, mv1_smem
 
     src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
     in_source = set(re.findall(r"template <> struct act8<Q(\w+)> \{ static constexpr bool value = true; \};", src))
     assert in_source and in_source == {t.name for t in MV1_ACT8}
-    assert _mv1_smem(QT.Q4_K, 4096) == 128 * 40 and _mv1_smem(QT.Q8_0, 4096) == 128 * 132
-    assert _mv1_smem(QT.F16, 33) == 2 * 132
+    assert mv1_smem(QT.Q4_K, 4096) == 128 * 40 and mv1_smem(QT.Q8_0, 4096) == 128 * 132
+    assert mv1_smem(QT.F16, 33) == 2 * 132
 
 
 def test_mv1_kernel_names_mixed_qkv_launches() -> None:
@@ -166,22 +166,22 @@ def test_mv1_kernel_names_mixed_qkv_launches() -> None:
     import re
     from pathlib import Path
 
-    from llamacli.backends.cuda_backend import MV1_ACT8, DeviceMatrix, _mv1_kernel, qname
+    from llamacli.backends.cuda.linear import MV1_ACT8, DeviceMatrix, mv1_kernel, qname
 
     def m(t: QT) -> DeviceMatrix:
         return DeviceMatrix(0, 32, 256, t, 0)
 
     src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
     defined = set(re.findall(r"^MV1_MIXED\((\w+), \w+, (\w+), \w+\)$", src, re.M))
-    assert _mv1_kernel((m(QT.Q8_0), m(QT.Q8_0), m(QT.Q8_0))) == "mv1_q8_0"
-    assert _mv1_kernel((m(QT.Q4_K),)) == "mv1_q4_k"
+    assert mv1_kernel((m(QT.Q8_0), m(QT.Q8_0), m(QT.Q8_0))) == "mv1_q8_0"
+    assert mv1_kernel((m(QT.Q4_K),)) == "mv1_q4_k"
     for a, b in itertools.permutations(sorted(MV1_ACT8), 2):
-        assert _mv1_kernel((m(a), m(a), m(b))) == f"mv1_mixed_{qname(a)}_{qname(b)}"
+        assert mv1_kernel((m(a), m(a), m(b))) == f"mv1_mixed_{qname(a)}_{qname(b)}"
         assert (qname(a), qname(b)) in defined
     assert len(defined) == 6
     for ws in [(m(QT.Q4_K), m(QT.Q6_K), m(QT.Q6_K)), (m(QT.Q4_K), m(QT.Q4_K), m(QT.Q8_0)),
                (m(QT.Q4_0), m(QT.Q4_0), m(QT.Q6_K)), (m(QT.Q4_K), m(QT.Q6_K))]:
-        assert _mv1_kernel(ws) is None, ws
+        assert mv1_kernel(ws) is None, ws
 
 
 def test_mv1_groups_keep_int8_launches_to_one_wave() -> None:
@@ -190,28 +190,28 @@ def test_mv1_groups_keep_int8_launches_to_one_wave() -> None:
     import re
     from pathlib import Path
 
-    from llamacli.backends.cuda_backend import MV1_ACT8_BLOCKS_PER_SM, _mv1_groups
+    from llamacli.backends.cuda.linear import MV1_ACT8_BLOCKS_PER_SM, mv1_groups
 
     src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
     assert re.search(r"^#define MV1_MINB8 (\d+)$", src, re.M).group(1) == str(MV1_ACT8_BLOCKS_PER_SM)
-    assert _mv1_groups(6144, 4096, QT.Q4_K, 132) == 2  # Llama-3-8B's QKV: 768 blocks > 528
-    assert _mv1_groups(6144, 4096, QT.Q4_K, 200) == 1
-    assert _mv1_groups(6144, 4096, QT.Q8_0, 132) == 1
-    assert _mv1_groups(4096, 4096, QT.Q6_K, 132) == 1  # 512 blocks: one wave
-    assert _mv1_groups(14336, 4096, QT.Q4_K, 132) == 4  # the rules before it still decide first
-    assert _mv1_groups(128256, 2048, QT.Q6_K, 132) == 8 and _mv1_groups(128256, 2048, QT.Q8_0, 132) == 4
+    assert mv1_groups(6144, 4096, QT.Q4_K, 132) == 2  # Llama-3-8B's QKV: 768 blocks > 528
+    assert mv1_groups(6144, 4096, QT.Q4_K, 200) == 1
+    assert mv1_groups(6144, 4096, QT.Q8_0, 132) == 1
+    assert mv1_groups(4096, 4096, QT.Q6_K, 132) == 1  # 512 blocks: one wave
+    assert mv1_groups(14336, 4096, QT.Q4_K, 132) == 4  # the rules before it still decide first
+    assert mv1_groups(128256, 2048, QT.Q6_K, 132) == 8 and mv1_groups(128256, 2048, QT.Q8_0, 132) == 4
 
 
 def test_tensor_core_attention_rows_per_block_match_the_kernel_source() -> None:
     """ATT_TC_ROWS sizes attention_tc*'s grid: TC_BR = 16 rows x TC_WARPS warps per block, and
-    _tc_smem its shared memory: TC_STAGES(D) x (K + V) tiles of TC_BC keys, as kernels/attention.cu defines them
+    tc_smem its shared memory: TC_STAGES(D) x (K + V) tiles of TC_BC keys, as kernels/attention_mma.cu defines them
     (a grid too small would leave query rows unwritten; too little shared memory, tiles overwritten)."""
     import re
     from pathlib import Path
 
-    from llamacli.backends.cuda_backend import ATT_TC_DIMS, ATT_TC_ROWS, _tc_smem
+    from llamacli.backends.cuda.attention import ATT_TC_DIMS, ATT_TC_ROWS, tc_smem
 
-    src = (Path(__file__).resolve().parents[1] / "kernels" / "attention.cu").read_text()
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "attention_mma.cu").read_text()
     define = {k: int(v) for k, v in re.findall(r"^#define (TC_WARPS|TC_BC) (\d+)$", src, re.M)}
     s_limit, s_wide, s_narrow = map(int, re.search(r"^#define TC_STAGES\(D\) " + TERNARY, src, re.M).groups())
     warps = define["TC_WARPS"]
@@ -219,19 +219,19 @@ def test_tensor_core_attention_rows_per_block_match_the_kernel_source() -> None:
     assert ATT_TC_ROWS == 16 * warps
     for dh in ATT_TC_DIMS:
         stages = s_wide if dh <= s_limit else s_narrow
-        assert _tc_smem(dh) == stages * 2 * define["TC_BC"] * (dh + 8) * 2 + 16, dh
+        assert tc_smem(dh) == stages * 2 * define["TC_BC"] * (dh + 8) * 2 + 16, dh
 
 
 def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:
-    """_wg_smem sizes attention_wg*'s shared memory: 1024 (alignment) + WG_STAGES(D) x (K + V) tiles of WG_BC
-    keys + WG_ONES(D) (ones) + 8 (one int, padded) + an 8-byte mbarrier per stage, as kernels/attention.cu
-    defines them; its kernels exist for ATT_WG_DIMS."""
+    """wg_smem sizes attention_wg*'s shared memory: 1024 (alignment) + WG_STAGES(D) x (K + V) tiles of WG_BC
+    keys + WG_ONES(D) (ones) + 8 (one int, padded) + an 8-byte mbarrier per stage, as
+    kernels/attention_wgmma.cu defines them; its kernels exist for ATT_WG_DIMS."""
     import re
     from pathlib import Path
 
-    from llamacli.backends.cuda_backend import ATT_WG_DIMS, _wg_smem
+    from llamacli.backends.cuda.attention import ATT_WG_DIMS, wg_smem
 
-    src = (Path(__file__).resolve().parents[1] / "kernels" / "attention.cu").read_text()
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "attention_wgmma.cu").read_text()
     bc = int(re.search(r"^#define WG_BC (\d+)", src, re.M).group(1))
     limit, wide, narrow = map(int, re.search(r"^#define WG_STAGES\(D\) " + TERNARY, src, re.M).groups())
     o_limit, o_wide, o_narrow = map(int, re.search(r"^#define WG_ONES\(D\) " + TERNARY, src, re.M).groups())
@@ -239,7 +239,7 @@ def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:
     for dh in ATT_WG_DIMS:
         stages = wide if dh <= limit else narrow
         ones = o_wide if dh <= o_limit else o_narrow
-        assert _wg_smem(dh) == 1024 + stages * 2 * bc * dh * 2 + ones + 8 + 8 * stages, dh
+        assert wg_smem(dh) == 1024 + stages * 2 * bc * dh * 2 + ones + 8 + 8 * stages, dh
 
 
 def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
@@ -249,8 +249,8 @@ def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
     import re
     from pathlib import Path
 
-    from llamacli.backends.cuda_backend import (
-        MV1_WARPS, MV1S_BLOCKS_PER_SM, DeviceMatrix, _mv1_stream_grid, _mv1_stream_ok,
+    from llamacli.backends.cuda.linear import (
+        MV1_WARPS, MV1S_BLOCKS_PER_SM, DeviceMatrix, mv1_stream_grid, mv1_stream_ok,
     )
 
     src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
@@ -260,17 +260,17 @@ def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
     def m(t: QT, cols: int = 4096, ptr: int = 1 << 20) -> DeviceMatrix:
         return DeviceMatrix(ptr, 8, cols, t, cols * (2 if t in (QT.F16, QT.BF16) else 4))
 
-    assert _mv1_stream_ok((m(QT.F16),)) and _mv1_stream_ok((m(QT.BF16), m(QT.BF16), m(QT.BF16)))
-    assert _mv1_stream_ok((m(QT.F16, 8),)) and _mv1_stream_ok((m(QT.F16, 40),))
-    assert not _mv1_stream_ok((m(QT.F32),)) and not _mv1_stream_ok((m(QT.F16, 100),))
-    assert not _mv1_stream_ok((m(QT.F16), m(QT.F16, ptr=(1 << 20) + 8)))  # a segment off 16-byte alignment
-    assert not _mv1_stream_ok((m(QT.F16), m(QT.BF16)))
-    assert not _mv1_stream_ok((DeviceMatrix(1 << 20, 8, 4096, QT.F16, 8200),))  # padded rows
+    assert mv1_stream_ok((m(QT.F16),)) and mv1_stream_ok((m(QT.BF16), m(QT.BF16), m(QT.BF16)))
+    assert mv1_stream_ok((m(QT.F16, 8),)) and mv1_stream_ok((m(QT.F16, 40),))
+    assert not mv1_stream_ok((m(QT.F32),)) and not mv1_stream_ok((m(QT.F16, 100),))
+    assert not mv1_stream_ok((m(QT.F16), m(QT.F16, ptr=(1 << 20) + 8)))  # a segment off 16-byte alignment
+    assert not mv1_stream_ok((m(QT.F16), m(QT.BF16)))
+    assert not mv1_stream_ok((DeviceMatrix(1 << 20, 8, 4096, QT.F16, 8200),))  # padded rows
     sms = 132
     for rows in (1, 5, 8, 9, 4096, 6144, 14336, 128256, 2 * MV1_WARPS * sms + 1):
-        grid = _mv1_stream_grid(rows, sms)
+        grid = mv1_stream_grid(rows, sms)
         assert 1 <= grid <= MV1S_BLOCKS_PER_SM * sms
         warps = grid * MV1_WARPS
         per = -(-rows // warps)
         assert rows > (grid - 1) * MV1_WARPS * per  # no block without a row; fewer blocks would need per + 1
-    assert _mv1_stream_grid(6144, 132) == 256 and _mv1_stream_grid(4096, 132) == 256
+    assert mv1_stream_grid(6144, 132) == 256 and mv1_stream_grid(4096, 132) == 256

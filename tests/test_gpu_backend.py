@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
-from llamacli.backends.cuda_backend import RUNNABLE, CudaBackend, cuda_available  # noqa: E402
+from llamacli.backends.cuda import RUNNABLE, CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.config import ModelConfig  # noqa: E402
 from llamacli.gguf_file import open_gguf  # noqa: E402
@@ -122,7 +122,7 @@ def test_fused_decode_step_over_several_splits(random_model, shape, qtype, rows)
         plain = be.to_host(forward(be, cfg, be.token_ids(np.asarray([tok])), be.positions(pos, 1)))[-1]
         assert np.isfinite(fused).all()
         assert rel_l2(fused, plain) <= 1e-5, pos
-    assert not be._att_count.get().any()
+    assert not be.attention_counters.get().any()
 
 
 @pytest.mark.parametrize("shape,qtype", [("small-qwen2", QT.Q4_K), ("small-phi3", QT.Q8_0)], ids=["qwen2", "phi3"])
@@ -131,7 +131,7 @@ def test_decode_graph_with_programmatic_launches_equals_plain(random_model, shap
     the previous kernel runs, and waits in griddepcontrol.wait before reading its inputs). Same kernels,
     same math: the logits and greedy ids must equal, bit for bit, those of the graph captured without it
     and of the un-captured launches, step after step, across attention splits."""
-    from llamacli.backends import cuda_kernels as K
+    from llamacli.backends.cuda import loader as K
 
     path = random_model(shape, qtype)
     _, cfg, be = loaded(path, CudaBackend(), ctx=1024)
@@ -140,7 +140,7 @@ def test_decode_graph_with_programmatic_launches_equals_plain(random_model, shap
     steps = [(int(rng.integers(0, cfg.vocab_size)), 250 + i) for i in range(24)]  # crosses the split at 256
 
     def run(pdl: bool, use_graph: bool) -> tuple[list[np.ndarray], list[int]]:
-        be._graphs.clear()
+        be.drop_graphs()
         be.pdl, be.use_graph = pdl, use_graph
         logits = [be.to_host(be.decode(tok, pos))[-1].copy() for tok, pos in steps]
         ids = [be.decode_greedy(tok, pos) for tok, pos in steps]
@@ -155,7 +155,7 @@ def test_decode_graph_with_programmatic_launches_equals_plain(random_model, shap
             assert np.isfinite(a).all()
             np.testing.assert_array_equal(a, b)
     assert got_ids == [int(np.argmax(v)) for v in got_l]
-    assert not be._att_count.get().any()
+    assert not be.attention_counters.get().any()
 
 
 def test_greedy_step_queued_ahead_is_taken_only_when_it_matches(random_model) -> None:
@@ -172,11 +172,11 @@ def test_greedy_step_queued_ahead_is_taken_only_when_it_matches(random_model) ->
         be.use_graph = use_graph
         be.forward_prompt(p, 0)
         a = be.decode_greedy(3, 20)
-        assert (be._ahead is not None) == use_graph and (not use_graph or be._ahead[0] == (a, 21))
+        assert (be.queued_ahead is not None) == use_graph and (not use_graph or be.queued_ahead == (a, 21))
         b = be.decode_greedy(x if x != a else (x + 1) % cfg.vocab_size, 21)  # not the step queued
         c = be.decode_greedy(b, 22)  # the step queued
         be.forward_prompt(q, 0)  # the step queued now, (c, 23), saw the old cache
-        assert be._ahead is None
+        assert be.queued_ahead is None
         d = be.decode_greedy(c, 23)
         e = be.decode_greedy(d, 24)
         return [a, b, c, d, e]
@@ -273,7 +273,7 @@ def test_fused_prefill_matches_numpy(random_model, shape, qtype) -> None:
     path = random_model(shape, qtype)
     _, cfg, ref = loaded(path, NumpyBackend(), ctx=1024)
     _, _, be = loaded(path, CudaBackend(), ctx=1024)
-    b = be._pf_alloc()
+    b = be.prefill_buffers()
     for buf in (b.x, b.h16, b.att16, b.qkv, b.gu, b.y, b.dq, b.logits):
         buf.fill(np.nan)
     rng = np.random.default_rng(1)
@@ -289,7 +289,7 @@ def test_fused_prefill_matches_numpy(random_model, shape, qtype) -> None:
         step_ref = ref.to_host(forward(ref, cfg, ref.token_ids(np.asarray([tok])), ref.positions(t, 1)))[-1]
         step = be.to_host(be.decode(tok, t))[-1]
         assert rel_l2(step, step_ref) <= 1e-2, t
-    assert set(be._pf_graphs) >= {16, 77, 512}
+    assert be.prefill_graph_lengths >= {16, 77, 512}
 
 
 def test_fused_prefill_chunk_after_cached_prefix(random_model) -> None:
@@ -308,4 +308,4 @@ def test_fused_prefill_chunk_after_cached_prefix(random_model) -> None:
         want = ref.to_host(prefill(ref, cfg, second, 40))[-1]
         got = be.to_host(prefill(be, cfg, second, 40))[-1]
         assert rel_l2(got, want) <= 1e-2, attempt
-    assert 33 in be._pf_graphs
+    assert 33 in be.prefill_graph_lengths

@@ -15,9 +15,10 @@ cp = pytest.importorskip("cupy")
 from llamacli.errors import BackendError, NumericalError  # noqa: E402
 from llamacli import rope as rope_tables  # noqa: E402
 from llamacli import sampling as S  # noqa: E402
-from llamacli.backends.cuda_backend import (  # noqa: E402
-    ATT_TC_DIMS, ATT_TC_MIN_T, MV1_ACT8, RUNNABLE, CudaBackend, DeviceMatrix, cuda_available,
-)
+from llamacli.backends.cuda import RUNNABLE, CudaBackend, DeviceMatrix, cuda_available  # noqa: E402
+from llamacli.backends.cuda import linear  # noqa: E402
+from llamacli.backends.cuda.attention import ATT_TC_DIMS, ATT_TC_MIN_T  # noqa: E402
+from llamacli.backends.cuda.linear import MV1_ACT8  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig  # noqa: E402
 from llamacli.quants import dequantize  # noqa: E402
@@ -34,8 +35,7 @@ def make_cfg(**kw) -> ModelConfig:
         architecture="llama", name="t", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128,
         vocab_size=100, context_length=4096, rope_type=ROPE_NORMAL, rope_dim=16, rope_freq_base=10000.0,
         rope_scaling="none", rope_scaling_factor=1.0, rope_original_context=4096, rope_attn_factor=1.0,
-        rms_eps=1e-5, tied_embeddings=False, qkv_bias=False, fused_qkv=False, fused_gate_up=False,
-        bos_token_id=None, eos_token_id=None,
+        rms_eps=1e-5, tied_embeddings=False, bos_token_id=None, eos_token_id=None,
     )
     base.update(kw)
     return ModelConfig(**base)
@@ -48,6 +48,7 @@ def bare(cfg: ModelConfig, ctx: int) -> tuple[CudaBackend, NumpyBackend]:
     be.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, None, ctx).astype(np.float64))
     shape = (cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim)
     be.k_cache, be.v_cache = cp.zeros(shape, cp.float16), cp.zeros(shape, cp.float16)
+    be.alloc_step_io()  # step_ids, step_pos, the fused argmax's cells, the sampler's buffers
     ref = NumpyBackend()
     ref.cfg, ref.ctx = cfg, ctx
     ref.theta = rope_tables.inv_freq(cfg, None, ctx)
@@ -103,7 +104,7 @@ def test_matvec_every_type(qtype: QT) -> None:
             for t in (1, 3, 8):
                 x = rng.standard_normal((t, k)).astype(np.float32)
                 y = poisoned((t, n))
-                be._matvec((w,), cp.asarray(x), t, y)
+                be.matvec((w,), cp.asarray(x), t, y)
                 xr = act8(x[0])[0][None] if t == 1 and qtype in MV1_ACT8 else x.astype(np.float64)
                 ref = xr @ wref.T
                 scale = np.abs(xr) @ np.abs(wref).T
@@ -120,14 +121,14 @@ def test_matvec_segments_bias_resid_swiglu(qtype: QT) -> None:
     bias = rng.standard_normal(161).astype(np.float32)
     resid = rng.standard_normal((2, 161)).astype(np.float32)
     y = cp.asarray(resid)  # resid aliases y: the fused residual add
-    be._matvec(tuple(w for w, _, _ in ws), cp.asarray(x), 2, y, bias=cp.asarray(bias), resid=y)
+    be.matvec(tuple(w for w, _, _ in ws), cp.asarray(x), 2, y, bias=cp.asarray(bias), resid=y)
     wref = np.concatenate([r for _, _, r in ws])
     ref = x @ wref.T + bias + resid
     assert_close(y.get(), ref, 1e-4, 1e-5, "segments+bias+resid")
 
     (g, _bg, gref), (u, _bu, uref) = [upload(random_quant_rows(qtype, 77, k, rng, std=0.05), qtype, k) for _ in range(2)]
     y = poisoned((2, 77))
-    be._matvec_swiglu(g, u, cp.asarray(x), 2, y)
+    be.matvec_swiglu(g, u, cp.asarray(x), 2, y)
     a, b = x @ gref.T, x @ uref.T
     assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-4, 1e-4, "swiglu")
 
@@ -150,7 +151,7 @@ def test_mv1_mixed_qkv_segments(pair) -> None:
     bias = rng.standard_normal(168).astype(np.float32)
     resid = rng.standard_normal((1, 168)).astype(np.float32)
     y = cp.asarray(resid)  # resid aliases y
-    be._matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
+    be.matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
     ref = xr @ wref.T + bias + resid
     tol = 1e-6 + 2e-6 * (np.abs(xr) @ np.abs(wref).T) + 1e-6 * (np.abs(bias) + np.abs(resid))
     assert_close(y.get(), ref, tol, 1e-5, f"{a.name}+{b.name} bias+resid")
@@ -159,15 +160,15 @@ def test_mv1_mixed_qkv_segments(pair) -> None:
     h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_eps) * nw.get()
     q8 = act8_bound(h[0], wref)[None]
     y = poisoned((1, 168))
-    be._matvec(mats, cp.asarray(x), 1, y, norm=nw)
+    be.matvec(mats, cp.asarray(x), 1, y, norm=nw)
     got = y.get()
     assert_close(got, h @ wref.T, 1e-6 + 2e-6 * (np.abs(h) @ np.abs(wref).T) + q8, 1e-5, f"{a.name}+{b.name} norm")
     qk, v = poisoned((1, 128)), poisoned((1, 40))
-    be._matvec(mats[:2], cp.asarray(x), 1, qk, norm=nw)
-    be._matvec(mats[2:], cp.asarray(x), 1, v, norm=nw)
+    be.matvec(mats[:2], cp.asarray(x), 1, qk, norm=nw)
+    be.matvec(mats[2:], cp.asarray(x), 1, v, norm=nw)
     assert np.array_equal(got, np.concatenate([qk.get(), v.get()], axis=1))
     with pytest.raises(BackendError):  # several tokens: no mixed kernel
-        be._matvec(mats, cp.asarray(np.repeat(x, 2, 0)), 2, poisoned((2, 168)))
+        be.matvec(mats, cp.asarray(np.repeat(x, 2, 0)), 2, poisoned((2, 168)))
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16,
@@ -178,8 +179,6 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
     rng = np.random.default_rng(11 + int(qtype))
     cfg = make_cfg()
     be, _ = bare(cfg, 16)
-    be.step_ids, be.step_pos = cp.zeros(2, cp.int32), cp.zeros(1, cp.int32)
-    be._am = cp.asarray(np.asarray([0, 0, 0, be.step_ids.data.ptr, be.step_pos.data.ptr], np.uint64))
     for k in cols_for(qtype)[-2:]:
         for n in (5, 300, 2049):
             w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
@@ -192,21 +191,21 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
             # float32 h may round a value the other way than h here would: the bound, not an emulation)
             q8 = act8_bound(h[0], wref)[None] if qtype in MV1_ACT8 else 0.0
             y = poisoned((1, n))
-            be._matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
+            be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
             assert_close(y.get(), ref, 1e-6 + 2e-6 * scale + q8, 1e-5, f"norm {qtype.name} n={n} k={k}")
             if qtype in MV1_ACT8:  # and it is that rounding, not a looser error: well inside the bound
                 assert np.abs(y.get() - ref).mean() < 0.25 * np.mean(q8), qtype.name
             for rep in range(2):  # twice: the cells must come back reset
                 pos0 = int(be.step_pos.get()[0])
                 y = poisoned((1, n))
-                be._matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
+                be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
                 got, yh = be.step_ids.get(), y.get()[0]
                 assert got[0] == int(np.argmax(yh)) and got[1] == 0, (got, int(np.argmax(yh)))
                 assert int(be.step_pos.get()[0]) == pos0 + 1
             if n == 300:
                 u, _bu, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
                 y = poisoned((1, n))
-                be._matvec_swiglu(w, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
+                be.matvec_swiglu(w, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
                 a, b = ref, h @ uref.T
                 sb = scale + np.abs(h) @ np.abs(uref).T
                 tol = 1e-5 + 1e-5 * sb * sb
@@ -217,9 +216,9 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
     # A NaN (or an infinity) in x reaches the logits: the flag says so.
     for bad in (np.nan, np.inf):
         x[0, 3] = bad
-        be._matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=True)
+        be.matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=True)
         assert be.step_ids.get()[1] == 1, bad
-    be._matvec((w,), cp.asarray(np.ones_like(x)), 1, poisoned((1, n)), argmax=True)
+    be.matvec((w,), cp.asarray(np.ones_like(x)), 1, poisoned((1, n)), argmax=True)
     assert be.step_ids.get()[1] == 0  # and the flag was reset
 
 
@@ -237,14 +236,14 @@ def test_mv1_act8_long_rows(qtype: QT) -> None:
         x = (3 * rng.standard_normal((1, k))).astype(np.float32)
         xr = act8(x[0])[0][None]
         y = poisoned((1, n))
-        be._matvec((w,), cp.asarray(x), 1, y)
+        be.matvec((w,), cp.asarray(x), 1, y)
         assert_close(y.get(), xr @ wref.T, 1e-6 + 2e-6 * (np.abs(xr) @ np.abs(wref).T), 1e-5, f"{qtype.name} k={k}")
         nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
         h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_eps) * nw
         ref = h @ wref.T
         q8 = act8_bound(h[0], wref)[None]
         y = poisoned((1, n))
-        be._matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
+        be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
         assert_close(y.get(), ref, 1e-6 + 2e-6 * (np.abs(h) @ np.abs(wref).T) + q8, 1e-5, f"norm {qtype.name} k={k}")
         assert np.abs(y.get() - ref).mean() < 0.25 * np.mean(q8), qtype.name
         for bad in (np.nan, np.inf):
@@ -252,7 +251,7 @@ def test_mv1_act8_long_rows(qtype: QT) -> None:
             xb[0, k - 5] = bad
             for norm in (None, cp.asarray(nw)):
                 y = poisoned((1, n))
-                be._matvec((w,), cp.asarray(xb), 1, y, norm=norm)
+                be.matvec((w,), cp.asarray(xb), 1, y, norm=norm)
                 assert np.isnan(y.get()).all(), (qtype.name, k, bad)
 
 
@@ -263,13 +262,11 @@ def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
     """Large matrices with long or short rows run 2 or 4 row groups per mv1 block over one staging of x (and
     the int8-activation types 4 on many 4096-column rows, 2 past one wave of blocks, 8 on short LM-head
     rows): every row (the last group partly past N), the fused SwiGLU and the argmax across groups."""
-    from llamacli.backends.cuda_backend import _mv1_groups
+    from llamacli.backends.cuda.linear import mv1_groups
 
     rng = np.random.default_rng(5 + int(qtype))
     cfg = make_cfg()
     be, _ = bare(cfg, 16)
-    be.step_ids, be.step_pos = cp.zeros(2, cp.int32), cp.zeros(1, cp.int32)
-    be._am = cp.asarray(np.asarray([0, 0, 0, be.step_ids.data.ptr, be.step_pos.data.ptr], np.uint64))
     n, k, groups = shape
     if groups is None:
         groups = 4 if qtype in MV1_ACT8 else 1
@@ -277,19 +274,19 @@ def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
         groups = 8 if qtype in MV1_ACT8 else 4
     elif groups == "wave":  # int8 forms: 2 where one group per block needs more than one wave (4 per SM)
         groups = 2 if qtype in MV1_ACT8 and -(-n // 8) > 4 * be.n_sms else 1
-    assert _mv1_groups(n, k, qtype, be.n_sms) == groups
+    assert mv1_groups(n, k, qtype, be.n_sms) == groups
     w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
     x = rng.standard_normal((1, k)).astype(np.float32)
     xr = act8(x[0])[0][None] if qtype in MV1_ACT8 else x.astype(np.float64)
     ref = xr @ wref.T
     scale = np.abs(xr) @ np.abs(wref).T
     y = poisoned((1, n))
-    be._matvec((w,), cp.asarray(x), 1, y, argmax=True)
+    be.matvec((w,), cp.asarray(x), 1, y, argmax=True)
     assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"{qtype.name} groups")
     assert be.step_ids.get()[0] == int(np.argmax(y.get()[0]))
     u, _bu, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
     y = poisoned((1, n))
-    be._matvec_swiglu(w, u, cp.asarray(x), 1, y)
+    be.matvec_swiglu(w, u, cp.asarray(x), 1, y)
     b = xr @ uref.T
     sb = scale + np.abs(xr) @ np.abs(uref).T
     assert_close(y.get(), ref / (1 + np.exp(-ref)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu {qtype.name} groups")
@@ -301,18 +298,16 @@ def test_mv1_stream_16_bit_rows(qtype: QT) -> None:
     columns), a last batch partly past the row (1032), many rows a warp (past one wave of warps); three
     segments with bias and the residual aliasing y, the fused RMSNorm, SwiGLU and argmax (cells reset); NaN
     reaching the output; against float64 and against mv1 (be.mv1_stream off)."""
-    from llamacli.backends.cuda_backend import MV1_WARPS, _mv1_stream_ok
+    from llamacli.backends.cuda.linear import MV1_WARPS, mv1_stream_ok
 
     rng = np.random.default_rng(31 + int(qtype))
     cfg = make_cfg()
     be, _ = bare(cfg, 16)
-    be.step_ids, be.step_pos = cp.zeros(2, cp.int32), cp.zeros(1, cp.int32)
-    be._am = cp.asarray(np.asarray([0, 0, 0, be.step_ids.data.ptr, be.step_pos.data.ptr], np.uint64))
     many = 2 * MV1_WARPS * 2 * be.n_sms + 3  # over two rows for some warps of a full wave
     for n, k in [(1, 8), (5, 40), (37, 264), (300, 1032), (many, 64), (70, 4096)]:
         ws = [upload(random_quant_rows(qtype, r, k, rng, std=0.05), qtype, k) for r in (n, 3, n + 1)]
         mats = tuple(w for w, _, _ in ws)
-        assert _mv1_stream_ok(mats)
+        assert mv1_stream_ok(mats)
         wref = np.concatenate([r for _, _, r in ws])
         rows = wref.shape[0]
         x = (3 * rng.standard_normal((1, k))).astype(np.float32)
@@ -320,7 +315,7 @@ def test_mv1_stream_16_bit_rows(qtype: QT) -> None:
         resid = rng.standard_normal((1, rows)).astype(np.float32)
         scale = np.abs(x) @ np.abs(wref).T
         y = cp.asarray(resid)  # resid aliases y
-        be._matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
+        be.matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
         assert_close(y.get(), x @ wref.T + bias + resid, 1e-6 + 2e-6 * scale, 1e-5, f"segments n={n} k={k}")
 
         nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
@@ -331,7 +326,7 @@ def test_mv1_stream_16_bit_rows(qtype: QT) -> None:
         for stream in (True, False):
             be.mv1_stream = stream
             y = poisoned((1, rows))
-            be._matvec(mats, cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
+            be.matvec(mats, cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
             outs.append(y.get())
             assert_close(outs[-1], ref, 1e-6 + 2e-6 * hs, 1e-5, f"norm n={n} k={k} stream={stream}")
             assert be.step_ids.get()[0] == int(np.argmax(outs[-1][0])) and be.step_ids.get()[1] == 0
@@ -343,18 +338,18 @@ def test_mv1_stream_16_bit_rows(qtype: QT) -> None:
         a, b = h @ gref.T, h @ uref.T
         sb = np.abs(h) @ np.abs(gref).T + np.abs(h) @ np.abs(uref).T
         y = poisoned((1, n))
-        be._matvec_swiglu(g, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
+        be.matvec_swiglu(g, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
         assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu n={n} k={k}")
 
         xb = x.copy()
         xb[0, k - 1] = np.nan
         y = poisoned((1, rows))
-        be._matvec(mats, cp.asarray(xb), 1, y, argmax=True)
+        be.matvec(mats, cp.asarray(xb), 1, y, argmax=True)
         assert np.isnan(y.get()).all() and be.step_ids.get()[1] == 1
 
 
 @pytest.mark.parametrize("qtype", RUNNABLE, ids=lambda t: t.name)
-def test_dequant_gemm_and_embed_every_type(qtype: QT) -> None:
+def test_dequant_gemm_and_embed_every_type(qtype: QT, monkeypatch) -> None:
     rng = np.random.default_rng(100 + int(qtype))
     be, _ = bare(make_cfg(), 16)
     k = cols_for(qtype)[1]
@@ -366,15 +361,10 @@ def test_dequant_gemm_and_embed_every_type(qtype: QT) -> None:
     out = be.embed(cp.asarray(ids))
     assert_close(out.get(), wref[ids], 1e-7, 1e-6, f"embed {qtype.name}")
     # Prefill path: T > 8 goes through dequant_<t> + cuBLAS fp16 (small chunk to cover the chunk loop).
-    import llamacli.backends.cuda_backend as cb
-
-    old = cb.DEQUANT_CHUNK
-    cb.DEQUANT_CHUNK = 16 * k
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(linear, "DEQUANT_CHUNK", 16 * k)
         x = rng.standard_normal((19, k)).astype(np.float32)
         y = be.matmul(cp.asarray(x), w)
-    finally:
-        cb.DEQUANT_CHUNK = old
     ref = x.astype(np.float64) @ wref.T
     scale = np.abs(x) @ np.abs(wref).T
     assert_close(y.get(), ref, 2e-3 * scale + 1e-5, 1e-3, f"gemm {qtype.name}")
@@ -493,7 +483,7 @@ def test_attention_prefill_tensor_cores(dh, hkv, group) -> None:
         for use_tc in (True, False):
             be.attention_tc = use_tc
             out = cp.full((t, hq * dh), cp.nan, dtype=cp.float32)
-            be._attend(cp.asarray(q), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
+            be.attend(cp.asarray(q), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
                        None, None)
             outs.append(out.get())
         tc, cc = outs
@@ -514,7 +504,7 @@ def test_attention_prefill_tensor_cores_unsorted_positions() -> None:
     pos = rng.permutation(300)[:t].astype(np.int32)
     q = rng.standard_normal((t, 6, 64)).astype(np.float32)
     out = cp.full((t, 6 * 64), cp.nan, dtype=cp.float32)
-    be._attend(cp.asarray(q), 6 * 64, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, 300, None, None)
+    be.attend(cp.asarray(q), 6 * 64, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, 300, None, None)
     want = attention_ref(q, kc.astype(np.float32), vc.astype(np.float32), pos, 3)
     assert_close(out.get(), want, 4e-3, 1e-2, "unsorted positions")
 
@@ -530,7 +520,7 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
     key NaN (they must never reach the output; the last chunk ends near the cache's end, past which the
     copies read nothing); output poisoned with NaN; float64 reference on the same fp16 q. Also values near
     the fp16 limit in V: the output stays finite (a convex combination). f32 output too, on one shape."""
-    from llamacli.backends.cuda_backend import ATT_TC_ROWS, ATT_WG_DIMS, _tc_qscale
+    from llamacli.backends.cuda.attention import ATT_TC_ROWS, ATT_WG_DIMS, tc_qscale
 
     rng = np.random.default_rng(2000 + dh + group)
     hq, ctx = hkv * group, 700
@@ -541,7 +531,7 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
     be.attention_wg = kernel == "wg"
     kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
-    qs = _tc_qscale(dh)
+    qs = tc_qscale(dh)
     for start, t in ((0, ATT_TC_ROWS // group + 3), (0, 16), (131, 333), (690, 10 + 16)):
         t = min(t, ctx - start)
         kp, vp = kc.copy(), vc.copy()
@@ -550,7 +540,7 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
         q16 = (rng.standard_normal((t, hq, dh)) * qs).astype(np.float16)
         pos = np.arange(start, start + t, dtype=np.int32)
         out = cp.full((t, hq * dh), cp.nan, dtype=cp.float16)
-        be._attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out)
+        be.attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out)
         # q16 / qs is the q the kernel sees in natural-log softmax units.
         want = attention_ref(q16.astype(np.float64) / qs, kc.astype(np.float32), vc.astype(np.float32), pos, group)
         got = out.get().astype(np.float64)
@@ -558,7 +548,7 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
         if start == 131:  # f32 output (the op-by-op path's)
             out32 = cp.full((t, hq * dh), cp.nan, dtype=cp.float32)
-            be._attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t,
+            be.attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t,
                           out32)
             assert_close(out32.get(), want, 4e-3, 1e-2, f"f32 out t={t} start={start}")
     big = np.full((ctx, hkv, dh), 65504.0, np.float16)
@@ -567,7 +557,7 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
     t = 40
     q16 = (rng.standard_normal((t, hq, dh)) * qs).astype(np.float16)
     out = cp.full((t, hq * dh), cp.nan, dtype=cp.float16)
-    be._attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0],
+    be.attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0],
                   cp.asarray(np.arange(t, dtype=np.int32)), t, out)
     assert np.isfinite(out.get()).all()
 
@@ -580,17 +570,17 @@ def test_attention_decode_warps_and_wide_chunks(dh, hkv, group) -> None:
     hq, ctx = hkv * group, 70_000
     cfg = make_cfg(n_head=hq, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hq * dh)
     be, _ = bare(cfg, ctx)
-    assert be._decode_kernel_fits() and be._chunk(ctx) == 512
+    assert be.decode_kernel_fits() and be.decode_chunk(ctx) == 512
     kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     be.k_cache[0], be.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
-    n_split, chunk = be._n_split(ctx), be._chunk(ctx)
+    n_split, chunk = be.decode_splits(ctx), be.decode_chunk(ctx)
     po = cp.empty((n_split, hq, dh), cp.float32)
     pm = cp.empty((n_split, hq, 2), cp.float32)
     for p in (0, 31, 255, 256, 511, 512, 700, 5000, 69_999):
         q = (rng.standard_normal((1, hq, dh)) * 2).astype(np.float32)
         out = cp.full((1, hq * dh), cp.nan, dtype=cp.float32)
-        be._attend(cp.asarray(q), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray([p], dtype=cp.int32), 1, out,
+        be.attend(cp.asarray(q), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray([p], dtype=cp.int32), 1, out,
                    n_split, chunk, po, pm)
         want = np.empty((hq, dh))
         for h in range(hq):
@@ -639,8 +629,6 @@ def test_argmax_ties_lowest_id() -> None:
 def test_device_sampling_matches_sampling_py(seed) -> None:
     v = 32_000 + seed
     be, _ = bare(make_cfg(vocab_size=v), 16)
-    be._topk_vals, be._topk_ids = cp.empty(1024, cp.float32), cp.empty(1024, cp.int32)
-    be._sample_out = cp.zeros(2, cp.int32)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(v) * 3).astype(np.float32)
     x[rng.choice(v, 50)] = x.max()  # ties at the top

@@ -1,16 +1,17 @@
 """Every kernels/*.cu compiles with NVRTC for Ampere and Hopper, on a machine without a GPU (the CI check).
 
 NVRTC 13 has no cuda_fp16.h/cuda_bf16.h built in, so the kernels use none: the test also proves that
-they need no header beyond the project's own (inlined by cuda_kernels.kernel_source).
+they need no header beyond the project's own (inlined by the CUDA backend's loader.kernel_source).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
 
-from llamacli.backends import cuda_kernels as K
+from llamacli.backends.cuda import loader as K
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="needs cupy + nvidia-cuda-nvrtc")
 
@@ -26,6 +27,12 @@ def _nvrtc_works() -> bool:
 pytestmark = pytest.mark.skipif(not _nvrtc_works(), reason="NVRTC library not loadable")
 
 
+@functools.lru_cache(maxsize=None)
+def ptx(family: str, arch: str) -> str:
+    """K.compile_ptx, once per (family, arch) in this module: NVRTC is slow on a small CI machine."""
+    return K.compile_ptx(family, arch)
+
+
 def test_kernels_dir_holds_every_family() -> None:
     d = K.kernels_dir()
     assert d.is_dir()
@@ -35,8 +42,7 @@ def test_kernels_dir_holds_every_family() -> None:
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
 @pytest.mark.parametrize("family", K.FAMILIES)
 def test_family_compiles(family: str, arch: str) -> None:
-    ptx = K.compile_ptx(family, arch)
-    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx))
+    entries = set(re.findall(r"\.entry\s+(\w+)\(", ptx(family, arch)))
     assert entries, f"{family}.cu defines no kernel"
     source = K.kernel_source(family)
     assert "#include <" not in source, "kernels must not need system headers (NVRTC 13 lacks them)"
@@ -45,12 +51,12 @@ def test_family_compiles(family: str, arch: str) -> None:
 
 
 def test_every_weight_type_has_its_kernels() -> None:
-    from llamacli.backends.cuda_backend import RUNNABLE, qname
+    from llamacli.backends.cuda import RUNNABLE, qname
 
-    ptx = K.compile_ptx("matvec", "compute_90") + K.compile_ptx("dequant", "compute_90")
+    both = ptx("matvec", "compute_90") + ptx("dequant", "compute_90")
     for t in RUNNABLE:
         for kind in ("matvec_{}", "matvec_{}_swiglu", "dequant_{}", "embed_{}"):
-            assert f".entry {kind.format(qname(t))}(" in ptx
+            assert f".entry {kind.format(qname(t))}(" in both
 
 
 def test_compile_error_names_the_file(tmp_path) -> None:
@@ -69,7 +75,7 @@ def test_backend_cuda_without_cupy_says_how_to_install(monkeypatch) -> None:
     import sys
 
     from llamacli.backends import select_backend
-    from llamacli.backends.cuda_backend import cuda_available
+    from llamacli.backends.cuda import cuda_available
     from llamacli.errors import BackendError
 
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now raises ImportError
@@ -80,25 +86,44 @@ def test_backend_cuda_without_cupy_says_how_to_install(monkeypatch) -> None:
 
 
 def test_attention_has_hopper_code_only_for_sm90a() -> None:
-    """attention.cu's wgmma kernels: real code when compiled for sm_90a (as cuda_kernels does on a Hopper GPU),
-    a trap for any other target, and the same kernel list everywhere."""
-    hopper = K.compile_ptx("attention", "compute_90a")
-    plain = K.compile_ptx("attention", "compute_90")
+    """attention_wgmma.cu's kernels: real code when compiled for sm_90a (as the loader does on a Hopper GPU),
+    a trap for any other target, and the same kernel list everywhere; it is the only family built for sm_90a,
+    and the other attention families hold no wgmma code."""
+    hopper = ptx("attention_wgmma", "compute_90a")
+    plain = ptx("attention_wgmma", "compute_90")
     assert "wgmma.mma_async" in hopper and "wgmma" not in plain
     assert set(re.findall(r"\.entry\s+(\w+)\(", hopper)) == set(re.findall(r"\.entry\s+(\w+)\(", plain))
-    assert K.FEATURE_ARCH["attention"] == ("90", "sm_90a")
+    assert K.FEATURE_ARCH == {"attention_wgmma": ("90", "sm_90a")}
+    for family in ("attention_simt", "attention_decode", "attention_mma"):
+        assert "wgmma" not in re.sub(r"//[^\n]*", "", K.kernel_source(family)), family
+
+
+ATTENTION_KERNELS = {  # the kernels of the four attention families, as the Python launchers name them
+    "attention_simt": {"kv_store", "attention_combine"} | {f"attention_npl{n}" for n in (1, 2, 3, 4, 8)},
+    "attention_decode": {f"attention_decode_npl{n}" for n in (1, 2, 3, 4)}
+    | {f"attention_step_{m}_npl{n}" for m in ("normal", "neox") for n in (1, 2, 3, 4)},
+    "attention_mma": {f"attention_tc{o}_d{d}" for o in ("", "16") for d in (64, 80, 96, 112, 128)},
+    "attention_wgmma": {f"attention_wg{o}_d{d}" for o in ("", "16") for d in (64, 128)},
+}
+
+
+@pytest.mark.parametrize("family", sorted(ATTENTION_KERNELS))
+def test_attention_families_define_exactly_their_kernels(family: str) -> None:
+    """Each attention family compiles to exactly the kernels its launchers fetch from it (no kernel lost or
+    defined twice across the four files)."""
+    assert set(re.findall(r"\.entry\s+(\w+)\(", ptx(family, "compute_90"))) == ATTENTION_KERNELS[family]
 
 
 def test_feature_cubin_is_compiled_once_into_the_cache(tmp_path, monkeypatch) -> None:
-    """attention.cu for sm_90a: a cubin under $LLAMACLI_HOME/kernels named by family, target and a hash of
-    the source; a second call finds it (no compile); another source, another file."""
+    """attention_wgmma.cu for sm_90a: a cubin under $LLAMACLI_HOME/kernels named by family, target and a hash
+    of the source; a second call finds it (no compile); another source, another file."""
     monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path))
-    src = K.kernel_source("attention")
-    path = K._feature_cubin("attention", src, "sm_90a")
-    assert path.parent == tmp_path / "kernels" and path.name.startswith("attention-sm_90a-")
+    src = K.kernel_source("attention_wgmma")
+    path = K.feature_cubin("attention_wgmma", src, "sm_90a")
+    assert path.parent == tmp_path / "kernels" and path.name.startswith("attention_wgmma-sm_90a-")
     assert path.read_bytes()[:4] == b"\x7fELF"  # a cubin
     stamp = path.stat().st_mtime_ns
-    assert K._feature_cubin("attention", src, "sm_90a") == path and path.stat().st_mtime_ns == stamp
-    other = K._feature_cubin("attention", src + "\n// edited\n", "sm_90a")
+    assert K.feature_cubin("attention_wgmma", src, "sm_90a") == path and path.stat().st_mtime_ns == stamp
+    other = K.feature_cubin("attention_wgmma", src + "\n// edited\n", "sm_90a")
     assert other != path and other.is_file()
     assert not list(path.parent.glob("*.part"))

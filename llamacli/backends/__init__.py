@@ -1,4 +1,4 @@
-"""Backends: numpy_backend (the readable reference) and cuda_backend (CuPy + kernels/*.cu)."""
+"""Backends: numpy_backend (the readable reference) and the cuda package (CuPy + kernels/*.cu)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def select_backend(name: str, notice: Callable[[str], None] | None = None) -> Ba
         return NumpyBackend()
     ok, reason = cuda_status()
     if ok:
-        from .cuda_backend import CudaBackend
+        from .cuda import CudaBackend
 
         return CudaBackend()
     if name == "cuda":
@@ -36,7 +36,7 @@ def select_backend(name: str, notice: Callable[[str], None] | None = None) -> Ba
 def cuda_status() -> tuple[bool, str]:
     """(True, device name) when the CUDA backend can run here, else (False, why and how to fix it)."""
     try:
-        from .cuda_backend import cuda_available
+        from .cuda import cuda_available
     except ImportError as exc:  # pragma: no cover - the module itself is always there
         return False, f"the CUDA backend failed to import ({exc})"
     return cuda_available()

@@ -1,27 +1,120 @@
-"""`llamacli bench --kernels`: micro-benchmarks of the CUDA kernels, no model needed.
+"""Measuring the CUDA backend: `bench --profile`'s time per kernel family, bench's GPU clock (`elapsed`), and
+`bench --kernels`' micro-benchmarks of single kernels (no model needed).
 
+Profiling: each Backend operation is wrapped in `profiled(family)` and each part of the fused prefill and
+decode step in `self._section(name)`; while `profile()` runs they record CUDA events around their launches
+and count them, otherwise they cost one attribute test.
+
+Kernel micro-benchmarks (`kernel_benchmarks`):
 - mv1_<type> / mv1_stream_<type> (the one-token matvec of the decode step) at (N, K) shapes, random valid
   blocks made on the GPU, rotated over enough copies to exceed the 50 MB L2 so every launch reads HBM;
   GB/s = weight bytes / time.
 - attention prefill (causal, head dim 64) as the fused prefill runs it: fp16 q (times log2(e)/sqrt(D), as
   RoPE writes it), fp16 K/V in our cache layout, fp16 output; batch folded into heads (each (batch, head)
   pair is its own KV head over its own 512 keys); the wgmma kernel on a Hopper GPU and the portable mma.sync
-  one; against torch's
-  scaled_dot_product_attention on fp16 [B, H, T, D] (FlashAttention / cuDNN on the H100), with the
-  max abs difference of the outputs as a check.
+  one; against torch's scaled_dot_product_attention on fp16 [B, H, T, D] (FlashAttention / cuDNN on the
+  H100), with the max abs difference of the outputs as a check.
 Times: a spin kernel holds the GPU while `reps` launches are queued, CUDA events around them, per launch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from . import cuda_kernels as K
+from . import loader as K
+
+
+class _Section:
+    """Events around one family's launches (CudaBackend.profile)."""
+
+    def __init__(self, be: Any, name: str):
+        self.be, self.name = be, name
+
+    def __enter__(self) -> None:
+        self.n0 = K.launch_count()
+        self.a = self.be.cp.cuda.Event()
+        self.a.record()
+
+    def __exit__(self, *exc: object) -> None:
+        b = self.be.cp.cuda.Event()
+        b.record()
+        if self.be._prof is not None:
+            self.be._prof.append((self.name, self.a, b, K.launch_count() - self.n0))
+
+
+_NULL = contextlib.nullcontext()
+
+
+def profiled(fam: str | None = None) -> Callable:
+    """Time a Backend operation under `fam` while profiling (matmul: the weight's family)."""
+
+    def deco(op: Callable) -> Callable:
+        @functools.wraps(op)
+        def timed(self: Any, *args: Any, **kw: Any) -> Any:
+            if self._prof is None:
+                return op(self, *args, **kw)
+            with _Section(self, fam or self._wfam.get(id(args[1]), "other")):
+                return op(self, *args, **kw)
+
+        return timed
+
+    return deco
+
+
+class ProfileMixin:
+    """CudaBackend's measuring hooks (mixed into backend.CudaBackend)."""
+
+    cp: Any
+    _prof: list | None  # (section, start event, end event, our launches) while profiling
+
+    def _section(self, name: str) -> Any:
+        """Context for one kernel family's launches: CUDA events around them while profiling, else nothing."""
+        if self._prof is None:
+            return _NULL
+        return _Section(self, name)
+
+    def profile(self, fn: Callable[[], Any], spin_ms: float = 50.0) -> tuple[list[tuple[str, float, int]], float]:
+        """Run fn() (op-by-op or un-captured launches) with events around each section; -> ([(section, ms,
+        our launches)] in first-seen order, total ms). A spin kernel holds the GPU while the host queues
+        the work, so the kernels run back to back as in a graph replay (no host launch gaps); if queueing
+        takes longer than the spin, the gaps show up in the total but not in the sections."""
+        cp = self.cp
+        K.launch("elementwise", "spin_ns", (1,), (1,), (K.i64(int(spin_ms * 1e6)),))
+        self._prof = []
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        try:
+            fn()
+        finally:
+            end.record()
+            recs, self._prof = self._prof, None
+        end.synchronize()
+        agg: dict[str, list] = {}
+        for name, a, b, n in recs:
+            v = agg.setdefault(name, [0.0, 0])
+            v[0] += cp.cuda.get_elapsed_time(a, b)
+            v[1] += n
+        return [(k, v[0], v[1]) for k, v in agg.items()], cp.cuda.get_elapsed_time(start, end)
+
+    def elapsed(self, fn: Callable[[], Any]) -> float:
+        """Seconds fn() takes on the GPU timeline (CUDA events around it; bench's clock)."""
+        cp = self.cp
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return cp.cuda.get_elapsed_time(a, b) / 1e3
+
+
+# -- bench --kernels ---------------------------------------------------------------------------------------
 
 # Byte offsets of fp16 scale fields in one block (ggml-common.h); the rest of a block is valid as any bits.
 _F16_FIELDS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q4_K: (0, 2),
@@ -54,8 +147,10 @@ def _time_launches(cp: Any, launch: Any, reps: int) -> float:
     return cp.cuda.get_elapsed_time(a, b) / 1e3 / reps
 
 
-def run(be: Any, shapes: tuple, types: tuple, att: tuple[int, int, int, int]) -> tuple[list[dict], float]:
-    from .cuda_backend import DeviceMatrix, _mv1_stream_ok
+def kernel_benchmarks(be: Any, shapes: tuple, types: tuple, att: tuple[int, int, int, int]) -> tuple[list[dict], float]:
+    """The matvec rows for each weight type and (N, K) shape, then the attention rows -> (rows, copy
+    bandwidth in bytes/s). `be` is a CudaBackend with no model loaded (its cfg is replaced)."""
+    from .linear import DeviceMatrix, mv1_stream_ok
 
     cp = be.cp
     bandwidth = be.memory_bandwidth()
@@ -70,9 +165,9 @@ def run(be: Any, shapes: tuple, types: tuple, att: tuple[int, int, int, int]) ->
             mats = [DeviceMatrix(w.data.ptr, n, k, qt, w.shape[1]) for w in bufs]
             x = cp.random.standard_normal((1, k), dtype=cp.float32)
             y = cp.empty((1, n), cp.float32)
-            t = _time_launches(cp, lambda i: be._matvec((mats[i % copies],), x, 1, y), 60)
+            t = _time_launches(cp, lambda i: be.matvec((mats[i % copies],), x, 1, y), 60)
             nbytes = one.nbytes + 4 * (k + n)
-            kernel = "mv1_stream" if be.mv1_stream and _mv1_stream_ok(mats[:1]) else "mv1"
+            kernel = "mv1_stream" if be.mv1_stream and mv1_stream_ok(mats[:1]) else "mv1"
             rows.append({"kernel": f"{kernel}_{name.lower()}", "shape": f"{n}x{k}", "us": t * 1e6,
                          "gb_per_s": nbytes / t / 1e9, "tflops": 2 * n * k / t / 1e12, "vs": "copy bandwidth"})
             del bufs, mats, one
@@ -82,7 +177,7 @@ def run(be: Any, shapes: tuple, types: tuple, att: tuple[int, int, int, int]) ->
 
 
 def _attention(be: Any, batch: int, heads: int, t: int, dh: int) -> list[dict]:
-    from .cuda_backend import ATT_WG_DIMS, _tc_qscale
+    from .attention import ATT_WG_DIMS, tc_qscale
 
     cp = be.cp
     bh = batch * heads
@@ -90,7 +185,7 @@ def _attention(be: Any, batch: int, heads: int, t: int, dh: int) -> list[dict]:
     q = cp.random.standard_normal((t, bh, dh), dtype=cp.float32)
     k = cp.random.standard_normal((t, bh, dh), dtype=cp.float32).astype(cp.float16)
     v = cp.random.standard_normal((t, bh, dh), dtype=cp.float32).astype(cp.float16)
-    q16 = (q * np.float32(_tc_qscale(dh))).astype(cp.float16)
+    q16 = (q * np.float32(tc_qscale(dh))).astype(cp.float16)
     pos = cp.arange(t, dtype=cp.int32)
     flops = 4 * bh * t * t * dh / 2  # causal: half of QK^T and PV
     shape = f"B{batch} H{heads} T{t} D{dh} causal"
@@ -100,7 +195,7 @@ def _attention(be: Any, batch: int, heads: int, t: int, dh: int) -> list[dict]:
     for wg in [True, False] if default and dh in ATT_WG_DIMS else [False]:
         be.attention_wg = wg
         out = cp.full((t, bh * dh), cp.nan, dtype=cp.float16)
-        sec = _time_launches(cp, lambda i: be._attend_tc(q16, bh * dh, k, v, pos, t, out), 20)
+        sec = _time_launches(cp, lambda i: be.attend_tc(q16, bh * dh, k, v, pos, t, out), 20)
         row = {"kernel": f"attention prefill (ours, {'wgmma' if wg else 'mma.sync'}, fp16 q/K/V/out)",
                "shape": shape, "us": sec * 1e6, "gb_per_s": None, "tflops": flops / sec / 1e12}
         ours.append((row, out, sec))

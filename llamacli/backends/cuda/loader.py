@@ -5,10 +5,11 @@ the text CuPy hashes for its on-disk cache (~/.cupy/kernel_cache) is the whole p
 recompiles, and a cache hit in a new process costs milliseconds. CuPy adds `-arch=sm_XY` of the current
 device itself; we add `-std=c++17`. An NVRTC error becomes KernelCompileError naming the file, with the log.
 
-A family in FEATURE_ARCH holds code for one architecture's own features (attention.cu: Hopper's wgmma, which
-only `sm_90a` code may use, guarded by __CUDA_ARCH_FEAT_SM90_ALL). On that device it is compiled here with
-NVRTC for that target (CuPy can only name `sm_XY`) into a cubin cached under the llamacli cache, keyed by the
-source, the options and the NVRTC version, and loaded with RawModule(path=...); elsewhere as above.
+A family in FEATURE_ARCH holds code for one architecture's own features (attention_wgmma.cu: Hopper's wgmma,
+which only `sm_90a` code may use, guarded by __CUDA_ARCH_FEAT_SM90_ALL). On that device it is compiled here
+with NVRTC for that target (CuPy can only name `sm_XY`) into a cubin cached under the llamacli cache, keyed by
+the source, the options and the NVRTC version, and loaded with RawModule(path=...); elsewhere as above. Every
+other family, the other attention families included, is compiled by CuPy for the device's `sm_XY`.
 
 Launchers live next to the get_function call and compute grid and block there. With logging at DEBUG (the
 CLI's --debug) every launch is logged: name, grid, block, dynamic shared memory.
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BackendError, KernelCompileError
+from ...errors import BackendError, KernelCompileError
 
 log = logging.getLogger("llamacli.kernels")
 
@@ -35,15 +36,16 @@ NVRTC_OPTIONS = ("-std=c++17",)
 # Our own NVRTC calls (compile_ptx, the FEATURE_ARCH builds) add what CuPy adds to its: unannotated functions
 # (a generic lambda, say) are device functions.
 _NVRTC_DIRECT = (*NVRTC_OPTIONS, "-default-device")
-FEATURE_ARCH = {"attention": ("90", "sm_90a")}  # family -> (compute capability, NVRTC target on it)
-FAMILIES = ("attention", "dequant", "elementwise", "matvec", "norm", "rope", "sampling")
+FEATURE_ARCH = {"attention_wgmma": ("90", "sm_90a")}  # family -> (compute capability, NVRTC target on it)
+FAMILIES = ("attention_decode", "attention_mma", "attention_simt", "attention_wgmma", "dequant", "elementwise",
+            "matvec", "norm", "rope", "sampling")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 
 def kernels_dir() -> Path:
     """`llamacli/kernels` inside an installed wheel (force-included), else the repository's `kernels/`
     (the one lookup lives in llamacli.paths)."""
-    from ..paths import kernels_dir as find
+    from ...paths import kernels_dir as find
 
     return find()
 
@@ -98,7 +100,7 @@ def module(family: str) -> Any:
     arch = feature_arch(family)
     if arch is not None:
         try:
-            mod = cp.RawModule(path=str(_feature_cubin(family, src, arch)))
+            mod = cp.RawModule(path=str(feature_cubin(family, src, arch)))
         except Exception as exc:  # an NVRTC without that target, say: the portable build serves
             first = (str(exc).splitlines() or [type(exc).__name__])[0]
             log.warning("kernels/%s.cu for %s: %s; using the portable build", family, arch, first)
@@ -133,7 +135,7 @@ def feature_arch(family: str) -> str | None:
     return want[1] if want and cp.cuda.Device().compute_capability == want[0] else None
 
 
-def _feature_cubin(family: str, src: str, arch: str) -> Path:
+def feature_cubin(family: str, src: str, arch: str) -> Path:
     """kernels/<family>.cu compiled for `arch` (e.g. sm_90a): a cubin file in the cache, made once."""
     import hashlib
     import os
@@ -141,7 +143,7 @@ def _feature_cubin(family: str, src: str, arch: str) -> Path:
 
     from cupy_backends.cuda.libs import nvrtc
 
-    from ..registry import cache_home
+    from ...registry import cache_home
 
     # -ftz=true as CuPy compiles every other family (same float behaviour whichever path compiled it).
     options = [f"-arch={arch}", *_NVRTC_DIRECT, "-ftz=true"]
@@ -192,7 +194,7 @@ def launch(family: str, name: str, grid: tuple[int, ...], block: tuple[int, ...]
         fn.max_dynamic_shared_size_bytes = shared  # above 48 KiB only once raised (cudaFuncSetAttribute)
         _smem_limit[(family, name)] = shared
     if _pdl[0] and name.startswith(PDL_KERNELS):
-        _launch_dependent(fn, grid, block, args, shared)
+        launch_dependent(fn, grid, block, args, shared)
     else:
         fn(grid, block, args, shared_mem=shared)
 
@@ -220,13 +222,19 @@ def dependent_launches(on: bool = True) -> Iterator[None]:
         _pdl[0] = prev
 
 
+def pdl_active() -> bool:
+    """Whether launches now go out as programmatic dependents (inside `dependent_launches()` on a GPU that
+    supports them)."""
+    return _pdl[0]
+
+
 @lru_cache(maxsize=None)
 def pdl_supported() -> bool:
     """True on a GPU of compute capability 9.0 or later whose driver has cuLaunchKernelEx."""
     import cupy as cp
 
     try:
-        return int(cp.cuda.Device().compute_capability) >= 90 and _driver() is not None
+        return int(cp.cuda.Device().compute_capability) >= 90 and cu_launch_kernel_ex() is not None
     except Exception:
         return False
 
@@ -254,7 +262,9 @@ def kernel_params(args: tuple) -> tuple[Any, list]:
 
 
 @lru_cache(maxsize=None)
-def _driver() -> Any:
+def cu_launch_kernel_ex() -> Any:
+    """(the driver's cuLaunchKernelEx, the programmatic-serialization attribute to pass it), or None where
+    the driver has no such entry point."""
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
     except (OSError, AttributeError):
@@ -267,10 +277,11 @@ def _driver() -> Any:
     return fn, attr
 
 
-def _launch_dependent(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared: int) -> None:
+def launch_dependent(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared: int) -> None:
+    """Launch `fn` on the current stream through cuLaunchKernelEx with programmatic stream serialization."""
     import cupy as cp
 
-    launch_ex, attr = _driver()
+    launch_ex, attr = cu_launch_kernel_ex()
     params, _values = kernel_params(args)
     g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
     cfg = LaunchConfig(g, b, shared, cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
@@ -288,7 +299,8 @@ _TMA_FLOAT16, _TMA_SWIZZLE_128B, _TMA_L2_PROMOTION_128B = 6, 3, 2  # cuda.h CUte
 
 
 @lru_cache(maxsize=None)
-def _tensor_map_encoder() -> Any:
+def cu_tensor_map_encoder() -> Any:
+    """The driver's cuTensorMapEncodeTiled, or None where it has none."""
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
     except (OSError, AttributeError):
@@ -302,7 +314,7 @@ def _tensor_map_encoder() -> Any:
 
 def tma_supported() -> bool:
     """True where the CUDA driver can encode TMA descriptors (cuTensorMapEncodeTiled, CUDA 12 and later)."""
-    return _tensor_map_encoder() is not None
+    return cu_tensor_map_encoder() is not None
 
 
 @lru_cache(maxsize=256)
@@ -314,7 +326,7 @@ def tensor_map_2d(address: int, rows: int, cols: int, box_rows: int, box_cols: i
     if address % 16 or cols % 8 or box_cols * 2 != 128 or not 0 < box_rows <= 256:
         raise BackendError(f"no TMA descriptor for a [{rows}, {cols}] fp16 matrix at {address:#x} in "
                            f"[{box_rows}, {box_cols}] boxes")
-    encode = _tensor_map_encoder()
+    encode = cu_tensor_map_encoder()
     if encode is None:
         raise BackendError("this CUDA driver has no cuTensorMapEncodeTiled")
     raw = np.zeros(TENSOR_MAP.itemsize + 64, np.uint8)  # the driver writes it 64-byte aligned

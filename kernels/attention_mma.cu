@@ -1,0 +1,203 @@
+// attention_mma.cu: causal prefill attention on tensor cores (mma.sync), for any GPU of sm_80 or later.
+//
+// attention_tc_d<D>(...): the same math as attention_npl (attention_simt.cu) with n_split == 1,
+// FlashAttention-2 style (Dao 2023) on mma.sync.m16n8k16 (fp16 inputs, fp32 accumulate; softmax in fp32
+// with exp2).
+// q: fp16 rows [T, Hq, D] (token stride q_stride halves) already multiplied by log2(e)/sqrt(D): the fused
+// prefill's RoPE epilogue (rope_store_pf_*) writes them so, and the op-by-op path converts its f32 q once.
+// grid (ceil(T*G / 64), Hkv), block 128 = 4 warps; each warp owns 16 query rows (row r -> (t, h) as in
+// attention_npl), so the 64 rows of a block share every K/V tile: a KV head is read once per 64 rows. (Two
+// m-tiles of 16 rows per warp, each K or V fragment feeding both, measured no faster on the H100 at
+// B16 H32 T512 D64 and halve a model's few blocks.)
+// Keys go in tiles of 64 through shared memory, three stages deep (two for D > 64) with cp.async (16-byte
+// copies, zero-filled past the last key any row sees). Rows are padded by 8 halves (16 bytes): the ldmatrix
+// row reads (K plain, V transposed) are conflict-free for D = 64, 96, 128.
+// Per tile and warp: S[16 x 64] = Q K^T (Q fragments held in registers for the whole kernel),
+// causal mask key > pos[t] -> -inf, running max / rescale, P rounded to fp16 and fed straight from the S
+// accumulators as the A operand of O += P V (the C layout of two n8 tiles is the A layout of one k16 step).
+// The row sum l is one more MMA per k16 step, P times a column of ones: it adds the rounded P in fp32, so
+// O / l is a convex combination of V rows even with fp16 weights (fp16 output cannot overflow).
+// Dynamic shared memory: stages x (K + V) x 64 x (D + 8) x 2 bytes + 16 (D = 64: 55.3 KB, 128: 69.6 KB).
+// attention_tc16_d<D>: the same, output stored as fp16 (the fused prefill's O-projection GEMM input).
+// Accuracy vs the fp32 reference: fp16 Q and P, |err| ~ 1e-3 at unit-variance inputs (tests: atol 4e-3,
+// rtol 1e-2). The CUDA-core kernels (attention_simt.cu, attention_decode.cu) serve decode, short chunks and
+// head dims not a multiple of 16.
+// Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal, fp16 q/K/V/out): attention_tc16_d64 103-105 us
+// (FlashAttention-2, also mma.sync, 119 us); on a Hopper GPU attention_wgmma.cu's kernel serves D 64 and 128.
+
+#include "attention_common.cuh"
+
+#define TC_WARPS 4
+#define TC_BC 64
+#define TC_STAGES(D) ((D) <= 64 ? 3 : 2)  // D = 128 at 3 stages (104 KB) fits 2 blocks per SM, not 3
+#define TC_BR (TC_WARPS * 16)  // query rows per block
+
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+template <int D, bool OUT16>
+__device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int q_stride,
+                                                  const u16* __restrict__ kc, const u16* __restrict__ vc,
+                                                  const int* __restrict__ pos, int T, int Hq, int Hkv,
+                                                  void* __restrict__ out, int out_stride) {
+    constexpr int NST = TC_STAGES(D);  // K/V tiles in flight
+    constexpr int KS = D / 16;       // k16 steps over the head dim (S = Q K^T)
+    constexpr int NO = D / 8;        // n8 tiles of the output row
+    constexpr int NS = TC_BC / 8;    // n8 tiles of a score row
+    constexpr int RS = D + 8;        // shared row stride in halves
+    constexpr int CPR = D / 8;       // 16-byte chunks per key row
+    constexpr u32 ONES = 0x3c003c00u;  // half2(1, 1): B operand of the row-sum MMA
+    extern __shared__ __align__(16) u16 tc_smem[];
+    u16* ks = tc_smem;                      // [NST][TC_BC][RS]
+    u16* vs = ks + NST * TC_BC * RS;        // [NST][TC_BC][RS]
+    int* s_kend = reinterpret_cast<int*>(vs + NST * TC_BC * RS);
+
+    const int G = Hq / Hkv, kvh = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tg = lane & 3;
+
+    // This lane's rows: g and g + 8 of the warp's 16.
+    int tt[2], hh[2], qp[2];
+    int wmax = -1, wmin = 0x7fffffff;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        // ((r >> 1) * 16 is 0 here; written so the compiled code stays the one measured and GPU-tested.)
+        const int gr = (gridDim.x - 1 - blockIdx.x) * TC_BR + warp * 16 + (r >> 1) * 16 + g + 8 * (r & 1);
+        tt[r] = gr / G;  // longest rows first: the last block of rows starts first
+        hh[r] = kvh * G + gr % G;
+        qp[r] = tt[r] < T ? pos[tt[r]] : -1;
+        wmax = max(wmax, qp[r]);
+        wmin = min(wmin, qp[r]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        wmax = max(wmax, __shfl_xor_sync(FULL_MASK, wmax, o));
+        wmin = min(wmin, __shfl_xor_sync(FULL_MASK, wmin, o));
+    }
+    if (threadIdx.x == 0) *s_kend = 0;
+    __syncthreads();
+    if (lane == 0) atomicMax(s_kend, wmax + 1);
+    __syncthreads();
+    const int kend = *s_kend;  // keys [0, kend) hold every key a row of this block sees
+
+    u32 qa[KS][4];
+    load_q_frags<D>(qa, q, q_stride, tt, hh, T, tg);
+
+    float o[NO][4], l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY};
+
+    const int n_tiles = (kend + TC_BC - 1) / TC_BC;
+    auto load_tile = [&](int tile) {  // one cp.async group per call, empty past the last tile
+        const int k0 = tile * TC_BC, buf = tile % NST;
+        u16* kd = ks + buf * TC_BC * RS;
+        u16* vd = vs + buf * TC_BC * RS;
+        for (int e = threadIdx.x; tile < n_tiles && e < TC_BC * CPR; e += TC_WARPS * 32) {
+            const int j = e / CPR, c = e - j * CPR, key = k0 + j;
+            const bool ok = key < kend;
+            const long long off = ((long long)(ok ? key : 0) * Hkv + kvh) * D + c * 8;
+            cp_async16(smem_addr(kd + j * RS + c * 8), kc + off, ok ? 16 : 0);
+            cp_async16(smem_addr(vd + j * RS + c * 8), vc + off, ok ? 16 : 0);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+#pragma unroll
+    for (int i = 0; i < NST - 1; ++i) load_tile(i);
+
+    // ldmatrix row addresses: lane supplies row lane % 8 of matrix mi = lane / 8.
+    // K (plain): matrix mi = keys 8 (mi >> 1) + [0, 8) at dims 8 (mi & 1) + [0, 8) of a 16-key, 16-dim step:
+    //   registers b0, b1 of n8 tile 2np and b0, b1 of tile 2np + 1.
+    // V (transposed): matrix mi = keys 8 (mi & 1) + [0, 8) at dims 8 (mi >> 1) + [0, 8): b0, b1 of the
+    //   output n8 tile 2nd and b0, b1 of tile 2nd + 1.
+    const int mi = lane >> 3, r8 = lane & 7;
+    const int koff = (((mi >> 1) << 3) + r8) * RS + ((mi & 1) << 3);
+    const int voff = (((mi & 1) << 3) + r8) * RS + ((mi >> 1) << 3);
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const int buf = it % NST, k0 = it * TC_BC;
+        // Groups 0..it+1 are committed (group j = tile j): tile it has landed when at most one is pending.
+        asm volatile("cp.async.wait_group %0;" ::"n"(NST - 2) : "memory");
+        // Every thread's copies of tile it are visible, and every warp is done with tile it - 1, whose
+        // buffer the next load refills.
+        __syncthreads();
+        load_tile(it + NST - 1);
+        if (k0 <= wmax) {  // warp-uniform: some row of this warp sees a key of the tile
+            const u32 kt = smem_addr(ks + buf * TC_BC * RS + koff);
+            const u32 vt = smem_addr(vs + buf * TC_BC * RS + voff);
+            float s[NS][4];
+#pragma unroll
+            for (int n = 0; n < NS; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            // S = Q K^T: B (16 x 8, col-major) = K rows n*8 + g, dims 16k + 2tg (b0) and + 8 (b1).
+#pragma unroll
+            for (int k = 0; k < KS; ++k) {
+#pragma unroll
+                for (int np = 0; np < NS / 2; ++np) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(kt + (u32)((np * 16 * RS + k * 16) * 2), b0, b1, b2, b3);
+                    mma_16816(s[2 * np], qa[k], b0, b1);
+                    mma_16816(s[2 * np + 1], qa[k], b2, b3);
+                }
+            }
+            float alpha[2];
+            tile_softmax<NS>(&s[0][0], m, alpha, qp, k0, wmin, tg);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                l[c] *= alpha[c >> 1];
+#pragma unroll
+                for (int n = 0; n < NO; ++n) o[n][c] *= alpha[c >> 1];
+            }
+            // O += P V and l += P 1, 16 keys per k step.
+#pragma unroll
+            for (int kk = 0; kk < TC_BC / 16; ++kk) {
+                u32 pa[4];
+                pa[0] = pack_h2(s[2 * kk][0], s[2 * kk][1]);
+                pa[1] = pack_h2(s[2 * kk][2], s[2 * kk][3]);
+                pa[2] = pack_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[3] = pack_h2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                mma_16816(l, pa, ONES, ONES);
+#pragma unroll
+                for (int nd = 0; nd < D / 16; ++nd) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_trans(vt + (u32)((kk * 16 * RS + nd * 16) * 2), b0, b1, b2, b3);
+                    mma_16816(o[2 * nd], pa, b0, b1);
+                    mma_16816(o[2 * nd + 1], pa, b2, b3);
+                }
+            }
+        }
+    }
+
+    // l[c]: every column of the ones-MMA holds the full row sum (c = 0 row g, c = 2 row g + 8).
+    store_rows<D, OUT16>(out, out_stride, &o[0][0], l, tt, hh, T, tg);
+}
+
+#define ATTENTION_TC_KERNEL(D)                                                                                \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tc_d##D(                            \
+        const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
+        float* out, int out_stride) {                                                                         \
+        attention_tc_body<D, false>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride);                   \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tc16_d##D(                          \
+        const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
+        u16* out, int out_stride) {                                                                           \
+        attention_tc_body<D, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride);                    \
+    }
+ATTENTION_TC_KERNEL(64)
+ATTENTION_TC_KERNEL(80)
+ATTENTION_TC_KERNEL(96)
+ATTENTION_TC_KERNEL(112)
+ATTENTION_TC_KERNEL(128)

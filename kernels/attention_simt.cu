@@ -1,0 +1,197 @@
+// attention_simt.cu: causal grouped-query attention over the fp16 KV cache on CUDA cores, flash style (online
+// softmax; the [T, ctx] score matrix never exists in global memory), and the two small kernels around it.
+//
+// Math: for query row (t, h), kv head g = h / G (G = Hq/Hkv), keys 0..pos[t]:
+//   o = sum_j softmax_j(q . k_j / sqrt(Dh)) v_j,   running max m, running sum l, rescale by exp(m_old - m).
+// Shapes: q rows [T, Hq, Dh] f32 with token stride q_stride floats; kc, vc = one layer's cache
+//   [ctx, Hkv, Dh] fp16; pos [T] i32 in device memory (so one captured graph serves every position).
+//
+// attention_npl<N>(...): grid (ceil(T*G / 32), Hkv, n_split), block 256 = 8 warps, 32 query rows per block
+//   (row r -> (t, h) = divmod(blockIdx.x*32 + r, G) within kv head blockIdx.y): the 32 rows share every
+//   K/V tile, so a KV head is read once per group of query heads. Keys go in tiles of 32 through shared
+//   memory (K as half2 with a one-word pad per key row: conflict-free when lane j reads key j; V as fp16).
+//   Lane j scores key j against the row's q (broadcast from shared memory), the warp takes the tile max,
+//   and each lane accumulates its N = ceil(Dh/32) output dims with the probabilities shuffled from lane j.
+//   Split s covers keys [s*chunk, (s+1)*chunk): n_split == 1 writes o normalised (prefill); n_split > 1
+//   writes partial (o, m, l) for attention_combine (flash-decoding: decode has one query row per head, so
+//   the keys are what must spread over the SMs). Dynamic shared memory: 32*Dh*4 + 32*(Dh/2+1)*4 + 32*Dh*2.
+// attention_combine: grid T*Hq, block Dh rounded up to 32: merges the ceil((pos[t]+1)/chunk) partials.
+// kv_store: k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows pos[t] as fp16.
+// The other families: attention_mma.cu (prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128}, tensor
+// cores), attention_wgmma.cu (the same on a Hopper GPU with D 64 or 128, built for sm_90a) and
+// attention_decode.cu (decode with G <= 8 and D % 8 == 0, and the fused decode step's attention).
+// Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal): this kernel (f32 q and out) ~2,100 us, the
+// tensor-core prefill kernels 67 us (attention_wg16_d64) and 103-105 us (attention_tc16_d64).
+
+#include "common.cuh"
+
+#define ATT_WARPS 8
+#define ATT_RPW 4
+#define ATT_ROWS (ATT_WARPS * ATT_RPW)
+#define ATT_TILE 32
+
+template <int NPL>
+__device__ __forceinline__ void attention_body(const float* __restrict__ q, int q_stride, const u16* __restrict__ kc,
+                                               const u16* __restrict__ vc, const int* __restrict__ pos, int T,
+                                               int Hq, int Hkv, int Dh, float scale, int chunk, float* out,
+                                               int out_stride, float* part_o, float* part_ml, int n_split) {
+    extern __shared__ float smem[];
+    const int G = Hq / Hkv;
+    const int kvh = blockIdx.y, split = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int half = Dh / 2, kw = half + 1;  // K row stride in 32-bit words (padded)
+    float* qs = smem;                                                  // [ROWS][Dh]
+    u32* ks = reinterpret_cast<u32*>(qs + ATT_ROWS * Dh);              // [TILE][kw]
+    u16* vs = reinterpret_cast<u16*>(ks + ATT_TILE * kw);              // [TILE][Dh]
+    __shared__ int s_kend;
+
+    // Find the last key any of this block's rows may see; leave at once if this split holds none of them
+    // (decode launches a fixed grid of splits, most of them past the current position), then stage the
+    // query rows (pre-scaled).
+    if (threadIdx.x == 0) s_kend = 0;
+    __syncthreads();
+    if (threadIdx.x < ATT_ROWS) {
+        const int t = (blockIdx.x * ATT_ROWS + threadIdx.x) / G;
+        if (t < T) atomicMax(&s_kend, pos[t] + 1);
+    }
+    __syncthreads();
+    const int begin = split * chunk;
+    const int end = min(begin + chunk, s_kend);
+    if (begin >= end) return;  // whole block uniform: nothing to do for this split
+    for (int e = threadIdx.x; e < ATT_ROWS * Dh; e += blockDim.x) {
+        const int r = e / Dh, d = e - r * Dh;
+        const int gr = blockIdx.x * ATT_ROWS + r, t = gr / G, h = kvh * G + gr % G;
+        qs[e] = t < T ? q[(long long)t * q_stride + h * Dh + d] * scale : 0.0f;
+    }
+    __syncthreads();
+
+    int qpos[ATT_RPW];
+    float m[ATT_RPW], l[ATT_RPW], acc[ATT_RPW][NPL];
+#pragma unroll
+    for (int rr = 0; rr < ATT_RPW; ++rr) {
+        const int gr = blockIdx.x * ATT_ROWS + rr * ATT_WARPS + warp, t = gr / G;
+        qpos[rr] = t < T ? pos[t] : -1;
+        m[rr] = -INFINITY;
+        l[rr] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NPL; ++i) acc[rr][i] = 0.0f;
+    }
+
+    for (int kt = begin; kt < end; kt += ATT_TILE) {
+        // K and V tile: 32 keys x Dh fp16, 32-bit words; keys past `end` are zero (masked below anyway).
+        for (int e = threadIdx.x; e < ATT_TILE * half; e += blockDim.x) {
+            const int j = e / half, d2 = e - j * half, key = kt + j;
+            u32 kv = 0, vv = 0;
+            if (key < end) {
+                const long long off = ((long long)key * Hkv + kvh) * Dh + 2 * d2;
+                kv = *reinterpret_cast<const u32*>(kc + off);
+                vv = *reinterpret_cast<const u32*>(vc + off);
+            }
+            ks[j * kw + d2] = kv;
+            reinterpret_cast<u32*>(vs)[j * half + d2] = vv;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int rr = 0; rr < ATT_RPW; ++rr) {
+            if (qpos[rr] < kt) continue;  // warp-uniform: this row sees no key of the tile
+            const float* qr = qs + (rr * ATT_WARPS + warp) * Dh;
+            const u32* kr = ks + lane * kw;
+            float s = 0.0f;
+            for (int d2 = 0; d2 < half; ++d2) {
+                const u32 kk = kr[d2];
+                const float2 qq = *reinterpret_cast<const float2*>(qr + 2 * d2);
+                s = fmaf(qq.x, h2f((u16)(kk & 0xffffu)), s);
+                s = fmaf(qq.y, h2f((u16)(kk >> 16)), s);
+            }
+            const int key = kt + lane;
+            if (key >= end || key > qpos[rr]) s = -INFINITY;
+            const float m_new = fmaxf(m[rr], warp_max(s));
+            const float alpha = __expf(m[rr] - m_new);
+            const float p = __expf(s - m_new);
+            m[rr] = m_new;
+            l[rr] = l[rr] * alpha + p;
+#pragma unroll
+            for (int i = 0; i < NPL; ++i) acc[rr][i] *= alpha;
+            const int n_keys = min(ATT_TILE, min(end, qpos[rr] + 1) - kt);
+            for (int j = 0; j < n_keys; ++j) {
+                const float pj = __shfl_sync(FULL_MASK, p, j);
+#pragma unroll
+                for (int i = 0; i < NPL; ++i) {
+                    const int d = lane + 32 * i;
+                    if (d < Dh) acc[rr][i] = fmaf(pj, h2f(vs[j * Dh + d]), acc[rr][i]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int rr = 0; rr < ATT_RPW; ++rr) {
+        const int gr = blockIdx.x * ATT_ROWS + rr * ATT_WARPS + warp, t = gr / G, h = kvh * G + gr % G;
+        if (t >= T || qpos[rr] < begin) continue;
+        const float lt = warp_sum(l[rr]);
+        if (n_split == 1) {
+            const float inv = 1.0f / lt;
+#pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                const int d = lane + 32 * i;
+                if (d < Dh) out[(long long)t * out_stride + h * Dh + d] = acc[rr][i] * inv;
+            }
+        } else {
+            const long long row = ((long long)split * T + t) * Hq + h;
+#pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                const int d = lane + 32 * i;
+                if (d < Dh) part_o[row * Dh + d] = acc[rr][i];
+            }
+            if (lane == 0) {
+                part_ml[2 * row] = m[rr];
+                part_ml[2 * row + 1] = lt;
+            }
+        }
+    }
+}
+
+#define ATTENTION_KERNEL(N)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) attention_npl##N(                                     \
+        const float* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,   \
+        int Dh, float scale, int chunk, float* out, int out_stride, float* part_o, float* part_ml,            \
+        int n_split) {                                                                                       \
+        attention_body<N>(q, q_stride, kc, vc, pos, T, Hq, Hkv, Dh, scale, chunk, out, out_stride, part_o,    \
+                          part_ml, n_split);                                                                 \
+    }
+ATTENTION_KERNEL(1)
+ATTENTION_KERNEL(2)
+ATTENTION_KERNEL(3)
+ATTENTION_KERNEL(4)
+ATTENTION_KERNEL(8)
+
+extern "C" __global__ void attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                             const int* __restrict__ pos, int T, int Hq, int Dh, int n_split,
+                                             int chunk, float* out, int out_stride) {
+    const int row = blockIdx.x, t = row / Hq, h = row - t * Hq, d = threadIdx.x;
+    const int n = min(n_split, (pos[t] + chunk) / chunk);  // splits that saw keys: ceil((pos+1)/chunk)
+    const long long stride = (long long)T * Hq;
+    float M = -INFINITY;
+    for (int s = 0; s < n; ++s) M = fmaxf(M, part_ml[2 * (s * stride + row)]);
+    float L = 0.0f, o = 0.0f;
+    for (int s = 0; s < n; ++s) {
+        const long long r = s * stride + row;
+        const float w = __expf(part_ml[2 * r] - M);
+        L += part_ml[2 * r + 1] * w;
+        if (d < Dh) o += part_o[r * Dh + d] * w;
+    }
+    if (d < Dh) out[(long long)t * out_stride + h * Dh + d] = o / L;
+}
+
+extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v, int v_stride, int T, int Hkv,
+                                    int Dh, const int* pos, u16* kc, u16* vc) {
+    const long long n = (long long)T * Hkv * Dh;
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
+        const int t = (int)(e / (Hkv * Dh));
+        const int rest = (int)(e - (long long)t * Hkv * Dh);
+        const long long dst = (long long)pos[t] * Hkv * Dh + rest;
+        kc[dst] = f2h(k[(long long)t * k_stride + rest]);
+        vc[dst] = f2h(v[(long long)t * v_stride + rest]);
+    }
+}

@@ -1,0 +1,181 @@
+"""Attention on the CUDA backend: the launchers of the four kernel families and the sizes they mirror.
+
+- kernels/attention_simt.cu: attention_npl<N> (CUDA cores: short prefill chunks, head dims without a
+  tensor-core kernel, decode where G > 8), attention_combine (merges decode splits), kv_store;
+- kernels/attention_decode.cu: attention_decode_npl<N> (decode, keys over all 8 warps) and its fused-step form
+  attention_step_<mode>_npl<N> (RoPE + K/V store + splits + merge);
+- kernels/attention_mma.cu: attention_tc*_d<D> (prefill on tensor cores, mma.sync);
+- kernels/attention_wgmma.cu: attention_wg*_d<D> (prefill on Hopper's wgmma; built for sm_90a).
+
+Decode splits the keys (flash-decoding): a fixed grid of n_split splits of `chunk` keys each (decode_chunk,
+decode_splits), so one captured graph serves every position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ...config import ROPE_NEOX
+from . import loader as K
+from .profile import profiled
+
+ATT_ROWS = 32  # attention_simt.cu: query rows per block
+ATT_TC_ROWS, ATT_TC_KEYS = 64, 64  # attention_tc_d*: query rows per block (TC_BR), keys per tile
+ATT_TC_DIMS = (64, 80, 96, 112, 128)  # head dims with a tensor-core prefill kernel
+ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: attention_wg*_d*
+ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
+DEC_KEYS = 256  # attention_decode_npl*: keys per pass of a split (8 warps x 32 lanes)
+
+
+def tc_smem(dh: int) -> int:
+    """attention_tc*_d<dh>'s dynamic shared memory: K and V tiles of ATT_TC_KEYS rows of dh + 8 halves per
+    stage (TC_STAGES: 3 up to head dim 64, else 2), and one int."""
+    return (3 if dh <= 64 else 2) * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16
+
+
+def wg_smem(dh: int) -> int:
+    """attention_wg*_d<dh>'s dynamic shared memory: 1024 for alignment, WG_STAGES(D) (3 up to head dim 64,
+    else 2) K and V tiles of 64 keys x dh halves, WG_ONES(D) bytes of ones (2048 up to head dim 64, else
+    256), one int (8 bytes with padding) and an 8-byte mbarrier per stage."""
+    stages = 3 if dh <= 64 else 2
+    return 1024 + stages * 2 * 64 * dh * 2 + (2048 if dh <= 64 else 256) + 8 + 8 * stages
+
+
+def tc_qscale(dh: int) -> float:
+    """The factor attention_tc*_d* expects q multiplied by: log2(e) / sqrt(dh) (its softmax is base 2)."""
+    return math.log2(math.e) / math.sqrt(dh)
+
+
+def values_per_lane(dh: int) -> int:
+    """N of attention_npl<N> / attention_decode_npl<N>: output dims per lane, the smallest of 1, 2, 3, 4, 8
+    with 32 N >= dh."""
+    return next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
+
+
+class AttentionMixin:
+    """CudaBackend's attention (the Backend operation) and its launchers (mixed into backend.CudaBackend)."""
+
+    cp: Any
+    cfg: Any
+    ctx: int
+
+    @profiled("attention")
+    def attention(self, layer: int, q: Any, k: Any, v: Any, pos: Any) -> Any:
+        cp, cfg = self.cp, self.cfg
+        q, k, v = self._f32(q), self._f32(k), self._f32(v)
+        t = q.shape[0]
+        hkv, dh = cfg.n_head_kv, cfg.head_dim
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        n = t * hkv * dh
+        K.launch("attention_simt", "kv_store", (min(K.cdiv(n, 256), 4096),), (256,),
+                 (K.ptr(k), K.i32(hkv * dh), K.ptr(v), K.i32(hkv * dh), K.i32(t), K.i32(hkv), K.i32(dh), K.ptr(pos),
+                  K.ptr(kc), K.ptr(vc)))
+        out = cp.empty((t, cfg.q_dim), dtype=cp.float32)
+        if t == 1:
+            n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)
+            part_o = cp.empty((n_split, cfg.n_head, dh), dtype=cp.float32)
+            part_ml = cp.empty((n_split, cfg.n_head, 2), dtype=cp.float32)
+            self.attend(q, cfg.q_dim, kc, vc, pos, 1, out, n_split, chunk, part_o, part_ml)
+        else:
+            self.attend(q, cfg.q_dim, kc, vc, pos, t, out, 1, self.ctx, None, None)
+        return out
+
+    def attend(self, q: Any, q_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any, n_split: int,
+               chunk: int, part_o: Any, part_ml: Any) -> None:
+        """Causal attention of q [t, Hq*Dh] f32 (rows q_stride apart) over one layer's cache kc, vc up to each
+        row's position -> out [t, q_dim] f32: tensor cores for prefill chunks (attend_tc), attention_decode for
+        one token in n_split splits of `chunk` keys (partials in part_o, part_ml), else attention_npl."""
+        cfg = self.cfg
+        hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
+            # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e)/sqrt(dh)), as the fused
+            # prefill's RoPE epilogue writes it.
+            q32 = q.reshape(t, q_stride)[:, : hq * dh]
+            q16 = (q32 * np.float32(tc_qscale(dh))).astype(self.cp.float16)
+            self.attend_tc(q16, hq * dh, kc, vc, pos, t, out)
+            return
+        npl = values_per_lane(dh)
+        if n_split > 1 and t == 1 and self.decode_kernel_fits():
+            # Decode: the split's keys spread over all 8 warps (chunk is a multiple of 256 here).
+            K.launch("attention_decode", f"attention_decode_npl{npl}", (hkv, n_split), (256,),
+                     (K.ptr(q), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(hq), K.i32(hkv), K.i32(dh),
+                      K.f32(1.0 / math.sqrt(dh)), K.i32(chunk), K.ptr(part_o), K.ptr(part_ml)),
+                     shared=self._decode_smem())
+            K.launch("attention_simt", "attention_combine", (hq,), (max(32, K.cdiv(dh, 32) * 32),),
+                     (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(1), K.i32(hq), K.i32(dh), K.i32(n_split),
+                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
+            return
+        smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
+        grid = (K.cdiv(t * cfg.n_group, ATT_ROWS), hkv, n_split)
+        K.launch("attention_simt", f"attention_npl{npl}", grid, (256,),
+                 (K.ptr(q), K.i32(q_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
+                  K.i32(dh), K.f32(1.0 / math.sqrt(dh)), K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim),
+                  K.ptr(part_o), K.ptr(part_ml), K.i32(n_split)), shared=smem)
+        if n_split > 1:
+            K.launch("attention_simt", "attention_combine", (t * hq,), (max(32, K.cdiv(dh, 32) * 32),),
+                     (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(dh), K.i32(n_split),
+                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
+
+    def attend_tc(self, q16: Any, q16_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any) -> None:
+        """Causal prefill attention on tensor cores: q16 [t, Hq*dh] fp16 rows q16_stride apart, already times
+        tc_qscale; out [t, q_dim] f32, or fp16 (the O-projection GEMM's input). attention_wg*_d* (Hopper,
+        K/V through TMA descriptors of the caches) where it serves, else attention_tc*_d* (mma.sync)."""
+        cfg = self.cfg
+        hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        f16 = "16" if out.dtype == self.cp.float16 else ""
+        if self.attention_wg and dh in ATT_WG_DIMS:  # 64 query rows per block, one warpgroup
+            # K and V by the tensor copy engine: each cache a [rows, hkv * dh] matrix in [64 x 64] boxes.
+            rows = kc.size // (hkv * dh)
+            maps = [K.tensor_map_2d(x.data.ptr, rows, hkv * dh, 64, 64) for x in (kc, vc)]
+            args = (K.ptr(q16), K.i32(q16_stride), *maps, K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv), K.ptr(out),
+                    K.i32(cfg.q_dim))
+            K.launch("attention_wgmma", f"attention_wg{f16}_d{dh}", (K.cdiv(t * cfg.n_group, 64), hkv), (128,), args,
+                     shared=wg_smem(dh))
+            return
+        args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
+                K.ptr(out), K.i32(cfg.q_dim))
+        K.launch("attention_mma", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
+                 args, shared=tc_smem(dh))
+
+    def attend_step(self, layer: int, qkv: Any, att: Any, early: bool) -> None:
+        """The fused decode step's attention of layer `layer` (attention_step_<mode>_npl<N>): RoPE of q and k
+        from the QKV matvec's output qkv [1, q_dim + 2 kv_dim] at step_pos, K/V into the cache, the splits and
+        their merge by the last block of each KV head (counters in attention_counters) -> att [1, q_dim].
+        decode_rows query rows per block; `early` as in matvec."""
+        cfg = self.cfg
+        mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
+        hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)
+        row_blocks = K.cdiv(cfg.n_group, self.decode_rows)
+        K.launch("attention_decode", f"attention_step_{mode}_npl{values_per_lane(dh)}", (hkv, n_split, row_blocks),
+                 (256,),
+                 (K.ptr(qkv), K.ptr(self.k_cache[layer]), K.ptr(self.v_cache[layer]), K.ptr(self.step_pos),
+                  K.i32(hq), K.i32(hkv), K.i32(dh), K.f32(1.0 / math.sqrt(dh)), K.i32(chunk),
+                  K.ptr(self._part_o), K.ptr(self._part_ml), K.ptr(qkv.data.ptr + 4 * cfg.q_dim),
+                  K.i32(cfg.rope_dim), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
+                  K.ptr(self.attention_counters), K.ptr(att), K.i32(early)),
+                 shared=self._decode_smem())
+
+    def _decode_smem(self) -> int:
+        """attention_decode / attention_step: q [G, Dh] + per-warp o [8, G, Dh] and (m, l) f32, V tiles [8, 32, Dh] fp16."""
+        g, dh = self.cfg.n_group, self.cfg.head_dim
+        return (9 * g * dh + 16 * g) * 4 + 8 * 32 * dh * 2
+
+    def decode_kernel_fits(self) -> bool:
+        """attention_decode_npl*: up to 8 query heads per KV head, head dim a multiple of 8, at most 128."""
+        cfg = self.cfg
+        return cfg.n_group <= 8 and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+
+    def decode_chunk(self, ctx: int) -> int:
+        """Keys per split in decode attention. attention_decode: 256 (one key per lane of 8 warps), more
+        only past 256 splits (ctx > 65536). The CUDA-core fallback (G > 8): 32-key tiles, at most 256 splits."""
+        if self.decode_kernel_fits():
+            return K.cdiv(K.cdiv(ctx, 256), DEC_KEYS) * DEC_KEYS
+        return max(32, K.cdiv(K.cdiv(ctx, 256), 32) * 32)
+
+    def decode_splits(self, ctx: int) -> int:
+        """Splits of decode attention over a cache of ctx positions (each decode_chunk(ctx) keys)."""
+        return K.cdiv(ctx, self.decode_chunk(ctx))

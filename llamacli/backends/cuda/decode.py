@@ -1,0 +1,285 @@
+"""The fused decode step of the CUDA backend: `decode(token, pos)` and `decode_greedy`.
+
+Every buffer is allocated at load and the token and position are read by the kernels from device memory
+(step_ids, step_pos), so the step is captured once into a CUDA graph and replayed on the current stream
+(`use_graph`); the host uploads token/pos only when the device does not already hold them and reads back
+one id. Per layer (_step_kernels), 5 kernels: QKV matvec (RMSNorm fused into its input, + bias) | attention
+(RoPE, K/V store, splits and their merge in one kernel) | output matvec + residual | gate/up matvec (RMSNorm
+fused, + SwiGLU) | down matvec + residual; then the LM head with the final RMSNorm and, when greedy, the
+argmax fused in (kernels/matvec.cu mv1_*). Inside the graph the small matvecs and the attention are
+programmatic dependents (sm_90: each starts while the previous kernel finishes), and decode_greedy queues
+the next step before it reads this step's id (look-ahead).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import numpy as np
+
+from ...config import ROPE_NEOX
+from ...errors import NumericalError
+from . import loader as K
+from .linear import DeviceMatrix, mv1_kernel, mv1_stream_ok
+from .profile import _NULL
+from .sampling import TOPK_MAX
+
+log = logging.getLogger("llamacli.cuda")
+
+# The captured decode step's programmatic launches (_step_kernels; measured on the H100, BENCHMARKS.md):
+PDL_MAX_BYTES = 16 << 20  # matvecs under this many weight bytes (and the attention) launch as dependents
+PDL_EARLY_BYTES = 2 << 20  # a kernel lets the next start early when the next reads under this many bytes
+
+
+class DecodeMixin:
+    """Mixed into backend.CudaBackend."""
+
+    cp: Any
+    cfg: Any
+    ctx: int
+
+    def alloc_step_io(self) -> None:
+        """The step's device-side token and position (step_ids [token, flag], step_pos), the fused argmax's
+        cells and the device sampler's buffers: all that needs no weights (tests call it without a model)."""
+        cp = self.cp
+        self.step_ids = cp.zeros(2, dtype=cp.int32)  # [token, flag]: argmax writes both
+        self.step_pos = cp.zeros(1, dtype=cp.int32)
+        # Fused argmax cells (kernels/matvec.cu mv1): key, block counter, flag, &step_ids, &step_pos.
+        self._am = cp.asarray(np.asarray([0, 0, 0, self.step_ids.data.ptr, self.step_pos.data.ptr], np.uint64))
+        self._topk_vals = cp.empty(TOPK_MAX, cp.float32)
+        self._topk_ids = cp.empty(TOPK_MAX, cp.int32)
+        self._sample_out = cp.zeros(2, cp.int32)  # (token id, flag) from sample_topk_f32
+
+    def _alloc_step_buffers(self) -> None:
+        cp, cfg = self.cp, self.cfg
+        f = cp.float32
+        self.alloc_step_io()
+        self._x = cp.empty((1, cfg.n_embd), f)
+        self._qkv = cp.empty((1, cfg.q_dim + 2 * cfg.kv_dim), f)
+        self._att = cp.empty((1, cfg.q_dim), f)
+        self._ff = cp.empty((1, cfg.n_ff), f)
+        self.step_logits = cp.empty((1, cfg.vocab_size), f)
+        n_split = self.decode_splits(self.ctx)
+        self._part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), f)
+        self._part_ml = cp.empty((n_split, cfg.n_head, 2), f)
+        self.attention_counters = cp.zeros(cfg.n_head_kv, cp.uint32)  # attention_step: finished splits per KV head
+        self._dev_state: tuple[int, int] | None = None
+        # decode_greedy's step queued ahead: ((token, pos) it computes, its pinned slot, launch count then)
+        self._ahead: tuple[tuple[int, int], int, int] | None = None
+        self._ids_slot = 0
+        self._ids_out = []
+        for _ in range(2):  # pinned host slots for the (id, flag) of a step, each with its copy's event
+            mem = cp.cuda.alloc_pinned_memory(8)
+            self._ids_out.append((np.frombuffer(mem, np.int32, 2), cp.cuda.Event(disable_timing=True)))
+        # Per layer: the QKV matvec segments (one launch when the three share a type) and the bias.
+        self._qkv_plan = []
+        for L in self.weights.layers:
+            if L.attn_qkv is not None:
+                segs = [(L.attn_qkv,)]
+            elif mv1_kernel((L.attn_q, L.attn_k, L.attn_v)) is not None:
+                segs = [(L.attn_q, L.attn_k, L.attn_v)]
+            else:
+                segs = [(L.attn_q,), (L.attn_k,), (L.attn_v,)]
+            bias = None
+            if L.attn_q_bias is not None:
+                bias = cp.concatenate([L.attn_q_bias, L.attn_k_bias, L.attn_v_bias])
+            self._qkv_plan.append((segs, bias))
+        # Gate/up: separate tensors, or phi3's ffn_up rows [gate; up].
+        self._ffn_plan = []
+        for L in self.weights.layers:
+            if L.ffn_gate is not None and L.ffn_gate.qtype == L.ffn_up.qtype:
+                self._ffn_plan.append((L.ffn_gate, L.ffn_up))
+            elif L.ffn_gate is None:
+                f_ = self.cfg.n_ff
+                self._ffn_plan.append((L.ffn_up.slice_rows(0, f_), L.ffn_up.slice_rows(f_, f_)))
+            else:
+                self._ffn_plan.append(None)  # mixed types: two matvecs and a swiglu kernel
+
+    def _step_kernels(self, greedy: bool) -> None:
+        """Launch one decode step reading step_ids[0] and step_pos[0]; logits -> step_logits. Per layer:
+        QKV matvec (+ RMSNorm, bias) | attention step (RoPE + K/V store + splits + their merge; where the head
+        shape has no such kernel: rope_store, attention split, combine) | O matvec + residual | gate/up matvec
+        (+ RMSNorm, SwiGLU) | down matvec + residual; then the LM head (+ RMSNorm, argmax)."""
+        cfg, w = self.cfg, self.weights
+        x, qkv, att, ff = self._x, self._qkv, self._att, self._ff
+        mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
+        hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)
+        sec = self._section
+        with sec("embedding"):
+            self._embed(self.step_ids, w.token_embd, x, 1)
+        # The step as (section, weight bytes, streams, launch(early)). Inside the capture (_capture_step) the
+        # kernels of matrices under pdl_max_bytes, the streaming matvecs (mv1_stream) and the attention
+        # launch as programmatic dependents: each starts while the one before finishes (hiding the launch gap
+        # and its prologue; mv1_stream also loads its first weights then); other large matvecs launch
+        # plainly (there it measured slower). `early` tells a kernel to let the next one start right after
+        # its own pdl_wait() rather than after its main loop: right for a next kernel that is latency-bound
+        # (a matrix under pdl_early_bytes) and for a streaming one, whose blocks then take each SM a block of
+        # this kernel leaves and load their first weights during this kernel's tail (8B F16 tg128 176.8 t/s
+        # vs 173.5 when it waited); an mv1 matvec whose blocks wait on SMs busy with this one streamed slower.
+        # Measured on the H100 (BENCHMARKS.md), tg128 against plain launches: SmolLM2 +17%, Qwen2.5-0.5B
+        # +9-10%, Llama-3.2-1B +4%, 8B F16 177 vs 159 t/s.
+        step: list[tuple[str, int, bool, Callable[[bool], None]]] = []
+
+        def mv(name: str, ws: tuple[DeviceMatrix, ...], src: Any, dst: Any, **kw: Any) -> None:
+            step.append((name, sum(m.nbytes for m in ws), self.mv1_stream and mv1_stream_ok(ws),
+                         lambda early: self.matvec(ws, src, 1, dst, early=early, **kw)))
+
+        for i, L in enumerate(w.layers):
+            segs, bias = self._qkv_plan[i]
+            if len(segs) == 1:
+                mv("norm+QKV", segs[0], x, qkv, bias=bias, norm=L.attn_norm)
+            else:  # mixed types: three launches into the row ranges of qkv, each normalising x itself
+                off = 0
+                for (m,) in segs:
+                    b = None if bias is None else bias[off : off + m.rows]
+                    mv("norm+QKV", (m,), x, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm)
+                    off += m.rows
+            if self.decode_kernel_fits():  # one kernel: RoPE, K/V store, the attention splits and their merge
+                step.append(("RoPE+KV+attention", 0, False, lambda early, i=i: self.attend_step(i, qkv, att, early)))
+            else:
+                step.append(("RoPE+KV", 0, False, lambda early, i=i: K.launch(
+                    "rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
+                    (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim),
+                     K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
+                     K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))))
+                step.append(("attention", 0, False, lambda early, i=i: self.attend(
+                    qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split, chunk,
+                    self._part_o, self._part_ml)))
+            mv("O-proj", (L.attn_output,), att, x, resid=x)
+            plan = self._ffn_plan[i]
+            if plan is not None:
+                step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, self.mv1_stream and mv1_stream_ok(plan),
+                             lambda early, plan=plan, L=L:
+                             self.matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm, early=early)))
+            else:
+                g = self._ff_tmp()
+                mv("norm+FFN", (L.ffn_gate,), x, g[0], norm=L.ffn_norm)
+                mv("norm+FFN", (L.ffn_up,), x, g[1], norm=L.ffn_norm)
+                step.append(("norm+FFN", 0, False, lambda early, g=g: K.launch(
+                    "elementwise", "swiglu_f32", (K.cdiv(cfg.n_ff, 256),), (256,),
+                    (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))))
+            mv("norm+FFN", (L.ffn_down,), ff, x, resid=x)
+        mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), x, self.step_logits,
+           norm=w.output_norm, argmax=greedy)
+        for j, (name, nbytes, streams, launch) in enumerate(step):
+            nxt_bytes, nxt_streams = step[j + 1][1:3] if j + 1 < len(step) else (0, False)
+            plain = nbytes >= self.pdl_max_bytes and not streams
+            with sec(name), (K.dependent_launches(False) if plain else _NULL):
+                launch(nxt_bytes < self.pdl_early_bytes or nxt_streams)
+
+    def _ff_tmp(self) -> Any:
+        if not hasattr(self, "_ff2"):
+            self._ff2 = self.cp.empty((2, 1, self.cfg.n_ff), dtype=self.cp.float32)
+        return self._ff2
+
+    def _run_step(self, greedy: bool) -> None:
+        cp = self.cp
+        key = "greedy" if greedy else "logits"
+        if not self.use_graph:
+            self._step_kernels(greedy)
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._ff_tmp()
+            self._step_kernels(greedy)  # warm up: compile, first-launch setup, outside the capture
+            graph = self._graphs[key] = self._capture_step(greedy)
+            # The warm-up ran the step once (it wrote this position's K/V and, when greedy, advanced pos):
+            # restore the inputs so the first replay computes the same step.
+            self.step_ids[:1].set(np.asarray([self._cur_token], np.int32))
+            self.step_pos.set(np.asarray([self._cur_pos], np.int32))
+        # Replay on the current stream: ordered after the prefill and the input copies, and the host waits
+        # only where it reads a result (step_ids.get(), or the caller's use of the logits).
+        graph.launch(cp.cuda.get_current_stream())
+
+    def _capture_step(self, greedy: bool) -> Any:
+        """The decode step's graph, its matvecs and attention launched as programmatic dependents (each starts
+        while the one before finishes; loader.dependent_launches) unless `pdl` is off or that capture
+        fails (then a plain one, with a warning)."""
+        if self.pdl:
+            try:
+                with K.dependent_launches():
+                    return self._capture(lambda: self._step_kernels(greedy))
+            except Exception as exc:  # a driver that refuses the attribute in capture: the plain graph
+                log.warning("decode step capture with programmatic launches failed (%s); capturing without", exc)
+                self.pdl = False
+        return self._capture(lambda: self._step_kernels(greedy))
+
+    def drop_graphs(self) -> None:
+        """Forget the captured decode steps: the next step captures again (after changing pdl, say)."""
+        self._graphs.clear()
+
+    def _set_inputs(self, token: int, pos: int) -> None:
+        """Upload token and position unless the device already holds them (a greedy step leaves its output
+        id in step_ids[0] and pos + 1 in step_pos): one host-to-device copy fewer per generated token."""
+        self._cur_token, self._cur_pos = int(token), int(pos)
+        if self._dev_state != (self._cur_token, self._cur_pos):
+            self.step_ids[:1].set(np.asarray([token], np.int32))
+            self.step_pos.set(np.asarray([pos], np.int32))
+        self._dev_state = None
+        self._ahead = None
+
+    def decode(self, token: int, pos: int) -> Any:
+        """The fused decode step for `token` at position `pos` -> logits [1, V] (a device buffer that the
+        next step overwrites). Writes that position's K/V into the cache."""
+        self._set_inputs(token, pos)
+        self._run_step(greedy=False)
+        return self.step_logits
+
+    def decode_greedy(self, token: int, pos: int) -> int:
+        """The fused decode step with the argmax fused into the LM head: only the chosen id comes back.
+
+        With graphs on, the following step is queued before this one's id is read: the device already holds
+        its inputs (this step's id and pos + 1), so the GPU does not wait for the host between tokens (~20 us
+        a token on the H100, BENCHMARKS.md). That step writes position pos + 1's K/V for the predicted token;
+        the next call, (that id, pos + 1), takes its result, and any other call or launch recomputes (positions
+        past pos must hold nothing the caller needs: true of generation, which extends the cache one token a
+        time). Each result leaves the device through its own pinned slot, copied between the two steps."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == (int(token), int(pos)) and ahead[2] == K.launch_count():
+            slot = ahead[1]
+            self._cur_token, self._cur_pos = int(token), int(pos)
+        else:
+            self._set_inputs(token, pos)
+            self._run_step(greedy=True)
+            slot = self._copy_ids()
+        nxt = None
+        if self.use_graph and pos + 1 < self.ctx and "greedy" in self._graphs:
+            self._run_step(greedy=True)  # reads (id, pos + 1) from the device
+            nxt = self._copy_ids()
+        ids, event = self._ids_out[slot]
+        event.synchronize()
+        tok, bad = int(ids[0]), int(ids[1])
+        if bad:
+            raise NumericalError("the logits contain NaN or +inf: the model output is broken")
+        if nxt is None:
+            self._dev_state = (tok, self._cur_pos + 1)
+        else:
+            self._dev_state = None  # the queued step moved the device on to (its id, pos + 2)
+            self._ahead = ((tok, self._cur_pos + 1), nxt, K.launch_count())
+        return tok
+
+    @property
+    def queued_ahead(self) -> tuple[int, int] | None:
+        """The (token, pos) of the step decode_greedy queued ahead and has not handed out yet, or None."""
+        return None if self._ahead is None else self._ahead[0]
+
+    def _copy_ids(self) -> int:
+        """Queue the copy of step_ids into the next pinned slot (after the step just queued) -> the slot."""
+        cp = self.cp
+        slot = self._ids_slot = 1 - self._ids_slot
+        ids, event = self._ids_out[slot]
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(ids.ctypes.data, self.step_ids.data.ptr, 8, 2, stream.ptr)  # device -> host
+        event.record(stream)
+        return slot
+
+    def profile_decode(self, token: int, pos: int) -> tuple[list[tuple[str, float, int]], float]:
+        """profile() of one fused greedy decode step, launched un-captured (the graph's kernels, one by one)."""
+        self._set_inputs(token, pos)
+        self._ff_tmp()
+        try:
+            return self.profile(lambda: self._step_kernels(True), spin_ms=30.0)
+        finally:
+            self._dev_state = None

@@ -1,0 +1,224 @@
+"""The device side of the CUDA backend: whether a GPU is usable, loading (the weight arena, the RoPE table,
+the KV cache), the memory check before any upload, host <-> device transfers, graph capture, and the
+figures bench reads (device name, copy bandwidth).
+
+Weights stay in their GGUF block layout on the device: one arena for the matrices, uploaded straight from
+the memory map in chunks; the 1-D tensors (norms, biases) as float32 arrays. The KV cache is fp16
+[layer, ctx, Hkv, Dh].
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ... import rope as rope_tables
+from ...config import ModelConfig
+from ...errors import DeviceMemoryError
+from ...gguf_file import GGUFFile
+from ...weights import model_specs
+from ..base import LayerWeights, ModelWeights, Progress
+from . import loader as K
+from .linear import DEQUANT_CHUNK, DeviceMatrix
+
+_ALIGN = 256
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(True, device name) if CuPy imports and sees a GPU, else (False, what is missing and how to fix it)."""
+    try:
+        import cupy as cp
+    except Exception as exc:  # ImportError, or a CuPy built for another CUDA
+        return False, (
+            f"CuPy is not installed or failed to import ({type(exc).__name__}: {exc}); install it with "
+            "`pip install 'llamacli[cuda12]'` or `pip install 'llamacli[cuda13]'` (matching your CUDA driver)"
+        )
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return False, f"no usable NVIDIA GPU or driver ({exc}); `nvidia-smi` should list a GPU"
+    if n == 0:
+        return False, "CuPy found no NVIDIA GPU"
+    try:
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    except Exception as exc:
+        return False, f"the GPU is not usable ({exc})"
+    return True, name
+
+
+class DeviceMixin:
+    """Mixed into backend.CudaBackend."""
+
+    cp: Any
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+    def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None) -> None:
+        cp = self.cp
+        self.cfg, self.ctx = cfg, ctx
+        report = progress or (lambda done, total, what: None)
+        for fam in K.FAMILIES:  # compile (or fetch from CuPy's cache) before touching device memory
+            K.module(fam)
+
+        specs = [s for s in model_specs(cfg) if s.name in gguf.tensors]
+        mats = [gguf.tensors[s.name] for s in specs if len(s.shape) == 2]
+        vecs = [gguf.tensors[s.name] for s in specs if len(s.shape) == 1]
+        offsets, total = {}, 0
+        for info in mats:
+            offsets[info.name] = total
+            total += -(-info.n_bytes // _ALIGN) * _ALIGN
+        vec_bytes = sum(4 * info.n_elements for info in vecs)
+        self._check_memory(cfg, ctx, total + vec_bytes)
+
+        # Upload: one arena for the matrices, copied from the memory map in chunks (progress per chunk).
+        self._arena = cp.empty(max(total, 1), dtype=cp.uint8)
+        base = self._arena.data.ptr
+        grand = total + vec_bytes
+        done = 0
+        handles: dict[str, Any] = {}
+        chunk = 64 << 20
+        for info in mats:
+            raw = gguf.raw(info.name).reshape(-1).view(np.uint8)
+            dst = self._arena[offsets[info.name] : offsets[info.name] + info.n_bytes]
+            for s in range(0, info.n_bytes, chunk):
+                e = min(s + chunk, info.n_bytes)
+                dst[s:e].set(np.ascontiguousarray(raw[s:e]))
+                done += e - s
+                report(done, grand, info.name)
+            rows, cols = info.shape
+            handles[info.name] = DeviceMatrix(base + offsets[info.name], rows, cols, info.type, info.row_bytes)
+        for info in vecs:
+            handles[info.name] = cp.asarray(gguf.dequantize(info.name).astype(np.float32).reshape(-1))
+            done += 4 * info.n_elements
+            report(done, grand, info.name)
+
+        layers = []
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            g = lambda n: handles.get(p + n)  # noqa: E731
+            layers.append(
+                LayerWeights(
+                    attn_norm=g("attn_norm.weight"), attn_q=g("attn_q.weight"), attn_k=g("attn_k.weight"),
+                    attn_v=g("attn_v.weight"), attn_qkv=g("attn_qkv.weight"), attn_q_bias=g("attn_q.bias"),
+                    attn_k_bias=g("attn_k.bias"), attn_v_bias=g("attn_v.bias"),
+                    attn_output=g("attn_output.weight"), ffn_norm=g("ffn_norm.weight"),
+                    ffn_gate=g("ffn_gate.weight"), ffn_up=g("ffn_up.weight"), ffn_down=g("ffn_down.weight"),
+                )
+            )
+        emb = handles["token_embd.weight"]
+        self.weights = ModelWeights(emb, layers, handles["output_norm.weight"], handles.get("output.weight", emb))
+        self._wfam = {id(self.weights.output): "LM head"}
+        for L in layers:
+            for m, fam in ((L.attn_q, "QKV"), (L.attn_k, "QKV"), (L.attn_v, "QKV"), (L.attn_qkv, "QKV"),
+                           (L.attn_output, "O-proj"), (L.ffn_gate, "FFN"), (L.ffn_up, "FFN"), (L.ffn_down, "FFN")):
+                if m is not None:
+                    self._wfam[id(m)] = fam
+
+        # RoPE table (float64 of the reference's float32 theta, so angles match the NumPy backend), KV cache.
+        self.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx).astype(np.float64))
+        shape = (cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim)
+        self.k_cache = cp.zeros(shape, dtype=cp.float16)
+        self.v_cache = cp.zeros(shape, dtype=cp.float16)
+        self._alloc_step_buffers()
+        self._graphs.clear()
+        self._pf = None
+        self._pf_graphs.clear()
+        self._pf_seen.clear()
+
+    def _scratch_bytes(self, cfg: ModelConfig, ctx: int) -> int:
+        """Decode buffers plus a prefill working set (a 512-token chunk and one fp16 weight chunk)."""
+        t = min(ctx, 512)
+        widest = max(cfg.q_dim + 2 * cfg.kv_dim, 2 * cfg.n_ff, cfg.vocab_size)
+        act = t * (4 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.n_ff) * 4 + t * widest * 2 * 2
+        split = self.decode_splits(ctx)
+        step = 4 * (3 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + cfg.q_dim + cfg.n_ff + cfg.vocab_size)
+        step += split * cfg.n_head * (cfg.head_dim + 2) * 4
+        return act + step + 2 * DEQUANT_CHUNK + (64 << 20)  # + CuPy/cuBLAS workspace margin
+
+    def _check_memory(self, cfg: ModelConfig, ctx: int, weight_bytes: int) -> None:
+        cp = self.cp
+        free, _total = cp.cuda.runtime.memGetInfo()
+        free += cp.get_default_memory_pool().free_bytes()
+        kv = cfg.kv_cache_bytes(ctx)
+        scratch = self._scratch_bytes(cfg, ctx)
+        need = weight_bytes + kv + scratch
+        if need <= free:
+            return
+        per_token = cfg.kv_cache_bytes(1)
+        room = free - weight_bytes - self._scratch_bytes(cfg, 256)
+        fit = (room // per_token) // 256 * 256 if room > 0 else 0
+        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        hint = (
+            f"try --ctx {int(fit)} (the KV cache needs {gib(per_token * ctx)} at --ctx {ctx})"
+            if fit >= 256
+            else "the weights alone do not fit: use a smaller quantization or a larger GPU"
+        )
+        raise DeviceMemoryError(
+            f"not enough GPU memory: the model needs {gib(need)} (weights {gib(weight_bytes)}, KV cache "
+            f"{gib(kv)}, scratch {gib(scratch)}), {gib(free)} is free; {hint}"
+        )
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self._pf_graphs.clear()
+        self._pf = None
+        self._arena = None
+        self.weights = None  # type: ignore[assignment]
+        self.k_cache = self.v_cache = None
+        self.cp.get_default_memory_pool().free_all_blocks()
+
+    # -- measuring (bench) ---------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        self.cp.cuda.Device().synchronize()
+
+    def device_name(self) -> str:
+        cp = self.cp
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        v = cp.cuda.runtime.runtimeGetVersion()
+        return f"{name} (CuPy {cp.__version__}, CUDA runtime {v // 1000}.{v % 1000 // 10})"
+
+    def memory_bandwidth(self) -> float:
+        """Device-to-device copy of 256 MiB, best of 5 by CUDA events; bytes read + written per second."""
+        cp = self.cp
+        src = cp.ones(256 << 20, dtype=cp.uint8)
+        dst = cp.empty_like(src)
+        dst[...] = src  # warm up
+        best = float("inf")
+        for _ in range(5):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record()
+            dst[...] = src
+            b.record()
+            b.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(a, b) / 1e3)
+        del src, dst
+        return 2 * (256 << 20) / best
+
+    # -- host <-> device ---------------------------------------------------------------------------------
+    def positions(self, start: int, n: int) -> Any:
+        return self.cp.asarray(np.arange(start, start + n, dtype=np.int32))
+
+    def token_ids(self, ids: np.ndarray) -> Any:
+        return self.cp.asarray(np.asarray(ids, dtype=np.int32).reshape(-1))
+
+    def to_host(self, x: Any) -> np.ndarray:
+        return self.cp.asnumpy(x)
+
+    def _f32(self, x: Any) -> Any:
+        return self.cp.ascontiguousarray(x, dtype=self.cp.float32)
+
+    def _capture(self, launch_all: Callable[[], None]) -> Any:
+        """Record launch_all()'s kernels into a CUDA graph (nothing runs) on a side stream."""
+        cp = self.cp
+        stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.get_current_stream().synchronize()
+        with stream:
+            stream.begin_capture()
+            try:
+                launch_all()
+            finally:
+                graph = stream.end_capture()
+        stream.synchronize()
+        return graph

@@ -1,0 +1,330 @@
+"""Linear layers on the CUDA backend: weights in their GGUF block layout on the device (DeviceMatrix), the
+matvec kernels that read those blocks directly (kernels/matvec.cu: up to MATVEC_TMAX tokens; one token through
+mv1 / mv1_stream, with RMSNorm, bias, residual, SwiGLU and the greedy argmax fused in), and prefill's GEMMs:
+row chunks dequantized to fp16 (kernels/dequant.cu) and multiplied by cuBLAS on tensor cores.
+
+The grid rules of each kernel (rows per block, row groups, one wave of blocks, shared memory) live here next to
+the launch, and mirror the kernel's own constants (tests/test_cuda_launch.py checks them against the source).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from gguf import GGMLQuantizationType as QT
+
+from ...errors import BackendError
+from . import loader as K
+from .profile import profiled
+
+RUNNABLE = (
+    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS,
+)
+_CUDA_R_32F, _CUDA_R_16F = 0, 2  # cudaDataType (library_types.h)
+MATVEC_TMAX = 8  # kernels/matvec.cu: up to 8 tokens per matvec launch; more go through cuBLAS
+DEQUANT_CHUNK = 1 << 25  # fp16 values per dequantized weight chunk in prefill (64 MiB)
+MV1_WARPS = 8  # kernels/matvec.cu mv1_*: warps per block
+
+
+def qname(t: QT) -> str:
+    return t.name.lower()
+
+
+@dataclass(frozen=True)
+class DeviceMatrix:
+    """A weight [rows, cols] in device memory, GGUF block layout, rows row_bytes apart from ptr."""
+
+    ptr: int
+    rows: int
+    cols: int
+    qtype: QT
+    row_bytes: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def slice_rows(self, start: int, n: int) -> "DeviceMatrix":
+        return DeviceMatrix(self.ptr + start * self.row_bytes, n, self.cols, self.qtype, self.row_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _cublas() -> Any:
+    """libcublas through ctypes, for the prefill GEMMs: CuPy's wrappers refuse to run while a stream is being
+    captured, while cuBLAS itself records into graphs. The library is the one CuPy loaded (cuda.pathfinder
+    finds the same file), so CuPy's handle is valid here."""
+    import ctypes
+
+    names = []
+    try:
+        from cuda import pathfinder
+
+        path = pathfinder.load_nvidia_dynamic_lib("cublas").abs_path
+        if path:
+            names.append(path)
+    except Exception:  # an older CuPy without cuda.pathfinder: the loader's search path
+        pass
+    names += ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise BackendError("cuBLAS (libcublas) could not be loaded")
+    vp, i = ctypes.c_void_p, ctypes.c_int
+    lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+    lib.cublasGemmEx.restype = i
+    set_stream = getattr(lib, "cublasSetStream_v2", None) or lib.cublasSetStream
+    set_stream.argtypes, set_stream.restype = [vp, vp], i
+    set_ws = getattr(lib, "cublasSetWorkspace_v2", None) or lib.cublasSetWorkspace
+    set_ws.argtypes, set_ws.restype = [vp, vp, ctypes.c_size_t], i
+    return lib, set_stream, set_ws
+
+
+_OP_N, _OP_T, _COMPUTE_32F, _GEMM_DEFAULT = 0, 1, 68, -1  # cublas_api.h
+
+
+def merge_rows(mats: list[DeviceMatrix]) -> list[DeviceMatrix]:
+    """Consecutive matrices that lie back to back in the arena with one type and width become one (Q, K, V
+    or gate, up): one dequantize launch and one GEMM instead of two or three."""
+    out = [mats[0]]
+    for m in mats[1:]:
+        p = out[-1]
+        if (m.qtype, m.cols, m.row_bytes) == (p.qtype, p.cols, p.row_bytes) and m.ptr == p.ptr + p.nbytes:
+            out[-1] = DeviceMatrix(p.ptr, p.rows + m.rows, p.cols, p.qtype, p.row_bytes)
+        else:
+            out.append(m)
+    return out
+
+
+# Weight types whose mv1 dots int8 activations (kernels/matvec.cu act8<>): x staged as int8 units (32 bytes)
+# plus a scale and a sum per unit; the others stage x as floats (128 bytes) plus a sum.
+MV1_ACT8 = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
+MV1_ACT8_BLOCKS_PER_SM = 4  # kernels/matvec.cu MV1_MINB8: the int8 forms' __launch_bounds__ minimum
+
+
+def mv1_kernel(ws: tuple[Any, ...]) -> str | None:
+    """The mv1 kernel for these row segments: one type (mv1_<t>), or Q/K rows of one int8-activation type
+    with V rows of another (mv1_mixed_<a>_<b>: Q4_K_M's Q6_K V layers keep one QKV launch); None else."""
+    a, b = ws[0].qtype, ws[-1].qtype
+    if all(w.qtype == a for w in ws):
+        return f"mv1_{qname(a)}"
+    if len(ws) == 3 and ws[1].qtype == a and a in MV1_ACT8 and b in MV1_ACT8:
+        return f"mv1_mixed_{qname(a)}_{qname(b)}"
+    return None
+
+
+def mv1_groups(rows: int, cols: int, qtype: QT | None = None, sms: int | None = None) -> int:
+    """Row groups per mv1 block (kernels/matvec.cu), one staging of x for all: where staging x costs as
+    much as the rows (long rows: 57 KB of x at 14336 columns; short rows: a lane's whole share is one or two
+    units) and the matrix has rows enough to keep every SM busy. Measured on the H100 (BENCHMARKS.md):
+    tg128 +3-6% on the 0.5B/1B shapes, +12% on 8B Q4_K_M; 4096-column matrices were slower with 2 (float
+    x). The int8-activation forms also take 4 on 4096-column matrices of 12288 rows or more (Q4_K
+    14336x4096 19.0 us vs 23.3, its SwiGLU 33.9 vs 40.4); 2 where one group per block would need
+    more than one wave of blocks on `sms` multiprocessors (MV1_ACT8_BLOCKS_PER_SM each: the 8B's 6144-row
+    QKV launch, 768 blocks on 132 SMs, tg +1.3%); and 8 on a small model's int8 LM head (Llama-3.2-1B's Q6_K
+    128256x2048: tg128 1,372 vs 1,363 with 4)."""
+    if cols <= 2048 and rows >= 32768:  # the LM head of a small model
+        return 8 if qtype in MV1_ACT8 else 4
+    if qtype in MV1_ACT8 and 4096 <= cols < 8192 and rows >= 12288:
+        return 4
+    if rows >= 4096 and (cols >= 8192 or cols <= 2048):
+        return 2
+    if qtype in MV1_ACT8 and sms and K.cdiv(rows, MV1_WARPS * (32 // _lpr(cols))) > MV1_ACT8_BLOCKS_PER_SM * sms:
+        return 2
+    return 1
+
+
+# 16-bit float rows with whole 16-byte chunks take the streaming one-token matvec (kernels/matvec.cu
+# mv1_stream_<t>): one wave of MV1S_BLOCKS_PER_SM blocks per SM, loads in flight across row ends and the
+# kernel boundary.
+MV1S_TYPES = frozenset({QT.F16, QT.BF16})
+MV1S_BLOCKS_PER_SM = 2  # kernels/matvec.cu MV1S_BLOCKS_PER_SM
+
+
+def mv1_stream_ok(ws: tuple[Any, ...]) -> bool:
+    """Whether mv1_stream serves these row segments: one 16-bit float type, rows of whole 16-byte chunks
+    (K % 8 == 0), every segment 16-byte aligned."""
+    a, k = ws[0].qtype, ws[0].cols
+    return (a in MV1S_TYPES and k % 8 == 0
+            and all(w.qtype == a and w.cols == k and w.row_bytes == 2 * k and w.ptr % 16 == 0 for w in ws))
+
+
+def mv1_stream_grid(rows: int, sms: int) -> int:
+    """mv1_stream's grid: at most one wave (MV1S_BLOCKS_PER_SM blocks per SM), each warp a row of every
+    `per` (its rows w, w + warps, ...): the fewest blocks that still give every warp at most `per` rows, so the
+    warps end together (6144 rows: 256 blocks of 3 rows a warp rather than 264 of 2 or 3)."""
+    per = K.cdiv(rows, MV1_WARPS * MV1S_BLOCKS_PER_SM * sms)
+    return K.cdiv(rows, MV1_WARPS * per)
+
+
+def mv1_smem(qtype: QT, cols: int) -> int:
+    """mv1's dynamic shared memory: x staged per 32-value unit (kernels/matvec.cu stage_x / stage_xq)."""
+    return K.cdiv(cols, 32) * (40 if qtype in MV1_ACT8 else 132)
+
+
+def _lpr(cols: int) -> int:
+    """Lanes per row in matvec.cu: the power of two <= 32 closest above the row's 32-value unit count."""
+    units = -(-cols // 32)
+    lpr = 1
+    while lpr < 32 and lpr < units:
+        lpr *= 2
+    return lpr
+
+
+class LinearMixin:
+    """CudaBackend's matmul (the Backend operation) and the matvec / GEMM launchers the fused paths call
+    (mixed into backend.CudaBackend)."""
+
+    cp: Any
+    cfg: Any
+    n_sms: int
+    mv1_stream: bool
+
+    @profiled()
+    def matmul(self, x: Any, w: DeviceMatrix, bias: Any = None) -> Any:
+        cp = self.cp
+        x = self._f32(x)
+        t, k = x.shape
+        if k != w.cols:
+            raise BackendError(f"matmul: x has {k} columns, the weight {w.cols}")
+        y = cp.empty((t, w.rows), dtype=cp.float32)
+        if t <= MATVEC_TMAX:
+            self.matvec((w,), x, t, y, bias=bias)
+            return y
+        # Prefill: dequantize row chunks to fp16, multiply with cuBLAS on tensor cores. Accumulation and output
+        # are fp32 (GemmEx): an fp16 output overflowed at 65504 on FFN down projections (Llama-3.2-1B shape,
+        # 512 tokens). Rows of x beyond fp16's comfortable range are scaled down by a power of two first and
+        # the result scaled back, exactly, with no host sync.
+        x16, scale = self._to_f16_scaled(x)
+        bias = None if bias is None else self._f32(bias)
+        if w.qtype == QT.F16 and w.row_bytes == 2 * k:  # F16 weights are used where they lie (no copy)
+            self._gemm16(x16, w.ptr, w.rows, k, y, 0)
+        else:
+            step = max(1, min(w.rows, DEQUANT_CHUNK // max(k, 1)))
+            buf = cp.empty((step, k), dtype=cp.float16)
+            for r0 in range(0, w.rows, step):
+                n = min(step, w.rows - r0)
+                part = w.slice_rows(r0, n)
+                units = n * K.cdiv(k, 32)
+                K.launch("dequant", f"dequant_{qname(w.qtype)}", (min(K.cdiv(units, 256), 65535),), (256,),
+                         (K.ptr(part.ptr), K.i64(n), K.i32(k), K.ptr(buf)))
+                self._gemm16(x16, buf.data.ptr, n, k, y, r0)
+        n_all = y.size
+        K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n_all, 256), 4096),), (256,),
+                 (K.ptr(y), K.ptr(scale), K.ptr(bias), K.i64(n_all), K.i32(w.rows)))
+        return y
+
+    def _to_f16_scaled(self, x: Any) -> tuple[Any, Any]:
+        """x [t, k] float32 -> (x / s as fp16 [t, k], s [t]): s = 1, or the power of two that brings a row's
+        max |x| under 16384 (kernels/elementwise.cu). One launch: prefill is not graph-captured, so every
+        extra CuPy operation per matmul costs host time."""
+        cp = self.cp
+        t, k = x.shape
+        x16 = cp.empty((t, k), dtype=cp.float16)
+        scale = cp.empty(t, dtype=cp.float32)
+        K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,), (K.ptr(x), K.ptr(x16), K.ptr(scale), K.i32(k)))
+        return x16, scale
+
+    def _gemm16(self, x16: Any, w_ptr: int, n_rows: int, k: int, y: Any, col0: int) -> None:
+        """y[:, col0:col0+n_rows] = x16 [t, k] . W[n_rows, k]^T: fp16 inputs, fp32 accumulation and output."""
+        self._gemm(x16.data.ptr, x16.shape[0], k, w_ptr, n_rows, y.data.ptr, y.shape[1], col0, False)
+
+    def _gemm(self, x_ptr: int, t: int, k: int, w_ptr: int, n_rows: int, y_ptr: int, ldy: int, col0: int,
+              accumulate: bool) -> None:
+        """Y[t, col0:col0+n_rows] (=, or += with accumulate) X16 [t, k] . W16[n_rows, k]^T; Y float32 rows ldy
+        apart. Row-major buffers read as column-major: Y^T [N, t] (ld ldy) = op_T(W^T [k, N]) . X^T [k, t].
+        CuPy's cuBLAS handle, called through ctypes (_cublas), set to the current stream (so a graph capture
+        records the GEMM) with our own workspace (nothing allocated inside a capture)."""
+        cp = self.cp
+        lib, set_stream, set_ws = _cublas()
+        handle = cp.cuda.device.get_cublas_handle()
+        if self._cublas_ws is None:
+            self._cublas_ws = cp.empty(32 << 20, dtype=cp.uint8)
+        st = set_stream(handle, cp.cuda.get_current_stream().ptr)
+        st = st or set_ws(handle, self._cublas_ws.data.ptr, self._cublas_ws.nbytes)  # after setStream (it resets)
+        ab = self._alpha_beta.ctypes.data
+        st = st or lib.cublasGemmEx(
+            handle, _OP_T, _OP_N, n_rows, t, k,
+            ab, w_ptr, _CUDA_R_16F, k,
+            x_ptr, _CUDA_R_16F, k,
+            ab + (8 if accumulate else 4), y_ptr + 4 * col0, _CUDA_R_32F, ldy,
+            _COMPUTE_32F, _GEMM_DEFAULT,
+        )
+        if st:
+            raise BackendError(f"cuBLAS GEMM ({t} x {n_rows} x {k}) failed with status {st}")
+
+    def matvec(self, ws: tuple[DeviceMatrix, ...], x: Any, t: int, y: Any, bias: Any = None, resid: Any = None,
+               norm: Any = None, argmax: bool = False, early: bool = False) -> None:
+        """y [t, sum rows] = [W0; W1; W2] x (+ bias) (+ resid): up to three row segments of one type (one
+        token: W2 may be another int8-activation type than W0 and W1, mv1_kernel).
+        One token goes through mv1 (x in shared memory), which can also apply RMSNorm(x) * norm first and
+        reduce the rows to the greedy argmax (into step_ids, advancing step_pos); `early`: where it lets a
+        programmatic dependent start (decode.DecodeMixin._step_kernels)."""
+        w0 = ws[0]
+        kernel = mv1_kernel(ws) if t == 1 else None
+        if kernel is None and any(w.qtype != w0.qtype for w in ws):
+            raise BackendError("matvec segments of mixed types need one token and int8-activation types")
+        n = sum(w.rows for w in ws)
+        lpr = _lpr(w0.cols)
+        segs = [w.ptr for w in ws] + [0] * (3 - len(ws))
+        n0 = ws[0].rows
+        n1 = ws[1].rows if len(ws) > 1 else 0
+        if t == 1 and self.mv1_stream and mv1_stream_ok(ws):
+            K.launch("matvec", f"mv1_stream_{qname(w0.qtype)}", (mv1_stream_grid(n, self.n_sms),), (32 * MV1_WARPS,),
+                     (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
+                      K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps),
+                      K.ptr(self._am if argmax else None), K.i32(early)),
+                     shared=mv1_smem(w0.qtype, w0.cols))
+            return
+        if t == 1:
+            groups = mv1_groups(n, w0.cols, w0.qtype, self.n_sms)
+            rows_per_block = MV1_WARPS * (32 // lpr) * groups
+            K.launch("matvec", kernel, (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
+                     (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
+                      K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps), K.i32(lpr),
+                      K.i32(groups), K.ptr(self._am if argmax else None), K.i32(early)),
+                     shared=mv1_smem(w0.qtype, w0.cols))
+            return
+        if norm is not None or argmax:
+            raise BackendError("fused RMSNorm / argmax need one token")
+        rows_per_block = 4 * (32 // lpr)
+        K.launch("matvec", f"matvec_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (128,),
+                 (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
+                  K.ptr(x), K.i32(t), K.ptr(y), K.ptr(bias), K.ptr(resid), K.i32(lpr)))
+
+    def matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any, norm: Any = None,
+                      early: bool = False) -> None:
+        """y [t, rows] = silu(Wg x) * (Wu x), gate and up of one type and shape (one token: RMSNorm(x) * norm
+        first when given; `early` as in matvec)."""
+        lpr = _lpr(wg.cols)
+        if t == 1 and self.mv1_stream and mv1_stream_ok((wg, wu)):
+            K.launch("matvec", f"mv1_stream_{qname(wg.qtype)}_swiglu", (mv1_stream_grid(wg.rows, self.n_sms),),
+                     (32 * MV1_WARPS,),
+                     (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
+                      K.f32(self.cfg.rms_eps), K.i32(early)),
+                     shared=mv1_smem(wg.qtype, wg.cols))
+            return
+        if t == 1:
+            groups = mv1_groups(wg.rows, wg.cols, wg.qtype, self.n_sms)
+            rows_per_block = MV1_WARPS * (32 // lpr) * groups
+            K.launch("matvec", f"mv1_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
+                     (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
+                      K.f32(self.cfg.rms_eps), K.i32(lpr), K.i32(groups), K.i32(early)),
+                     shared=mv1_smem(wg.qtype, wg.cols))
+            return
+        if norm is not None:
+            raise BackendError("fused RMSNorm needs one token")
+        rows_per_block = 4 * (32 // lpr)
+        K.launch("matvec", f"matvec_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (128,),
+                 (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.i32(t), K.ptr(y),
+                  K.i32(lpr)))

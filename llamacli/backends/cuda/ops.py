@@ -1,0 +1,73 @@
+"""The small Backend operations model.forward calls on the CUDA backend, one kernel each: embedding rows
+(kernels/dequant.cu embed_<t>), RMSNorm (norm.cu), RoPE (rope.cu), SwiGLU and the residual add
+(elementwise.cu). matmul is in linear.py, attention in attention.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...config import ROPE_NEOX
+from . import loader as K
+from .linear import DeviceMatrix, qname
+from .profile import profiled
+
+
+class OpsMixin:
+    """Mixed into backend.CudaBackend."""
+
+    cp: Any
+    cfg: Any
+
+    @profiled("embedding")
+    def embed(self, ids: Any) -> Any:
+        w: DeviceMatrix = self.weights.token_embd
+        t = int(ids.shape[0])
+        out = self.cp.empty((t, w.cols), dtype=self.cp.float32)
+        self._embed(ids, w, out, t)
+        return out
+
+    def _embed(self, ids: Any, w: DeviceMatrix, out: Any, t: int) -> None:
+        units = K.cdiv(w.cols, 32)
+        K.launch("dequant", f"embed_{qname(w.qtype)}", (t, K.cdiv(units, 128)), (128,),
+                 (K.ptr(ids), K.ptr(w.ptr), K.i32(w.cols), K.ptr(out)))
+
+    @profiled("norm")
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        x = self._f32(x)
+        out = self.cp.empty_like(x)
+        self._rms_norm(x, weight, eps, out)
+        return out
+
+    def _rms_norm(self, x: Any, weight: Any, eps: float, out: Any) -> None:
+        d = x.shape[-1]
+        rows = x.size // d
+        K.launch("norm", "rms_norm_f32", (rows,), (256,), (K.ptr(x), K.ptr(weight), K.ptr(out), K.i32(d), K.f32(eps)))
+
+    @profiled("RoPE")
+    def rope(self, x: Any, pos: Any) -> Any:
+        cfg = self.cfg
+        out = self._f32(x).copy()
+        t, h, dh = out.shape
+        mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
+        K.launch("rope", f"rope_{mode}", (t, h), (max(32, K.cdiv(dh // 2, 32) * 32),),
+                 (K.ptr(out), K.i32(h * dh), K.i32(h), K.i32(dh), K.i32(cfg.rope_dim), K.ptr(pos),
+                  K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor)))
+        return out
+
+    @profiled("FFN")
+    def swiglu(self, gate: Any, up: Any) -> Any:
+        gate, up = self._f32(gate), self._f32(up)
+        out = self.cp.empty_like(gate)
+        n = gate.size
+        K.launch("elementwise", "swiglu_f32", (min(K.cdiv(n, 256), 4096),), (256,),
+                 (K.ptr(gate), K.ptr(up), K.ptr(out), K.i64(n)))
+        return out
+
+    @profiled("other (residual add)")
+    def add(self, x: Any, y: Any) -> Any:
+        x, y = self._f32(x), self._f32(y)
+        out = self.cp.empty_like(x)
+        n = x.size
+        K.launch("elementwise", "add_f32", (min(K.cdiv(n, 256), 4096),), (256,),
+                 (K.ptr(x), K.ptr(y), K.ptr(out), K.i64(n)))
+        return out
