@@ -18,7 +18,6 @@ Ctrl-C at the prompt discards the line; a second Ctrl-C in a row leaves (exit 13
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -27,7 +26,7 @@ from rich.console import Console
 from .chat_session import ChatSession
 from .errors import Interrupted, LlamacliError, UsageError
 from .generate import Completion
-from .textio import read_line
+from .textio import json_text, printable, read_line
 
 PROMPT, MORE = ">>> ", "... "
 
@@ -70,7 +69,7 @@ class ChatLoop:
             except LlamacliError as exc:
                 if not self.interactive:
                     raise
-                self.err.print("error: " + " ".join(str(exc).split()), markup=False)
+                self.err.print("error: " + printable(" ".join(str(exc).split())), markup=False, emoji=False)
 
     # -- input ------------------------------------------------------------------------------------------------
     def read(self) -> str | None:
@@ -156,7 +155,7 @@ class ChatLoop:
             return
         writer.end()
         if self.as_json:
-            print(json.dumps(self._json(c), ensure_ascii=False), flush=True)
+            print(json_text(self._json(c)), flush=True)
         self.report(c)
 
     def _json(self, c: Completion) -> dict[str, Any]:
@@ -176,7 +175,7 @@ class ChatLoop:
 
     def dim(self, text: str) -> None:
         if not self.quiet:
-            self.err.print(f"[dim]{_escape(text)}[/dim]")
+            self.err.print(f"[dim]{_escape(printable(text))}[/dim]", emoji=False)
 
 
 def stats_lines(st: dict[str, Any]) -> list[str]:

@@ -158,7 +158,7 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
         TextColumn("loading {task.description}", markup=False), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
     ) as bar:
-        task = bar.add_task(path.name, total=None)
+        task = bar.add_task(printable(path.name), total=None)
 
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total)
@@ -329,7 +329,7 @@ def models_(
         name = r["name"] + (" (default)" if r["default"] else "")
         gated = " [gated: needs HF_TOKEN]" if r["gated"] else ""
         cells = (name, r["parameters"], human_size(r["size"]), "yes" if r["cached"] else "-", r["description"] + gated)
-        table.add_row(*(Text(c) for c in cells))  # Text: a "[" in a description is not rich markup
+        table.add_row(*(Text(printable(c)) for c in cells))  # Text: a "[" in a description is not markup
     out.print(table, markup=False)
     err.print(f"cache: {cache_home()}", markup=False)
 

@@ -108,6 +108,10 @@ class DownloadError(LlamacliError):
     pass
 
 
+class OutputError(LlamacliError):
+    """Standard output cannot take what the user asked for (the shell closed it: `>&-`)."""
+
+
 class Interrupted(LlamacliError):
     """Ctrl-C."""
 

@@ -14,6 +14,7 @@ from rich.text import Text
 from .config import ModelConfig
 from .errors import GGUFError
 from .gguf_file import GGUFFile, open_gguf
+from .textio import printable
 from .units import human_bytes, human_count
 from .weights import check_tensors
 
@@ -123,6 +124,7 @@ def _abbreviate(value: Any) -> Any:
 
 
 def render_summary(out: Console, info: dict[str, Any]) -> None:
+    """The tables of `llamacli inspect`. Every string from the file goes through `_cell`."""
     rows: list[tuple[str, str]] = [
         ("architecture", str(info["architecture"])),
         ("name", str(info.get("name"))),
@@ -164,7 +166,7 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
     table.add_column(style="bold")
     table.add_column()
     for k, v in rows:
-        table.add_row(k, Text(v))  # Text: metadata strings such as '[/INST]' are not rich markup
+        table.add_row(k, _cell(v))
     out.print(table)
 
     if info["quantization"]:
@@ -172,19 +174,25 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
         for col in ("type", "tensors", "bytes", "bits/weight"):
             q.add_column(col, justify="left" if col == "type" else "right")
         for name, row in info["quantization"].items():
-            q.add_row(Text(name), str(row["tensors"]), human_bytes(row["bytes"]), str(row["bits_per_weight"]))
+            q.add_row(_cell(name), str(row["tensors"]), human_bytes(row["bytes"]), str(row["bits_per_weight"]))
         out.print(q)
     if "tensors" in info:
         t = Table(title="tensors", title_justify="left")
         for col in ("name", "type", "shape", "bytes"):
             t.add_column(col, justify="right" if col == "bytes" else "left")
         for row in info["tensors"]:
-            t.add_row(Text(row["name"]), row["type"], str(row["shape"]), str(row["bytes"]))
+            t.add_row(_cell(row["name"]), _cell(row["type"]), str(row["shape"]), str(row["bytes"]))
         out.print(t)
     if "metadata" in info:
         m = Table(title="metadata", title_justify="left")
         m.add_column("key")
         m.add_column("value", overflow="fold")
         for k, v in info["metadata"].items():
-            m.add_row(Text(k), Text(repr(v)))
+            m.add_row(_cell(k), _cell(repr(v)))
         out.print(m)
+
+
+def _cell(value: str) -> Text:
+    """A table cell holding a string from the file: escaped (printable), so that a control sequence in a
+    model's name cannot act on the terminal, and a Text, so that '[/INST]' is not rich markup."""
+    return Text(printable(value))

@@ -21,7 +21,8 @@ The semantics, stated once; a GPU sampler must reproduce them exactly:
 - Penalties (llama.cpp `penalties`). The window is the last `repeat_last_n` entries of `recent_tokens`
   (0 = no penalties at all, -1 = all of them). For each distinct token t in the window, occurring c times:
   repetition first: logit > 0 -> logit / repeat_penalty, else logit * repeat_penalty (once per distinct
-  token, whatever c); then logit -= c * frequency_penalty + presence_penalty. Arithmetic in float32.
+  token, whatever c); then logit -= c * frequency_penalty + presence_penalty. Arithmetic in float32, so a
+  penalty float32 cannot hold (a repeat penalty of 1e-50 would round to 0) is refused by validate().
 - Truncation sees probabilities at temperature 1: top-p and min-p use softmax(logits) before temperature,
   because temperature comes last in llama.cpp's chain (mlx-lm does the same; Hugging Face transformers
   applies temperature first, so its top-p keeps a different set when temperature != 1).
@@ -37,7 +38,8 @@ The semantics, stated once; a GPU sampler must reproduce them exactly:
   keeps the argmax anyway) and no random number is drawn.
 - Draw. Weights w_i = exp((l_i - l_max) / temperature) over the kept tokens, in float64. One number
   u = rng.random() (a float64 in [0, 1)) per call. Walking the kept tokens in ascending id order, the
-  answer is the first token whose cumulative weight exceeds u * sum(w).
+  answer is the first token whose cumulative weight exceeds u * sum(w). A temperature so small (1e-320)
+  that (l_i - l_max) / temperature overflows gives those tokens weight 0, the limit: only the best remain.
 - Errors. NaN or +inf in the logits raises NumericalError (a broken model), as do logits that are all -inf.
 
 Deviations from llama.cpp, and why:
@@ -82,6 +84,9 @@ __all__ = [
 ]
 
 _NEG_INF = np.float32(-np.inf)
+# Penalties are applied in float32 (as llama.cpp and the CUDA kernel do): a value outside float32's normal
+# range would round to 0 or inf there and divide by zero.
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,8 @@ class SamplingParams:
         r = self.repeat_penalty
         if not _is_real(r) or not (0 < r < math.inf):
             raise UsageError(f"repeat penalty must be a finite number > 0 (1 = disabled), got {r!r}")
+        if not _F32_TINY <= r <= _F32_MAX:
+            raise UsageError(f"repeat penalty must lie in [{_F32_TINY:.3g}, {_F32_MAX:.3g}] (float32), got {r!r}")
         if not _is_int(self.repeat_last_n) or self.repeat_last_n < -1:
             raise UsageError(
                 f"repeat-last-n must be an integer >= -1 (0 = none, -1 = whole context), got {self.repeat_last_n!r}"
@@ -130,6 +137,8 @@ class SamplingParams:
         for name, v in (("presence penalty", self.presence_penalty), ("frequency penalty", self.frequency_penalty)):
             if not _is_real(v) or not math.isfinite(v):
                 raise UsageError(f"{name} must be a finite number, got {v!r}")
+            if abs(v) > _F32_MAX:
+                raise UsageError(f"{name} must lie in [{-_F32_MAX:.3g}, {_F32_MAX:.3g}] (float32), got {v!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
         return self
@@ -308,8 +317,11 @@ def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
 
 
 def _weights(vals: np.ndarray, temperature: float) -> np.ndarray:
+    """exp((l - l_max) / T) in float64. A temperature so small (1e-320) that a gap overflows to -inf gives
+    weight 0, the limit the formula tends to: only the best tokens stay, as in greedy."""
     v = vals.astype(np.float64)
-    return np.exp((v - v.max()) / temperature)
+    with np.errstate(over="ignore"):
+        return np.exp((v - v.max()) / temperature)
 
 
 def categorical(probs: np.ndarray, rng: np.random.Generator) -> int:

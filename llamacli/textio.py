@@ -1,13 +1,25 @@
-"""Reading the text a user points us at (prompt files, tokenize input, saved conversations, piped chat lines),
+"""Text in and out of the process.
+
+In: the text a user points us at (prompt files, tokenize input, saved conversations, piped chat lines),
 bounded: a file or pipe that never ends (/dev/zero, `yes |`) is refused after MAX_TEXT_BYTES instead of
-filling memory. The bytes reach the caller exactly as written (no newline translation)."""
+filling memory. The bytes reach the caller exactly as written (no newline translation).
+
+Out: strings that come from a file (metadata, tensor names, template messages, paths) pass through
+`printable` before they reach a terminal, so that an escape sequence in a GGUF cannot retitle the window,
+recolour it or reorder the text; `json_text` does the same for JSON. `standard_streams` makes stdin,
+stdout and stderr safe to use whatever state the shell left them in.
+"""
 
 from __future__ import annotations
 
+import codecs
+import io
+import json
+import os
 import sys
-from typing import IO
+from typing import IO, Any
 
-from .errors import BadInputError, UsageError
+from .errors import BadInputError, OutputError, UsageError
 from .units import human_bytes
 
 # 64 MiB of UTF-8 is some 16 million tokens: more than any context holds (--truncate keeps a prompt's tail).
@@ -41,9 +53,15 @@ def read_text(path: str, what: str, error: type[BadInputError] = UsageError, lim
 
 def read_line(stream: IO[str], limit: int | None = None) -> str:
     """One line of a text stream ('' at the end), refused past `limit` (MAX_TEXT_BYTES) characters without a
-    newline."""
+    newline, or when it is not text: bytes the stream's encoding rejects, or that it smuggled through as lone
+    surrogates (Python's surrogateescape on stdin), which no tokenizer takes."""
     limit = MAX_TEXT_BYTES if limit is None else limit
-    line = stream.readline(limit + 1)
+    encoding = getattr(stream, "encoding", None) or "UTF-8"
+    try:
+        line = stream.readline(limit + 1)
+        line.encode("utf-8")
+    except (UnicodeDecodeError, UnicodeEncodeError):
+        raise UsageError(f"cannot read standard input: it is not {encoding} text") from None
     if len(line) > limit and not line.endswith("\n"):
         raise UsageError(f"an input line is longer than {limit:,} characters")
     return line
@@ -59,3 +77,124 @@ def _read_at_most(f: IO, n: int) -> bytes | str:
         parts.append(part)
         got += len(part)
     return (b"" if not parts or isinstance(parts[0], bytes) else "").join(parts)
+
+
+# -- out ------------------------------------------------------------------------------------------------------
+
+# Joiners are format characters that ordinary text needs (Persian, Indic scripts, emoji sequences) and that
+# no terminal acts on; every other non-printable character is shown as an escape.
+_KEEP = frozenset("\u200c\u200d")
+
+
+def printable(text: str) -> str:
+    """`text` with every character a terminal could act on written as a Python-style escape (\\x1b, \\u202e):
+    C0 and C1 controls (ESC, BEL, CSI), DEL, bidirectional overrides and other format characters, line and
+    paragraph separators, lone surrogates. Ordinary text in any script, and spaces, stay as they are."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in _KEEP else _escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
+def json_text(value: Any, **kw: Any) -> str:
+    """`json.dumps(value)` for stdout, with non-ASCII text kept readable, yet no character a terminal acts on:
+    json escapes C0 controls itself, and C1 controls, DEL, bidirectional overrides and separators (which it
+    leaves raw) become \\uXXXX escapes here. They can only occur inside strings, so the result stays JSON.
+    Where stdout's encoding cannot hold all of Unicode (PYTHONIOENCODING=ascii), every non-ASCII character
+    is a \\uXXXX escape, so that the JSON stays valid there too."""
+    if not _holds_unicode(getattr(sys.stdout, "encoding", None)):
+        return json.dumps(value, ensure_ascii=True, **kw)
+    text = json.dumps(value, ensure_ascii=False, **kw)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == "\n" or c in _KEEP else _json_escape(c) for c in text)  # \n: indent
+
+
+def _holds_unicode(encoding: str | None) -> bool:
+    try:
+        return codecs.lookup(encoding or "utf-8").name.startswith("utf")
+    except LookupError:
+        return False
+
+
+def _json_escape(c: str) -> str:
+    n = ord(c)
+    if n < 0x10000:
+        return f"\\u{n:04x}"
+    n -= 0x10000  # a UTF-16 surrogate pair, as JSON spells characters beyond the BMP
+    return f"\\u{0xD800 + (n >> 10):04x}\\u{0xDC00 + (n & 0x3FF):04x}"
+
+
+def standard_streams() -> None:
+    """Make the standard streams safe to use, whatever the shell left us.
+
+    A stream the shell closed (`>&-`, `<&-`, `2>&-`) is None in Python: stdin then reads as an error (exit 2),
+    stdout fails on the first write (exit 1, as `cat >&-` does), stderr swallows what is written. An encoding
+    that cannot hold a character (PYTHONIOENCODING=ascii, a C locale) writes it as a backslash escape
+    instead of failing."""
+    if sys.stdin is None:
+        _hold(0)
+        sys.stdin = ClosedStream("standard input", UsageError)
+    if sys.stdout is None:
+        _hold(1)
+        sys.stdout = ClosedStream("standard output", OutputError)
+    if sys.stderr is None:
+        _hold(2)
+        sys.stderr = ClosedStream("standard error", None)
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (OSError, ValueError):  # a stream that cannot change any more: keep it as it is
+                pass
+
+
+def _hold(fd: int) -> None:
+    """Keep a closed standard descriptor open on /dev/null, so that no file opened later (a model) gets its
+    number and, with it, whatever a library writes to 'stdout' at the C level."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+
+
+class ClosedStream(io.TextIOBase):
+    """Stands in for a standard stream that the shell closed. Reading or writing raises `error` with a
+    sentence that names the stream (or, with error None, writing is silently discarded)."""
+
+    encoding = "utf-8"
+
+    def __init__(self, name: str, error: type[Exception] | None):
+        self.name = name
+        self._error = error
+
+    def _closed(self) -> Exception:
+        return (self._error or OutputError)(f"{self.name} is closed")
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def read(self, size: int | None = -1) -> str:
+        raise self._closed()
+
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
+        raise self._closed()
+
+    def write(self, text: str) -> int:
+        if self._error is None:
+            return len(text)
+        raise self._closed()
