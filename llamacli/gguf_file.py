@@ -1,4 +1,4 @@
-"""Open and validate a GGUF file: metadata as a plain dict, tensors as memory-mapped arrays.
+"""Open and validate a GGUF file: metadata as a read-only mapping, tensors as memory-mapped arrays.
 
 The header is read by one bounded walk (`_scan_header`): every count and length is checked against the
 bytes left in the file (and against caps no real file comes near) before anything is allocated or looped
@@ -21,6 +21,8 @@ import math
 import mmap
 import os
 import struct
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,66 @@ _KNOWN_VALUE_TYPES = {int(t) for t in GGUFValueType}
 _KNOWN_TENSOR_TYPES = {int(t) for t in GGMLQuantizationType}
 
 
+class StringArray:
+    """A GGUF array of strings, kept as the UTF-8 of its items one after another (already checked) and their
+    byte offsets [count + 1]; `tolist()` decodes them."""
+
+    __slots__ = ("data", "offsets")
+
+    def __init__(self, data: bytes, offsets: np.ndarray):
+        self.data, self.offsets = data, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def tolist(self) -> list[str]:
+        data, bounds = self.data, self.offsets.tolist()
+        if data.isascii():
+            data = data.decode("ascii")  # then byte offsets are character offsets: slicing is all it takes
+            return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+        return [data[a:b].decode("utf-8") for a, b in zip(bounds, bounds[1:])]
+
+
+class Metadata(Mapping[str, Any]):
+    """A file's key/value pairs, read-only. Scalars are plain Python values; an array is kept as compactly as
+    the file holds it (numbers in one NumPy array, strings as their bytes) and is read as a new Python list.
+    A list of Python objects takes 8 to 90 bytes per item, so a file of large arrays would otherwise need many
+    times its size in memory before anyone asked for them (`inspect` reads a few keys; the tokenizer is the one
+    that needs the vocabulary as a list). A list stays shared while someone holds it, so repeated reads of the
+    vocabulary by the config, the tokenizer and the chat template decode it once."""
+
+    def __init__(self, values: dict[str, Any]):
+        self._values = values
+        self._lists: weakref.WeakValueDictionary[str, _List] = weakref.WeakValueDictionary()
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._values[key]
+        if not isinstance(value, (np.ndarray, StringArray)):
+            return value
+        items = self._lists.get(key)
+        if items is None:
+            items = self._lists[key] = _List(value.tolist())
+        return items
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Metadata({len(self._values)} keys)"
+
+
+class _List(list):
+    """A plain list that a weak reference can point at (Metadata's cache of arrays being read)."""
+
+    __slots__ = ("__weakref__",)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
@@ -89,7 +151,8 @@ class TensorInfo:
 
 
 class GGUFFile:
-    """A validated GGUF file. `metadata` holds plain Python values; `tensors` maps name -> TensorInfo."""
+    """A validated GGUF file. `metadata` maps keys to plain Python values (arrays read as lists, see Metadata);
+    `tensors` maps name -> TensorInfo."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -105,7 +168,7 @@ class GGUFFile:
         self.version: int = scan.version
         self.alignment: int = scan.alignment
         self.data_offset: int = scan.data_offset
-        self.metadata: dict[str, Any] = scan.metadata
+        self.metadata = Metadata(scan.metadata)
         self.tensors: dict[str, TensorInfo] = {t.name: t for t in scan.tensors}
         self._map: np.memmap | None = None
 
@@ -341,7 +404,7 @@ _ARRAY_DTYPES = {
 
 
 def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
-    """One metadata value as a plain Python value (str, int, float, bool, or a list of one of those)."""
+    """One metadata value: str, int, float or bool, or an array as it is kept (see Metadata)."""
     if vtype not in _KNOWN_VALUE_TYPES:
         raise CorruptFileError(f"{cur.name}: metadata key {key!r} has unknown value type {vtype}")
     gtype = GGUFValueType(vtype)
@@ -362,17 +425,22 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
         _check_items(cur, count, key)
         values = np.frombuffer(cur.buf, dtype=dtype, count=count, offset=cur.pos)
         cur.pos += count * dtype.itemsize
-        result = (values != 0).tolist() if itype == GGUFValueType.BOOL else values.tolist()
-        del values  # release the view so the map can close
-        return result
+        return (values != 0) if itype == GGUFValueType.BOOL else values.copy()  # a copy: the map closes
     # An array of strings: each needs at least its 8-byte length, so `count` is bounded by the file.
     cur.need(count * 8, f"{count} strings of {key!r}")
     _check_items(cur, count, key)
-    buf, pos, size = cur.buf, cur.pos, cur.size
+    return _read_strings(cur, count, key)
+
+
+def _read_strings(cur: _Cursor, count: int, key: str) -> StringArray:
+    """The walk checks every length against the file; the text is then checked as one piece (valid UTF-8, and
+    every item starting on a character) and kept as bytes: a list of str would take ~60 bytes per item."""
+    buf, size = cur.buf, cur.size
+    lengths = np.empty(count, np.int64)
     unpack = struct.Struct("<Q").unpack_from
-    out = []
+    begin = pos = cur.pos
     try:
-        for _ in range(count):
+        for i in range(count):
             n = unpack(buf, pos)[0]
             pos += 8
             if pos + n > size:
@@ -380,15 +448,29 @@ def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
                 cur.need(n, f"a string of {key!r}")
             if n > MAX_STRING_BYTES:
                 raise CorruptFileError(f"{cur.name}: a string of {key!r} is {n} bytes long (at most {MAX_STRING_BYTES} accepted)")
-            out.append(buf[pos : pos + n].decode("utf-8"))
+            lengths[i] = n
             pos += n
-    except UnicodeDecodeError:
-        raise CorruptFileError(f"{cur.name}: metadata key {key!r} holds invalid UTF-8") from None
     except struct.error:
         cur.pos = pos
         cur.need(8, f"a string length of {key!r}")
     cur.pos = pos
-    return out
+    # Drop the 8-byte lengths: +1 where an item's bytes start, -1 where they end, summed along the bytes.
+    ends = np.cumsum(lengths + 8)
+    edges = np.zeros(pos - begin + 1, np.int8)
+    edges[ends - lengths] = 1
+    edges[ends] -= 1
+    region = np.frombuffer(buf, np.uint8, count=pos - begin, offset=begin)
+    data = region[np.cumsum(edges[:-1], dtype=np.int8) > 0]
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    starts = offsets[:-1][lengths > 0]
+    del region  # (a view of the map, which closes after the walk)
+    try:
+        data.tobytes().decode("utf-8")
+        if np.any(data[starts] & 0xC0 == 0x80):  # an item starting mid-character: invalid on its own
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "an item starts inside a character")
+    except UnicodeDecodeError:
+        raise CorruptFileError(f"{cur.name}: metadata key {key!r} holds invalid UTF-8") from None
+    return StringArray(data.tobytes(), offsets)
 
 
 def _check_items(cur: _Cursor, count: int, key: str) -> None:

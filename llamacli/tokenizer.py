@@ -11,8 +11,9 @@ Three kinds, picked by `tokenizer.ggml.model`:
 
 Around them, the parts llama.cpp does itself (llama_vocab::impl::tokenize):
 
-    text -> split out special tokens (user-defined always; control only with special=True)
-         -> each plain fragment: [SPM: " " prefix at the start and after a special token] -> BPE -> ids
+    text -> split out special tokens (user-defined always; control only with special=True; TokenMatcher)
+         -> each plain fragment: [SPM: " " prefix at the start and after a special token]
+            -> pieces of a long fragment, cut where the ids cannot change (cut_points) -> BPE -> ids
          -> BOS / EOS per tokenizer.ggml.add_bos_token / add_eos_token (with llama.cpp's defaults)
 
 Decoding maps every id to bytes (byte-level alphabet undone, "\u2581" -> " ", <0xXX> -> one byte) and decodes
@@ -25,10 +26,13 @@ from __future__ import annotations
 
 import codecs
 import operator
+import os
 import re
 import struct
+from bisect import bisect_right
 from functools import lru_cache
-from typing import Any, Iterable
+from itertools import groupby
+from typing import Any, Iterable, Iterator
 
 from .errors import TokenizerError
 
@@ -161,6 +165,105 @@ def _byte_alphabet() -> tuple[dict[str, int], list[str]]:
 
 _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
+# -- long texts in pieces ----------------------------------------------------------------------------------
+# Where a text may be cut so that the ids of the pieces are the ids of the whole: before a space or line break
+# that follows an ASCII letter or digit, and after a lone line break between a non-space and a letter or digit.
+# Every pre-tokenizer regex above ends a match there and starts the next one afresh (none looks behind, and
+# none lets a letter run, a digit run or a space run reach across), so BPE, which never merges across
+# pre-tokens, sees the same words; tests/test_tokenizer.py checks it for every regex family on random texts.
+# SentencePiece and gemma4 merge across spaces, so there the vocabulary has a say too (Tokenizer._next_cut).
+_CUT = re.compile(r"(?<=[A-Za-z0-9])[ \n]|(?<=\S\n)(?=[^\W_])")
+PIECE_CHARS = 1 << 16  # a long text is tokenized in pieces of about this many characters
+# A stretch with no cut is tokenized whole (100-500 bytes per character while it runs): refuse absurd ones.
+MAX_STRETCH_CHARS = 1 << 21
+_WHITESPACE = re.compile(r"[ \t\n\v\f\r]*")
+
+
+def cut_points(text: str) -> list[int]:
+    """Every position where `text` may be cut without changing its BPE pre-tokens (for tests and tools)."""
+    return [m.start() for m in _CUT.finditer(text)]
+
+
+def _check_stretch(n: int) -> None:
+    if n > MAX_STRETCH_CHARS:
+        raise TokenizerError(
+            f"cannot tokenize {n:,} characters in one stretch (at most {MAX_STRETCH_CHARS:,}): long texts are "
+            "tokenized in pieces cut at line breaks and at spaces after letters or digits, and this one has none"
+        )
+
+
+class TokenMatcher:
+    """Leftmost-longest search for any of a set of token strings (special and user-defined tokens), in time
+    and memory proportional to the text and to the set, not to their product: one regex alternation of a
+    vocabulary with millions of user-defined tokens took minutes and gigabytes to compile.
+
+    The tokens stay in one sorted list. A character class of their first characters finds where one may start;
+    a binary search finds the longest token the text continues with there: the last token <= the text is
+    either a prefix of it (then the longest), or shares a prefix with it that bounds every match (search
+    again for that)."""
+
+    WINDOW = 64  # characters of text compared at first; doubled while some token is longer and still matches
+
+    def __init__(self, texts: Iterable[str]):
+        self._sorted = sorted(texts)
+        if self._sorted and not self._sorted[0]:
+            del self._sorted[0]  # the empty string (sorted first) matches nowhere
+        # first character -> length of the longest token starting with it (tokens sharing one are adjacent)
+        self._longest = {c: max(map(len, group)) for c, group in groupby(self._sorted, key=operator.itemgetter(0))}
+        self._starts = re.compile(_char_class(self._longest))
+
+    def search(self, text: str, pos: int = 0) -> tuple[int, int] | None:
+        """(start, end) of the first token at or after `pos` (the longest one starting there), or None."""
+        while (m := self._starts.search(text, pos)) is not None:
+            start = m.start()
+            end = self._longest_at(text, start)
+            if end:
+                return start, end
+            pos = start + 1
+        return None
+
+    def _longest_at(self, text: str, start: int) -> int:
+        """The end of the longest token that `text` holds at `start`, or 0."""
+        limit = self._longest[text[start]]
+        window = self.WINDOW
+        while True:
+            head = text[start : start + min(window, limit)]
+            end = self._longest_prefix(head)
+            if window >= limit or len(head) < window or not self._extends(head):
+                return start + end if end else 0
+            window *= 2
+
+    def _longest_prefix(self, head: str) -> int:
+        tokens = self._sorted
+        while head:
+            i = bisect_right(tokens, head) - 1
+            if i < 0:
+                return 0
+            if head.startswith(tokens[i]):
+                return len(tokens[i])
+            head = head[: len(os.path.commonprefix((head, tokens[i])))]
+        return 0
+
+    def _extends(self, head: str) -> bool:
+        """Whether a token longer than `head` starts with it (then a wider window may find a longer match)."""
+        i = bisect_right(self._sorted, head)  # tokens that start with `head` and are longer sort right after it
+        return i < len(self._sorted) and self._sorted[i].startswith(head)
+
+
+def _char_class(chars: Iterable[str]) -> str:
+    """A regex character class of `chars`, written as ranges (a vocabulary may start tokens with any of
+    thousands of characters)."""
+    points = sorted(map(ord, chars))
+    parts, i = [], 0
+    while i < len(points):
+        j = i
+        while j + 1 < len(points) and points[j + 1] == points[j] + 1:
+            j += 1
+        first, last = re.escape(chr(points[i])), re.escape(chr(points[j]))
+        parts.append(first if i == j else f"{first}-{last}")
+        i = j + 1
+    return "[" + "".join(parts) + "]"
+
 
 class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary. Build with `Tokenizer.from_metadata(md)`."""
@@ -237,7 +340,8 @@ class Tokenizer:
 
         self.eog_ids: frozenset[int] = self._find_eog(md)
         self._rstrip = self._strip_rules(md)
-        self._special_re: dict[bool, re.Pattern[str] | None] = {}
+        self._matchers: dict[bool, TokenMatcher | None] = {}
+        self._glued: frozenset[tuple[str, str]] | None = None
         self._piece_cache: dict[int, bytes] = {}
 
         if self.kind == "bpe":
@@ -389,62 +493,96 @@ class Tokenizer:
             raise TokenizerError("the vocabulary has no BOS token")
         if add_eos and self.eos_id is None:
             raise TokenizerError("the vocabulary has no EOS token")
-        parts = self._partition(text, special)
+        ids: list[int] = [self.bos_id] if add_bos else []  # type: ignore[list-item]
         # SPM (llama.cpp): a space before the first fragment and before every fragment after a special token.
         prefix = self.kind == "spm" and self.add_space_prefix
-        plain = [" " + p if prefix and (i == 0 or isinstance(parts[i - 1], int)) else p
-                 for i, p in enumerate(parts) if isinstance(p, str)]
-        encoded = iter(self._encode_plain(plain))
-        ids = [self.bos_id] if add_bos else []
-        for p in parts:
-            ids.extend(next(encoded) if isinstance(p, str) else (p,))
+        after_special = True
+        same: dict[int, int] = {}  # one int object per distinct id: a long text's list holds pointers, not ints
+        for part in self._partition(text, special):
+            if isinstance(part, int):
+                ids.append(part)
+                after_special = True
+                continue
+            for k, piece in enumerate(self._pieces(part)):
+                piece_ids = self._encode_piece(" " + piece if k == 0 and prefix and after_special else piece)
+                ids.extend(map(same.setdefault, piece_ids, piece_ids))
+            after_special = False
         if add_eos:
-            ids.append(self.eos_id)
-        return ids  # type: ignore[return-value]
+            ids.append(self.eos_id)  # type: ignore[arg-type]
+        return ids
 
-    def _encode_plain(self, fragments: list[str]) -> list[list[int]]:
-        if not fragments:
-            return []
+    def _encode_piece(self, text: str) -> list[int]:
         try:
-            if self.kind == "bpe":  # one at a time: encode_batch would start a thread pool (and fork warnings)
-                return [self._bpe.encode(f, add_special_tokens=False).ids for f in fragments]
-            encoded = self._spm.encode(fragments)
+            if self.kind == "bpe":
+                ids = self._bpe.encode(text, add_special_tokens=False).ids
+            else:
+                ids = self._spm.encode(text)
         except Exception as exc:  # lone surrogates and the like
             raise TokenizerError(f"cannot tokenize this text: {exc}") from None
-        if self.unk_id is None and any(i >= len(self._tokens) for ids in encoded for i in ids):
+        if self.unk_id is None and ids and max(ids) >= len(self._tokens):
             raise TokenizerError("the text has characters this vocabulary cannot spell (it has no <unk> token)")
-        return encoded
+        return ids
 
-    def _partition(self, text: str, special: bool) -> list[str | int]:
-        """Split `text` around special-token strings: [str | id, ...], no empty strings (tokenizer_st_partition).
-        Leftmost match first, the longest token at a position (as HF tokenizers' added-token matching)."""
-        pattern = self._special_pattern(special)
-        if pattern is None or not text:
-            return [text] if text else []
-        parts: list[str | int] = []
+    def _pieces(self, text: str) -> Iterator[str]:
+        """`text` in pieces of about PIECE_CHARS, cut only where the pieces' ids are the whole text's (see
+        cut_points): the engines need some 100-500 bytes per character while they work, so a 50 MB prompt read
+        whole would take gigabytes."""
+        start = 0
+        while len(text) - start > PIECE_CHARS:
+            cut = self._next_cut(text, start + PIECE_CHARS)
+            if cut is None:
+                break
+            _check_stretch(cut - start)
+            yield text[start:cut]
+            start = cut
+        _check_stretch(len(text) - start)
+        yield text[start:]
+
+    def _next_cut(self, text: str, pos: int) -> int | None:
+        """The first safe cut at or after `pos`. SentencePiece and gemma4 merge across spaces and line breaks
+        whenever a vocabulary piece spans them: a cut is safe there only where no piece holds its two
+        characters side by side."""
+        for m in _CUT.finditer(text, pos):
+            i = m.start()
+            if self._byte_level or (text[i - 1], text[i]) not in self._glued_pairs:
+                return i
+        return None
+
+    @property
+    def _glued_pairs(self) -> frozenset[tuple[str, str]]:
+        """Pairs of characters (a space as "\u2581") that a vocabulary piece holds side by side around a
+        space or line break."""
+        if self._glued is None:
+            pairs = set()
+            for t in self._tokens:
+                if "\u2581" in t or "\n" in t:
+                    pairs.update((a, b) for a, b in zip(t, t[1:]) if a in "\u2581\n" or b in "\u2581\n")
+            self._glued = frozenset((a.replace("\u2581", " "), b.replace("\u2581", " ")) for a, b in pairs)
+        return self._glued
+
+    def _partition(self, text: str, special: bool) -> Iterator[str | int]:
+        """`text` around special-token strings: str | id, no empty strings (tokenizer_st_partition). Leftmost
+        match first, the longest token at a position (as HF tokenizers' added-token matching)."""
+        matcher = self._special_matcher(special)
         pos = 0
-        for m in pattern.finditer(text):
-            start, end = m.span()
-            if start < pos:  # inside whitespace an rstrip token already ate
-                continue
+        while matcher is not None and (found := matcher.search(text, pos)) is not None:
+            start, end = found
             if start > pos:
-                parts.append(text[pos:start])
-            tid = self._ids[m.group()]
-            parts.append(tid)
+                yield text[pos:start]
+            tid = self._ids[text[start:end]]
+            yield tid
             pos = end
             if tid in self._rstrip:
-                while pos < len(text) and text[pos] in " \t\n\v\f\r":
-                    pos += 1
+                pos = _WHITESPACE.match(text, pos).end()  # type: ignore[union-attr]
         if pos < len(text):
-            parts.append(text[pos:])
-        return parts
+            yield text[pos:]
 
-    def _special_pattern(self, special: bool) -> re.Pattern[str] | None:
-        if special not in self._special_re:
+    def _special_matcher(self, special: bool) -> "TokenMatcher | None":
+        if special not in self._matchers:
             kinds = (CONTROL, USER_DEFINED, UNKNOWN) if special else (USER_DEFINED,)
-            texts = sorted({self._tokens[i] for i, t in enumerate(self._types) if t in kinds}, key=len, reverse=True)
-            self._special_re[special] = re.compile("|".join(map(re.escape, texts))) if texts else None
-        return self._special_re[special]
+            texts = {token for token, t in zip(self._tokens, self._types) if t in kinds}
+            self._matchers[special] = TokenMatcher(texts) if texts else None
+        return self._matchers[special]
 
     # -- decoding --------------------------------------------------------------------------------------------
 

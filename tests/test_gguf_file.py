@@ -203,3 +203,14 @@ def test_custom_alignment_is_honoured(tmp_path):
     p = write(tmp_path, gb.gguf(kvs, [gb.tensor_info("t", [4], 0, 0)], data, alignment=64))
     g = open_gguf(p)
     assert g.data_offset % 64 == 0 and g.dequantize("t").tolist() == [1, 2, 3, 4]
+
+
+def test_string_arrays_are_checked_item_by_item(tmp_path):
+    """String arrays are checked as one piece of text: an item that starts inside a character is still caught
+    (b"\\xc3" + b"\\xa9" is "é" joined, invalid apart)."""
+    expect(tmp_path, gb.gguf([gb.kv("a", gb.ARR, (gb.STR, [b"ok", b"\xc3", b"\xa9"]))]), CorruptFileError, "invalid UTF-8")
+    expect(tmp_path, gb.gguf([gb.kv("a", gb.ARR, (gb.STR, [b"\xff"]))]), CorruptFileError, "invalid UTF-8")
+    items = ["", "x", "", "ünï", "🦙", "日本", "", "Ġworld"]
+    p = write(tmp_path, gb.gguf([gb.kv("a", gb.ARR, (gb.STR, items)), gb.kv("b", gb.ARR, (gb.STR, []))]))
+    md = open_gguf(p).metadata
+    assert md["a"] == items and md["b"] == [] and len(md) == 2

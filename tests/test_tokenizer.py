@@ -4,6 +4,8 @@ tokenizer for the same SmolLM2 file, round trips, special tokens, BOS/EOS/EOG an
 from __future__ import annotations
 
 import os
+import random
+import re
 import time
 from pathlib import Path
 
@@ -13,7 +15,8 @@ from hypothesis import strategies as st
 
 from llamacli.errors import TokenizerError
 from llamacli.gguf_file import open_gguf
-from llamacli.tokenizer import CONTROL, StreamDecoder, Tokenizer
+from llamacli import tokenizer as tokenizer_module
+from llamacli.tokenizer import _PRE_SPLITS, CONTROL, StreamDecoder, TokenMatcher, Tokenizer, cut_points
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
@@ -329,3 +332,69 @@ def test_stream_decoder_on_random_byte_tokens(data, vocab) -> None:
     assert "".join(chunks) == tok.decode(ids)
     for chunk in chunks[:-1]:
         chunk.encode("utf-8")
+
+
+# -- long texts in pieces, special tokens among many ---------------------------------------------------------
+
+# Characters that stress the pre-tokenizer regexes at a cut: letters of several scripts and cases, marks,
+# digits of several kinds, every kind of whitespace, punctuation the regexes treat apart, contractions.
+_HOSTILE_ALPHABET = [*"abcXYZ019 \n\n\r\t\v\f.,;:!?'\"/()[]<>|_-$+=^~`@#%&*{}\\", "日", "本", "ب", "é", "\u0301",
+                     "²", "½", "🦙", "▁", "\u00a0", "\u3000", "ǅ", "ʰ", "ﬁ", "١", "Ⅷ", "\x00", "…", "。", "'s", "'T",
+                     "'ll", "  ", "\n\n", " \n", "\r\n", "1234", "hello", "World", "The", "a ", "9\n", ".\nb", "。\n日"]
+
+
+def _random_texts(seed: int, n: int, extra: tuple[str, ...] = ()) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = _HOSTILE_ALPHABET + list(extra)
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", sorted(set(_PRE_SPLITS) - {"gemma4"}))
+def test_cut_points_keep_the_pre_tokens(family: str) -> None:
+    """Cut at every cut point, a text pre-tokenizes into the same words as whole, for every regex family
+    (gemma4's lines are one word: there the vocabulary decides, see the next test)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    splitter = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[family]])
+
+    def words(text: str) -> list[str]:
+        return [w for w, _ in splitter.pre_tokenize_str(text)]
+
+    n_cuts = 0
+    for text in _random_texts(sum(map(ord, family)), 600):
+        cuts = [0, *cut_points(text), len(text)]
+        n_cuts += len(cuts) - 2
+        assert [w for a, b in zip(cuts, cuts[1:]) for w in words(text[a:b])] == words(text), (text, cuts)
+    assert n_cuts > 1000  # (about 2 a text)
+
+
+@pytest.mark.parametrize("name", REQUIRED + BONUS + ["smollm2"])
+def test_pieces_give_the_ids_of_the_whole(name: str, vocab, smol: Tokenizer, monkeypatch) -> None:
+    """A long text is tokenized in pieces: with a piece at every cut point, the ids are those of the whole."""
+    tok = smol if name == "smollm2" else vocab(name)
+    specials = ("<|im_start|>", "<|im_end|>", "<s>", "</s>", "<|end|>", "<|endoftext|>", "<|user|>", "[PAD151646]")
+    for text in _random_texts(len(name), 120, specials):
+        for special in (False, True):
+            monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 1 << 30)
+            whole = tok.encode(text, special=special)
+            monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 1)
+            assert tok.encode(text, special=special) == whole, (text, special)
+
+
+def test_token_matcher_is_leftmost_longest() -> None:
+    """TokenMatcher finds what one regex alternation of the tokens, longest first, finds (the old way),
+    including tokens longer than its first window and tokens that are prefixes of others."""
+    rng = random.Random(7)
+    for _ in range(200):
+        alphabet = "ab<|>" if rng.random() < 0.5 else "ab"
+        tokens = {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 12))}
+        if rng.random() < 0.3:
+            tokens.add("a" * rng.randint(60, 300))
+        text = "".join(rng.choice(alphabet + "c") for _ in range(rng.randint(0, 80))) + "a" * rng.randint(0, 400)
+        pattern = re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True))))
+        matcher, pos, found = TokenMatcher(tokens), 0, []
+        while (span := matcher.search(text, pos)) is not None:
+            found.append(span)
+            pos = span[1]
+        assert found == [m.span() for m in pattern.finditer(text)], (tokens, text)
