@@ -4,6 +4,10 @@
 // element twice from L1/L2; a single pass would need the row in registers); fp32 accumulation.
 // rms_norm_f16(x, w, y16, scale, D, eps): the same y stored as fp16(y / s) with s[t] = f16_rowscale(max |y|)
 // (common.cuh): the fused prefill's GEMM input. Same launch.
+// head_rms_norm(x, stride, Hq, Hkv, Dh, wq, wk, eps): qwen3's per-head RMSNorm of q and k, in place, on rows
+// [T, stride] that start with Hq q heads then Hkv k heads of Dh floats (the fused QKV matvec's output);
+// q heads take wq [Dh], k heads wk [Dh]. grid (T, Hq + Hkv), block Dh rounded up to 32 (at most 1024). In the
+// captured decode step it may launch as a programmatic dependent of the QKV matvec: it waits for it first.
 // Best measured on H100: not yet tuned (one block per row: D=576..4096 is latency-bound, ~2-3 us).
 
 #include "common.cuh"
@@ -36,4 +40,15 @@ extern "C" __global__ void rms_norm_f16(const float* __restrict__ x, const float
     const float inv = 1.0f / s;
     for (int i = threadIdx.x; i < D; i += blockDim.x) y[base + i] = f2h(x[base + i] * r * w[i] * inv);
     if (threadIdx.x == 0) scale[blockIdx.x] = s;
+}
+
+extern "C" __global__ void head_rms_norm(float* x, int stride, int Hq, int Hkv, int Dh, const float* __restrict__ wq,
+                                         const float* __restrict__ wk, float eps) {
+    pdl_wait();
+    float* h = x + (long long)blockIdx.x * stride + (long long)blockIdx.y * Dh;
+    const float* w = (int)blockIdx.y < Hq ? wq : wk;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < Dh; i += blockDim.x) ss = fmaf(h[i], h[i], ss);
+    const float r = rsqrtf(block_sum(ss) / (float)Dh + eps);
+    for (int i = threadIdx.x; i < Dh; i += blockDim.x) h[i] = h[i] * r * w[i];  // each thread its own dims
 }

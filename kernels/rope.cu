@@ -18,6 +18,8 @@
 //       scale, kernels/norm.cu rms_norm_f16; bias [(Hq+2Hkv)*Dh] or NULL), then as rope_store_<mode>, except
 //       that the rotated q goes to q16 [T, Hq*Dh] (token stride q16_stride) as fp16(q * qscale), the form
 //       attention_tc*_d* and attention_wg*_d* read (qscale = log2(e)/sqrt(Dh)), instead of back into qkv.
+//   rope_store_pf_qkn_<mode>(..., qscale, qn, kn, eps): the same with qwen3's per-head RMSNorm of q and k
+//       (weights qn, kn [Dh]) between the epilogue and the rotation.
 // Best measured on H100: not yet tuned (tiny: T*H*Dh/2 threads).
 
 #include "common.cuh"
@@ -74,20 +76,35 @@ __device__ __forceinline__ void rope_store_body(float* qkv, int stride, int Hq, 
 }
 
 // The prefill epilogue: undo the GEMM input's row scale and add the bias on this thread's two dims of the
-// head, in place, before rope_store_body reads the head (a __syncthreads between: rope pairs cross threads).
-template <bool NEOX>
+// head, in place, then (QKN) RMSNorm q and k heads, before rope_store_body reads the head (a __syncthreads
+// between: rope pairs cross threads).
+template <bool NEOX, bool QKN>
 __device__ __forceinline__ void rope_store_pf_body(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
                                                    const int* pos, const double* inv_freq, float attn, u16* kcache,
                                                    u16* vcache, const float* __restrict__ scale,
                                                    const float* __restrict__ bias, u16* q16, int q16_stride,
-                                                   float qscale) {
+                                                   float qscale, const float* __restrict__ qn = nullptr,
+                                                   const float* __restrict__ kn = nullptr, float eps = 0.0f) {
     const int t = blockIdx.x, hd = blockIdx.y, i = threadIdx.x;
+    float* h = qkv + (long long)t * stride + hd * Dh + 2 * i;
+    float a = 0.0f, b = 0.0f;
     if (i < Dh / 2) {
-        float* h = qkv + (long long)t * stride + hd * Dh + 2 * i;
         const float s = scale[t];
-        const float* b = bias ? bias + hd * Dh + 2 * i : nullptr;
-        h[0] = h[0] * s + (b ? b[0] : 0.0f);
-        h[1] = h[1] * s + (b ? b[1] : 0.0f);
+        const float* bb = bias ? bias + hd * Dh + 2 * i : nullptr;
+        a = h[0] * s + (bb ? bb[0] : 0.0f);
+        b = h[1] * s + (bb ? bb[1] : 0.0f);
+    }
+    if (QKN && hd < Hq + Hkv) {  // the whole block takes this branch: one head per block
+        const float r = rsqrtf(block_sum(fmaf(a, a, b * b)) / (float)Dh + eps);
+        const float* w = (hd < Hq ? qn : kn) + 2 * i;
+        if (i < Dh / 2) {
+            a *= r * w[0];
+            b *= r * w[1];
+        }
+    }
+    if (i < Dh / 2) {
+        h[0] = a;
+        h[1] = b;
     }
     __syncthreads();
     rope_store_body<NEOX>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, q16, q16_stride,
@@ -98,15 +115,31 @@ extern "C" __global__ void rope_store_pf_normal(float* qkv, int stride, int Hq, 
                                                 const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
                                                 const float* scale, const float* bias, u16* q16, int q16_stride,
                                                 float qscale) {
-    rope_store_pf_body<false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
-                              q16_stride, qscale);
+    rope_store_pf_body<false, false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
+                                     q16_stride, qscale);
 }
 extern "C" __global__ void rope_store_pf_neox(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
                                               const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
                                               const float* scale, const float* bias, u16* q16, int q16_stride,
                                               float qscale) {
-    rope_store_pf_body<true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
-                              q16_stride, qscale);
+    rope_store_pf_body<true, false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
+                                    q16_stride, qscale);
+}
+extern "C" __global__ void rope_store_pf_qkn_normal(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
+                                                    const int* pos, const double* inv_freq, float attn, u16* kc,
+                                                    u16* vc, const float* scale, const float* bias, u16* q16,
+                                                    int q16_stride, float qscale, const float* qn, const float* kn,
+                                                    float eps) {
+    rope_store_pf_body<false, true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
+                                    q16_stride, qscale, qn, kn, eps);
+}
+extern "C" __global__ void rope_store_pf_qkn_neox(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
+                                                  const int* pos, const double* inv_freq, float attn, u16* kc,
+                                                  u16* vc, const float* scale, const float* bias, u16* q16,
+                                                  int q16_stride, float qscale, const float* qn, const float* kn,
+                                                  float eps) {
+    rope_store_pf_body<true, true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
+                                   q16_stride, qscale, qn, kn, eps);
 }
 
 extern "C" __global__ void rope_normal(float* x, int stride, int H, int Dh, int rope_dim, const int* pos,

@@ -1,5 +1,6 @@
 """The whole model on the CUDA backend against the NumPy reference: random models of every weight type
-(and the three architectures), and SmolLM2-135M. Needs a GPU (marker gpu)."""
+and every architecture (llamacli/models/: q/k norms, NoPE layers, YaRN, partial rotary, a head dim other
+than n_embd / n_head), and SmolLM2-135M. Needs a GPU (marker gpu)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.config import ModelConfig  # noqa: E402
 from llamacli.gguf_file import open_gguf  # noqa: E402
 from llamacli.model import forward  # noqa: E402
+from llamacli.testing import variant  # noqa: E402
 from llamacli.weights import check_tensors  # noqa: E402
 
 _ok, _why = cuda_available()
@@ -59,7 +61,14 @@ def greedy_run(be, cfg, prompt, steps, fused=False):
     return first, out
 
 
-CASES = [("small-llama", t) for t in RUNNABLE] + [
+# The architectures' plans beyond Llama's, at shapes the fast kernels take (head dims 64/128) and not (16, 24).
+QWEN3_D64 = variant("tiny-qwen3", n_embd=128, n_head=4, n_head_kv=2, head_dim=64, name="qwen3-dh64")  # Hq Dh != D
+QWEN3_YARN = variant("tiny-qwen3", rope_scaling="yarn", rope_factor=4.0, context_length=1024, name="qwen3-yarn")
+PHI3_PARTIAL = variant("small-phi3", rope_dim=96, name="phi3-rope96")  # Phi-4-mini: 96 of 128 dims rotate
+ARCH_CASES = [("tiny-qwen3", QT.F32), ("tiny-qwen3", "Q4_K_M"), (QWEN3_D64, QT.Q8_0), (QWEN3_YARN, QT.Q6_K),
+              ("tiny-smollm3", QT.Q8_0), (PHI3_PARTIAL, QT.Q4_K)]
+
+CASES = ARCH_CASES + [("small-llama", t) for t in RUNNABLE] + [
     ("tiny-llama", QT.F32), ("tiny-qwen2", QT.Q8_0), ("tiny-phi3", QT.F16),
     ("small-qwen2", QT.Q4_K), ("small-phi3", QT.Q6_K), ("small-llama", "Q4_K_M"), ("small-qwen2", QT.Q5_0),
 ]
@@ -256,7 +265,7 @@ def test_long_prefill_of_a_1b_shape_model_is_finite_and_matches_decode(tmp_path)
     assert rel_l2(prefill, stepwise) <= 1e-2
 
 
-PREFILL_CASES = [
+PREFILL_CASES = ARCH_CASES + [
     ("small-llama", "Q4_K_M"), ("small-llama", QT.Q4_1), ("small-llama", QT.F16), ("small-llama", QT.IQ4_XS),
     ("small-qwen2", QT.Q8_0), ("small-phi3", QT.F16), ("small-phi3", QT.Q5_K), ("tiny-llama", QT.F32),
 ]

@@ -155,7 +155,7 @@ class AttentionMixin:
                  (K.ptr(qkv), K.ptr(self.k_cache[layer]), K.ptr(self.v_cache[layer]), K.ptr(self.step_pos),
                   K.i32(hq), K.i32(hkv), K.i32(dh), K.f32(1.0 / math.sqrt(dh)), K.i32(chunk),
                   K.ptr(self._part_o), K.ptr(self._part_ml), K.ptr(qkv.data.ptr + 4 * cfg.q_dim),
-                  K.i32(cfg.rope_dim), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
+                  K.i32(self.rope_dims[layer]), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
                   K.ptr(self.attention_counters), K.ptr(att), K.i32(early)),
                  shared=self._decode_smem())
 

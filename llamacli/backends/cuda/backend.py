@@ -12,7 +12,7 @@ CudaBackend is assembled from one mixin per concern, each in its own module: dev
 transfers), linear.py (matvec / GEMM), ops.py, attention.py, prefill.py, decode.py, sampling.py (device
 sampling) and profile.py (bench --profile); loader.py compiles and launches the kernels.
 
-Measured 2026-11-22 on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,690 tok/s, pp512 245,913
+Measured on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,742 tok/s, pp512 261,099
 tok/s; `llamacli bench --profile` breaks a step down by kernel family.
 """
 
@@ -77,3 +77,9 @@ class CudaBackend(DeviceMixin, LinearMixin, OpsMixin, AttentionMixin, PrefillMix
         self._arena = None
         self._prof: list | None = None  # (section, start event, end event, our launches) while profiling
         self._wfam: dict[int, str] = {}  # id(weight handle) -> kernel family, for the profile
+
+    @property
+    def rope_dims(self) -> tuple[int, ...]:
+        """Dims each layer's kernels rotate: the config's rope_dim, 0 on a layer whose plan has no RoPE (the
+        kernels then pass every dim through)."""
+        return tuple(self.cfg.rope_dim if plan.rope else 0 for plan in self.cfg.layers)

@@ -3,7 +3,8 @@
 Every buffer is allocated at load and the token and position are read by the kernels from device memory
 (step_ids, step_pos), so the step is captured once into a CUDA graph and replayed on the current stream
 (`use_graph`); the host uploads token/pos only when the device does not already hold them and reads back
-one id. Per layer (_step_kernels), 5 kernels: QKV matvec (RMSNorm fused into its input, + bias) | attention
+one id. Per layer (_step_kernels), 5 kernels: QKV matvec (RMSNorm fused into its input, + bias) | [q/k norm, where
+the layer's plan has it] | attention
 (RoPE, K/V store, splits and their merge in one kernel) | output matvec + residual | gate/up matvec (RMSNorm
 fused, + SwiGLU) | down matvec + residual; then the LM head with the final RMSNorm and, when greedy, the
 argmax fused in (kernels/matvec.cu mv1_*). Inside the graph the small matvecs and the attention are
@@ -136,12 +137,17 @@ class DecodeMixin:
                     b = None if bias is None else bias[off : off + m.rows]
                     mv("norm+QKV", (m,), x, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm)
                     off += m.rows
+            if cfg.layers[i].qk_norm:  # qwen3: per-head RMSNorm of q and k, in place, before the RoPE
+                step.append(("q/k norm", 0, False, lambda early, L=L: K.launch(
+                    "norm", "head_rms_norm", (1, hq + hkv), (min(1024, K.cdiv(dh, 32) * 32),),
+                    (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.ptr(L.attn_q_norm),
+                     K.ptr(L.attn_k_norm), K.f32(cfg.rms_eps)))))
             if self.decode_kernel_fits():  # one kernel: RoPE, K/V store, the attention splits and their merge
                 step.append(("RoPE+KV+attention", 0, False, lambda early, i=i: self.attend_step(i, qkv, att, early)))
             else:
                 step.append(("RoPE+KV", 0, False, lambda early, i=i: K.launch(
                     "rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
-                    (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim),
+                    (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(self.rope_dims[i]),
                      K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
                      K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))))
                 step.append(("attention", 0, False, lambda early, i=i: self.attend(

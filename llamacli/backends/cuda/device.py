@@ -17,6 +17,7 @@ from ... import rope as rope_tables
 from ...config import ModelConfig
 from ...errors import DeviceMemoryError
 from ...gguf_file import GGUFFile
+from ...memory_fit import not_enough_memory
 from ...weights import model_specs
 from ..base import LayerWeights, ModelWeights, Progress
 from . import loader as K
@@ -102,6 +103,7 @@ class DeviceMixin:
                     attn_norm=g("attn_norm.weight"), attn_q=g("attn_q.weight"), attn_k=g("attn_k.weight"),
                     attn_v=g("attn_v.weight"), attn_qkv=g("attn_qkv.weight"), attn_q_bias=g("attn_q.bias"),
                     attn_k_bias=g("attn_k.bias"), attn_v_bias=g("attn_v.bias"),
+                    attn_q_norm=g("attn_q_norm.weight"), attn_k_norm=g("attn_k_norm.weight"),
                     attn_output=g("attn_output.weight"), ffn_norm=g("ffn_norm.weight"),
                     ffn_gate=g("ffn_gate.weight"), ffn_up=g("ffn_up.weight"), ffn_down=g("ffn_down.weight"),
                 )
@@ -137,27 +139,16 @@ class DeviceMixin:
         return act + step + 2 * DEQUANT_CHUNK + (64 << 20)  # + CuPy/cuBLAS workspace margin
 
     def _check_memory(self, cfg: ModelConfig, ctx: int, weight_bytes: int) -> None:
+        """DeviceMemoryError saying what the model needs, what the GPU has and what would fit
+        (memory_fit.not_enough_memory), before anything is allocated."""
         cp = self.cp
-        free, _total = cp.cuda.runtime.memGetInfo()
+        free, total = cp.cuda.runtime.memGetInfo()
         free += cp.get_default_memory_pool().free_bytes()
-        kv = cfg.kv_cache_bytes(ctx)
-        scratch = self._scratch_bytes(cfg, ctx)
-        need = weight_bytes + kv + scratch
-        if need <= free:
+        kv, scratch = cfg.kv_cache_bytes(ctx), self._scratch_bytes(cfg, ctx)
+        if weight_bytes + kv + scratch <= free:
             return
-        per_token = cfg.kv_cache_bytes(1)
-        room = free - weight_bytes - self._scratch_bytes(cfg, 256)
-        fit = (room // per_token) // 256 * 256 if room > 0 else 0
-        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-        hint = (
-            f"try --ctx {int(fit)} (the KV cache needs {gib(per_token * ctx)} at --ctx {ctx})"
-            if fit >= 256
-            else "the weights alone do not fit: use a smaller quantization or a larger GPU"
-        )
-        raise DeviceMemoryError(
-            f"not enough GPU memory: the model needs {gib(need)} (weights {gib(weight_bytes)}, KV cache "
-            f"{gib(kv)}, scratch {gib(scratch)}), {gib(free)} is free; {hint}"
-        )
+        raise DeviceMemoryError(not_enough_memory(cfg, ctx, weights=weight_bytes, kv=kv, scratch=scratch,
+                                                  free=free, total=total))
 
     def close(self) -> None:
         self._graphs.clear()

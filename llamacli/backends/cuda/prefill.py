@@ -153,17 +153,22 @@ class PrefillMixin:
         with sec("embedding"):
             self._embed(b.ids, w.token_embd, x, t)
         for i, L in enumerate(w.layers):
+            plan = cfg.layers[i]
             qkv_w, bias, o_w, gu_w, down_w = b.layers[i]
             with sec("norm"):
                 norm16(L.attn_norm)
             with sec("QKV"):
                 self._gemm_weights(h16, t, qkv_w, qkv.data.ptr, nqkv)
-            with sec("RoPE"):
-                K.launch("rope", f"rope_store_pf_{mode}", (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
-                         (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(cfg.rope_dim), K.ptr(b.pos),
-                          K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor), K.ptr(self.k_cache[i]),
-                          K.ptr(self.v_cache[i]), K.ptr(sc), K.ptr(bias), K.ptr(h16 if tc else None),
-                          K.i32(cfg.q_dim), K.f32(tc_qscale(dh))))
+            with sec("RoPE"):  # + the bias, and q/k norms where the plan has them; no rotation on NoPE layers
+                args = (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(self.rope_dims[i]),
+                        K.ptr(b.pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor), K.ptr(self.k_cache[i]),
+                        K.ptr(self.v_cache[i]), K.ptr(sc), K.ptr(bias), K.ptr(h16 if tc else None),
+                        K.i32(cfg.q_dim), K.f32(tc_qscale(dh)))
+                if plan.qk_norm:
+                    kernel, args = f"rope_store_pf_qkn_{mode}", (*args, K.ptr(L.attn_q_norm), K.ptr(L.attn_k_norm), K.f32(eps))
+                else:
+                    kernel = f"rope_store_pf_{mode}"
+                K.launch("rope", kernel, (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),), args)
             with sec("attention"):
                 if tc:  # q16 in h16 (the QKV GEMM is done with it), written by rope_store_pf
                     self.attend_tc(b.h16, cfg.q_dim, self.k_cache[i], self.v_cache[i], b.pos, t, b.att16)
