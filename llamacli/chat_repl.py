@@ -26,6 +26,7 @@ from rich.console import Console
 from .chat_session import ChatSession
 from .errors import Interrupted, LlamacliError, UsageError
 from .generate import Completion
+from .reasoning import ReplyRouter
 from .textio import json_text, printable, read_line
 
 PROMPT, MORE = ">>> ", "... "
@@ -141,12 +142,15 @@ class ChatLoop:
     def turn(self, text: str) -> None:
         c = Completion()
         writer = _ReplyWriter(enabled=not self.as_json)
+        router = ReplyRouter(c, writer.write, None if self.as_json else sys.stderr)  # reasoning to stderr
         pieces = self.session.send(text, c)
         try:
             for piece in pieces:
-                writer.write(piece)
+                router.write(piece)
+            router.end()
         except KeyboardInterrupt:
             pieces.close()  # a Ctrl-C that landed here rather than in the engine: end the turn the same way
+            router.end()
             writer.end()
             if not self.interactive:
                 raise
@@ -160,7 +164,8 @@ class ChatLoop:
 
     def _json(self, c: Completion) -> dict[str, Any]:
         t = self.session.turns[-1]
-        return {"text": c.text, "finish_reason": c.finish_reason, "prompt_tokens": t.prompt_tokens,
+        return {"text": c.text, "reasoning": c.reasoning, "finish_reason": c.finish_reason,
+                "prompt_tokens": t.prompt_tokens,
                 "reused_tokens": t.reused, "timings": c.timings.as_dict()}
 
     def report(self, c: Completion) -> None:

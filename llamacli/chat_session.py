@@ -2,7 +2,8 @@
 
     system? + history[first:] (user, assistant, ..., user)  -> chat template -> ids
       -> Model.run: prefill only the ids past the longest prefix the KV cache already holds -> reply
-      -> history += assistant reply (the text as generated)
+      -> history += assistant reply (the text as generated; a thinking model's answer only, without its
+         <think> block, which is what Qwen3-style templates keep of earlier turns)
 
 Prefix reuse. Every turn renders the whole visible conversation again; nothing is appended by hand. The
 cache (`Model.cached`) then holds turn N's prompt plus the reply's ids, and turn N+1's prompt starts with
@@ -80,8 +81,10 @@ class ChatSession:
         max_tokens: int = 512,
         stop: str | Sequence[str] = (),
         notice: Callable[[str], None] | None = None,
+        think: bool | None = None,
     ):
         self.model = model
+        self.think = think  # enable_thinking for the template (None: its default)
         self.params = (params or SamplingParams()).validate()
         self.max_tokens = max_tokens
         self.stop = (stop,) if isinstance(stop, str) else tuple(stop)  # one string is one stop string
@@ -129,7 +132,7 @@ class ChatSession:
         window starts later): a few renders, not one per dropped exchange, so a long conversation loaded
         into a small context does not render itself thousands of times."""
         budget = self.model.ctx - self.reserve
-        ids = self.model.chat_ids(self.window())
+        ids = self.model.chat_ids(self.window(), think=self.think)
         if len(ids) <= budget:
             return ids
         before = self.first
@@ -139,7 +142,7 @@ class ChatSession:
         def ids_from(k: int) -> list[int]:
             if k not in rendered:
                 self.first = starts[k]
-                rendered[k] = self.model.chat_ids(self.window())
+                rendered[k] = self.model.chat_ids(self.window(), think=self.think)
             return rendered[k]
 
         lo, hi = 0, len(starts) - 1  # the earliest start whose prompt fills at most half the budget, else the last

@@ -227,6 +227,13 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     return read_text(prompt_file, "prompt file")
 
 
+ThinkOpt = Annotated[
+    Optional[bool],
+    typer.Option("--think/--no-think", help="Thinking models (Qwen3, SmolLM3, R1 distills): turn the template's "
+                 "think block on or off (enable_thinking). The reasoning goes to stderr, the answer to stdout."),
+]
+
+
 @command()
 def generate(
     model_arg: ModelArg = None,
@@ -255,6 +262,7 @@ def generate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings or notices on stderr.")] = False,
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
+    think: ThinkOpt = None,
 ) -> None:
     """Generate a continuation of a prompt. Text streams to stdout; timings go to stderr.
     The model may come first (`llamacli generate model.gguf -p hi`) or with -m."""
@@ -264,26 +272,36 @@ def generate(
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn)
     complete(m, text, params, max_tokens, stop=stop or (), raw=raw, system=system, truncate=truncate,
-             as_json=as_json, verbose=verbose, quiet=quiet)
+             as_json=as_json, verbose=verbose, quiet=quiet, think=think)
 
 
 def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = False, system: str | None = None,
-             truncate: bool = False, as_json: bool = False, verbose: bool = False, quiet: bool = False) -> None:
-    """One completion of `text` on a loaded model, streamed to stdout (generate, and run with a prompt)."""
+             truncate: bool = False, as_json: bool = False, verbose: bool = False, quiet: bool = False,
+             think: bool | None = None) -> None:
+    """One completion of `text` on a loaded model, streamed to stdout (generate, and run with a prompt); a
+    thinking model's reasoning streams to stderr."""
     from .generate import Completion
+    from .reasoning import ReplyRouter
 
     if verbose:
         dim(f"backend {m.backend.name}, context {m.ctx}")
         if not raw:
             dim(f"chat template: {m.chat_template.source}")
     done = Completion()
+
+    def answer(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    router = ReplyRouter(done, answer, sys.stderr)
     try:
         pieces = m.run(text, completion=done, max_tokens=max_tokens, stop=stop, params=params, raw=raw,
-                       system=system, truncate=truncate)
+                       system=system, truncate=truncate, think=think)
         for piece in pieces:
             if not as_json:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+                router.write(piece)
+        if not as_json:
+            router.end()
     except KeyboardInterrupt:
         done.finish_reason = done.finish_reason or "interrupted"  # Ctrl-C may land here, outside the engine
         _finish(done, as_json, quiet, verbose)
@@ -491,6 +509,7 @@ def chat(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-reply speed lines or notices on stderr.")] = False,
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
+    think: ThinkOpt = None,
 ) -> None:
     """Talk with a model (named first, `llamacli chat model.gguf`, or with -m). Each turn prefills only what
     the KV cache does not hold yet; under each reply a dim line on stderr gives its tokens/s. When the context
@@ -507,15 +526,16 @@ def chat(
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn)
-    converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet)
+    converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think)
 
 
-def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = False, quiet: bool = False) -> None:
+def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = False, quiet: bool = False,
+             think: bool | None = None) -> None:
     """The chat loop on a loaded model (chat, and run without a prompt)."""
     from .chat_repl import ChatLoop
     from .chat_session import ChatSession
 
-    session = ChatSession(m, system=system, params=params, max_tokens=max_tokens)
+    session = ChatSession(m, system=system, params=params, max_tokens=max_tokens, think=think)
     ChatLoop(session, err, interactive=sys.stdin.isatty(), quiet=quiet, as_json=as_json).run()
 
 
@@ -544,6 +564,7 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings or notices on stderr.")] = False,
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
+    think: ThinkOpt = None,
 ) -> None:
     """Run a model as ollama does: with a PROMPT, one reply through the chat template (as `generate`);
     without one, a conversation (as `chat`)."""
@@ -551,9 +572,9 @@ def run(
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn)
     if prompt is None:
-        converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet)
+        converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think)
     else:
-        complete(m, prompt, params, max_tokens, system=system, as_json=as_json, quiet=quiet)
+        complete(m, prompt, params, max_tokens, system=system, as_json=as_json, quiet=quiet, think=think)
 
 
 # -- entry point -------------------------------------------------------------------------------------------

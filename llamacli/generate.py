@@ -21,6 +21,7 @@ from .config import ModelConfig
 from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
 from .model import prefill
+from .reasoning import prompt_opens_think, split_reasoning
 from .sampling import SamplingParams, make_rng
 from .tokenizer import StreamDecoder, Tokenizer
 from .weights import check_tensors
@@ -73,7 +74,9 @@ class Timings:
 
 @dataclass
 class Completion:
-    text: str = ""
+    text: str = ""  # the answer: a thinking model's <think> block goes to `reasoning` once generation ends
+    reasoning: str = ""
+    think_open: bool = False  # the prompt left a <think> block open: the output starts inside it
     tokens: list[int] = field(default_factory=list)  # generated ids (an end-of-generation id is not included)
     prompt_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "interrupted"
@@ -82,6 +85,7 @@ class Completion:
     def as_dict(self) -> dict[str, Any]:
         return {
             "text": self.text,
+            "reasoning": self.reasoning,
             "tokens": self.tokens,
             "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,
@@ -136,16 +140,29 @@ class Model:
             self._chat = ChatTemplate.from_metadata(self.gguf.metadata, self.cfg.architecture)
         return self._chat
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    think: bool | None = None) -> str:
+        """The rendered conversation; `think` True/False reaches the template as enable_thinking (as
+        transformers passes it), None leaves the template's default."""
+        extra = {} if think is None else {"enable_thinking": think}
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
-    def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                 think: bool | None = None) -> list[int]:
         """Token ids of a rendered conversation: special tokens parsed, BOS added unless the template wrote it."""
         from .chat import encode_prompt
 
-        return encode_prompt(self.tokenizer, self.render_chat(messages, add_generation_prompt))
+        return encode_prompt(self.tokenizer, self.render_chat(messages, add_generation_prompt, think))
 
-    def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None) -> list[int]:
+    @property
+    def thinks(self) -> bool:
+        """Whether the chat template knows think blocks (Qwen3, SmolLM3, the R1 distills)."""
+        from .reasoning import template_thinks
+
+        return template_thinks(self.gguf.metadata.get("tokenizer.chat_template"))
+
+    def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None,
+                   think: bool | None = None) -> list[int]:
         """The ids for a prompt: through the chat template (when the file has one, or `system` is given),
         or as plain text with `raw`."""
         from .chat import chat_messages
@@ -156,7 +173,7 @@ class Model:
             return self.tokenize(prompt)
         if self.gguf.metadata.get("tokenizer.chat_template") is None and system is None:
             return self.tokenize(prompt)  # a base model: plain completion
-        return self.chat_ids(chat_messages(prompt, system))
+        return self.chat_ids(chat_messages(prompt, system), think=think)
 
     # -- generation -------------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **kw: Any) -> Iterator[str]:
@@ -182,14 +199,17 @@ class Model:
         raw: bool = False,
         system: str | None = None,
         truncate: bool = False,
+        think: bool | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
-        """The engine. Yields text as it completes; fills `completion` (text, ids, finish reason, timings)."""
+        """The engine. Yields text as it completes (a thinking model's <think> block included: feed it to a
+        reasoning.ReasoningSplitter(completion.think_open) to tell them apart while streaming); fills
+        `completion` (answer and reasoning, ids, finish reason, timings)."""
         params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
         if type(max_tokens) is not int or max_tokens < 0:
             raise UsageError(f"max tokens must be an integer >= 0, got {max_tokens!r}")
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # one string is one stop string
-        ids = list(prompt) if not isinstance(prompt, str) else self.prompt_ids(prompt, raw=raw, system=system)
+        ids = list(prompt) if not isinstance(prompt, str) else self.prompt_ids(prompt, raw=raw, system=system, think=think)
         if not ids:
             raise UsageError("the prompt is empty (no tokens to start from)")
         if len(ids) >= self.ctx:
@@ -204,6 +224,7 @@ class Model:
                 raise UsageError(f"token id {tid} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         c = completion
         c.prompt_tokens, c.timings = list(ids), Timings(load_ms=self.load_ms)
+        c.think_open = prompt_opens_think(self.tokenizer.decode(ids[-8:]))
         rng = make_rng(params.seed)
         be, cfg = self.backend, self.cfg
 
@@ -256,16 +277,18 @@ class Model:
                     self.cached.append(token)  # only once its K/V are surely written
                     token = following
                     c.timings.eval_tokens += 1
+            c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
+            if c.finish_reason != "stop":
+                tail = pending + decoder.flush()
+                if tail:
+                    c.text += tail
+                    yield tail
         except KeyboardInterrupt:
             c.finish_reason = "interrupted"
             c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
             raise
-        c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
-        if c.finish_reason != "stop":
-            tail = pending + decoder.flush()
-            if tail:
-                c.text += tail
-                yield tail
+        finally:  # also when the consumer stops early: a partial reply is split too
+            c.reasoning, c.text = split_reasoning(c.text, c.think_open)
 
     def close(self) -> None:
         self.backend.close()

@@ -158,7 +158,7 @@ class FakeModel:
     def _id(self, word: str) -> int:
         return self.vocab.setdefault(word, len(self.vocab))
 
-    def chat_ids(self, messages, add_generation_prompt=True):
+    def chat_ids(self, messages, add_generation_prompt=True, think=None):
         ids = []
         for m in messages:
             ids += [self._id("<" + m["role"] + ">"), *map(self._id, m["content"].split()), self._id("<end>")]
