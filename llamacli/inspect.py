@@ -14,6 +14,7 @@ from rich.text import Text
 from .config import ModelConfig
 from .errors import GGUFError
 from .gguf_file import GGUFFile, open_gguf
+from .models.base import describe
 from .textio import printable
 from .units import human_bytes, human_count
 from .weights import check_tensors
@@ -89,7 +90,9 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
             n_head_kv=cfg.n_head_kv,
             head_dim=cfg.head_dim,
             n_ff=cfg.n_ff,
+            layers=describe(cfg.layers),
             rope_type=cfg.rope_type,
+            rope_dim=cfg.rope_dim,
             rope_freq_base=cfg.rope_freq_base,
             rope_scaling=cfg.rope_scaling,
             rms_eps=cfg.rms_eps,
@@ -145,7 +148,11 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
             ("heads / KV heads", f"{info['n_head']} / {info['n_head_kv']}"),
             ("head dim", str(info["head_dim"])),
             ("feed-forward", str(info["n_ff"])),
-            ("RoPE", f"{info['rope_type']}, base {info['rope_freq_base']:g}, scaling {info['rope_scaling']}"),
+            ("blocks", info["layers"]),
+            ("RoPE", f"{info['rope_type']}, base {info['rope_freq_base']:g}, scaling {info['rope_scaling']}"
+                     + (f" x{info['rope_scaling_factor']:g} from {info['rope_original_context']}"
+                        if info["rope_scaling"] != "none" else "")
+                     + (f", {info['rope_dim']} of {info['head_dim']} dims" if info["rope_dim"] != info["head_dim"] else "")),
             ("RMS eps", f"{info['rms_eps']:g}"),
         ]
         if not info["vocab_only"]:

@@ -37,7 +37,8 @@ def random_model(tmp_path_factory: pytest.TempPathFactory):
     def make(shape: str = "tiny-llama", qtype: str = "F32", **kw) -> Path:
         key = (shape, str(qtype), tuple(sorted(kw.items())))
         if key not in cache:
-            name = "-".join(str(p) for p in key[:2]) + f"-{len(cache)}.gguf"
+            label = shape if isinstance(shape, str) else shape.name  # a ModelSpec's repr is too long for a path
+            name = f"{label}-{qtype}-{len(cache)}.gguf"
             cache[key] = write_model(root / name, shape, qtype, **kw)
         return cache[key]
 

@@ -144,3 +144,31 @@ def test_yarn_tables_match_transformers_rope_utils(seed):
     np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
     assert cfg.rope_attn_factor == pytest.approx(magnitude, rel=1e-6)
     assert cfg.rope_attn_factor == pytest.approx(0.1 * math.log(factor) + 1)
+
+
+def test_mistral3_without_temperature_scaling_is_llama(random_model):
+    """mistral3 is Llama's block: the same weights read as llama give transformers' Llama logits."""
+    spec = variant("tiny-llama", arch="mistral3", name="tiny-mistral3")
+    path = random_model(spec, "F32", std=STD)
+    twin = random_model(variant(spec, arch="llama"), "F32", std=STD)
+    ids = list(range(3, 50))
+    check(Ours(path).prefill(ids), hf_logits(hf_model(twin), ids)[-1])
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"metadata": {"mistral3.attention.temperature_scale": 0.1}}, "temperature scaling"),
+    ({"drop_tensors": ()}, None),
+])
+def test_mistral3_refuses_what_it_cannot_run(tmp_path, change, message):
+    from llamacli.errors import UnknownArchitectureError
+    from llamacli.testing import write_model
+
+    path = write_model(tmp_path / "m.gguf", variant("tiny-llama", arch="mistral3"), "F32", **change)
+    g = open_gguf(path)
+    if message is None:
+        ModelConfig.from_gguf(g.metadata, set(g.tensors))
+        with pytest.raises(UnknownArchitectureError, match="output"):
+            ModelConfig.from_gguf(g.metadata, set(g.tensors) | {"blk.0.attn_output.bias"})
+    else:
+        with pytest.raises(UnknownArchitectureError, match=message):
+            ModelConfig.from_gguf(g.metadata, set(g.tensors))

@@ -42,7 +42,29 @@ class Architecture:
     name: str  # general.architecture
     rope_type: str  # ROPE_NORMAL | ROPE_NEOX
     layer: Callable[[LayerInfo], LayerPlan] = field(default=lambda info: LayerPlan())
+    # Raises UnsupportedFeatureError for a file of this architecture that needs what no plan describes.
+    check: Callable[[Any, frozenset[str]], None] = field(default=lambda metadata, tensors: None)
 
     def plans(self, n_layer: int, tensors: set[str] | frozenset[str], metadata: Any = None) -> tuple[LayerPlan, ...]:
         names = frozenset(tensors)
+        self.check(metadata, names)
         return tuple(self.layer(LayerInfo(i, n_layer, names, metadata)) for i in range(n_layer))
+
+
+_FEATURES = (  # (plan field, shown when the layer has it (True) or lacks it (False), label)
+    ("fused_qkv", True, "fused QKV"),
+    ("qkv_bias", True, "QKV bias"),
+    ("qk_norm", True, "q/k norm"),
+    ("rope", False, "no RoPE"),
+    ("fused_gate_up", True, "fused gate/up"),
+)
+
+
+def describe(plans: tuple[LayerPlan, ...]) -> str:
+    """What the layers do beyond the Llama block, for `inspect`: "q/k norm", "no RoPE on 9 of 36 layers"."""
+    parts = []
+    for name, when, label in _FEATURES:
+        n = sum(getattr(p, name) == when for p in plans)
+        if n:
+            parts.append(label if n == len(plans) else f"{label} on {n} of {len(plans)} layers")
+    return ", ".join(parts) or "the Llama block"
