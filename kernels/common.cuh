@@ -14,13 +14,13 @@ typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
 
-// Programmatic dependent launch (sm_90+; cuda_kernels.dependent_launches, inside the captured decode step):
+// Programmatic dependent launch (sm_90+; cuda.loader.dependent_launches, inside the captured decode step):
 // such a kernel may start while the kernel before it in the stream is still running. Everything before
 // pdl_wait() may read only what no earlier kernel of the step writes (weights, the position); pdl_wait()
 // returns once the previous kernel has finished and its writes are visible. pdl_launch_dependents() lets
 // the next kernel's blocks start their own pre-wait work: right after pdl_wait() (`early`) where the next
 // kernel is latency-bound, after the main loop where it streams many megabytes (its blocks, placed on SMs
-// still busy with this kernel, measured spread badly: cuda_backend._step_kernels chooses). Both are no-ops
+// still busy with this kernel, measured spread badly: cuda.decode's _step_kernels chooses). Both are no-ops
 // in an ordinary launch and below sm_90.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900

@@ -16,8 +16,7 @@
 //   mv1_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am, early)
 //   mv1_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, lpr, groups, early)
 //   mv1_mixed_<a>_<b>(mv1_<t>'s arguments): w0 and w1 of type a, w2 of type b, both int8-activation types
-//     (Q4_K_M's layers with a Q6_K V: one QKV launch instead of three; tg128 8B 324 -> 331, 1B 1,299 ->
-//     1,363, seventh session).
+//     (Q4_K_M's layers with a Q6_K V: one QKV launch instead of three).
 //     In the captured decode step these may run as programmatic dependents (common.cuh pdl_wait): the
 //     weight prefetch runs before pdl_wait(), everything else after; `early` lets the next kernel start
 //     right after the wait instead of after the main loop.
@@ -38,13 +37,12 @@
 //     __dp4a, llama.cpp's MMVQ numerics).
 //   Launch: block 256 (8 warps), dynamic shared memory units*132 bytes (x slots + per-unit sums of x; the
 //   int8 forms units*40), grid ceil(N / (groups * 8 * 32/lpr)): a block serves `groups` groups of rows with
-//   one staging of x (2 or 4 where staging x per 8 rows costs as much as the rows; cuda_backend._mv1_groups).
+//   one staging of x (2 or 4 where staging x per 8 rows costs as much as the rows; cuda.linear.mv1_groups).
 // Best measured on H100 (2026-11-22, `llamacli bench --kernels`, weights rotated past L2): mv1 at
 // 4096x4096 / 14336x4096 / 4096x14336: F16 16.7 / 47.4 / 50.6 us (2006 / 2480 / 2324 GB/s), Q8_0 11.5 / 29.8 /
-// 35.9 us, Q5_0 10.5 / 23.6 / 34.1 us (fourth session); int8 x (fifth session, row groups as measured
-// best): Q4_K 9.5 / 19.0 / 23.8 us, Q6_K 12.3 / 28.5 / 32.9 us (float x: Q4_K 10.2 / 24.2 / 31.8, Q6_K 11.8
-// / 31.1 / 39.0). F16 / BF16 rows go through mv1_stream (below) instead: 14336x4096 SwiGLU 91.4 -> 81.0 us,
-// 4096x14336 48.1 -> 45.8, 6144x4096 25.2 -> 22.6 (ninth session, before its staging batch of 2). The
+// 35.9 us, Q5_0 10.5 / 23.6 / 34.1 us; with int8 x (row groups as measured best): Q4_K 9.5 / 19.0 / 23.8 us,
+// Q6_K 12.3 / 28.5 / 32.9 us (with float x: Q4_K 10.2 / 24.2 / 31.8, Q6_K 11.8 / 31.1 / 39.0). F16 / BF16
+// rows go through mv1_stream (below) instead: 14336x4096 SwiGLU 81.0 us, 4096x14336 45.8, 6144x4096 22.6. The
 // quantized types stay under memory speed: each block's x staging and the short per-lane loops (a
 // 4096-column Q4_K row is 128 units: four per lane) keep too few bytes in flight.
 
@@ -53,15 +51,14 @@
 
 #define MATVEC_TMAX 8
 // mv1 prefetches its first weight units into L2 for matrices under these sizes (the SwiGLU form: per matrix).
-// Plain forms under 16 MiB (8B Q4_K_M's QKV and O launches): tg128 8B 334 -> 340, 1B 1,357 -> 1,363; the
-// SwiGLU form stays under 4 MiB (16 MiB cost the 1B 2.7%); larger matrices measured slower (seventh session).
+// Plain forms under 16 MiB (8B Q4_K_M's QKV and O launches) measured faster at tg128 (8B +1.8%, 1B +0.4%);
+// the SwiGLU form under 4 MiB (16 MiB cost the 1B 2.7%); larger matrices measured slower.
 #define MV1_PREFETCH_MAX (16ll << 20)
 #define MV1_PREFETCH_MAX_SWIGLU (4ll << 20)
 // The int8-activation forms: units per lane and iteration (their loads issued together; the float forms: 2),
 // and the blocks per SM they are compiled for (__launch_bounds__: up to 64 registers). Left to itself ptxas
-// gave them 40-48 registers and issued the loads one unit at a time: 1B 1,125 / 8B 261 / Qwen 1,229 t/s
-// then, 1,192 / 273 / 1,279 with (4, 4); (2, 4) 1,178 / 278 / 1,278; (4, 3) and (8, 2-3) slower
-// (BENCHMARKS.md, fifth session).
+// gives them 40-48 registers and issues the loads one unit at a time; (4, 4) measured best at tg128 on the
+// 1B, 8B and Qwen2.5-0.5B Q4_K_M shapes ((2, 4), (4, 3) and (8, 2-3) slower; docs/perf-log.md).
 #define MV1_UNROLL8 4
 #define MV1_MINB8 4
 
@@ -429,9 +426,9 @@ __device__ __forceinline__ void quant_half(const float4 (&v)[4], int h, int nh, 
 // uint4, then xd [units] and xsum [units] floats. Each thread rounds whole half-units (16 values), H per
 // pass (H * 4 float4 of x in registers; NORM: also the norm weights, H = 1). Normalised x that fits one pass
 // (K <= 4096 at 256 threads) is read once: sum of squares, block sum, then the rounding from registers.
-// Measured against 8 threads per unit with float4 values (three shuffles each for the max, the non-finite flag
-// and the code sum, per float4), tg128 1B Q4_K_M 1,195 -> 1,300, 8B 302 -> 324, Qwen2.5-0.5B Q4_K_M 1,274 ->
-// 1,333 (sixth session): that form's dependent shuffle chains, not its loads, were most of the staging time.
+// Whole half-units per thread measured 7-9% faster at tg128 (1B, 8B, Qwen2.5-0.5B Q4_K_M) than 8 threads per
+// unit with float4 values, whose dependent shuffle chains (max, non-finite flag, code sum), not its loads,
+// were most of the staging time.
 template <int H, bool NORM>
 __device__ __forceinline__ void stage_xq_halves(const float* __restrict__ x, int K, const float* __restrict__ norm_w,
                                                 float eps, uint4* xq4) {
@@ -788,19 +785,19 @@ MV1_MIXED(q6_k, QQ6_K, q5_k, QQ5_K)
 // mv1_stream_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, am, early) and
 // mv1_stream_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, early), t = f16 / bf16: mv1's results (segments,
 // bias, residual, fused RMSNorm, SwiGLU, argmax; `early` as mv1's) for rows with K % 8 == 0 in 16-byte
-// aligned segments (cuda_backend._mv1_stream_ok). mv1 reads F16 rows as 64-byte units per lane with one pair
+// aligned segments (cuda.linear.mv1_stream_ok). mv1 reads F16 rows as 64-byte units per lane with one pair
 // of units in flight, stages x once per 8 rows, and runs grids of many waves that launch plainly in the
-// decode step; Llama-3-8B F16 decoded at 159 tok/s with it. Here:
+// decode step (Llama-3-8B F16: 159 tok/s; with this form 179). Here:
 //   - 16-byte chunks, chunk c of a row (values 8c .. 8c+7) read by lane c % 32 of its warp: one load
 //     instruction of a warp reads 512 contiguous bytes;
-//   - one wave: at most MV1S_BLOCKS_PER_SM blocks of 256 threads per SM (cuda_backend._mv1_stream_grid), x
+//   - one wave: at most MV1S_BLOCKS_PER_SM blocks of 256 threads per SM (cuda.linear.mv1_stream_grid), x
 //     staged once per block; warp w of W in the grid serves rows w, w + W, ... (the SwiGLU form: the gate
 //     row, then the up row);
 //   - each lane keeps MV1S_BUFS batches of MV1S_BATCH chunks in flight (256 bytes): a batch is loaded again
 //     as soon as it is dotted, across row ends;
 //   - the first MV1S_BUFS batches are loaded before pdl_wait(): as a programmatic dependent (the decode step
 //     lets it in early) the block does that while the kernel before it finishes.
-// Measured on the H100 (8B F16 tg128, BENCHMARKS.md, ninth session), (batch, buffers, blocks per SM), x
+// Measured on the H100 (8B F16 tg128, docs/perf-log.md), (batch, buffers, blocks per SM), x
 // staged one float4 a thread at a time, the next kernel let in after the main loop: (4, 2, 2) 167.4 tok/s,
 // (4, 3, 2) 170.1, (4, 4, 2) 170.5, (6, 3, 2) 171.6, (8, 2, 2) 173.5, (12, 2, 2) 167.4, (8, 3, 1) 158.5,
 // (16, 2, 1) 162.5. With (8, 2, 2) the next streaming kernel let in right after pdl_wait() (`early`; its

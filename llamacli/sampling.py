@@ -160,9 +160,8 @@ def make_rng(seed: int | None) -> np.random.Generator:
 # -- checks and the candidate form --------------------------------------------------------------------------
 #
 # Inside, a step works on the candidates only: ids [n] int64 ascending (tokens whose logit is not -inf) and
-# their logits vals [n] float32. Filtering with a boolean mask keeps ids ascending. The candidate-form steps
-# (_top_p, _min_p, _weights, _draw) are also called by backends/cuda_backend.py, which does top-k on the
-# device and finishes the chain here: keep their signatures, and the ascending-ids contract, stable.
+# their logits vals [n] float32. Filtering with a boolean mask keeps ids ascending. kernels/sampling.cu runs
+# the same chain over its top-k candidates on the device (tests/test_gpu_kernels.py holds the two together).
 
 
 def _as_logits(logits: np.ndarray) -> np.ndarray:
