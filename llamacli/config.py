@@ -49,6 +49,14 @@ class ModelConfig:
     layers: tuple[LayerPlan, ...] = ()
     rope_yarn_beta_fast: float = 32.0  # YaRN's ramp: dims turning fewer than beta_slow times over the
     rope_yarn_beta_slow: float = 1.0  # original context are interpolated, more than beta_fast kept
+    rope_local_base: float = 10000.0  # the base of the local RoPE table (layers whose plan has rope_local)
+    attn_scale: float = 0.0  # the query scale; 0: 1/sqrt(head_dim)
+    embd_scale: float = 1.0  # token embeddings are multiplied by it (gemma: sqrt(n_embd))
+    final_softcap: float = 0.0  # logits -> c tanh(logits / c) (gemma2: 30); 0: none
+
+    @property
+    def query_scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -183,6 +191,9 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
     else:
         raise CorruptFileError(f"RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
     tok = lambda key: md.get(f"tokenizer.ggml.{key}")  # noqa: E731
+    common = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, head_dim=head_dim, rope_freq_base=rope_base)
+    settings = model.settings(lambda key, kind, default=None: get(key, kind, default, required=False), common)
+    own = {k: v for k, v in settings.items() if k in _ARCH_FIELDS}
     return ModelConfig(
         architecture=arch,
         name=str(md.get("general.name") or md.get("general.basename") or arch),
@@ -205,10 +216,14 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
         tied_embeddings=bool(tensors) and "output.weight" not in tensors,
         bos_token_id=_token_id(tok("bos_token_id"), vocab),
         eos_token_id=_token_id(tok("eos_token_id"), vocab),
-        layers=model.plans(n_layer, tensors, md),
+        layers=model.plans(n_layer, tensors, md, settings),
         rope_yarn_beta_fast=beta_fast,
         rope_yarn_beta_slow=beta_slow,
+        **own,
     )
+
+
+_ARCH_FIELDS = ("rope_local_base", "attn_scale", "embd_scale", "final_softcap")  # set by a model's settings
 
 
 def _yarn_magnitude(factor: float, log_mul: float) -> float:

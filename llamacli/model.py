@@ -25,7 +25,7 @@ def forward(be: Backend, cfg: ModelConfig, ids: Any, pos: Any, all_logits: bool 
     w = be.weights
     t = ids.shape[0]
     hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    x = be.embed(ids)  # [T, D]
+    x = be.embed(ids)  # [T, D], times cfg.embd_scale (gemma: sqrt(D))
     for i, L in enumerate(w.layers):
         plan = cfg.layers[i]
         # Attention block: x += Wo . attention(rope(Wq h), rope(Wk h), Wv h), h = rmsnorm(x)
@@ -40,24 +40,31 @@ def forward(be: Backend, cfg: ModelConfig, ids: Any, pos: Any, all_logits: bool 
         q, k = q.reshape(t, hq, dh), k.reshape(t, hkv, dh)
         if plan.qk_norm:  # qwen3: RMSNorm of each head's q and k, one weight [Dh] for all heads
             q, k = be.rms_norm(q, L.attn_q_norm, cfg.rms_eps), be.rms_norm(k, L.attn_k_norm, cfg.rms_eps)
-        if plan.rope:  # smollm3's NoPE layers skip it
-            q, k = be.rope(q, pos), be.rope(k, pos)
-        a = be.attention(i, q, k, v.reshape(t, hkv, dh), pos)  # [T, Hq Dh]
-        x = be.add(x, be.matmul(a, L.attn_output))
+        if plan.rope:  # smollm3's NoPE layers skip it; gemma's sliding-window layers use the local table
+            q, k = be.rope(q, pos, plan.rope_local), be.rope(k, pos, plan.rope_local)
+        a = be.attention(i, q, k, v.reshape(t, hkv, dh), pos)  # [T, Hq Dh] (window, soft-cap: the plan's)
+        o = be.matmul(a, L.attn_output)  # [T, D]
+        if plan.post_norms:  # gemma: the block's output normalised before the residual add
+            o = be.rms_norm(o, L.attn_post_norm, cfg.rms_eps)
+        x = be.add(x, o)
 
-        # Feed-forward block: x += W_down (silu(W_gate h) * W_up h), h = rmsnorm(x)
+        # Feed-forward block: x += W_down (act(W_gate h) * W_up h), h = rmsnorm(x); act silu or gelu (tanh)
         h = be.rms_norm(x, L.ffn_norm, cfg.rms_eps)
         if plan.fused_gate_up:  # phi3: ffn_up rows [gate; up]
             gu = be.matmul(h, L.ffn_up)  # [T, 2F]
             g, u = gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]
         else:
             g, u = be.matmul(h, L.ffn_gate), be.matmul(h, L.ffn_up)  # [T, F] each
-        x = be.add(x, be.matmul(be.swiglu(g, u), L.ffn_down))
+        f = be.matmul(be.geglu(g, u) if plan.activation == "gelu_tanh" else be.swiglu(g, u), L.ffn_down)
+        if plan.post_norms:
+            f = be.rms_norm(f, L.ffn_post_norm, cfg.rms_eps)
+        x = be.add(x, f)
 
     if not all_logits:
         x = x[t - 1 :]  # only the last position feeds the next token
     x = be.rms_norm(x, w.output_norm, cfg.rms_eps)
-    return be.matmul(x, w.output)  # [1 or T, V]
+    logits = be.matmul(x, w.output)  # [1 or T, V]
+    return be.softcap(logits, cfg.final_softcap) if cfg.final_softcap else logits
 
 
 def prefill(be: Backend, cfg: ModelConfig, ids: Any, start: int) -> Any:

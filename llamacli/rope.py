@@ -22,10 +22,14 @@ from .config import ModelConfig
 from .gguf_file import GGUFFile
 
 
-def inv_freq(cfg: ModelConfig, gguf: GGUFFile | None, ctx: int) -> np.ndarray:
-    """theta [rope_dim/2] as float32 (computed in float64)."""
+def inv_freq(cfg: ModelConfig, gguf: GGUFFile | None, ctx: int, local: bool = False) -> np.ndarray:
+    """theta [rope_dim/2] as float32 (computed in float64). `local`: the table of the layers whose plan has
+    rope_local (gemma's sliding-window layers): base cfg.rope_local_base, no scaling."""
     half = cfg.rope_dim // 2
-    theta = cfg.rope_freq_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
+    base = cfg.rope_local_base if local else cfg.rope_freq_base
+    theta = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
+    if local:
+        return theta.astype(np.float32)
     if cfg.rope_scaling == "linear":
         theta /= cfg.rope_scaling_factor
     elif cfg.rope_scaling == "llama3" and gguf is not None:

@@ -112,6 +112,7 @@ class ModelSpec:
     name: str = "random"
     head_dim: int = 0  # attention.key_length; 0: n_embd / n_head
     rope_dim: int = 0  # rope.dimension_count; 0: the head dim (partial rotary when smaller)
+    window: int = 0  # attention.sliding_window (gemma2/gemma3); 0: not written
 
     @property
     def dh(self) -> int:
@@ -136,6 +137,18 @@ SHAPES: dict[str, ModelSpec] = {
     "tiny-qwen3": ModelSpec("qwen3", 2, 256, 2, 1, 256, rope_base=1e6, rms_eps=1e-6, tied=True, name="tiny-qwen3"),
     "tiny-smollm3": ModelSpec("smollm3", 4, 64, 4, 2, 128, rope_base=5e6, name="tiny-smollm3"),
     "qwen3-8b": ModelSpec("qwen3", 36, 4096, 32, 8, 12288, 151936, 40960, 1e6, 1e-6, False, name="Qwen3-8B-shape"),
+    # Gemma: head dim 256 (what transformers' query_pre_attn_scalar defaults to), a window shorter than the
+    # tests' prompts; gemma3's sixth layer is global, gemma2's odd layers.
+    "tiny-gemma3": ModelSpec("gemma3", 6, 128, 2, 1, 256, rope_base=1e6, rms_eps=1e-6, tied=True, name="tiny-gemma3",
+                             head_dim=256, window=8),
+    "tiny-gemma2": ModelSpec("gemma2", 4, 128, 2, 1, 256, rope_base=1e4, rms_eps=1e-6, tied=True, name="tiny-gemma2",
+                             head_dim=256, window=8),
+    "gemma3-270m": ModelSpec("gemma3", 18, 640, 4, 1, 2048, 262144, 32768, 1e6, 1e-6, True, name="Gemma-3-270M-shape",
+                             head_dim=256, window=512),
+    "gemma3-4b": ModelSpec("gemma3", 34, 2560, 8, 4, 10240, 262208, 131072, 1e6, 1e-6, True, "linear", 8.0,
+                           "Gemma-3-4B-shape", head_dim=256, window=1024),
+    "gemma2-2b": ModelSpec("gemma2", 26, 2304, 8, 4, 9216, 256000, 8192, 1e4, 1e-6, True, name="Gemma-2-2B-shape",
+                           head_dim=256, window=4096),
 }
 
 
@@ -206,6 +219,11 @@ def model_metadata(spec: ModelSpec, n_vocab: int) -> dict[str, Any]:
     if spec.rope_scaling == "longrope":
         kv[f"{arch}.rope.scaling.original_context_length"] = spec.context_length // 4
         kv[f"{arch}.rope.scaling.attn_factor"] = 1.19
+    if spec.window:
+        kv[f"{arch}.attention.sliding_window"] = spec.window
+    if arch == "gemma2":  # as the converter writes them (llama.cpp's defaults too)
+        kv[f"{arch}.attn_logit_softcapping"] = 50.0
+        kv[f"{arch}.final_logit_softcapping"] = 30.0
     return kv
 
 

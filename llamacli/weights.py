@@ -44,15 +44,17 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
         ]
     if plan.qk_norm:  # one weight per head dim, shared by every head
         specs += [TensorSpec(p + "attn_q_norm.weight", (dh,)), TensorSpec(p + "attn_k_norm.weight", (dh,))]
-    specs += [
-        TensorSpec(p + "attn_output.weight", (d, q)),
-        TensorSpec(p + "ffn_norm.weight", (d,)),
-    ]
+    specs.append(TensorSpec(p + "attn_output.weight", (d, q)))
+    if plan.post_norms:  # gemma: RMSNorm of the attention output before its residual add
+        specs.append(TensorSpec(p + "post_attention_norm.weight", (d,)))
+    specs.append(TensorSpec(p + "ffn_norm.weight", (d,)))
     if plan.fused_gate_up:
         specs.append(TensorSpec(p + "ffn_up.weight", (2 * ff, d)))  # [gate; up] rows
     else:
         specs += [TensorSpec(p + "ffn_gate.weight", (ff, d)), TensorSpec(p + "ffn_up.weight", (ff, d))]
     specs.append(TensorSpec(p + "ffn_down.weight", (d, ff)))
+    if plan.post_norms:
+        specs.append(TensorSpec(p + "post_ffw_norm.weight", (d,)))
     return specs
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ..config import ModelConfig
+from ..errors import BackendError
 
 if TYPE_CHECKING:
     from ..sampling import SamplingParams
@@ -40,6 +41,8 @@ class LayerWeights:
     attn_v_bias: Any = None  # [Hkv*Dh]
     attn_q_norm: Any = None  # [Dh] per-head RMSNorm of q (qwen3)
     attn_k_norm: Any = None  # [Dh] per-head RMSNorm of k
+    attn_post_norm: Any = None  # [D] post_attention_norm (gemma)
+    ffn_post_norm: Any = None  # [D] post_ffw_norm (gemma)
     attn_output: Any = None  # [D, Hq*Dh]
     ffn_norm: Any = None  # [D]
     ffn_gate: Any = None  # [F, D]
@@ -92,7 +95,7 @@ class Backend(ABC):
     # -- operations --------------------------------------------------------------------------------------
     @abstractmethod
     def embed(self, ids: Any) -> Any:
-        """[T] ids -> [T, D] rows of token_embd, dequantized."""
+        """[T] ids -> [T, D] rows of token_embd, dequantized, times cfg.embd_scale."""
 
     @abstractmethod
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
@@ -103,18 +106,27 @@ class Backend(ABC):
         """[T, K] @ W[N, K]^T (+ bias[N]) -> [T, N]."""
 
     @abstractmethod
-    def rope(self, x: Any, pos: Any) -> Any:
+    def rope(self, x: Any, pos: Any, local: bool = False) -> Any:
         """[T, H, Dh] rotated at positions pos [T] (the config's pairing and scaling; the first rope_dim
-        dims of each head rotate, the rest pass through)."""
+        dims of each head rotate, the rest pass through); `local`: the local table (rope.inv_freq)."""
 
     @abstractmethod
     def attention(self, layer: int, q: Any, k: Any, v: Any, pos: Any) -> Any:
         """Write k, v [T, Hkv, Dh] into the cache at pos, then causal GQA of q [T, Hq, Dh] over cache
-        positions 0..pos[t] for each t, scale 1/sqrt(Dh) -> [T, Hq*Dh]."""
+        positions 0..pos[t] for each t (only pos[t] - window < k with the layer plan's window), scores
+        scaled by cfg.query_scale and soft-capped by the plan's attn_softcap -> [T, Hq*Dh]."""
 
     @abstractmethod
     def swiglu(self, gate: Any, up: Any) -> Any:
         """silu(gate) * up, [T, F]."""
+
+    def geglu(self, gate: Any, up: Any) -> Any:
+        """gelu_tanh(gate) * up, [T, F] (gemma's FFN)."""
+        raise BackendError(f"the {self.name} backend has no GeGLU (gemma models)")
+
+    def softcap(self, x: Any, cap: float) -> Any:
+        """cap * tanh(x / cap) (gemma2's final logits)."""
+        raise BackendError(f"the {self.name} backend has no logit soft-capping (gemma2 models)")
 
     @abstractmethod
     def add(self, x: Any, y: Any) -> Any:

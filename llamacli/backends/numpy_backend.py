@@ -76,6 +76,8 @@ class NumpyBackend(Backend):
                     attn_v_bias=get("attn_v.bias"),
                     attn_q_norm=get("attn_q_norm.weight"),
                     attn_k_norm=get("attn_k_norm.weight"),
+                    attn_post_norm=get("post_attention_norm.weight"),
+                    ffn_post_norm=get("post_ffw_norm.weight"),
                     attn_output=get("attn_output.weight"),
                     ffn_norm=get("ffn_norm.weight"),
                     ffn_gate=get("ffn_gate.weight"),
@@ -90,6 +92,7 @@ class NumpyBackend(Backend):
         report(total, total, "output")
 
         self.theta = rope_tables.inv_freq(cfg, gguf, ctx)  # [rope_dim/2]
+        self.theta_local = rope_tables.inv_freq(cfg, gguf, ctx, local=True)
         self.k_cache = np.zeros((cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim), dtype=np.float32)
         self.v_cache = np.zeros_like(self.k_cache)
 
@@ -105,7 +108,8 @@ class NumpyBackend(Backend):
 
     # -- operations --------------------------------------------------------------------------------------
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        return self.weights.token_embd.rows(ids)  # [T, D]
+        rows = self.weights.token_embd.rows(ids)  # [T, D]
+        return rows * np.float32(self.cfg.embd_scale) if self.cfg.embd_scale != 1.0 else rows
 
     @_ieee
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -118,9 +122,10 @@ class NumpyBackend(Backend):
         return y + bias if bias is not None else y
 
     @_ieee
-    def rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def rope(self, x: np.ndarray, pos: np.ndarray, local: bool = False) -> np.ndarray:
         cfg = self.cfg
-        cos, sin = rope_tables.cos_sin(self.theta, pos, cfg.rope_attn_factor)  # [T, R/2]
+        theta, attn = (self.theta_local, 1.0) if local else (self.theta, cfg.rope_attn_factor)
+        cos, sin = rope_tables.cos_sin(theta, pos, attn)  # [T, R/2]
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         out = x.copy()
         r = cfg.rope_dim
@@ -136,7 +141,7 @@ class NumpyBackend(Backend):
 
     @_ieee
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        cfg = self.cfg
+        cfg, plan = self.cfg, self.cfg.layers[layer]
         self.k_cache[layer, pos] = k  # [T, Hkv, Dh] at their positions
         self.v_cache[layer, pos] = v
         n = int(pos.max()) + 1
@@ -147,9 +152,13 @@ class NumpyBackend(Backend):
         rows = attention_rows(cfg, t, n)  # query rows per pass: the score arrays stay within ATT_SCRATCH
         for r in range(0, t, rows):
             qr, pr = qg[r : r + rows], pos[r : r + rows]
-            scores = np.einsum("thgd,shd->hgts", qr, keys) / np.sqrt(cfg.head_dim)  # [Hkv, G, rows, S]
-            causal = np.arange(n)[None, :] > pr[:, None]  # [rows, S]: key after the query's position
-            scores = np.where(causal, -np.inf, scores)
+            scores = np.einsum("thgd,shd->hgts", qr, keys) * cfg.query_scale  # [Hkv, G, rows, S]
+            if plan.attn_softcap:  # gemma2: c tanh(s / c)
+                scores = plan.attn_softcap * np.tanh(scores / plan.attn_softcap)
+            hidden = np.arange(n)[None, :] > pr[:, None]  # [rows, S]: key after the query's position
+            if plan.window:  # sliding window: keys at or before p - window are out of reach
+                hidden |= np.arange(n)[None, :] <= pr[:, None] - plan.window
+            scores = np.where(hidden, -np.inf, scores)
             scores -= scores.max(axis=-1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
@@ -160,6 +169,17 @@ class NumpyBackend(Backend):
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         sigmoid = 0.5 * (1.0 + np.tanh(0.5 * gate))  # = 1 / (1 + e^-gate), without overflow
         return (gate * sigmoid * up).astype(np.float32)
+
+    @_ieee
+    def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """gelu with the tanh approximation (gemma's gelu_pytorch_tanh) times up."""
+        g = gate.astype(np.float64)
+        gelu = 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+        return (gelu * up).astype(np.float32)
+
+    @_ieee
+    def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        return (cap * np.tanh(x.astype(np.float64) / cap)).astype(np.float32)
 
     @_ieee
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:

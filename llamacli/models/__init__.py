@@ -4,10 +4,10 @@ tensors, and its per-layer plan (base.LayerPlan). `architecture(name)` is the lo
 from __future__ import annotations
 
 from ..errors import UnknownArchitectureError
-from . import llama, mistral3, phi3, qwen2, qwen3, smollm3
+from . import gemma2, gemma3, llama, mistral3, phi3, qwen2, qwen3, smollm3
 from .base import ROPE_NEOX, ROPE_NORMAL, Architecture, LayerInfo, LayerPlan
 
-ARCHITECTURES: dict[str, Architecture] = {m.ARCH.name: m.ARCH for m in (llama, qwen2, phi3, qwen3, smollm3, mistral3)}
+ARCHITECTURES: dict[str, Architecture] = {m.ARCH.name: m.ARCH for m in (llama, qwen2, phi3, qwen3, smollm3, mistral3, gemma2, gemma3)}
 
 __all__ = ["ARCHITECTURES", "ROPE_NEOX", "ROPE_NORMAL", "Architecture", "LayerInfo", "LayerPlan", "architecture"]
 

@@ -24,7 +24,14 @@ class LayerPlan:
     qkv_bias: bool = False  # attn_{q,k,v}.bias (qwen2)
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE: attn_q_norm / attn_k_norm [Dh] (qwen3)
     rope: bool = True  # rotate q and k (smollm3 leaves every fourth layer unrotated)
+    rope_local: bool = False  # rotate with the local table: base cfg.rope_local_base, no scaling (gemma's
+    #                           sliding-window layers)
+    window: int = 0  # sliding-window attention: query at p sees keys at p - window < k <= p; 0: all keys
+    attn_softcap: float = 0.0  # scores s -> c tanh(s / c) after the query scale (gemma2: 50); 0: none
+    post_norms: bool = False  # RMSNorm of the attention and FFN outputs before each residual add:
+    #                           post_attention_norm / post_ffw_norm [D] (gemma2, gemma3)
     fused_gate_up: bool = False  # ffn_up [2F, D] holds rows [gate; up] (phi3)
+    activation: str = "silu"  # the gated FFN's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class LayerInfo:
     n_layer: int
     tensors: frozenset[str]  # every tensor name in the file (empty when only metadata is known)
     metadata: Any = None  # the file's metadata mapping (for architectures with per-layer keys)
+    settings: Any = None  # what the architecture's `settings` read (a dict)
 
 
 @dataclass(frozen=True)
@@ -42,13 +50,19 @@ class Architecture:
     name: str  # general.architecture
     rope_type: str  # ROPE_NORMAL | ROPE_NEOX
     layer: Callable[[LayerInfo], LayerPlan] = field(default=lambda info: LayerPlan())
-    # Raises UnsupportedFeatureError for a file of this architecture that needs what no plan describes.
+    # Raises UnknownArchitectureError for a file of this architecture that needs what no plan describes.
     check: Callable[[Any, frozenset[str]], None] = field(default=lambda metadata, tensors: None)
+    # (get, common) -> the architecture's own keys: ModelConfig fields (embd_scale, attn_scale, final_softcap,
+    # rope_local_base) and whatever its layer plans need. `get(key, kind, default)` reads "<arch>.<key>"
+    # checked as config.py checks every key; `common` holds n_layer, n_embd, n_head, head_dim, rope_freq_base.
+    settings: Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]] = field(
+        default=lambda get, common: {})
 
-    def plans(self, n_layer: int, tensors: set[str] | frozenset[str], metadata: Any = None) -> tuple[LayerPlan, ...]:
+    def plans(self, n_layer: int, tensors: set[str] | frozenset[str], metadata: Any = None,
+              settings: dict[str, Any] | None = None) -> tuple[LayerPlan, ...]:
         names = frozenset(tensors)
         self.check(metadata, names)
-        return tuple(self.layer(LayerInfo(i, n_layer, names, metadata)) for i in range(n_layer))
+        return tuple(self.layer(LayerInfo(i, n_layer, names, metadata, settings or {})) for i in range(n_layer))
 
 
 _FEATURES = (  # (plan field, shown when the layer has it (True) or lacks it (False), label)
@@ -56,6 +70,8 @@ _FEATURES = (  # (plan field, shown when the layer has it (True) or lacks it (Fa
     ("qkv_bias", True, "QKV bias"),
     ("qk_norm", True, "q/k norm"),
     ("rope", False, "no RoPE"),
+    ("rope_local", True, "local RoPE"),
+    ("post_norms", True, "post-norms"),
     ("fused_gate_up", True, "fused gate/up"),
 )
 
@@ -67,4 +83,12 @@ def describe(plans: tuple[LayerPlan, ...]) -> str:
         n = sum(getattr(p, name) == when for p in plans)
         if n:
             parts.append(label if n == len(plans) else f"{label} on {n} of {len(plans)} layers")
+    windows = sorted({p.window for p in plans if p.window})
+    for w in windows:
+        n = sum(p.window == w for p in plans)
+        parts.append(f"sliding window {w} on {n} of {len(plans)} layers")
+    for cap in sorted({p.attn_softcap for p in plans if p.attn_softcap}):
+        parts.append(f"attention soft-cap {cap:g}")
+    for act in sorted({p.activation for p in plans if p.activation != "silu"}):
+        parts.append({"gelu_tanh": "GeGLU"}.get(act, act))
     return ", ".join(parts) or "the Llama block"

@@ -119,6 +119,7 @@ class DeviceMixin:
 
         # RoPE table (float64 of the reference's float32 theta, so angles match the NumPy backend), KV cache.
         self.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx).astype(np.float64))
+        self.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx, local=True).astype(np.float64))
         shape = (cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim)
         self.k_cache = cp.zeros(shape, dtype=cp.float16)
         self.v_cache = cp.zeros(shape, dtype=cp.float16)

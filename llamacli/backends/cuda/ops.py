@@ -44,14 +44,15 @@ class OpsMixin:
         K.launch("norm", "rms_norm_f32", (rows,), (256,), (K.ptr(x), K.ptr(weight), K.ptr(out), K.i32(d), K.f32(eps)))
 
     @profiled("RoPE")
-    def rope(self, x: Any, pos: Any) -> Any:
+    def rope(self, x: Any, pos: Any, local: bool = False) -> Any:
         cfg = self.cfg
         out = self._f32(x).copy()
         t, h, dh = out.shape
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
+        table, attn = (self.inv_freq_local, 1.0) if local else (self.inv_freq, cfg.rope_attn_factor)
         K.launch("rope", f"rope_{mode}", (t, h), (max(32, K.cdiv(dh // 2, 32) * 32),),
                  (K.ptr(out), K.i32(h * dh), K.i32(h), K.i32(dh), K.i32(cfg.rope_dim), K.ptr(pos),
-                  K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor)))
+                  K.ptr(table), K.f32(attn)))
         return out
 
     @profiled("FFN")
