@@ -1,13 +1,27 @@
 """One module per architecture (as mlx-lm's models/): the keys it reads beyond config.py's common ones, its
-tensors, and its per-layer plan (base.LayerPlan). `architecture(name)` is the lookup config.py uses."""
+tensors, and its per-layer plan (base.LayerPlan). Every module here with an `ARCH` is an architecture: adding
+one is adding a file. `architecture(name)` is the lookup config.py uses."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from ..errors import UnknownArchitectureError
-from . import gemma2, gemma3, llama, mistral3, phi3, qwen2, qwen3, smollm3
 from .base import ROPE_NEOX, ROPE_NORMAL, Architecture, LayerInfo, LayerPlan
 
-ARCHITECTURES: dict[str, Architecture] = {m.ARCH.name: m.ARCH for m in (llama, qwen2, phi3, qwen3, smollm3, mistral3, gemma2, gemma3)}
+
+def _discover() -> dict[str, Architecture]:
+    found = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        arch = getattr(module, "ARCH", None)
+        if isinstance(arch, Architecture):
+            found[arch.name] = arch
+    return found
+
+
+ARCHITECTURES: dict[str, Architecture] = _discover()
 
 __all__ = ["ARCHITECTURES", "ROPE_NEOX", "ROPE_NORMAL", "Architecture", "LayerInfo", "LayerPlan", "architecture"]
 
