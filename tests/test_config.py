@@ -127,3 +127,22 @@ def test_impossible_values(over):
 def test_per_layer_arrays_that_agree_are_accepted():
     cfg = ModelConfig.from_gguf(md(**{"attention__head_count_kv": [2, 2], "feed_forward_length": [128, 128]}), set())
     assert cfg.n_head_kv == 2 and cfg.n_ff == 128
+
+
+@pytest.mark.parametrize("arch,key,value", [
+    ("gemma3", "attention__sliding_window", -5), ("gemma3", "rope__freq_base_swa", 0.5),
+    ("gemma2", "attention__sliding_window", 0), ("gemma2", "attn_logit_softcapping", -1.0),
+    ("gemma2", "final_logit_softcapping", 1e30),
+])
+def test_gemma_settings_out_of_range_are_corrupt(arch, key, value):
+    with pytest.raises(CorruptFileError, match="out of range"):
+        ModelConfig.from_gguf(md(arch, **{key: value}), set())
+
+
+def test_gemma_layer_pattern_from_the_file():
+    cfg = ModelConfig.from_gguf(md("gemma3", **{"attention__sliding_window": 16, "block_count": 4,
+                                                "attention__sliding_window_pattern": [True, False, True, False]}), set())
+    assert [p.window for p in cfg.layers] == [16, 0, 16, 0] and cfg.embd_scale == pytest.approx(math.sqrt(64))
+    two = ModelConfig.from_gguf(md("gemma2", **{"block_count": 4}), set())
+    assert [p.window for p in two.layers] == [4096, 0, 4096, 0] and two.final_softcap == 30.0
+    assert all(p.attn_softcap == 50.0 and not p.rope_local for p in two.layers)

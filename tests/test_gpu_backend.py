@@ -65,8 +65,10 @@ def greedy_run(be, cfg, prompt, steps, fused=False):
 QWEN3_D64 = variant("tiny-qwen3", n_embd=128, n_head=4, n_head_kv=2, head_dim=64, name="qwen3-dh64")  # Hq Dh != D
 QWEN3_YARN = variant("tiny-qwen3", rope_scaling="yarn", rope_factor=4.0, context_length=1024, name="qwen3-yarn")
 PHI3_PARTIAL = variant("small-phi3", rope_dim=96, name="phi3-rope96")  # Phi-4-mini: 96 of 128 dims rotate
+GEMMA3_D128 = variant("tiny-gemma3", head_dim=128, name="gemma3-dh128")  # gemma with the 128-dim kernels
 ARCH_CASES = [("tiny-qwen3", QT.F32), ("tiny-qwen3", "Q4_K_M"), (QWEN3_D64, QT.Q8_0), (QWEN3_YARN, QT.Q6_K),
-              ("tiny-smollm3", QT.Q8_0), (PHI3_PARTIAL, QT.Q4_K)]
+              ("tiny-smollm3", QT.Q8_0), (PHI3_PARTIAL, QT.Q4_K), ("tiny-gemma3", QT.F32), ("tiny-gemma3", QT.Q8_0),
+              (GEMMA3_D128, QT.Q6_K), ("tiny-gemma2", QT.Q8_0)]
 
 CASES = ARCH_CASES + [("small-llama", t) for t in RUNNABLE] + [
     ("tiny-llama", QT.F32), ("tiny-qwen2", QT.Q8_0), ("tiny-phi3", QT.F16),

@@ -12,21 +12,21 @@ import math
 from typing import Any, Callable
 
 from .base import ROPE_NEOX, Architecture, LayerInfo, LayerPlan
-from .gemma3 import local_layers
+from .gemma3 import checked, local_layers
 
 
 def _settings(get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
     n_layer, n_embd, n_head = common["n_layer"], common["n_embd"], common["n_head"]
     swa_base = get("rope.freq_base_swa", float, None)
     return {
-        "window": get("attention.sliding_window", int, 4096),
+        "window": checked("sliding window", get("attention.sliding_window", int, 4096), 1, 1 << 24),
         "local": local_layers(get, n_layer, 2),
         "local_rope": swa_base is not None,
-        "rope_local_base": swa_base or common["rope_freq_base"],
-        "softcap": get("attn_logit_softcapping", float, 50.0),
+        "rope_local_base": checked("local RoPE base", swa_base or common["rope_freq_base"], 1.0 + 1e-9, 1e12),
+        "softcap": checked("attention soft-cap", get("attn_logit_softcapping", float, 50.0), 0.0, 1e6),
         "attn_scale": 1.0 / math.sqrt(n_embd / n_head) if n_layer == 46 else 1.0 / math.sqrt(common["head_dim"]),
         "embd_scale": math.sqrt(n_embd),
-        "final_softcap": get("final_logit_softcapping", float, 30.0),
+        "final_softcap": checked("final soft-cap", get("final_logit_softcapping", float, 30.0), 0.0, 1e6),
     }
 
 

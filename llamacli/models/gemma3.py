@@ -17,6 +17,7 @@ Tensors per layer: attn_norm [D], attn_q [Hq Dh, D], attn_k / attn_v [Hkv Dh, D]
 import math
 from typing import Any, Callable
 
+from ..errors import CorruptFileError
 from .base import ROPE_NEOX, Architecture, LayerInfo, LayerPlan
 
 
@@ -32,17 +33,24 @@ def local_layers(get: Callable[..., Any], n_layer: int, period: int) -> tuple[bo
     return tuple(p == 0 or i % p < p - 1 for i in range(n_layer))
 
 
+def checked(name: str, value: Any, low: float, high: float) -> Any:
+    """A setting within [low, high], else the file is corrupt."""
+    if not low <= value <= high:
+        raise CorruptFileError(f"{name} {value!r} is out of range")
+    return value
+
+
 def _settings(get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
-    window = get("attention.sliding_window", int, 0)
+    window = checked("sliding window", get("attention.sliding_window", int, 0), 0, 1 << 24)
     n_layer, n_embd, n_head = common["n_layer"], common["n_embd"], common["n_head"]
     big = n_layer == 62  # the 27B scales queries by the embedding per head, not the head dim
     return {
-        "window": window if window > 0 else 0,
+        "window": window,
         "local": local_layers(get, n_layer, 6) if window > 0 else (False,) * n_layer,
-        "rope_local_base": get("rope.freq_base_swa", float, 10000.0),
+        "rope_local_base": checked("local RoPE base", get("rope.freq_base_swa", float, 10000.0), 1.0 + 1e-9, 1e12),
         "attn_scale": 1.0 / math.sqrt(n_embd / n_head) if big else 1.0 / math.sqrt(common["head_dim"]),
         "embd_scale": math.sqrt(n_embd),
-        "final_softcap": get("final_logit_softcapping", float, 0.0),
+        "final_softcap": checked("final soft-cap", get("final_logit_softcapping", float, 0.0), 0.0, 1e6),
     }
 
 
