@@ -4,7 +4,7 @@ The template is the file's `tokenizer.chat_template` (Jinja, as in the model's t
 the way transformers' apply_chat_template renders it: an ImmutableSandboxedEnvironment with trim_blocks and
 lstrip_blocks, the loopcontrols extension, `raise_exception`, `strftime_now`, and a `tojson` that keeps
 non-ASCII text. A file without one gets a built-in format chosen by architecture and vocabulary (ChatML,
-Llama 3, Phi-3, Llama 2 [INST]); `.source` says which ('gguf' or 'builtin:<name>').
+Llama 3, Phi-3, Gemma, Llama 2 [INST]); `.source` says which ('gguf' or 'builtin:<name>').
 
 Templates come from downloaded files, so they are untrusted code: they compile and render in the sandbox of
 template_sandbox.py, bounded in source size, time, memory and output size. Every failure is a TemplateError.
@@ -59,16 +59,40 @@ BUILTIN_TEMPLATES = {
         "{% endif %}"
         "{% endfor %}"
     ),
+    # Gemma 1-3 (llama.cpp's LLM_CHAT_TEMPLATE_GEMMA): "assistant" is "model", and Gemma has no system turn,
+    # so a system message goes in front of the next user turn followed by a blank line, untrimmed, as the
+    # official Gemma 3 template does for its first message. Unlike that template, roles that do not alternate
+    # are rendered, not refused (llama.cpp's built-in is as lenient).
+    "gemma": (
+        "{{ bos_token }}"
+        "{% set ns = namespace(system='') %}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}"
+        "{% set ns.system = ns.system + message['content'] + '\n\n' %}"
+        "{% else %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{ '<start_of_turn>' + role + '\n' }}"
+        "{% if role != 'model' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+        "{{ message['content'] | trim + '<end_of_turn>\n' }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    ),
 }
+
+GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding"})
 
 
 def builtin_for(md: dict[str, Any], arch: str | None = None) -> str:
-    """The built-in format for a file without a template: by architecture, then by vocabulary."""
+    """The built-in format for a file without a template: by architecture, then by vocabulary (the tokens
+    llama.cpp's llm_chat_detect_template looks for in a template's text)."""
     arch = arch or md.get("general.architecture")
     tokens = md.get("tokenizer.ggml.tokens")
     has = set(tokens if isinstance(tokens, list) else ()).__contains__
     if arch == "qwen2":
         return "chatml"
+    if arch in GEMMA_ARCHITECTURES or (has("<start_of_turn>") and has("<end_of_turn>")):
+        return "gemma"
     if has("<|eot_id|>") or has("<|start_header_id|>"):
         return "llama3"
     if arch == "phi3":

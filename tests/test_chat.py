@@ -151,6 +151,10 @@ def test_builtin_formats_exactly() -> None:
         "<|system|>\nS<|end|>\n<|user|>\nU1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nU2<|end|>\n<|assistant|>\n"
     )
     assert render["llama2"] == "<s>[INST] <<SYS>>\nS\n<</SYS>>\n\nU1 [/INST] A1 </s><s>[INST] U2 [/INST]"
+    assert render["gemma"] == (
+        "<s><start_of_turn>user\nS\n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+        "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\n"
+    )
     assert ChatTemplate.builtin("chatml").render(messages, add_generation_prompt=False).endswith("U2<|im_end|>\n")
     with pytest.raises(TemplateError, match="no built-in"):
         ChatTemplate.builtin("vicuna")
@@ -180,6 +184,80 @@ def test_fallback_by_architecture(vocab: str, arch: str, want: str, llama_cpp_mo
     specials = {"chatml": "<|im_start|>", "llama3": "<|start_header_id|>", "phi3": "<|user|>", "llama2": "<s>"}
     if want != "chatml" or vocab == "qwen2":  # GPT-2's vocabulary has no ChatML tokens: they stay text
         assert tok.token_id(specials[want]) in ids
+
+
+# Gemma 3's official chat template (google/gemma-3-*-it tokenizer_config.json, as transformers renders it).
+GEMMA3_OFFICIAL = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+)
+
+GEMMA_CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "  Spaces kept around the system text \n"}, {"role": "user", "content": " \tpadded\n\n"}],
+    [{"role": "system", "content": "Sys"}, {"role": "user", "content": "What is 2+2?"},
+     {"role": "assistant", "content": " 4.\n"}, {"role": "user", "content": "And 3+3? {{ braces }} <b>"}],
+    [{"role": "user", "content": "Ünïcode ✓ 日本語 🦙"}, {"role": "assistant", "content": "<start_of_turn> as text"},
+     {"role": "user", "content": "line\nbreaks\n\nkept"}],
+]
+
+
+@pytest.mark.parametrize("conversation", GEMMA_CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gemma_builtin_renders_as_the_official_gemma3_template(conversation, add_generation_prompt) -> None:
+    """Gemma files carry no template: the built-in gives transformers' rendering of the official one, system
+    message folded into the first user turn (untrimmed, then a blank line), user and model turns trimmed."""
+    special = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    want = transformers_render(GEMMA3_OFFICIAL, conversation, add_generation_prompt, **special)
+    assert ChatTemplate.builtin("gemma", special).render(conversation, add_generation_prompt) == want
+
+
+def test_gemma_builtin_renders_what_the_official_template_refuses() -> None:
+    """As llama.cpp's built-in: roles that do not alternate, and a system message later on (it goes in front of
+    the next user turn), render instead of failing a chat."""
+    conversation = [{"role": "user", "content": "A"}, {"role": "user", "content": "B"},
+                    {"role": "system", "content": "S"}, {"role": "assistant", "content": "C"},
+                    {"role": "user", "content": "D"}]
+    with pytest.raises(Exception, match="alternate"):
+        transformers_render(GEMMA3_OFFICIAL, conversation, bos_token="<bos>")
+    assert ChatTemplate.builtin("gemma", {"bos_token": "<bos>"}).render(conversation) == (
+        "<bos><start_of_turn>user\nA<end_of_turn>\n<start_of_turn>user\nB<end_of_turn>\n"
+        "<start_of_turn>model\nC<end_of_turn>\n<start_of_turn>user\nS\n\nD<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "arch, tokens, want",
+    [
+        ("gemma3", [], "gemma"),
+        ("gemma2", [], "gemma"),
+        ("gemma", [], "gemma"),
+        ("llama", ["<unk>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>"], "gemma"),  # by vocabulary
+        ("llama", ["<unk>", "<s>", "</s>", "<start_of_turn>"], "llama2"),  # half a turn format is not Gemma's
+        ("gemma4", ["<bos>", "<|turn>", "<turn|>"], "chatml"),  # Gemma 4 files bring their template
+    ],
+)
+def test_gemma_is_chosen_by_architecture_then_vocabulary(arch, tokens, want) -> None:
+    model = "gemma4" if arch == "gemma4" else "llama"
+    md = {"general.architecture": arch, "tokenizer.ggml.model": model, "tokenizer.ggml.tokens": tokens}
+    assert builtin_for(md) == want
+    assert ChatTemplate.from_metadata(md).source == f"builtin:{want}"
 
 
 # -- the sandbox ---------------------------------------------------------------------------------------------

