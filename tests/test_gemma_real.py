@@ -105,3 +105,57 @@ def test_cli_generate_on_the_numpy_backend(gemma3: Path) -> None:
             "--backend", "numpy")
     assert r.code == 0, r.err
     assert r.out.rstrip("\n") == " the capital of the"
+
+
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "Translate to German: good morning",
+]
+
+
+@pytest.fixture(scope="module")
+def pair(gemma3: Path):
+    """Our NumPy model and transformers' Gemma3ForCausalLM loaded from the same GGUF (float32, CPU)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from llamacli.generate import Model
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gemma3.parent), gguf_file=gemma3.name,
+                                                           dtype=torch.float32).eval()
+    return Model(gemma3, backend="numpy", ctx=1024), hf, torch
+
+
+def test_logits_match_transformers_past_the_window(pair) -> None:
+    """Last-position logits within test_model_reference's tolerance (1e-3 of the largest) for a short prompt
+    and one of 600 tokens, longer than the local layers' window of 512 (so the sliding-window mask and the
+    two RoPE bases matter)."""
+    import numpy as np
+
+    from llamacli.model import prefill
+
+    ours, hf, torch = pair
+    rng = np.random.default_rng(5)
+    for n in (7, 600):
+        ids = [2] + rng.integers(3, 262_000, size=n - 1).tolist()
+        ours.cached = []
+        got = ours.backend.to_host(prefill(ours.backend, ours.cfg, ids, 0))[-1]
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0, -1].numpy()
+        assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max(), n
+
+
+@pytest.mark.parametrize("prompt", GREEDY_PROMPTS)
+def test_greedy_32_tokens_match_transformers(pair, prompt) -> None:
+    ours, hf, torch = pair
+    ids = ours.tokenize(prompt)
+    c = ours.complete(ids, max_tokens=32, temperature=0.0)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=0)
+    ref = out[0, len(ids):].tolist()
+    n = len(c.tokens)
+    assert c.tokens == ref[:n]
+    assert n == 32 or ref[n] in ours.tokenizer.eog_ids
