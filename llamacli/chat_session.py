@@ -35,8 +35,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -279,27 +279,35 @@ def _checked_path(path: str | Path) -> str:
 
 def _replace_atomically(path: str, data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same directory, fsync'ed, then os.replace: the
-    old file stays whole until the new one is complete on disk. A new file gets the usual permissions, an
+    old file stays whole until the new one is complete on disk. A new file gets the usual permissions (0o666
+    less the umask, which os.open applies itself: reading the umask means changing it, for every thread), an
     existing one keeps its own."""
-    directory = os.path.dirname(path) or "."
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+        mode = None
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _create_temporary(path: str) -> tuple[int, str]:
+    """A new file beside `path`, as (descriptor, name): O_EXCL, so never one that is already there (a random
+    64-bit name makes a clash all but impossible; one would fail as "cannot write")."""
+    directory, base = os.path.split(path)
+    tmp = os.path.join(directory or ".", f".{base}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    return os.open(tmp, flags, 0o666), tmp
 
 
 def check_messages(data: Any, where: str = "conversation") -> list[dict[str, str]]:

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import CorruptFileError, MissingMetadataError
-from .models import ARCHITECTURES, ROPE_NEOX, ROPE_NORMAL, LayerPlan, architecture
+from .models import ROPE_NEOX, ROPE_NORMAL, LayerPlan, architecture
 
-SUPPORTED_ARCHITECTURES = tuple(sorted(ARCHITECTURES))
-__all__ = ["ROPE_NEOX", "ROPE_NORMAL", "SUPPORTED_ARCHITECTURES", "ModelConfig", "config_from_metadata"]
+__all__ = ["ROPE_NEOX", "ROPE_NORMAL", "ModelConfig", "config_from_metadata"]
 ROPE_SCALINGS = ("none", "linear", "llama3", "longrope", "yarn")
 
 

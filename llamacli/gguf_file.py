@@ -1,4 +1,5 @@
-"""Open and validate a GGUF file: metadata as a read-only mapping, tensors as memory-mapped arrays.
+"""Open and validate a GGUF file: metadata as a read-only mapping (gguf_metadata.py), tensors as memory-mapped
+arrays.
 
 The header is read by one bounded walk (`_scan_header`): every count and length is checked against the
 bytes left in the file (and against caps no real file comes near) before anything is allocated or looped
@@ -21,14 +22,12 @@ import math
 import mmap
 import os
 import struct
-import weakref
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .errors import (
     CorruptFileError,
@@ -38,89 +37,19 @@ from .errors import (
     UnsupportedTensorTypeError,
     UnsupportedVersionError,
 )
+from .gguf_metadata import MAX_STRING_BYTES, Metadata, read_value
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 DEFAULT_ALIGNMENT = 32
 MAX_ELEMENTS = 1 << 48  # far beyond any real tensor; keeps byte arithmetic exact in int64
-# Bounds that no real file comes near, so that a large file cannot make the header walk build Python objects
-# many times its size (a u8 array becomes 8 bytes per item as a list, an empty string 8 bytes of pointer):
-# real vocabularies hold <= 262k tokens and <= 500k merges, real files < 100 keys and a few thousand tensors,
-# the longest strings (a whole tokenizer.json some converters embed) ~20 MB.
-MAX_ARRAY_ITEMS = 1 << 22
-MAX_STRING_BYTES = 1 << 26
+# Bounds that no real file comes near (real files hold < 100 keys and a few thousand tensors); those on arrays
+# and strings are in gguf_metadata.py.
 MAX_KV = 1 << 16
 MAX_TENSORS = 1 << 20
 
-_SCALAR_SIZES = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
-    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
-    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
-}
-_KNOWN_VALUE_TYPES = {int(t) for t in GGUFValueType}
 _KNOWN_TENSOR_TYPES = {int(t) for t in GGMLQuantizationType}
-
-
-class StringArray:
-    """A GGUF array of strings, kept as the UTF-8 of its items one after another (already checked) and their
-    byte offsets [count + 1]; `tolist()` decodes them."""
-
-    __slots__ = ("data", "offsets")
-
-    def __init__(self, data: bytes, offsets: np.ndarray):
-        self.data, self.offsets = data, offsets
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def tolist(self) -> list[str]:
-        data, bounds = self.data, self.offsets.tolist()
-        if data.isascii():
-            data = data.decode("ascii")  # then byte offsets are character offsets: slicing is all it takes
-            return [data[a:b] for a, b in zip(bounds, bounds[1:])]
-        return [data[a:b].decode("utf-8") for a, b in zip(bounds, bounds[1:])]
-
-
-class Metadata(Mapping[str, Any]):
-    """A file's key/value pairs, read-only. Scalars are plain Python values; an array is kept as compactly as
-    the file holds it (numbers in one NumPy array, strings as their bytes) and is read as a new Python list.
-    A list of Python objects takes 8 to 90 bytes per item, so a file of large arrays would otherwise need many
-    times its size in memory before anyone asked for them (`inspect` reads a few keys; the tokenizer is the one
-    that needs the vocabulary as a list). A list stays shared while someone holds it, so repeated reads of the
-    vocabulary by the config, the tokenizer and the chat template decode it once."""
-
-    def __init__(self, values: dict[str, Any]):
-        self._values = values
-        self._lists: weakref.WeakValueDictionary[str, _List] = weakref.WeakValueDictionary()
-
-    def __getitem__(self, key: str) -> Any:
-        value = self._values[key]
-        if not isinstance(value, (np.ndarray, StringArray)):
-            return value
-        items = self._lists.get(key)
-        if items is None:
-            items = self._lists[key] = _List(value.tolist())
-        return items
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._values
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        return f"Metadata({len(self._values)} keys)"
-
-
-class _List(list):
-    """A plain list that a weak reference can point at (Metadata's cache of arrays being read)."""
-
-    __slots__ = ("__weakref__",)
 
 
 @dataclass(frozen=True)
@@ -332,7 +261,7 @@ def _walk(cur: _Cursor, name: str) -> _Scan:
         if key in metadata:
             raise CorruptFileError(f"{name}: duplicate metadata key {key!r}")
         vtype = cur.u32(f"type of {key!r}")
-        metadata[key] = _read_value(cur, vtype, key)
+        metadata[key] = read_value(cur, vtype, key)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if "general.alignment" in metadata and (
         type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 20
@@ -387,93 +316,3 @@ def _walk(cur: _Cursor, name: str) -> _Scan:
         if a.offset + a.n_bytes > b.offset:
             raise CorruptFileError(f"{name}: tensors {a.name!r} and {b.name!r} overlap in the file")
     return _Scan(version, alignment, data_offset, metadata, infos)
-
-
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}
-_ARRAY_DTYPES = {
-    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.BOOL: "<u1",
-    GGUFValueType.UINT16: "<u2", GGUFValueType.INT16: "<i2",
-    GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4", GGUFValueType.FLOAT32: "<f4",
-    GGUFValueType.UINT64: "<u8", GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
-}
-
-
-def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
-    """One metadata value: str, int, float or bool, or an array as it is kept (see Metadata)."""
-    if vtype not in _KNOWN_VALUE_TYPES:
-        raise CorruptFileError(f"{cur.name}: metadata key {key!r} has unknown value type {vtype}")
-    gtype = GGUFValueType(vtype)
-    if gtype in _SCALAR_FORMATS:
-        if gtype == GGUFValueType.BOOL:
-            return cur.unpack("<B", f"value of {key!r}") != 0
-        return cur.unpack(_SCALAR_FORMATS[gtype], f"value of {key!r}")
-    if gtype == GGUFValueType.STRING:
-        return cur.text(f"value of {key!r}")
-    item = cur.u32(f"item type of {key!r}")
-    count = cur.u64(f"length of {key!r}")
-    if item not in _KNOWN_VALUE_TYPES or GGUFValueType(item) == GGUFValueType.ARRAY:
-        raise CorruptFileError(f"{cur.name}: metadata key {key!r} is an array of unsupported type {item}")
-    itype = GGUFValueType(item)
-    if itype in _ARRAY_DTYPES:
-        dtype = np.dtype(_ARRAY_DTYPES[itype])
-        cur.need(count * dtype.itemsize, f"{count} items of {key!r}")
-        _check_items(cur, count, key)
-        values = np.frombuffer(cur.buf, dtype=dtype, count=count, offset=cur.pos)
-        cur.pos += count * dtype.itemsize
-        return (values != 0) if itype == GGUFValueType.BOOL else values.copy()  # a copy: the map closes
-    # An array of strings: each needs at least its 8-byte length, so `count` is bounded by the file.
-    cur.need(count * 8, f"{count} strings of {key!r}")
-    _check_items(cur, count, key)
-    return _read_strings(cur, count, key)
-
-
-def _read_strings(cur: _Cursor, count: int, key: str) -> StringArray:
-    """The walk checks every length against the file; the text is then checked as one piece (valid UTF-8, and
-    every item starting on a character) and kept as bytes: a list of str would take ~60 bytes per item."""
-    buf, size = cur.buf, cur.size
-    lengths = np.empty(count, np.int64)
-    unpack = struct.Struct("<Q").unpack_from
-    begin = pos = cur.pos
-    try:
-        for i in range(count):
-            n = unpack(buf, pos)[0]
-            pos += 8
-            if pos + n > size:
-                cur.pos = pos
-                cur.need(n, f"a string of {key!r}")
-            if n > MAX_STRING_BYTES:
-                raise CorruptFileError(f"{cur.name}: a string of {key!r} is {n} bytes long (at most {MAX_STRING_BYTES} accepted)")
-            lengths[i] = n
-            pos += n
-    except struct.error:
-        cur.pos = pos
-        cur.need(8, f"a string length of {key!r}")
-    cur.pos = pos
-    # Drop the 8-byte lengths: +1 where an item's bytes start, -1 where they end, summed along the bytes.
-    ends = np.cumsum(lengths + 8)
-    edges = np.zeros(pos - begin + 1, np.int8)
-    edges[ends - lengths] = 1
-    edges[ends] -= 1
-    region = np.frombuffer(buf, np.uint8, count=pos - begin, offset=begin)
-    data = region[np.cumsum(edges[:-1], dtype=np.int8) > 0]
-    offsets = np.concatenate(([0], np.cumsum(lengths)))
-    starts = offsets[:-1][lengths > 0]
-    del region  # (a view of the map, which closes after the walk)
-    try:
-        data.tobytes().decode("utf-8")
-        if np.any(data[starts] & 0xC0 == 0x80):  # an item starting mid-character: invalid on its own
-            raise UnicodeDecodeError("utf-8", b"", 0, 1, "an item starts inside a character")
-    except UnicodeDecodeError:
-        raise CorruptFileError(f"{cur.name}: metadata key {key!r} holds invalid UTF-8") from None
-    return StringArray(data.tobytes(), offsets)
-
-
-def _check_items(cur: _Cursor, count: int, key: str) -> None:
-    """An array the file does hold, but longer than any real one: refused before a list is built."""
-    if count > MAX_ARRAY_ITEMS:
-        raise CorruptFileError(f"{cur.name}: metadata key {key!r} holds {count} items (at most {MAX_ARRAY_ITEMS} accepted)")

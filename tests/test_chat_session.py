@@ -383,6 +383,29 @@ def test_save_replaces_atomically_and_keeps_permissions(tmp_path, monkeypatch):
     assert link.is_symlink() and json.loads(f.read_text(encoding="utf-8")) == s.messages
 
 
+def test_save_never_touches_the_process_umask(tmp_path, monkeypatch):
+    """The umask is process-wide and reading it means setting it, a race with every thread that creates a
+    file meanwhile: a new file gets 0o666 less the umask from the kernel, at creation, instead."""
+    import os
+
+    import llamacli.chat_session as cs
+
+    def no_umask(mask):
+        raise AssertionError("os.umask called")
+
+    s = ChatSession(FakeModel(ctx=64))
+    s.reply("hello there")
+    old = os.umask(0o027)
+    try:
+        monkeypatch.setattr(cs.os, "umask", no_umask)
+        s.save(tmp_path / "new.json")
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+    assert os.stat(tmp_path / "new.json").st_mode & 0o777 == 0o640
+    assert json.loads((tmp_path / "new.json").read_text(encoding="utf-8")) == s.messages
+
+
 def test_nul_bytes_in_file_names_are_clean_errors(tmp_path):
     s = ChatSession(FakeModel(ctx=64))
     s.reply("hello")
@@ -428,7 +451,7 @@ def _long_conversation(exchanges: int) -> list[dict[str, str]]:
 
 @pytest.mark.parametrize("exchanges", [1, 2, 3, 17, 60])
 def test_trimming_keeps_the_turns_the_one_by_one_rule_keeps(exchanges):
-    for ctx in (24, 40, 64, 200):
+    for ctx in (12, 24, 40, 64, 200):  # 12: the new message does not fit even alone
         s = ChatSession(FakeModel(ctx=ctx), max_tokens=4)
         s.load_messages(_long_conversation(exchanges))
         s.history.append({"role": "user", "content": "the new question"})
@@ -437,6 +460,8 @@ def test_trimming_keeps_the_turns_the_one_by_one_rule_keeps(exchanges):
             s.fit()
         except ContextOverflowError:
             assert s.first == 0
+            # The one-by-one rule, left with its shortest window, overflows as well.
+            assert len(s.model.chat_ids(s._with_system(s.history[want:]))) > s.model.ctx - s.reserve, (exchanges, ctx)
             continue
         assert s.first == want, (exchanges, ctx)
 

@@ -11,7 +11,7 @@ from typing import Annotated
 import pytest
 import typer
 
-from clirun import run_subprocess
+from clirun import run, run_subprocess
 from llamacli.cli_parser import HabitCommand, HabitGroup
 from llamacli.config import config_from_metadata
 from llamacli.generate import context_warning
@@ -27,9 +27,11 @@ def tiny(random_model):
 
 @pytest.fixture
 def home(tmp_path):
-    """An empty cache and no user registry, so `models` lists only the packaged registry."""
+    """An empty cache and no user registry, so `models` lists only the packaged registry; offline, so that it
+    does not ask Hugging Face for the sizes (a few seconds per listing, and no network in tests)."""
     (tmp_path / "empty.toml").write_text("", encoding="utf-8")
-    return {"LLAMACLI_HOME": str(tmp_path / "cache"), "LLAMACLI_MODELS": str(tmp_path / "empty.toml")}
+    return {"LLAMACLI_HOME": str(tmp_path / "cache"), "LLAMACLI_MODELS": str(tmp_path / "empty.toml"),
+            "HF_HUB_OFFLINE": "1"}
 
 
 def test_no_arguments_prints_the_help_on_stdout():
@@ -51,7 +53,7 @@ def test_ngl_and_fa_are_accepted_with_a_notice(tiny):
     r = run_subprocess("generate", tiny, *NP, "-p", "hi", "-n", "2", "-ngl", "99", "-fa", "on")
     assert r.code == 0, r.err
     assert "-ngl 99 is ignored: the numpy backend runs on the CPU" in r.err
-    assert "-fa is a no-op" in r.err
+    assert "-fa is a no-op: the numpy backend has no fused attention to turn on" in r.err
     assert "ignored" not in r.out and "no-op" not in r.out
 
 
@@ -61,6 +63,8 @@ def test_ngl_notice_on_cuda_says_where_layers_run():
     (line,) = llama_cpp_notices("cuda", "0", False)
     assert line.startswith("-ngl 0 is ignored") and "every layer on the GPU" in line and "--backend numpy" in line
     assert llama_cpp_notices("cuda", None, False) == []
+    assert llama_cpp_notices("cuda", None, True) == ["-fa is a no-op: the CUDA backend's attention is always "
+                                                     "fused (flash-attention style)"]
 
 
 def test_bad_ngl_value_is_one_line_error(tiny):
@@ -72,6 +76,8 @@ def test_bad_ngl_value_is_one_line_error(tiny):
     (("models", "-ngl", "99"), "-ngl"),  # click read this as -n with the value "gl"
     (("generate", "-ctk", "q8_0", "-p", "hi"), "-ctk"),  # ... and this as -c (--ctx) "tk"
     (("generate", "-xyz", "-p", "hi"), "-xyz"),
+    (("generate", "-qx", "-p", "hi"), "-qx"),  # -q is a flag, but -x is nothing
+    (("tokenize", "-fa"), "-fa"),  # llama.cpp's, not --file "a"
 ])
 def test_unknown_single_dash_word_is_reported_whole(args, unknown, home):
     r = run_subprocess(*args, env=home)
@@ -92,6 +98,28 @@ def test_llama_cpp_spellings_mean_the_same(tiny, tmp_path):
     assert ours.code == theirs.code == short.code == 0, ours.err + theirs.err + short.err
     assert json.loads(ours.out)["tokens"] == json.loads(theirs.out)["tokens"] == json.loads(short.out)["tokens"]
     assert len(json.loads(ours.out)["tokens"]) <= 3
+
+
+def test_short_options_run_together_as_posix_has_them(tiny, tmp_path):
+    """A single-dash word that is no option of its own splits as getopt would: -pHello is -p "Hello",
+    -fprompt.txt is -f "prompt.txt", -qv is -q -v."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Hello", encoding="utf-8")
+    spaced = run("generate", tiny, *NP, "-p", "Hello", "-n", "3", "--greedy", "--json", "-q")
+    joined = run("generate", "-m" + tiny, *NP, "-pHello", "-n3", "--greedy", "--json", "-q")
+    from_file = run("generate", tiny, *NP, "-f" + str(prompt), "-n3", "--greedy", "--json", "-q")
+    assert spaced.code == joined.code == from_file.code == 0, joined.err + from_file.err
+    tokens = [json.loads(r.out)["tokens"] for r in (spaced, joined, from_file)]
+    assert tokens[0] == tokens[1] == tokens[2]
+    flags = run("generate", tiny, *NP, "-pHello", "-n1", "-qv")
+    assert flags.code == 0 and "backend numpy, context" in flags.err and "eval time" not in flags.err
+
+
+def test_argument_names_in_usage_lines():
+    for command, names in (("run", ("MODEL", "[PROMPT]")), ("inspect", ("MODEL",)), ("pull", ("MODEL",)),
+                           ("rm", ("MODEL",))):
+        usage = run(command, "-h").out.splitlines()[0]
+        assert all(n in usage for n in names) and "model" not in usage.split(command, 1)[1], usage
 
 
 def test_model_given_twice_is_an_error(tiny):

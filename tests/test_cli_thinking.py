@@ -85,3 +85,24 @@ def test_chat_history_keeps_the_answer_only(monkeypatch, thinker):
     assert s.history[-1] == {"role": "assistant", "content": c.text}
     assert "<think>" not in c.text and c.reasoning
     assert m.chat_ids(s.window(), think=False) != m.chat_ids(s.window(), think=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """A chat model whose template has no think block: enable_thinking means nothing to it."""
+    vocab = tiny_vocab()
+    vocab["tokenizer.chat_template"] = TEMPLATE[: TEMPLATE.index("{% if enable_thinking")] + "{% endif %}"
+    return write_model(tmp_path_factory.mktemp("plain") / "plain.gguf", "tiny-qwen3", "F32", vocab=vocab, std=0.08)
+
+
+def test_think_flags_on_a_model_without_a_think_block_say_they_do_nothing(plain, thinker):
+    for flag in ("--think", "--no-think"):
+        r = gen(plain, flag, "-n", "2")
+        assert r.code == 0, r.err
+        assert f"{flag} is ignored: the model's chat template has no think block" in r.err.splitlines()
+        assert "ignored" not in r.out
+    assert "is ignored" not in gen(plain, "--think", "-n", "2", "-q").err
+    assert "is ignored" not in gen(plain, "-n", "2").err  # no flag, nothing to say
+    assert "is ignored" not in gen(thinker, "--no-think", "-n", "2").err
+    r = run("chat", str(plain), "--backend", "numpy", "-n", "2", "--greedy", "--no-think", stdin="hi\n")
+    assert r.code == 0 and "--no-think is ignored" in r.err

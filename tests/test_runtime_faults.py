@@ -268,7 +268,7 @@ def test_engine_raises_numerical_error(broken):
 def test_out_of_memory_at_run_time_is_one_line(micro, monkeypatch, gpu):
     """An allocation that fails after the load-time check: CuPy's OutOfMemoryError (a MemoryError) names the
     GPU, a plain MemoryError the host; exit 1, one line, no 'internal error'."""
-    from llamacli import cli
+    from llamacli import cli_generate
 
     if gpu:
         cupy = pytest.importorskip("cupy")
@@ -279,7 +279,7 @@ def test_out_of_memory_at_run_time_is_one_line(micro, monkeypatch, gpu):
     def fail(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr(cli, "read_prompt", fail)
+    monkeypatch.setattr(cli_generate, "read_prompt", fail)
     r = run("generate", "-m", str(micro), "--backend", "numpy", "-p", "hi")
     assert r.code == 1
     line = r.one_line_error()

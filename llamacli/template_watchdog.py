@@ -1,0 +1,101 @@
+"""The watchdog a chat template compiles and renders under: layer 2 of the sandbox's bounds (template_limits.py
+is layer 1; template_sandbox.py puts the two together).
+
+Everything written in Python (Jinja's loops, macros, generators, the filters written in Python) runs
+under a watchdog thread that wakes every few milliseconds and raises in the rendering thread, at the
+next bytecode, once the wall-clock deadline passes or the process's anonymous memory (Linux:
+/proc/self/statm) has grown by more than the memory budget since the render began. Because layer 1
+keeps each C call small, the deadline holds to within one such call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+from .template_limits import Limit
+
+MIN_MEMORY_BYTES = 256 * 1024 * 1024  # the memory budget of a render: this, or 32 bytes per max_chars
+POLL_S = 0.01  # how often the watchdog looks at the clock and the memory
+
+
+class Timeout(Limit):
+    """Raised inside the rendering thread by the watchdog: the deadline passed."""
+
+
+class OutOfMemory(Limit):
+    """Raised inside the rendering thread by the watchdog: the memory budget is spent."""
+
+
+def memory_budget(max_chars: int) -> int:
+    """The bytes a render may add to the process: enough for strings of `max_chars` several times over."""
+    return max(MIN_MEMORY_BYTES, 32 * max_chars)
+
+
+def _anonymous_memory() -> Callable[[], int] | None:
+    """A cheap reader of the process's resident anonymous memory in bytes (resident minus file-backed pages,
+    so touching a memory-mapped model does not count), or None where /proc is missing."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+    except OSError:
+        return None
+    os.close(fd)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def read() -> int:
+        with open("/proc/self/statm", "rb") as f:
+            fields = f.read().split()
+        return (int(fields[1]) - int(fields[2])) * page
+
+    return read
+
+
+_MEMORY = _anonymous_memory()
+
+
+class Watchdog:
+    """Raises Timeout in the current thread once `seconds` have passed, or OutOfMemory once the process's
+    anonymous memory has grown by `budget` bytes, at the next bytecode boundary: it stops any Python-level
+    loop, at little cost while it waits (unlike sys.settrace). A long single C call is not interrupted: the
+    sandbox's size checks keep those small. Use as a context manager."""
+
+    def __init__(self, seconds: float, budget: int):
+        self.deadline = time.monotonic() + seconds
+        self.budget = budget
+        self.thread_id = threading.get_ident()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.done = self.fired = False
+        self.base = _MEMORY() if _MEMORY else 0
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="template-watchdog")
+
+    def _watch(self) -> None:
+        while not self.stop.wait(max(0.0, min(POLL_S, self.deadline - time.monotonic()))):
+            if time.monotonic() >= self.deadline:
+                return self._fire(Timeout)
+            if _MEMORY and _MEMORY() - self.base > self.budget:
+                return self._fire(OutOfMemory)
+        return None
+
+    def _fire(self, exc: type[Limit]) -> None:
+        with self.lock:
+            if not self.done:
+                self.fired = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), ctypes.py_object(exc))
+
+    def __enter__(self) -> "Watchdog":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.done = True
+            if self.fired:  # fired, but maybe not delivered yet: withdraw it (NULL clears a pending one)
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+        self.stop.set()
