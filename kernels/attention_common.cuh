@@ -62,6 +62,29 @@ __device__ __forceinline__ void tile_softmax(float* s, float* m, float* alpha, c
     }
 }
 
+// Before tile_softmax, for the windowed / soft-capped kernels: s -> cap2 tanh(s / cap2) where cap2 > 0 (base-2
+// scores: cap2 = c log2(e)), then the causal mask (where the tile reaches past wmin) and the window's (keys at
+// or before qp - window, where the tile reaches below wmax - window) -> -inf; tile_softmax then runs unmasked.
+template <int NS>
+__device__ __forceinline__ void tile_cap_window(float* s, const int* qp, int k0, int wmin, int wmax, int window,
+                                                float cap2, int tg) {
+    if (cap2 > 0.0f) {
+        const float inv = 1.0f / cap2;
+#pragma unroll
+        for (int e = 0; e < 4 * NS; ++e) s[e] = cap2 * tanhf(s[e] * inv);
+    }
+    const bool win = window > 0 && k0 <= wmax - window;
+    if (k0 + 8 * NS - 1 > wmin || win) {
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int key = k0 + n * 8 + 2 * tg + (c & 1), p = qp[c >> 1];
+                if (key > p || (win && key <= p - window)) s[4 * n + c] = -INFINITY;
+            }
+    }
+}
+
 // This lane's Q fragments (the MMA's A operand, row-major 16 x 16 per k step): a0 (row g, dims 2tg, 2tg+1),
 // a1 (g+8, 2tg), a2 (g, 2tg+8), a3 (g+8, 2tg+8) of k step k; rows tt[i] past T read as zeros.
 template <int D>

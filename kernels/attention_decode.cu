@@ -10,7 +10,9 @@
 // its own shared tile by cp.async, issued before the scores; the probabilities shuffled from lane j).
 // Each warp keeps a running (m, l, o) per row; the 8 warps merge through shared memory and the block
 // writes the split's partial (o, m, l) for attention_combine. Needs Dh % 8 == 0.
-// Dynamic shared memory: (G*Dh + 8*G*Dh + 16*G) * 4 + 8*32*Dh*2 bytes (G = 8, Dh = 128: 100.4 KB).
+// Dynamic shared memory: (G*Dh + 8*G*Dh + 16*G) * 4 + 8*32*Dh*2 bytes (G = 8, Dh = 128: 100.4 KB; Dh = 256:
+// 200.7 KB). attention_decode_w_npl<N> / attention_step_w_<mode>_npl<N> (..., window, softcap): gemma's
+// sliding window and attention soft-cap (EXT below); npl8 serves Dh 256.
 //
 // STEP (attention_step_<mode>_npl<N>, the fused decode step): q is the QKV matvec's raw output and kv_src
 // its K and V part; every block rotates its G query heads into shared memory itself, the block whose split
@@ -28,13 +30,16 @@
 #define DEC_GMAX 8
 #define DEC_WIDE_POS 2048
 
-template <int NPL, bool STEP, bool NEOX>
+// EXT (the _w_ kernels): keys k > p - window only (0: all; the splits and keys before the window are not
+// read) and scores soft-capped after the scale, s -> softcap tanh(s / softcap) (0: none).
+template <int NPL, bool STEP, bool NEOX, bool EXT = false>
 __device__ __forceinline__ void attention_decode_body(const float* __restrict__ q, u16* kc, u16* vc,
                                                       const int* __restrict__ pos, int Hq, int Hkv, int Dh,
                                                       float scale, int chunk, float* part_o, float* part_ml,
                                                       const float* __restrict__ kv_src, int rope_dim,
                                                       const double* __restrict__ inv_freq, float attn,
-                                                      unsigned int* counters, float* __restrict__ out, int early) {
+                                                      unsigned int* counters, float* __restrict__ out, int early,
+                                                      int window = 0, float softcap = 0.0f) {
     extern __shared__ float dsm[];
     __shared__ int s_last;
     const int G = Hq / Hkv, kvh = blockIdx.x, split = blockIdx.y;
@@ -50,8 +55,10 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
     const int rg = (G + zs - 1) / zs, r0 = blockIdx.z * rg, gn = min(rg, G - r0);
     if (gn <= 0) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int begin = split * chunk, end = min(begin + chunk, p + 1);
-    if (begin >= end) return;  // whole block: this split is past the current position
+    const int lo = EXT && window > 0 ? max(0, p - window + 1) : 0;  // the first key of the window
+    const int s_lo = lo / chunk;                                       // the first split holding one
+    const int begin = max(split * chunk, lo), end = min(split * chunk + chunk, p + 1);
+    if (begin >= end) return;  // whole block: this split is past the current position (or before the window)
     float* qs = dsm;                      // [gn][Dh], pre-scaled
     float* ro = qs + G * Dh;              // [8 warps][gn][Dh] per-warp o
     float* rml = ro + DEC_WARPS * G * Dh;  // [8 warps][gn][2] per-warp (m, l)
@@ -118,29 +125,39 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
         const uint4* kr = reinterpret_cast<const uint4*>(kc + ((long long)(valid ? key : kb) * Hkv + kvh) * Dh);
-        uint4 kw[4 * NPL];
-#pragma unroll
-        for (int c = 0; c < 4 * NPL; ++c)
-            if (c < n8) kw[c] = kr[c];
-        // Scores of this lane's key against the G rows.
+        // Scores of this lane's key against the G rows; the K row in registers, KW 16-byte words at a time (the
+        // whole row up to Dh 128; Dh 256 in two halves, 128 registers of K beside the accumulators would spill).
+        constexpr int KW = 4 * NPL > 16 ? 16 : 4 * NPL;
         float s[DEC_GMAX];
 #pragma unroll
         for (int r = 0; r < DEC_GMAX; ++r) s[r] = 0.0f;
 #pragma unroll
-        for (int c = 0; c < 4 * NPL; ++c) {
-            if (c >= n8) break;
-            const u32 w[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
+        for (int c0 = 0; c0 < 4 * NPL; c0 += KW) {
+            if (c0 >= n8) break;
+            uint4 kw[KW];
 #pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                const float k0 = h2f((u16)(w[h] & 0xffffu)), k1 = h2f((u16)(w[h] >> 16));
+            for (int c = 0; c < KW; ++c)
+                if (c0 + c < n8) kw[c] = kr[c0 + c];
 #pragma unroll
-                for (int r = 0; r < DEC_GMAX; ++r) {
-                    if (r < gn) {
-                        const float2 qq = *reinterpret_cast<const float2*>(qs + r * Dh + 8 * c + 2 * h);
-                        s[r] = fmaf(qq.x, k0, fmaf(qq.y, k1, s[r]));
+            for (int c = 0; c < KW; ++c) {
+                if (c0 + c >= n8) break;
+                const u32 w[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
+#pragma unroll
+                for (int h = 0; h < 4; ++h) {
+                    const float k0 = h2f((u16)(w[h] & 0xffffu)), k1 = h2f((u16)(w[h] >> 16));
+#pragma unroll
+                    for (int r = 0; r < DEC_GMAX; ++r) {
+                        if (r < gn) {
+                            const float2 qq = *reinterpret_cast<const float2*>(qs + r * Dh + 8 * (c0 + c) + 2 * h);
+                            s[r] = fmaf(qq.x, k0, fmaf(qq.y, k1, s[r]));
+                        }
                     }
                 }
             }
+        }
+        if (EXT && softcap > 0.0f) {
+#pragma unroll
+            for (int r = 0; r < DEC_GMAX; ++r) s[r] = softcap * tanhf(s[r] / softcap);
         }
         float p[DEC_GMAX];
 #pragma unroll
@@ -193,6 +210,7 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
     }
     __syncthreads();
     const int n_active = min((int)gridDim.y, (p + chunk) / chunk);  // splits holding keys: ceil((p+1)/chunk)
+    const int n_held = n_active - s_lo;                               // ... of the window: splits s_lo ..
     for (int e = threadIdx.x; e < gn * Dh; e += blockDim.x) {
         const int r = e / Dh, d = e - r * Dh;
         float M = -INFINITY;
@@ -205,7 +223,7 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
             L += rml[2 * (w * gn + r) + 1] * wt;
             o += ro[(w * gn + r) * Dh + d] * wt;
         }
-        if (STEP && n_active == 1) {
+        if (STEP && n_held == 1) {
             out[(kvh * G + r0 + r) * Dh + d] = o / L;
             continue;
         }
@@ -216,12 +234,12 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
             part_ml[2 * row + 1] = L;
         }
     }
-    if (!STEP || n_active == 1) return;
+    if (!STEP || n_held == 1) return;
     // The last block of this KV head to finish (of n_active x gridDim.z) merges the splits for all G rows
     // (attention_combine's math).
     __threadfence();
     __syncthreads();
-    const int blocks = n_active * ((G + rg - 1) / rg);  // the blocks of this KV head that hold rows and keys
+    const int blocks = n_held * ((G + rg - 1) / rg);  // the blocks of this KV head that hold rows and keys
     if (threadIdx.x == 0) s_last = atomicAdd(counters + kvh, 1u) == (unsigned int)(blocks - 1);
     __syncthreads();
     if (!s_last) return;
@@ -230,9 +248,9 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
         const int r = e / Dh, d = e - r * Dh;
         const int h = kvh * G + r;
         float M = -INFINITY;
-        for (int sp = 0; sp < n_active; ++sp) M = fmaxf(M, __ldcg(part_ml + 2 * (sp * Hq + h)));
+        for (int sp = s_lo; sp < n_active; ++sp) M = fmaxf(M, __ldcg(part_ml + 2 * (sp * Hq + h)));
         float L = 0.0f, o = 0.0f;
-        for (int sp = 0; sp < n_active; ++sp) {
+        for (int sp = s_lo; sp < n_active; ++sp) {
             const int row = sp * Hq + h;
             const float w = __expf(__ldcg(part_ml + 2 * row) - M);
             L += __ldcg(part_ml + 2 * row + 1) * w;
@@ -261,7 +279,33 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
     ATTENTION_STEP_KERNEL(N, normal, false)                                                                  \
     ATTENTION_STEP_KERNEL(N, neox, true)
 
+#define ATTENTION_STEP_W_KERNEL(N, MODE, NEOX)                                                               \
+    extern "C" __global__ void __launch_bounds__(256, 1) attention_step_w_##MODE##_npl##N(                   \
+        const float* qkv, u16* kc, u16* vc, const int* pos, int Hq, int Hkv, int Dh, float scale, int chunk,  \
+        float* part_o, float* part_ml, const float* kv_src, int rope_dim, const double* inv_freq, float attn, \
+        unsigned int* counters, float* out, int early, int window, float softcap) {                          \
+        attention_decode_body<N, true, NEOX, true>(qkv, kc, vc, pos, Hq, Hkv, Dh, scale, chunk, part_o,      \
+                                                   part_ml, kv_src, rope_dim, inv_freq, attn, counters, out, \
+                                                   early, window, softcap);                                  \
+    }
+#define ATTENTION_DECODE_W_KERNEL(N)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 1) attention_decode_w_npl##N(                          \
+        const float* q, u16* kc, u16* vc, const int* pos, int Hq, int Hkv, int Dh, float scale,               \
+        int chunk, float* part_o, float* part_ml, int window, float softcap) {                               \
+        attention_decode_body<N, false, false, true>(q, kc, vc, pos, Hq, Hkv, Dh, scale, chunk, part_o,      \
+                                                     part_ml, nullptr, 0, nullptr, 1.0f, nullptr, nullptr, 0, \
+                                                     window, softcap);                                       \
+    }                                                                                                        \
+    ATTENTION_STEP_W_KERNEL(N, normal, false)                                                                \
+    ATTENTION_STEP_W_KERNEL(N, neox, true)
+
 ATTENTION_DECODE_KERNEL(1)
 ATTENTION_DECODE_KERNEL(2)
 ATTENTION_DECODE_KERNEL(3)
 ATTENTION_DECODE_KERNEL(4)
+ATTENTION_DECODE_KERNEL(8)
+ATTENTION_DECODE_W_KERNEL(1)
+ATTENTION_DECODE_W_KERNEL(2)
+ATTENTION_DECODE_W_KERNEL(3)
+ATTENTION_DECODE_W_KERNEL(4)
+ATTENTION_DECODE_W_KERNEL(8)

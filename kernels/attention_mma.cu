@@ -17,7 +17,10 @@
 // accumulators as the A operand of O += P V (the C layout of two n8 tiles is the A layout of one k16 step).
 // The row sum l is one more MMA per k16 step, P times a column of ones: it adds the rounded P in fp32, so
 // O / l is a convex combination of V rows even with fp16 weights (fp16 output cannot overflow).
-// Dynamic shared memory: stages x (K + V) x 64 x (D + 8) x 2 bytes + 16 (D = 64: 55.3 KB, 128: 69.6 KB).
+// Dynamic shared memory: stages x (K + V) x 64 x (D + 8) x 2 bytes + 16 (D = 64: 55.3 KB, 128: 69.6 KB),
+// and for D = 256 the warps' Q rows, 4 x 16 x (D + 8) x 2 more (169.0 KB).
+// attention_tcx*_d<D>(..., out_stride, window, cap2): the same with gemma's sliding window and attention
+// soft-cap (see EXT below).
 // attention_tc16_d<D>: the same, output stored as fp16 (the fused prefill's O-projection GEMM input).
 // Accuracy vs the fp32 reference: fp16 Q and P, |err| ~ 1e-3 at unit-variance inputs (tests: atol 4e-3,
 // rtol 1e-2). The CUDA-core kernels (attention_simt.cu, attention_decode.cu) serve decode, short chunks and
@@ -49,11 +52,16 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
-template <int D, bool OUT16>
+// EXT (attention_tcx*): a sliding window (keys k > pos - window seen; 0: all) and a soft-cap of the base-2
+// scores (s -> cap2 tanh(s / cap2), cap2 = c log2(e); 0: none), tiles wholly before every row's window neither
+// loaded nor multiplied. D > 128 keeps each warp's Q rows in shared memory (ldmatrix per k step) instead of
+// registers: 64 registers of Q fragments more would spill beside the 128 of the output accumulators.
+template <int D, bool OUT16, bool EXT = false>
 __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int q_stride,
                                                   const u16* __restrict__ kc, const u16* __restrict__ vc,
                                                   const int* __restrict__ pos, int T, int Hq, int Hkv,
-                                                  void* __restrict__ out, int out_stride) {
+                                                  void* __restrict__ out, int out_stride, int window = 0,
+                                                  float cap2 = 0.0f) {
     constexpr int NST = TC_STAGES(D);  // K/V tiles in flight
     constexpr int KS = D / 16;       // k16 steps over the head dim (S = Q K^T)
     constexpr int NO = D / 8;        // n8 tiles of the output row
@@ -61,10 +69,12 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
     constexpr int RS = D + 8;        // shared row stride in halves
     constexpr int CPR = D / 8;       // 16-byte chunks per key row
     constexpr u32 ONES = 0x3c003c00u;  // half2(1, 1): B operand of the row-sum MMA
+    constexpr bool QSM = D > 128;      // Q fragments from shared memory (see above)
     extern __shared__ __align__(16) u16 tc_smem[];
     u16* ks = tc_smem;                      // [NST][TC_BC][RS]
     u16* vs = ks + NST * TC_BC * RS;        // [NST][TC_BC][RS]
     int* s_kend = reinterpret_cast<int*>(vs + NST * TC_BC * RS);
+    u16* qsm = vs + NST * TC_BC * RS + 8;   // QSM: [TC_WARPS][16][RS] (after s_kend and s_kbeg, 16 bytes)
 
     const int G = Hq / Hkv, kvh = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -88,14 +98,49 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
         wmax = max(wmax, __shfl_xor_sync(FULL_MASK, wmax, o));
         wmin = min(wmin, __shfl_xor_sync(FULL_MASK, wmin, o));
     }
-    if (threadIdx.x == 0) *s_kend = 0;
+    // EXT: the lowest position of the warp's rows past T excluded (they see nothing), and of the block's.
+    int wvmin = 0x7fffffff;
+    if (EXT) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) wvmin = qp[r] >= 0 ? min(wvmin, qp[r]) : wvmin;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) wvmin = min(wvmin, __shfl_xor_sync(FULL_MASK, wvmin, o));
+    }
+    if (threadIdx.x == 0) {
+        *s_kend = 0;
+        if (EXT) s_kend[1] = 0x7fffffff;
+    }
     __syncthreads();
-    if (lane == 0) atomicMax(s_kend, wmax + 1);
+    if (lane == 0) {
+        atomicMax(s_kend, wmax + 1);
+        if (EXT) atomicMin(s_kend + 1, wvmin);
+    }
     __syncthreads();
     const int kend = *s_kend;  // keys [0, kend) hold every key a row of this block sees
+    // The first tile holding a key some row of the block sees (EXT with a window: the lowest position's).
+    const int t0 = EXT && window > 0 ? max(0, s_kend[1] - window + 1) / TC_BC : 0;
 
-    u32 qa[KS][4];
-    load_q_frags<D>(qa, q, q_stride, tt, hh, T, tg);
+    u32 qa[QSM ? 1 : KS][4];
+    u32 q_lds = 0;  // QSM: this lane's ldmatrix row address in its warp's Q rows
+    if constexpr (QSM) {
+        u16* qw = qsm + warp * 16 * RS;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const u16* qr = q + (long long)(tt[i] < T ? tt[i] : 0) * q_stride + hh[i] * D + 2 * tg;
+            u16* qd = qw + (g + 8 * i) * RS + 2 * tg;
+#pragma unroll 4
+            for (int k = 0; k < KS; ++k) {
+                *reinterpret_cast<u32*>(qd + 16 * k) = tt[i] < T ? *reinterpret_cast<const u32*>(qr + 16 * k) : 0u;
+                *reinterpret_cast<u32*>(qd + 16 * k + 8) =
+                    tt[i] < T ? *reinterpret_cast<const u32*>(qr + 16 * k + 8) : 0u;
+            }
+        }
+        __syncwarp();
+        // matrix lane / 8: rows 8 (mi & 1) + [0, 8) at dims 8 (mi >> 1): a0..a3 of a k step.
+        q_lds = smem_addr(qw + (((lane >> 3) & 1) * 8 + (lane & 7)) * RS + ((lane >> 4) << 3));
+    } else {
+        load_q_frags<D>(reinterpret_cast<u32(&)[KS][4]>(qa), q, q_stride, tt, hh, T, tg);
+    }
 
     float o[NO][4], l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -117,7 +162,7 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
 #pragma unroll
-    for (int i = 0; i < NST - 1; ++i) load_tile(i);
+    for (int i = 0; i < NST - 1; ++i) load_tile(t0 + i);
 
     // ldmatrix row addresses: lane supplies row lane % 8 of matrix mi = lane / 8.
     // K (plain): matrix mi = keys 8 (mi >> 1) + [0, 8) at dims 8 (mi & 1) + [0, 8) of a 16-key, 16-dim step:
@@ -128,7 +173,7 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
     const int koff = (((mi >> 1) << 3) + r8) * RS + ((mi & 1) << 3);
     const int voff = (((mi & 1) << 3) + r8) * RS + ((mi >> 1) << 3);
 
-    for (int it = 0; it < n_tiles; ++it) {
+    for (int it = t0; it < n_tiles; ++it) {
         const int buf = it % NST, k0 = it * TC_BC;
         // Groups 0..it+1 are committed (group j = tile j): tile it has landed when at most one is pending.
         asm volatile("cp.async.wait_group %0;" ::"n"(NST - 2) : "memory");
@@ -136,7 +181,8 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
         // buffer the next load refills.
         __syncthreads();
         load_tile(it + NST - 1);
-        if (k0 <= wmax) {  // warp-uniform: some row of this warp sees a key of the tile
+        // Warp-uniform: some row of this warp sees a key of the tile (EXT: and not all before its window).
+        if (k0 <= wmax && (!EXT || window <= 0 || k0 + TC_BC - 1 > wvmin - window)) {
             const u32 kt = smem_addr(ks + buf * TC_BC * RS + koff);
             const u32 vt = smem_addr(vs + buf * TC_BC * RS + voff);
             float s[NS][4];
@@ -145,16 +191,23 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
             // S = Q K^T: B (16 x 8, col-major) = K rows n*8 + g, dims 16k + 2tg (b0) and + 8 (b1).
 #pragma unroll
             for (int k = 0; k < KS; ++k) {
+                u32* qk = qa[QSM ? 0 : k];
+                if constexpr (QSM) ldsm_x4(q_lds + (u32)(k * 32), qk[0], qk[1], qk[2], qk[3]);
 #pragma unroll
                 for (int np = 0; np < NS / 2; ++np) {
                     u32 b0, b1, b2, b3;
                     ldsm_x4(kt + (u32)((np * 16 * RS + k * 16) * 2), b0, b1, b2, b3);
-                    mma_16816(s[2 * np], qa[k], b0, b1);
-                    mma_16816(s[2 * np + 1], qa[k], b2, b3);
+                    mma_16816(s[2 * np], qk, b0, b1);
+                    mma_16816(s[2 * np + 1], qk, b2, b3);
                 }
             }
             float alpha[2];
-            tile_softmax<NS>(&s[0][0], m, alpha, qp, k0, wmin, tg);
+            if (EXT) {
+                tile_cap_window<NS>(&s[0][0], qp, k0, wmin, wmax, window, cap2, tg);
+                tile_softmax<NS>(&s[0][0], m, alpha, qp, k0, 0x7fffffff, tg);  // (masked above)
+            } else {
+                tile_softmax<NS>(&s[0][0], m, alpha, qp, k0, wmin, tg);
+            }
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 l[c] *= alpha[c >> 1];
@@ -196,8 +249,26 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
         u16* out, int out_stride) {                                                                           \
         attention_tc_body<D, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride);                    \
     }
+#define ATTENTION_TCX_KERNEL(D)                                                                               \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tcx_d##D(                           \
+        const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
+        float* out, int out_stride, int window, float cap2) {                                                 \
+        attention_tc_body<D, false, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride, window, cap2); \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tcx16_d##D(                         \
+        const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
+        u16* out, int out_stride, int window, float cap2) {                                                   \
+        attention_tc_body<D, true, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride, window, cap2);  \
+    }
 ATTENTION_TC_KERNEL(64)
 ATTENTION_TC_KERNEL(80)
 ATTENTION_TC_KERNEL(96)
 ATTENTION_TC_KERNEL(112)
 ATTENTION_TC_KERNEL(128)
+ATTENTION_TC_KERNEL(256)
+ATTENTION_TCX_KERNEL(64)
+ATTENTION_TCX_KERNEL(80)
+ATTENTION_TCX_KERNEL(96)
+ATTENTION_TCX_KERNEL(112)
+ATTENTION_TCX_KERNEL(128)
+ATTENTION_TCX_KERNEL(256)

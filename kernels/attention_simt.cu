@@ -16,6 +16,8 @@
 //   writes partial (o, m, l) for attention_combine (flash-decoding: decode has one query row per head, so
 //   the keys are what must spread over the SMs). Dynamic shared memory: 32*Dh*4 + 32*(Dh/2+1)*4 + 32*Dh*2.
 // attention_combine: grid T*Hq, block Dh rounded up to 32: merges the ceil((pos[t]+1)/chunk) partials.
+// attention_w_npl<N>(..., n_split, window, softcap) and attention_combine_w(..., window): the same with a
+// sliding window (keys k > pos - window; 0: all) and soft-capped scores (gemma; see EXT below).
 // kv_store: k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows pos[t] as fp16.
 // The other families: attention_mma.cu (prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128}, tensor
 // cores), attention_wgmma.cu (the same on a Hopper GPU with D 64 or 128, built for sm_90a) and
@@ -30,11 +32,14 @@
 #define ATT_ROWS (ATT_WARPS * ATT_RPW)
 #define ATT_TILE 32
 
-template <int NPL>
+// EXT (attention_w_npl<N>): keys k > pos - window only (window 0: all) and scores soft-capped,
+// s -> softcap tanh(s / softcap) after the scale (0: none); a row skips the tiles before its window.
+template <int NPL, bool EXT = false>
 __device__ __forceinline__ void attention_body(const float* __restrict__ q, int q_stride, const u16* __restrict__ kc,
                                                const u16* __restrict__ vc, const int* __restrict__ pos, int T,
                                                int Hq, int Hkv, int Dh, float scale, int chunk, float* out,
-                                               int out_stride, float* part_o, float* part_ml, int n_split) {
+                                               int out_stride, float* part_o, float* part_ml, int n_split,
+                                               int window = 0, float softcap = 0.0f) {
     extern __shared__ float smem[];
     const int G = Hq / Hkv;
     const int kvh = blockIdx.y, split = blockIdx.z;
@@ -94,6 +99,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
 #pragma unroll
         for (int rr = 0; rr < ATT_RPW; ++rr) {
             if (qpos[rr] < kt) continue;  // warp-uniform: this row sees no key of the tile
+            if (EXT && window > 0 && min(kt + ATT_TILE, end) - 1 <= qpos[rr] - window) continue;  // nor here
             const float* qr = qs + (rr * ATT_WARPS + warp) * Dh;
             const u32* kr = ks + lane * kw;
             float s = 0.0f;
@@ -104,7 +110,8 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
                 s = fmaf(qq.y, h2f((u16)(kk >> 16)), s);
             }
             const int key = kt + lane;
-            if (key >= end || key > qpos[rr]) s = -INFINITY;
+            if (EXT && softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            if (key >= end || key > qpos[rr] || (EXT && window > 0 && key <= qpos[rr] - window)) s = -INFINITY;
             const float m_new = fmaxf(m[rr], warp_max(s));
             const float alpha = __expf(m[rr] - m_new);
             const float p = __expf(s - m_new);
@@ -166,22 +173,52 @@ ATTENTION_KERNEL(3)
 ATTENTION_KERNEL(4)
 ATTENTION_KERNEL(8)
 
-extern "C" __global__ void attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+#define ATTENTION_W_KERNEL(N)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) attention_w_npl##N(                                   \
+        const float* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,   \
+        int Dh, float scale, int chunk, float* out, int out_stride, float* part_o, float* part_ml,            \
+        int n_split, int window, float softcap) {                                                            \
+        attention_body<N, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, Dh, scale, chunk, out, out_stride,      \
+                                part_o, part_ml, n_split, window, softcap);                                  \
+    }
+ATTENTION_W_KERNEL(1)
+ATTENTION_W_KERNEL(2)
+ATTENTION_W_KERNEL(3)
+ATTENTION_W_KERNEL(4)
+ATTENTION_W_KERNEL(8)
+
+template <bool EXT>
+__device__ __forceinline__ void combine_body(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                              const int* __restrict__ pos, int T, int Hq, int Dh, int n_split,
-                                             int chunk, float* out, int out_stride) {
+                                             int chunk, float* out, int out_stride, int window) {
     const int row = blockIdx.x, t = row / Hq, h = row - t * Hq, d = threadIdx.x;
     const int n = min(n_split, (pos[t] + chunk) / chunk);  // splits that saw keys: ceil((pos+1)/chunk)
+    // EXT: the first split holding a key of the window (the ones before wrote nothing)
+    const int s0 = EXT && window > 0 ? max(0, pos[t] - window + 1) / chunk : 0;
     const long long stride = (long long)T * Hq;
     float M = -INFINITY;
-    for (int s = 0; s < n; ++s) M = fmaxf(M, part_ml[2 * (s * stride + row)]);
+    for (int s = s0; s < n; ++s) M = fmaxf(M, part_ml[2 * (s * stride + row)]);
     float L = 0.0f, o = 0.0f;
-    for (int s = 0; s < n; ++s) {
+    for (int s = s0; s < n; ++s) {
         const long long r = s * stride + row;
         const float w = __expf(part_ml[2 * r] - M);
         L += part_ml[2 * r + 1] * w;
         if (d < Dh) o += part_o[r * Dh + d] * w;
     }
     if (d < Dh) out[(long long)t * out_stride + h * Dh + d] = o / L;
+}
+
+extern "C" __global__ void attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                             const int* __restrict__ pos, int T, int Hq, int Dh, int n_split,
+                                             int chunk, float* out, int out_stride) {
+    combine_body<false>(part_o, part_ml, pos, T, Hq, Dh, n_split, chunk, out, out_stride, 0);
+}
+
+// attention_combine_w(..., out_stride, window): the merge of attention_w_npl / attention_decode_w splits.
+extern "C" __global__ void attention_combine_w(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                               const int* __restrict__ pos, int T, int Hq, int Dh, int n_split,
+                                               int chunk, float* out, int out_stride, int window) {
+    combine_body<true>(part_o, part_ml, pos, T, Hq, Dh, n_split, chunk, out, out_stride, window);
 }
 
 extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v, int v_stride, int T, int Hkv,

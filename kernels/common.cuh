@@ -101,3 +101,8 @@ __device__ __forceinline__ float block_max(float v) {
 __device__ __forceinline__ float f16_rowscale(float m) {
     return (m > F16_SAFE && m <= 3.0e38f) ? exp2f(ceilf(log2f(m / F16_SAFE))) : 1.0f;
 }
+
+// gelu with the tanh approximation (gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
+__device__ __forceinline__ float gelu_tanh(float g) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * fmaf(0.044715f * g, g * g, g)));
+}

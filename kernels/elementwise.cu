@@ -1,5 +1,8 @@
 // elementwise.cu: the small element-wise ops of the block. All f32, grid-stride, block 256.
 //   swiglu_f32   y[i] = silu(g[i]) * u[i]            g, u, y [n] (y may alias either)
+//   geglu_f32    y[i] = gelu_tanh(g[i]) * u[i]       gemma's GeGLU (common.cuh gelu_tanh)
+//   softcap_f32  y[i] = c tanh(x[i] / c)             gemma2's final logit soft-cap (y may alias x)
+//   scale_f32    y[i] = x[i] * s                     gemma's embedding scale sqrt(D) (y may alias x)
 //   add_f32      y[i] = a[i] + b[i]                  residual add (y may alias a)
 //   add_bias_f32 x[t, j] += b[j]                     x [T, N], b [N]
 //   to_f16_rowscale_f32  x16[t, :] = f16(x[t, :] / s[t]), s[t] = 1, or the power of two that brings the
@@ -17,6 +20,22 @@ extern "C" __global__ void swiglu_f32(const float* g, const float* u, float* y, 
         const float a = g[i];
         y[i] = a / (1.0f + expf(-a)) * u[i];
     }
+}
+
+extern "C" __global__ void geglu_f32(const float* g, const float* u, float* y, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = gelu_tanh(g[i]) * u[i];
+}
+
+extern "C" __global__ void softcap_f32(const float* x, float* y, float c, long long n) {
+    const float inv = 1.0f / c;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = c * tanhf(x[i] * inv);
+}
+
+extern "C" __global__ void scale_f32(const float* x, float* y, float s, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = x[i] * s;
 }
 
 extern "C" __global__ void add_f32(const float* a, const float* b, float* y, long long n) {
@@ -64,24 +83,35 @@ extern "C" __global__ void rowscale_bias_f32(float* y, const float* __restrict__
 //       f16_rowscale. One block (256) per row; y is computed twice (max pass, store pass) from L1/L2.
 //   rowscale_add_f32(x [T, N], y [T, N], s [T], n = T*N, N): x += y * s (the down projection's epilogue
 //       into the residual stream).
-extern "C" __global__ void swiglu_f16_rowscale(const float* __restrict__ gu, const float* s_in, int F,
-                                               u16* __restrict__ y16, float* s_out) {  // s_out may be s_in
+//   geglu_f16_rowscale(...): swiglu_f16_rowscale's arguments, gelu_tanh(gate) in place of silu(gate).
+template <bool GELU>
+__device__ __forceinline__ float glu(float a, float b) {
+    return (GELU ? gelu_tanh(a) : a / (1.0f + expf(-a))) * b;
+}
+
+template <bool GELU>
+__device__ __forceinline__ void glu_f16_rowscale(const float* __restrict__ gu, const float* s_in, int F,
+                                                 u16* __restrict__ y16, float* s_out) {
     const float* g = gu + (long long)blockIdx.x * 2 * F;
     const float* u = g + F;
     const float s = s_in[blockIdx.x];
     float m = 0.0f;
-    for (int i = threadIdx.x; i < F; i += blockDim.x) {
-        const float a = g[i] * s;
-        m = fmaxf(m, fabsf(a / (1.0f + expf(-a)) * (u[i] * s)));
-    }
+    for (int i = threadIdx.x; i < F; i += blockDim.x) m = fmaxf(m, fabsf(glu<GELU>(g[i] * s, u[i] * s)));
     m = block_max(m);
     const float inv = 1.0f / f16_rowscale(m);
     u16* out = y16 + (long long)blockIdx.x * F;
-    for (int i = threadIdx.x; i < F; i += blockDim.x) {
-        const float a = g[i] * s;
-        out[i] = f2h(a / (1.0f + expf(-a)) * (u[i] * s) * inv);
-    }
+    for (int i = threadIdx.x; i < F; i += blockDim.x) out[i] = f2h(glu<GELU>(g[i] * s, u[i] * s) * inv);
     if (threadIdx.x == 0) s_out[blockIdx.x] = 1.0f / inv;
+}
+
+extern "C" __global__ void swiglu_f16_rowscale(const float* __restrict__ gu, const float* s_in, int F,
+                                               u16* __restrict__ y16, float* s_out) {  // s_out may be s_in
+    glu_f16_rowscale<false>(gu, s_in, F, y16, s_out);
+}
+
+extern "C" __global__ void geglu_f16_rowscale(const float* __restrict__ gu, const float* s_in, int F,
+                                              u16* __restrict__ y16, float* s_out) {  // s_out may be s_in
+    glu_f16_rowscale<true>(gu, s_in, F, y16, s_out);
 }
 
 extern "C" __global__ void rowscale_add_f32(float* x, const float* __restrict__ y, const float* __restrict__ s,

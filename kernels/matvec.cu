@@ -15,6 +15,8 @@
 // One-token variants (decode; T = 1), the ones the fused decode step uses:
 //   mv1_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am, early)
 //   mv1_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, lpr, groups, early)
+//   mv1_<t>_geglu, mv1_stream_<t>_geglu, matvec_<t>_geglu: the _swiglu forms with gelu_tanh (common.cuh)
+//     for silu: gemma's GeGLU
 //   mv1_mixed_<a>_<b>(mv1_<t>'s arguments): w0 and w1 of type a, w2 of type b, both int8-activation types
 //     (Q4_K_M's layers with a Q6_K V: one QKV launch instead of three).
 //     In the captured decode step these may run as programmatic dependents (common.cuh pdl_wait): the
@@ -79,7 +81,7 @@ __device__ __forceinline__ void row_pointers(const u8* w0, const u8* w1, const u
     }
 }
 
-template <class Q, bool SWIGLU>
+template <class Q, bool SWIGLU, bool GELU = false>
 __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                             const u8* __restrict__ w2, int n0, int n1, int N, int K,
                                             const float* __restrict__ x, int T, float* y,
@@ -144,7 +146,7 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8*
             if (active && sub == 0) {
                 const long long i = (long long)t * N + n;
                 if (SWIGLU) {
-                    y[i] = s / (1.0f + expf(-s)) * s2;
+                    y[i] = (GELU ? gelu_tanh(s) : s / (1.0f + expf(-s))) * s2;
                 } else {
                     if (bias) s += bias[n];
                     if (resid) s += resid[i];
@@ -164,6 +166,10 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8*
     extern "C" __global__ void __launch_bounds__(128) matvec_##name##_swiglu(                               \
         const u8* wg, const u8* wu, int N, int K, const float* x, int T, float* y, int lpr) {               \
         matvec_body<Q, true>(wg, wu, nullptr, N, 0, N, K, x, T, y, nullptr, nullptr, lpr);                   \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) matvec_##name##_geglu(                                \
+        const u8* wg, const u8* wu, int N, int K, const float* x, int T, float* y, int lpr) {               \
+        matvec_body<Q, true, true>(wg, wu, nullptr, N, 0, N, K, x, T, y, nullptr, nullptr, lpr);             \
     }
 
 FOR_EACH_QTYPE(MATVEC_KERNELS)
@@ -610,12 +616,12 @@ __device__ __forceinline__ void mv1_row(const u8* ra, const u8* rb, int u, int l
 
 // Row n's output: silu(a) * b (SWIGLU), else a (+ bias[n]) (+ resid[n]) into y[n]; with the fused argmax,
 // this lane's best packed (logit, id) key and NaN/+inf flag take it in (mv1 and mv1_stream).
-template <bool SWIGLU>
+template <bool SWIGLU, bool GELU = false>
 __device__ __forceinline__ void mv1_put(float a, float b, int n, float* y, const float* __restrict__ bias,
                                         const float* resid, bool argmax, u64& key, int& bad) {
     float out = a;
     if (SWIGLU) {
-        out = a / (1.0f + expf(-a)) * b;
+        out = (GELU ? gelu_tanh(a) : a / (1.0f + expf(-a))) * b;
     } else {
         if (bias) out += bias[n];
         if (resid) out += resid[n];
@@ -671,7 +677,7 @@ __device__ __forceinline__ void mv1_argmax(u64 key, int bad, u64* am) {
 
 // QV: the type of segment w2 (the V rows of a QKV launch; Q elsewhere). A mixed pair (Q4_K_M's Q4_K Q/K
 // with Q6_K V) shares one int8 staging of x, so the three matrices still run as one launch.
-template <class Q, class QV, bool SWIGLU>
+template <class Q, class QV, bool SWIGLU, bool GELU = false>
 __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
                                          int n0, int n1, int N, int K, const float* __restrict__ x, float* y,
                                          const float* __restrict__ bias, const float* resid,
@@ -742,7 +748,7 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
             acc += __shfl_xor_sync(FULL_MASK, acc, o);
             if (SWIGLU) acc2 += __shfl_xor_sync(FULL_MASK, acc2, o);
         }
-        if (active && sub == 0) mv1_put<SWIGLU>(acc, acc2, n, y, bias, resid, am != nullptr, key, bad);
+        if (active && sub == 0) mv1_put<SWIGLU, GELU>(acc, acc2, n, y, bias, resid, am != nullptr, key, bad);
     }
     if (!early) pdl_launch_dependents();
     if (am != nullptr) mv1_argmax(key, bad, am);
@@ -761,6 +767,12 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
         int lpr, int groups, int early) {                                                                    \
         mv1_body<Q, Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,  \
                              nullptr, early);                                                                \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name##_geglu(    \
+        const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
+        int lpr, int groups, int early) {                                                                    \
+        mv1_body<Q, Q, true, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr,    \
+                                   groups, nullptr, early);                                                  \
     }
 
 FOR_EACH_QTYPE(MV1_KERNELS)
@@ -872,7 +884,7 @@ struct StreamCursor {
     __device__ __forceinline__ int chunk(int i, int lane) const { return (j * MV1S_BATCH + i) * 32 + lane; }
 };
 
-template <bool BF, bool SWIGLU>
+template <bool BF, bool SWIGLU, bool GELU = false>
 __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                           const u8* __restrict__ w2, int n0, int n1, int N, int K,
                                           const float* __restrict__ x, float* y, const float* __restrict__ bias,
@@ -931,7 +943,7 @@ __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* _
             return;
         }
         cp = 0;
-        if (lane == 0) mv1_put<SWIGLU>(SWIGLU ? gate : t, t, cn, y, bias, resid, am != nullptr, key, bad);
+        if (lane == 0) mv1_put<SWIGLU, GELU>(SWIGLU ? gate : t, t, cn, y, bias, resid, am != nullptr, key, bad);
         cn += W;
     };
     for (int s = 0; s < steps; s += NB) {
@@ -958,6 +970,12 @@ __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* _
         int early) {                                                                                        \
         mv1s_body<BF, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, nullptr,      \
                             early);                                                                         \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name##_geglu(                 \
+        const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps, \
+        int early) {                                                                                        \
+        mv1s_body<BF, true, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, nullptr, \
+                                  early);                                                                   \
     }
 MV1S_KERNELS(f16, false)
 MV1S_KERNELS(bf16, true)

@@ -8,6 +8,8 @@
 // [T, stride] that start with Hq q heads then Hkv k heads of Dh floats (the fused QKV matvec's output);
 // q heads take wq [Dh], k heads wk [Dh]. grid (T, Hq + Hkv), block Dh rounded up to 32 (at most 1024). In the
 // captured decode step it may launch as a programmatic dependent of the QKV matvec: it waits for it first.
+// rms_norm_add(x, y, s, w, D, eps): gemma's post-norm before the residual add, x[t, :] += RMSNorm(y[t, :] * s[t])
+// * w (s [T] the GEMM's row scales, or NULL: 1). grid T, block 256.
 // Best measured on H100: not yet tuned (one block per row: D=576..4096 is latency-bound, ~2-3 us).
 
 #include "common.cuh"
@@ -51,4 +53,17 @@ extern "C" __global__ void head_rms_norm(float* x, int stride, int Hq, int Hkv, 
     for (int i = threadIdx.x; i < Dh; i += blockDim.x) ss = fmaf(h[i], h[i], ss);
     const float r = rsqrtf(block_sum(ss) / (float)Dh + eps);
     for (int i = threadIdx.x; i < Dh; i += blockDim.x) h[i] = h[i] * r * w[i];  // each thread its own dims
+}
+
+extern "C" __global__ void rms_norm_add(float* x, const float* __restrict__ y, const float* __restrict__ s,
+                                        const float* __restrict__ w, int D, float eps) {
+    const long long base = (long long)blockIdx.x * D;
+    const float sc = s ? s[blockIdx.x] : 1.0f;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float v = y[base + i] * sc;
+        ss = fmaf(v, v, ss);
+    }
+    const float r = rsqrtf(block_sum(ss) / (float)D + eps);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) x[base + i] += y[base + i] * sc * r * w[i];
 }

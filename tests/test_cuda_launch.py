@@ -217,9 +217,12 @@ def test_tensor_core_attention_rows_per_block_match_the_kernel_source() -> None:
     warps = define["TC_WARPS"]
     assert re.search(r"^#define TC_BR \(TC_WARPS \* 16\)", src, re.M)
     assert ATT_TC_ROWS == 16 * warps
+    assert re.search(r"constexpr bool QSM = D > 128;", src)  # past 128: the warps' Q rows in shared memory too
     for dh in ATT_TC_DIMS:
         stages = s_wide if dh <= s_limit else s_narrow
-        assert tc_smem(dh) == stages * 2 * define["TC_BC"] * (dh + 8) * 2 + 16, dh
+        q_rows = warps * 16 * (dh + 8) * 2 if dh > 128 else 0
+        assert tc_smem(dh) == stages * 2 * define["TC_BC"] * (dh + 8) * 2 + 16 + q_rows, dh
+    assert tc_smem(256) <= 227 * 1024  # one block fits an H100 SM's shared memory
 
 
 def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:

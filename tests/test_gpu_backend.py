@@ -246,6 +246,21 @@ def test_smollm2_greedy_64_tokens_identical() -> None:
         assert fused2[:n] == want.tokens[:n], prompt
 
 
+def test_gemma3_270m_greedy_64_tokens_identical() -> None:
+    """The real Gemma 3 270M Q4_K_M (LLAMACLI_TEST_GEMMA): CUDA's greedy tokens equal the NumPy reference's."""
+    from llamacli.generate import load
+
+    path = os.environ.get("LLAMACLI_TEST_GEMMA")
+    if not path:
+        pytest.skip("LLAMACLI_TEST_GEMMA is not set")
+    ref = load(path, backend="numpy", ctx=512)
+    gpu = load(path, backend="cuda", ctx=512)
+    for prompt in PROMPTS:
+        want = ref.complete(prompt, max_tokens=64, temperature=0.0, raw=True)
+        got = gpu.complete(prompt, max_tokens=64, temperature=0.0, raw=True)
+        assert got.tokens == want.tokens, prompt
+
+
 def test_long_prefill_of_a_1b_shape_model_is_finite_and_matches_decode(tmp_path) -> None:
     """Random Llama-3.2-1B-shape weights drive the residual stream into the thousands, and a 512-token
     prefill once overflowed fp16 GEMM outputs (NaN logits). The prefill (cuBLAS) must agree with the same

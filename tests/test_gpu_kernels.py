@@ -668,3 +668,235 @@ def test_debug_logging_names_each_launch(caplog) -> None:
     with caplog.at_level(logging.DEBUG, logger="llamacli.kernels"):
         be.rms_norm(x, cp.ones(40, cp.float32), 1e-5)
     assert any("launch rms_norm_f32 grid=(3,) block=(256,) shared=0" in r.getMessage() for r in caplog.records)
+
+
+# -- gemma: head dim 256, sliding windows, soft-caps, the query scale, GeGLU, post-norms, the 262k LM head ----
+
+
+def ext_cfg(dh: int, hkv: int, group: int, window: int, softcap: float, attn_scale: float = 0.0) -> ModelConfig:
+    """One layer with gemma's attention extras (window, soft-cap) and a local RoPE table."""
+    from llamacli.models.base import LayerPlan
+
+    plan = LayerPlan(window=window, attn_softcap=softcap, rope_local=True)
+    return make_cfg(n_head=hkv * group, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hkv * group * dh,
+                    attn_scale=attn_scale, layers=(plan,), rope_type=ROPE_NEOX)
+
+
+def ext_attention_ref(q, kc, vc, pos, group, scale, window, softcap):
+    """float64 causal GQA attention with a sliding window (keys k > p - window; 0: all) and a soft-cap."""
+    t, hq, dh = q.shape
+    out = np.empty((t, hq, dh))
+    k64 = np.repeat(kc.astype(np.float64), group, axis=1)
+    v64 = np.repeat(vc.astype(np.float64), group, axis=1)
+    for i in range(t):
+        lo = max(0, pos[i] - window + 1) if window else 0
+        s = np.einsum("nhd,hd->hn", k64[lo : pos[i] + 1], q[i].astype(np.float64)) * scale
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[i] = np.einsum("hn,nhd->hd", p, v64[lo : pos[i] + 1]) / p.sum(axis=1)[:, None]
+    return out.reshape(t, hq * dh)
+
+
+@pytest.mark.parametrize("dh", [64, 128, 256])
+@pytest.mark.parametrize("window,softcap", [(0, 50.0), (7, 0.0), (100, 0.0), (5000, 0.0), (64, 20.0)])
+def test_attention_prefill_window_softcap(dh, window, softcap) -> None:
+    """attention_tcx*_d* (tensor cores) and attention_w_npl* (CUDA cores) with windows smaller and larger than
+    the chunk (and than the cache), soft-caps, a query scale that is not 1/sqrt(dh); chunks on a filled cache,
+    the cache past the chunk's keys NaN, the output poisoned; against float64."""
+    rng = np.random.default_rng(dh + window)
+    hkv, group, ctx = 1, 4, 700
+    scale = 0.3 / math.sqrt(dh) if softcap else 0.0
+    cfg = ext_cfg(dh, hkv, group, window, softcap, scale)
+    be, _ = bare(cfg, ctx)
+    kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    for start, t in ((0, 37), (131, 333), (600, 5), (650, 50)):
+        kp, vp = kc.copy(), vc.copy()
+        kp[start + t :], vp[start + t :] = np.nan, np.nan
+        be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
+        q = (rng.standard_normal((t, hkv * group, dh)) * 3).astype(np.float32)
+        pos = np.arange(start, start + t, dtype=np.int32)
+        want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, softcap)
+        for use_tc in (True, False):
+            be.attention_tc = use_tc
+            out = poisoned((t, hkv * group * dh))
+            be.attend(cp.asarray(q), hkv * group * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1,
+                      ctx, None, None, layer=0)
+            tc = use_tc and t >= ATT_TC_MIN_T
+            tol = (6e-3, 1e-2) if tc else (2e-4, 2e-3)
+            assert_close(out.get(), want, *tol, f"tc={tc} t={t} start={start}")
+
+
+@pytest.mark.parametrize("dh", [64, 256])
+@pytest.mark.parametrize("hkv,group", [(1, 4), (2, 8), (1, 9)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (300, 0.0), (40, 30.0)])
+def test_attention_decode_window_softcap(dh, hkv, group, window, softcap) -> None:
+    """Decode (attention_decode_w_npl* + attention_combine_w over 256-key splits; group 9: the CUDA-core
+    splits) against the NumPy reference after prefill chunks, positions past several splits and windows
+    that start inside a split; head dim 256 on the decode kernel (npl8)."""
+    rng = np.random.default_rng(dh * 7 + group + window)
+    cfg = ext_cfg(dh, hkv, group, window, softcap)
+    be, ref = bare(cfg, 4096)
+    hq, start = cfg.n_head, 0
+    for t in (300, 1, 1, 400, 1, 1):
+        q = rng.standard_normal((t, hq, dh)).astype(np.float32)
+        k = rng.standard_normal((t, hkv, dh)).astype(np.float32)
+        v = rng.standard_normal((t, hkv, dh)).astype(np.float32)
+        k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+        pos = np.arange(start, start + t, dtype=np.int32)
+        got = be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+        want = ref.attention(0, q, k16, v16, pos)
+        tol = (6e-3, 1e-2) if t >= ATT_TC_MIN_T else (2e-4, 2e-3)
+        assert_close(got.get(), want, *tol, f"attention t={t} start={start}")
+        start += t
+
+
+@pytest.mark.parametrize("dh,group", [(64, 3), (256, 4)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (200, 0.0), (30, 50.0)])
+def test_attention_step_window_local_rope(dh, group, window, softcap) -> None:
+    """The fused decode step's attention (attention_step_w_neox_npl*: RoPE with the local table, K/V store,
+    the splits of the window only, their merge by the last block) against rope + attention of the reference."""
+    rng = np.random.default_rng(dh + group + window)
+    hkv = 1
+    cfg = ext_cfg(dh, hkv, group, window, softcap)
+    ctx = 2048
+    be, ref = bare(cfg, ctx)
+    be.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, None, ctx, local=True).astype(np.float64))
+    ref.theta_local = rope_tables.inv_freq(cfg, None, ctx, local=True)
+    n_split = be.decode_splits(ctx)
+    be._part_o = cp.empty((n_split, cfg.n_head, dh), cp.float32)
+    be._part_ml = cp.empty((n_split, cfg.n_head, 2), cp.float32)
+    be.attention_counters = cp.zeros(hkv, cp.uint32)
+    hist = 700  # the cache before the step: filled through both backends' op path
+    k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
+    be.k_cache[0, :hist] = cp.asarray(k0.astype(np.float16))
+    be.v_cache[0, :hist] = cp.asarray(k0[::-1].astype(np.float16))
+    ref.k_cache[0, :hist] = k0.astype(np.float16)
+    ref.v_cache[0, :hist] = k0[::-1].astype(np.float16)
+    for p in (hist, hist + 1, hist + 2):
+        qkv = rng.standard_normal((1, cfg.q_dim + 2 * cfg.kv_dim)).astype(np.float32)
+        q = qkv[:, : cfg.q_dim].reshape(1, cfg.n_head, dh)
+        k = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(1, hkv, dh)
+        v = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(1, hkv, dh)
+        pos = np.array([p], np.int32)
+        kr = ref.rope(k, pos, local=True).astype(np.float16).astype(np.float32)
+        want = ref.attention(0, ref.rope(q, pos, local=True), kr, v.astype(np.float16).astype(np.float32), pos)
+        be.step_pos.set(pos)
+        att = poisoned((1, cfg.q_dim))
+        be.attend_step(0, cp.asarray(qkv), att, False)
+        assert_close(att.get(), want, 2e-4, 2e-3, f"step p={p}")
+        assert int(be.attention_counters.sum()) == 0  # reset by the merging block
+
+
+@pytest.mark.parametrize("rope_type", [ROPE_NORMAL, ROPE_NEOX])
+def test_rope_head_dim_256_local_table(rope_type) -> None:
+    cfg = make_cfg(head_dim=256, rope_dim=256, rope_type=rope_type, rope_freq_base=1e6, rope_scaling="linear",
+                   rope_scaling_factor=8.0)
+    be, ref = bare(cfg, 4096)
+    be.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, None, 4096, local=True).astype(np.float64))
+    ref.theta_local = rope_tables.inv_freq(cfg, None, 4096, local=True)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((9, 3, 256)).astype(np.float32)
+    pos = np.sort(rng.choice(4000, size=9, replace=False)).astype(np.int32)
+    for local in (False, True):
+        assert_close(be.rope(cp.asarray(x), cp.asarray(pos), local).get(), ref.rope(x, pos, local), 1e-5, 1e-5,
+                     f"local={local}")
+
+
+def gelu_tanh(g):
+    g = np.asarray(g, np.float64)
+    return 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+
+
+@pytest.mark.parametrize("n", [1, 4097, 100_003])
+def test_geglu_softcap_elementwise(n) -> None:
+    rng = np.random.default_rng(n)
+    be, ref = bare(make_cfg(), 16)
+    g, u = (rng.standard_normal((1, n)) * 4).astype(np.float32), rng.standard_normal((1, n)).astype(np.float32)
+    assert_close(be.geglu(cp.asarray(g), cp.asarray(u)).get(), ref.geglu(g, u), 1e-6, 1e-5, "geglu")
+    x = (rng.standard_normal((1, n)) * 60).astype(np.float32)
+    assert_close(be.softcap(cp.asarray(x), 30.0).get(), ref.softcap(x, 30.0), 1e-5, 1e-5, "softcap")
+
+
+def test_geglu_f16_rowscale_and_rms_norm_add() -> None:
+    """The fused prefill's GeGLU (geglu_f16_rowscale: fp16 output with a power-of-two row scale) and the
+    post-norm residual add (rms_norm_add, with and without the GEMM's row scales)."""
+    from llamacli.backends.cuda import loader as K
+
+    rng = np.random.default_rng(3)
+    t, f, d = 5, 2048, 640
+    gu = (rng.standard_normal((t, 2 * f)) * 3).astype(np.float32)
+    gu[1] *= 4000.0  # a row past fp16's range once multiplied: its scale must grow
+    s_in = np.array([1, 2, 0.5, 4, 1], np.float32)
+    y16, s_out = cp.full((t, f), cp.nan, cp.float16), poisoned(t)
+    K.launch("elementwise", "geglu_f16_rowscale", (t,), (256,),
+             (K.ptr(cp.asarray(gu)), K.ptr(cp.asarray(s_in)), K.i32(f), K.ptr(y16), K.ptr(s_out)))
+    g, u = gu[:, :f] * s_in[:, None], gu[:, f:] * s_in[:, None]
+    want = gelu_tanh(g) * u
+    got = y16.get().astype(np.float64) * s_out.get()[:, None]
+    assert_close(got, want, 1e-3, 2e-3, "geglu_f16_rowscale")
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    y = (rng.standard_normal((t, d)) * 7).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    for scale in (None, s_in):
+        sc = np.ones(t, np.float32) if scale is None else scale
+        ys = y * sc[:, None]
+        want = x + ys / np.sqrt(np.mean(ys.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6) * w
+        xd = cp.asarray(x)
+        K.launch("norm", "rms_norm_add", (t,), (256,), (K.ptr(xd), K.ptr(cp.asarray(y)),
+                 K.ptr(None if scale is None else cp.asarray(scale)), K.ptr(cp.asarray(w)), K.i32(d), K.f32(1e-6)))
+        assert_close(xd.get(), want, 1e-5, 1e-5, f"rms_norm_add scale={scale is not None}")
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_K, QT.Q5_0, QT.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [1, 3])
+def test_matvec_geglu(qtype, t) -> None:
+    """The _geglu forms of mv1 / mv1_stream (one token, RMSNorm fused) and matvec (3 tokens)."""
+    rng = np.random.default_rng(int(qtype) + t)
+    be, _ = bare(make_cfg(), 16)
+    n, k = 300, 768 if qtype in MV1_ACT8 else 640  # (K-quant rows: whole 256-value blocks)
+    wg, _b1, gref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+    wu, _b2, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+    x = (rng.standard_normal((t, k))).astype(np.float32)
+    y = poisoned((t, n))
+    be.matvec_swiglu(wg, wu, cp.asarray(x), t, y, act="gelu_tanh")
+    a, b = x @ gref.T, x @ uref.T
+    sa, sb = np.abs(x) @ np.abs(gref).T, np.abs(x) @ np.abs(uref).T
+    tol = 1e-5 + 2e-5 * sa * sb
+    if qtype in MV1_ACT8 and t == 1:
+        ea, eb = act8_bound(x[0], gref)[None], act8_bound(x[0], uref)[None]
+        tol = tol + 1.2 * (np.abs(b) + eb) * ea + np.abs(gelu_tanh(a)) * eb
+    assert_close(y.get(), gelu_tanh(a) * b, tol, 1e-4, f"geglu {qtype.name} t={t}")
+
+
+def test_lm_head_262k_vocabulary_argmax() -> None:
+    """Gemma 3's LM head: a Q8_0 [262144, 640] matrix through mv1 with RMSNorm and the fused argmax: the
+    winning row near the end comes out (no grid or index overflow), rows at both ends match float64, and
+    softcap_f32 over the logits keeps them finite and the argmax where it was."""
+    rng = np.random.default_rng(262144)
+    n, k = 262144, 640
+    be, _ = bare(make_cfg(vocab_size=n), 16)
+    blocks = k // 32
+    raw = np.empty((n, blocks, 34), np.uint8)  # Q8_0 block: fp16 scale, 32 int8 (ggml-common.h)
+    raw[:, :, :2] = np.full((n, blocks), 1e-3, np.float16).view(np.uint8).reshape(n, blocks, 2)
+    raw[:, :, 2:] = rng.integers(-127, 128, size=(n, blocks, 32), dtype=np.int8).view(np.uint8)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    win = n - 3
+    raw[win, :, 2:] = np.where(x[0] > 0, 127, -127).astype(np.int8).reshape(blocks, 32).view(np.uint8)
+    rows = raw.reshape(n, blocks * 34)
+    buf = cp.asarray(rows)
+    w = DeviceMatrix(buf.data.ptr, n, k, QT.Q8_0, blocks * 34)
+    nw = np.ones(k, np.float32)
+    y = poisoned((1, n))
+    be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
+    assert int(be.step_ids.get()[0]) == win and int(be.step_ids.get()[1]) == 0
+    h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5)
+    yh = y.get()
+    for sub in (np.arange(0, 500), np.arange(n - 500, n)):
+        wref = dequantize(rows[sub], QT.Q8_0).reshape(len(sub), k).astype(np.float64)
+        ref = h @ wref.T
+        q8 = act8_bound(h[0], wref)[None] if QT.Q8_0 in MV1_ACT8 else 0.0
+        assert_close(yh[:, sub], ref, 1e-5 + 2e-6 * (np.abs(h) @ np.abs(wref).T) + q8, 1e-5, f"rows {sub[0]}..")
+    capped = be.softcap(y, 30.0).get()
+    assert np.isfinite(capped).all() and int(np.argmax(capped)) == win

@@ -55,7 +55,7 @@ def test_every_weight_type_has_its_kernels() -> None:
 
     both = ptx("matvec", "compute_90") + ptx("dequant", "compute_90")
     for t in RUNNABLE:
-        for kind in ("matvec_{}", "matvec_{}_swiglu", "dequant_{}", "embed_{}"):
+        for kind in ("matvec_{}", "matvec_{}_swiglu", "matvec_{}_geglu", "mv1_{}_geglu", "dequant_{}", "embed_{}"):
             assert f".entry {kind.format(qname(t))}(" in both
 
 
@@ -99,10 +99,12 @@ def test_attention_has_hopper_code_only_for_sm90a() -> None:
 
 
 ATTENTION_KERNELS = {  # the kernels of the four attention families, as the Python launchers name them
-    "attention_simt": {"kv_store", "attention_combine"} | {f"attention_npl{n}" for n in (1, 2, 3, 4, 8)},
-    "attention_decode": {f"attention_decode_npl{n}" for n in (1, 2, 3, 4)}
-    | {f"attention_step_{m}_npl{n}" for m in ("normal", "neox") for n in (1, 2, 3, 4)},
-    "attention_mma": {f"attention_tc{o}_d{d}" for o in ("", "16") for d in (64, 80, 96, 112, 128)},
+    "attention_simt": {"kv_store", "attention_combine", "attention_combine_w"}
+    | {f"attention{w}_npl{n}" for w in ("", "_w") for n in (1, 2, 3, 4, 8)},
+    "attention_decode": {f"attention_decode{w}_npl{n}" for w in ("", "_w") for n in (1, 2, 3, 4, 8)}
+    | {f"attention_step_{w}{m}_npl{n}" for w in ("", "w_") for m in ("normal", "neox") for n in (1, 2, 3, 4, 8)},
+    "attention_mma": {f"attention_tc{x}{o}_d{d}" for x in ("", "x") for o in ("", "16")
+                      for d in (64, 80, 96, 112, 128, 256)},
     "attention_wgmma": {f"attention_wg{o}_d{d}" for o in ("", "16") for d in (64, 128)},
 }
 
@@ -127,3 +129,14 @@ def test_feature_cubin_is_compiled_once_into_the_cache(tmp_path, monkeypatch) ->
     other = K.feature_cubin("attention_wgmma", src + "\n// edited\n", "sm_90a")
     assert other != path and other.is_file()
     assert not list(path.parent.glob("*.part"))
+
+
+def test_gemma_elementwise_and_norm_kernels_exist() -> None:
+    """The kernels the gemma paths launch: GeGLU (op path, fused prefill, 16-bit streaming matvec), the
+    soft-cap, the embedding scale and the post-norm residual add."""
+    ew, norm, mv = ptx("elementwise", "compute_90"), ptx("norm", "compute_90"), ptx("matvec", "compute_90")
+    for name in ("geglu_f32", "geglu_f16_rowscale", "softcap_f32", "scale_f32"):
+        assert f".entry {name}(" in ew, name
+    assert ".entry rms_norm_add(" in norm
+    for t in ("f16", "bf16"):
+        assert f".entry mv1_stream_{t}_geglu(" in mv

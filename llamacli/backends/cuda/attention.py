@@ -5,6 +5,9 @@
 - kernels/attention_decode.cu: attention_decode_npl<N> (decode, keys over all 8 warps) and its fused-step form
   attention_step_<mode>_npl<N> (RoPE + K/V store + splits + merge);
 - kernels/attention_mma.cu: attention_tc*_d<D> (prefill on tensor cores, mma.sync);
+- the _w / tcx forms of each (attention_w_npl<N>, attention_combine_w, attention_decode_w_npl<N>,
+  attention_step_w_<mode>_npl<N>, attention_tcx*_d<D>): the same with a layer's sliding window and attention
+  soft-cap (gemma), launched only on the layers whose plan has either (LayerPlan.window, attn_softcap);
 - kernels/attention_wgmma.cu: attention_wg*_d<D> (prefill on Hopper's wgmma; built for sm_90a).
 
 Decode splits the keys (flash-decoding): a fixed grid of n_split splits of `chunk` keys each (decode_chunk,
@@ -24,7 +27,7 @@ from .profile import profiled
 
 ATT_ROWS = 32  # attention_simt.cu: query rows per block
 ATT_TC_ROWS, ATT_TC_KEYS = 64, 64  # attention_tc_d*: query rows per block (TC_BR), keys per tile
-ATT_TC_DIMS = (64, 80, 96, 112, 128)  # head dims with a tensor-core prefill kernel
+ATT_TC_DIMS = (64, 80, 96, 112, 128, 256)  # head dims with a tensor-core prefill kernel
 ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: attention_wg*_d*
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
 DEC_KEYS = 256  # attention_decode_npl*: keys per pass of a split (8 warps x 32 lanes)
@@ -32,8 +35,10 @@ DEC_KEYS = 256  # attention_decode_npl*: keys per pass of a split (8 warps x 32 
 
 def tc_smem(dh: int) -> int:
     """attention_tc*_d<dh>'s dynamic shared memory: K and V tiles of ATT_TC_KEYS rows of dh + 8 halves per
-    stage (TC_STAGES: 3 up to head dim 64, else 2), and one int."""
-    return (3 if dh <= 64 else 2) * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16
+    stage (TC_STAGES: 3 up to head dim 64, else 2), 16 bytes of ints, and past head dim 128 the Q rows of
+    the 4 warps (16 rows of dh + 8 halves each)."""
+    q = 4 * 16 * (dh + 8) * 2 if dh > 128 else 0
+    return (3 if dh <= 64 else 2) * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16 + q
 
 
 def wg_smem(dh: int) -> int:
@@ -44,9 +49,15 @@ def wg_smem(dh: int) -> int:
     return 1024 + stages * 2 * 64 * dh * 2 + (2048 if dh <= 64 else 256) + 8 + 8 * stages
 
 
-def tc_qscale(dh: int) -> float:
-    """The factor attention_tc*_d* expects q multiplied by: log2(e) / sqrt(dh) (its softmax is base 2)."""
-    return math.log2(math.e) / math.sqrt(dh)
+def tc_qscale(dh: int, scale: float = 0.0) -> float:
+    """The factor attention_tc*_d* expects q multiplied by: log2(e) times the query scale (its softmax is
+    base 2); the scale 1/sqrt(dh) unless `scale` (ModelConfig.attn_scale) says otherwise."""
+    return math.log2(math.e) * scale if scale else math.log2(math.e) / math.sqrt(dh)
+
+
+def layer_ext(plan: Any) -> bool:
+    """Whether a layer's attention needs the _w / tcx kernels: a sliding window or a soft-cap."""
+    return bool(plan.window or plan.attn_softcap)
 
 
 def values_per_lane(dh: int) -> int:
@@ -78,54 +89,69 @@ class AttentionMixin:
             n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)
             part_o = cp.empty((n_split, cfg.n_head, dh), dtype=cp.float32)
             part_ml = cp.empty((n_split, cfg.n_head, 2), dtype=cp.float32)
-            self.attend(q, cfg.q_dim, kc, vc, pos, 1, out, n_split, chunk, part_o, part_ml)
+            self.attend(q, cfg.q_dim, kc, vc, pos, 1, out, n_split, chunk, part_o, part_ml, layer=layer)
         else:
-            self.attend(q, cfg.q_dim, kc, vc, pos, t, out, 1, self.ctx, None, None)
+            self.attend(q, cfg.q_dim, kc, vc, pos, t, out, 1, self.ctx, None, None, layer=layer)
         return out
 
     def attend(self, q: Any, q_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any, n_split: int,
-               chunk: int, part_o: Any, part_ml: Any) -> None:
+               chunk: int, part_o: Any, part_ml: Any, layer: int | None = None) -> None:
         """Causal attention of q [t, Hq*Dh] f32 (rows q_stride apart) over one layer's cache kc, vc up to each
         row's position -> out [t, q_dim] f32: tensor cores for prefill chunks (attend_tc), attention_decode for
-        one token in n_split splits of `chunk` keys (partials in part_o, part_ml), else attention_npl."""
+        one token in n_split splits of `chunk` keys (partials in part_o, part_ml), else attention_npl.
+        `layer`: whose plan's window and soft-cap apply (the _w kernels); None: neither."""
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        plan = cfg.layers[layer] if layer is not None else None
+        ext = plan is not None and layer_ext(plan)
+        wx = (K.i32(plan.window), K.f32(plan.attn_softcap)) if ext else ()  # the _w kernels' extra arguments
+        w_ = "_w" if ext else ""
         if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
-            # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e)/sqrt(dh)), as the fused
-            # prefill's RoPE epilogue writes it.
+            # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e) x the query scale), as
+            # the fused prefill's RoPE epilogue writes it.
             q32 = q.reshape(t, q_stride)[:, : hq * dh]
-            q16 = (q32 * np.float32(tc_qscale(dh))).astype(self.cp.float16)
-            self.attend_tc(q16, hq * dh, kc, vc, pos, t, out)
+            q16 = (q32 * np.float32(tc_qscale(dh, cfg.attn_scale))).astype(self.cp.float16)
+            self.attend_tc(q16, hq * dh, kc, vc, pos, t, out, layer)
             return
         npl = values_per_lane(dh)
         if n_split > 1 and t == 1 and self.decode_kernel_fits():
             # Decode: the split's keys spread over all 8 warps (chunk is a multiple of 256 here).
-            K.launch("attention_decode", f"attention_decode_npl{npl}", (hkv, n_split), (256,),
+            K.launch("attention_decode", f"attention_decode{w_}_npl{npl}", (hkv, n_split), (256,),
                      (K.ptr(q), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(hq), K.i32(hkv), K.i32(dh),
-                      K.f32(1.0 / math.sqrt(dh)), K.i32(chunk), K.ptr(part_o), K.ptr(part_ml)),
+                      K.f32(cfg.query_scale), K.i32(chunk), K.ptr(part_o), K.ptr(part_ml), *wx),
                      shared=self._decode_smem())
-            K.launch("attention_simt", "attention_combine", (hq,), (max(32, K.cdiv(dh, 32) * 32),),
+            K.launch("attention_simt", f"attention_combine{w_}", (hq,), (max(32, K.cdiv(dh, 32) * 32),),
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(1), K.i32(hq), K.i32(dh), K.i32(n_split),
-                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
+                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1]))
             return
         smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
         grid = (K.cdiv(t * cfg.n_group, ATT_ROWS), hkv, n_split)
-        K.launch("attention_simt", f"attention_npl{npl}", grid, (256,),
+        K.launch("attention_simt", f"attention{w_}_npl{npl}", grid, (256,),
                  (K.ptr(q), K.i32(q_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
-                  K.i32(dh), K.f32(1.0 / math.sqrt(dh)), K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim),
-                  K.ptr(part_o), K.ptr(part_ml), K.i32(n_split)), shared=smem)
+                  K.i32(dh), K.f32(cfg.query_scale), K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim),
+                  K.ptr(part_o), K.ptr(part_ml), K.i32(n_split), *wx), shared=smem)
         if n_split > 1:
-            K.launch("attention_simt", "attention_combine", (t * hq,), (max(32, K.cdiv(dh, 32) * 32),),
+            K.launch("attention_simt", f"attention_combine{w_}", (t * hq,), (max(32, K.cdiv(dh, 32) * 32),),
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(dh), K.i32(n_split),
-                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim)))
+                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1]))
 
-    def attend_tc(self, q16: Any, q16_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any) -> None:
+    def attend_tc(self, q16: Any, q16_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any,
+                  layer: int | None = None) -> None:
         """Causal prefill attention on tensor cores: q16 [t, Hq*dh] fp16 rows q16_stride apart, already times
         tc_qscale; out [t, q_dim] f32, or fp16 (the O-projection GEMM's input). attention_wg*_d* (Hopper,
-        K/V through TMA descriptors of the caches) where it serves, else attention_tc*_d* (mma.sync)."""
+        K/V through TMA descriptors of the caches) where it serves, else attention_tc*_d* (mma.sync); a
+        layer (`layer`) with a sliding window or soft-cap: attention_tcx*_d* (mma.sync)."""
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         f16 = "16" if out.dtype == self.cp.float16 else ""
+        plan = cfg.layers[layer] if layer is not None else None
+        if plan is not None and layer_ext(plan):  # the soft-cap in the kernel's base-2 units: c log2(e)
+            args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq),
+                    K.i32(hkv), K.ptr(out), K.i32(cfg.q_dim), K.i32(plan.window),
+                    K.f32(plan.attn_softcap * math.log2(math.e)))
+            K.launch("attention_mma", f"attention_tcx{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv),
+                     (128,), args, shared=tc_smem(dh))
+            return
         if self.attention_wg and dh in ATT_WG_DIMS:  # 64 query rows per block, one warpgroup
             # K and V by the tensor copy engine: each cache a [rows, hkv * dh] matrix in [64 x 64] boxes.
             rows = kc.size // (hkv * dh)
@@ -150,13 +176,17 @@ class AttentionMixin:
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)
         row_blocks = K.cdiv(cfg.n_group, self.decode_rows)
-        K.launch("attention_decode", f"attention_step_{mode}_npl{values_per_lane(dh)}", (hkv, n_split, row_blocks),
-                 (256,),
+        plan = cfg.layers[layer]
+        ext = layer_ext(plan)
+        inv_freq, attn = self.rope_table(layer)
+        K.launch("attention_decode", f"attention_step_{'w_' if ext else ''}{mode}_npl{values_per_lane(dh)}",
+                 (hkv, n_split, row_blocks), (256,),
                  (K.ptr(qkv), K.ptr(self.k_cache[layer]), K.ptr(self.v_cache[layer]), K.ptr(self.step_pos),
-                  K.i32(hq), K.i32(hkv), K.i32(dh), K.f32(1.0 / math.sqrt(dh)), K.i32(chunk),
+                  K.i32(hq), K.i32(hkv), K.i32(dh), K.f32(cfg.query_scale), K.i32(chunk),
                   K.ptr(self._part_o), K.ptr(self._part_ml), K.ptr(qkv.data.ptr + 4 * cfg.q_dim),
-                  K.i32(self.rope_dims[layer]), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
-                  K.ptr(self.attention_counters), K.ptr(att), K.i32(early)),
+                  K.i32(self.rope_dims[layer]), K.ptr(inv_freq), K.f32(attn),
+                  K.ptr(self.attention_counters), K.ptr(att), K.i32(early),
+                  *((K.i32(plan.window), K.f32(plan.attn_softcap)) if ext else ())),
                  shared=self._decode_smem())
 
     def _decode_smem(self) -> int:
@@ -165,9 +195,10 @@ class AttentionMixin:
         return (9 * g * dh + 16 * g) * 4 + 8 * 32 * dh * 2
 
     def decode_kernel_fits(self) -> bool:
-        """attention_decode_npl*: up to 8 query heads per KV head, head dim a multiple of 8, at most 128."""
+        """attention_decode_npl*: up to 8 query heads per KV head, head dim a multiple of 8, at most 128, or
+        256 (npl8: 201 KB of shared memory at 8 heads per KV head)."""
         cfg = self.cfg
-        return cfg.n_group <= 8 and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+        return cfg.n_group <= 8 and cfg.head_dim % 8 == 0 and (cfg.head_dim <= 128 or cfg.head_dim == 256)
 
     def decode_chunk(self, ctx: int) -> int:
         """Keys per split in decode attention. attention_decode: 256 (one key per lane of 8 warps), more

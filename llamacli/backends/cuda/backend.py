@@ -78,6 +78,14 @@ class CudaBackend(DeviceMixin, LinearMixin, OpsMixin, AttentionMixin, PrefillMix
         self._prof: list | None = None  # (section, start event, end event, our launches) while profiling
         self._wfam: dict[int, str] = {}  # id(weight handle) -> kernel family, for the profile
 
+    def rope_table(self, layer: int) -> tuple[Any, float]:
+        """(theta table on the device, attention factor) that layer `layer` rotates with: the local table and 1
+        on a layer whose plan has rope_local (gemma's sliding-window layers), else the global table and the
+        config's factor."""
+        if self.cfg.layers[layer].rope_local:
+            return self.inv_freq_local, 1.0
+        return self.inv_freq, self.cfg.rope_attn_factor
+
     @property
     def rope_dims(self) -> tuple[int, ...]:
         """Dims each layer's kernels rotate: the config's rope_dim, 0 on a layer whose plan has no RoPE (the

@@ -60,6 +60,7 @@ class DecodeMixin:
         self._qkv = cp.empty((1, cfg.q_dim + 2 * cfg.kv_dim), f)
         self._att = cp.empty((1, cfg.q_dim), f)
         self._ff = cp.empty((1, cfg.n_ff), f)
+        self._blk = cp.empty((1, cfg.n_embd), f)  # a block's output before its post-norm (gemma)
         self.step_logits = cp.empty((1, cfg.vocab_size), f)
         n_split = self.decode_splits(self.ctx)
         self._part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), f)
@@ -145,35 +146,62 @@ class DecodeMixin:
             if self.decode_kernel_fits():  # one kernel: RoPE, K/V store, the attention splits and their merge
                 step.append(("RoPE+KV+attention", 0, False, lambda early, i=i: self.attend_step(i, qkv, att, early)))
             else:
-                step.append(("RoPE+KV", 0, False, lambda early, i=i: K.launch(
+                table, attn = self.rope_table(i)
+                step.append(("RoPE+KV", 0, False, lambda early, i=i, table=table, attn=attn: K.launch(
                     "rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
                     (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(self.rope_dims[i]),
-                     K.ptr(self.step_pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor),
+                     K.ptr(self.step_pos), K.ptr(table), K.f32(attn),
                      K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i])))))
                 step.append(("attention", 0, False, lambda early, i=i: self.attend(
                     qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split, chunk,
-                    self._part_o, self._part_ml)))
-            mv("O-proj", (L.attn_output,), att, x, resid=x)
+                    self._part_o, self._part_ml, layer=i)))
+            post = cfg.layers[i].post_norms
+            if post:  # gemma: x += RMSNorm(Wo att) * w_post (rms_norm_add), not x += Wo att
+                mv("O-proj", (L.attn_output,), att, self._blk)
+                step.append(("O-proj", 0, False, lambda early, w=L.attn_post_norm: self._post_norm_add(w)))
+            else:
+                mv("O-proj", (L.attn_output,), att, x, resid=x)
+            act = cfg.layers[i].activation
             plan = self._ffn_plan[i]
             if plan is not None:
                 step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, self.mv1_stream and mv1_stream_ok(plan),
-                             lambda early, plan=plan, L=L:
-                             self.matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm, early=early)))
+                             lambda early, plan=plan, L=L, act=act:
+                             self.matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm, early=early, act=act)))
             else:
                 g = self._ff_tmp()
                 mv("norm+FFN", (L.ffn_gate,), x, g[0], norm=L.ffn_norm)
                 mv("norm+FFN", (L.ffn_up,), x, g[1], norm=L.ffn_norm)
-                step.append(("norm+FFN", 0, False, lambda early, g=g: K.launch(
-                    "elementwise", "swiglu_f32", (K.cdiv(cfg.n_ff, 256),), (256,),
+                glu = "geglu_f32" if act == "gelu_tanh" else "swiglu_f32"
+                step.append(("norm+FFN", 0, False, lambda early, g=g, glu=glu: K.launch(
+                    "elementwise", glu, (K.cdiv(cfg.n_ff, 256),), (256,),
                     (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))))
-            mv("norm+FFN", (L.ffn_down,), ff, x, resid=x)
-        mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), x, self.step_logits,
-           norm=w.output_norm, argmax=greedy)
+            if post:
+                mv("norm+FFN", (L.ffn_down,), ff, self._blk)
+                step.append(("norm+FFN", 0, False, lambda early, w=L.ffn_post_norm: self._post_norm_add(w)))
+            else:
+                mv("norm+FFN", (L.ffn_down,), ff, x, resid=x)
+        if cfg.final_softcap:  # gemma2: logits -> c tanh(logits / c), then (greedy) argmax_f32 over them
+            mv("norm+LM head", (w.output,), x, self.step_logits, norm=w.output_norm)
+            step.append(("LM head", 0, False, lambda early: self._softcap(self.step_logits, self.step_logits,
+                                                                          cfg.final_softcap)))
+            if greedy:  # argmax_f32 writes step_ids [id, NaN/+inf seen] and advances step_pos, as mv1's argmax
+                step.append(("argmax", 0, False, lambda early: K.launch(
+                    "sampling", "argmax_f32", (1,), (1024,),
+                    (K.ptr(self.step_logits), K.i32(cfg.vocab_size), K.ptr(self.step_ids), K.ptr(self.step_pos)))))
+        else:
+            mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), x, self.step_logits,
+               norm=w.output_norm, argmax=greedy)
         for j, (name, nbytes, streams, launch) in enumerate(step):
             nxt_bytes, nxt_streams = step[j + 1][1:3] if j + 1 < len(step) else (0, False)
             plain = nbytes >= self.pdl_max_bytes and not streams
             with sec(name), (K.dependent_launches(False) if plain else _NULL):
                 launch(nxt_bytes < self.pdl_early_bytes or nxt_streams)
+
+    def _post_norm_add(self, weight: Any) -> None:
+        """x += RMSNorm(_blk) * weight (kernels/norm.cu rms_norm_add): a gemma block's output into the residual."""
+        d = self.cfg.n_embd
+        K.launch("norm", "rms_norm_add", (1,), (256,),
+                 (K.ptr(self._x), K.ptr(self._blk), K.ptr(None), K.ptr(weight), K.i32(d), K.f32(self.cfg.rms_eps)))
 
     def _ff_tmp(self) -> Any:
         if not hasattr(self, "_ff2"):

@@ -104,6 +104,7 @@ class DeviceMixin:
                     attn_v=g("attn_v.weight"), attn_qkv=g("attn_qkv.weight"), attn_q_bias=g("attn_q.bias"),
                     attn_k_bias=g("attn_k.bias"), attn_v_bias=g("attn_v.bias"),
                     attn_q_norm=g("attn_q_norm.weight"), attn_k_norm=g("attn_k_norm.weight"),
+                    attn_post_norm=g("post_attention_norm.weight"), ffn_post_norm=g("post_ffw_norm.weight"),
                     attn_output=g("attn_output.weight"), ffn_norm=g("ffn_norm.weight"),
                     ffn_gate=g("ffn_gate.weight"), ffn_up=g("ffn_up.weight"), ffn_down=g("ffn_down.weight"),
                 )
@@ -119,7 +120,9 @@ class DeviceMixin:
 
         # RoPE table (float64 of the reference's float32 theta, so angles match the NumPy backend), KV cache.
         self.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx).astype(np.float64))
-        self.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx, local=True).astype(np.float64))
+        self.inv_freq_local = None  # the local table (gemma's sliding-window layers: rope_table)
+        if any(plan.rope_local for plan in cfg.layers):
+            self.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx, local=True).astype(np.float64))
         shape = (cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim)
         self.k_cache = cp.zeros(shape, dtype=cp.float16)
         self.v_cache = cp.zeros(shape, dtype=cp.float16)

@@ -303,12 +303,13 @@ class LinearMixin:
                   K.ptr(x), K.i32(t), K.ptr(y), K.ptr(bias), K.ptr(resid), K.i32(lpr)))
 
     def matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any, norm: Any = None,
-                      early: bool = False) -> None:
+                      early: bool = False, act: str = "silu") -> None:
         """y [t, rows] = silu(Wg x) * (Wu x), gate and up of one type and shape (one token: RMSNorm(x) * norm
-        first when given; `early` as in matvec)."""
+        first when given; `early` as in matvec); act "gelu_tanh": gelu (the _geglu kernels) for silu."""
+        glu = "geglu" if act == "gelu_tanh" else "swiglu"
         lpr = _lpr(wg.cols)
         if t == 1 and self.mv1_stream and mv1_stream_ok((wg, wu)):
-            K.launch("matvec", f"mv1_stream_{qname(wg.qtype)}_swiglu", (mv1_stream_grid(wg.rows, self.n_sms),),
+            K.launch("matvec", f"mv1_stream_{qname(wg.qtype)}_{glu}", (mv1_stream_grid(wg.rows, self.n_sms),),
                      (32 * MV1_WARPS,),
                      (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
                       K.f32(self.cfg.rms_eps), K.i32(early)),
@@ -317,7 +318,7 @@ class LinearMixin:
         if t == 1:
             groups = mv1_groups(wg.rows, wg.cols, wg.qtype, self.n_sms)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
-            K.launch("matvec", f"mv1_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
+            K.launch("matvec", f"mv1_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
                       K.f32(self.cfg.rms_eps), K.i32(lpr), K.i32(groups), K.i32(early)),
                      shared=mv1_smem(wg.qtype, wg.cols))
@@ -325,6 +326,6 @@ class LinearMixin:
         if norm is not None:
             raise BackendError("fused RMSNorm needs one token")
         rows_per_block = 4 * (32 // lpr)
-        K.launch("matvec", f"matvec_{qname(wg.qtype)}_swiglu", (K.cdiv(wg.rows, rows_per_block),), (128,),
+        K.launch("matvec", f"matvec_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (128,),
                  (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.i32(t), K.ptr(y),
                   K.i32(lpr)))

@@ -1,6 +1,6 @@
 """The small Backend operations model.forward calls on the CUDA backend, one kernel each: embedding rows
-(kernels/dequant.cu embed_<t>), RMSNorm (norm.cu), RoPE (rope.cu), SwiGLU and the residual add
-(elementwise.cu). matmul is in linear.py, attention in attention.py."""
+(kernels/dequant.cu embed_<t>, times the config's embedding scale), RMSNorm (norm.cu), RoPE (rope.cu, the
+global or the local table), SwiGLU / GeGLU, the soft-cap and the residual add (elementwise.cu). matmul is in linear.py, attention in attention.py."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ class OpsMixin:
         units = K.cdiv(w.cols, 32)
         K.launch("dequant", f"embed_{qname(w.qtype)}", (t, K.cdiv(units, 128)), (128,),
                  (K.ptr(ids), K.ptr(w.ptr), K.i32(w.cols), K.ptr(out)))
+        if self.cfg.embd_scale != 1.0:  # gemma: rows times sqrt(D), as the reference's float32 product
+            n = t * w.cols
+            K.launch("elementwise", "scale_f32", (min(K.cdiv(n, 256), 4096),), (256,),
+                     (K.ptr(out), K.ptr(out), K.f32(self.cfg.embd_scale), K.i64(n)))
 
     @profiled("norm")
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
@@ -57,12 +61,31 @@ class OpsMixin:
 
     @profiled("FFN")
     def swiglu(self, gate: Any, up: Any) -> Any:
+        return self._glu("swiglu_f32", gate, up)
+
+    @profiled("FFN")
+    def geglu(self, gate: Any, up: Any) -> Any:
+        return self._glu("geglu_f32", gate, up)
+
+    def _glu(self, kernel: str, gate: Any, up: Any) -> Any:
         gate, up = self._f32(gate), self._f32(up)
         out = self.cp.empty_like(gate)
         n = gate.size
-        K.launch("elementwise", "swiglu_f32", (min(K.cdiv(n, 256), 4096),), (256,),
+        K.launch("elementwise", kernel, (min(K.cdiv(n, 256), 4096),), (256,),
                  (K.ptr(gate), K.ptr(up), K.ptr(out), K.i64(n)))
         return out
+
+    @profiled("LM head")
+    def softcap(self, x: Any, cap: float) -> Any:
+        x = self._f32(x)
+        out = self.cp.empty_like(x)
+        self._softcap(x, out, cap)
+        return out
+
+    def _softcap(self, x: Any, out: Any, cap: float) -> None:
+        n = x.size
+        K.launch("elementwise", "softcap_f32", (min(K.cdiv(n, 256), 4096),), (256,),
+                 (K.ptr(x), K.ptr(out), K.f32(cap), K.i64(n)))
 
     @profiled("other (residual add)")
     def add(self, x: Any, y: Any) -> Any:

@@ -150,6 +150,10 @@ class PrefillMixin:
             K.launch("elementwise", "rowscale_add_f32", (min(K.cdiv(t * d, 256), 4096),), (256,),
                      (K.ptr(x), K.ptr(y), K.ptr(sc), K.i64(t * d), K.i32(d)))
 
+        def post_add(weight: Any, scale: Any) -> None:  # x += RMSNorm(y * scale (rows; None: 1)) * weight
+            K.launch("norm", "rms_norm_add", (t,), (256,),
+                     (K.ptr(x), K.ptr(y), K.ptr(scale), K.ptr(weight), K.i32(d), K.f32(eps)))
+
         with sec("embedding"):
             self._embed(b.ids, w.token_embd, x, t)
         for i, L in enumerate(w.layers):
@@ -160,10 +164,11 @@ class PrefillMixin:
             with sec("QKV"):
                 self._gemm_weights(h16, t, qkv_w, qkv.data.ptr, nqkv)
             with sec("RoPE"):  # + the bias, and q/k norms where the plan has them; no rotation on NoPE layers
+                table, attn = self.rope_table(i)
                 args = (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(self.rope_dims[i]),
-                        K.ptr(b.pos), K.ptr(self.inv_freq), K.f32(cfg.rope_attn_factor), K.ptr(self.k_cache[i]),
+                        K.ptr(b.pos), K.ptr(table), K.f32(attn), K.ptr(self.k_cache[i]),
                         K.ptr(self.v_cache[i]), K.ptr(sc), K.ptr(bias), K.ptr(h16 if tc else None),
-                        K.i32(cfg.q_dim), K.f32(tc_qscale(dh)))
+                        K.i32(cfg.q_dim), K.f32(tc_qscale(dh, cfg.attn_scale)))
                 if plan.qk_norm:
                     kernel, args = f"rope_store_pf_qkn_{mode}", (*args, K.ptr(L.attn_q_norm), K.ptr(L.attn_k_norm), K.f32(eps))
                 else:
@@ -171,14 +176,18 @@ class PrefillMixin:
                 K.launch("rope", kernel, (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),), args)
             with sec("attention"):
                 if tc:  # q16 in h16 (the QKV GEMM is done with it), written by rope_store_pf
-                    self.attend_tc(b.h16, cfg.q_dim, self.k_cache[i], self.v_cache[i], b.pos, t, b.att16)
+                    self.attend_tc(b.h16, cfg.q_dim, self.k_cache[i], self.v_cache[i], b.pos, t, b.att16, i)
                 else:  # fp32 CUDA-core attention, then fp16 with a row scale
                     att = y[: t * cfg.q_dim].reshape(t, cfg.q_dim)
-                    self.attend(qkv, nqkv, self.k_cache[i], self.v_cache[i], b.pos, t, att, 1, self.ctx, None, None)
+                    self.attend(qkv, nqkv, self.k_cache[i], self.v_cache[i], b.pos, t, att, 1, self.ctx, None, None,
+                                layer=i)
                     K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,),
                              (K.ptr(att), K.ptr(b.att16), K.ptr(sc), K.i32(cfg.q_dim)))
             with sec("O-proj"):
-                if tc:  # unscaled fp16 input: accumulate straight into the residual stream
+                if plan.post_norms:  # gemma: x += RMSNorm(Wo att (x the row scale unless tc)) * w_post
+                    self._gemm_weights(b.att16.data.ptr, t, o_w, y.data.ptr, d)
+                    post_add(L.attn_post_norm, None if tc else sc)
+                elif tc:  # unscaled fp16 input: accumulate straight into the residual stream
                     self._gemm_weights(b.att16.data.ptr, t, o_w, x.data.ptr, d, accumulate=True)
                 else:
                     self._gemm_weights(b.att16.data.ptr, t, o_w, y.data.ptr, d)
@@ -187,10 +196,15 @@ class PrefillMixin:
                 norm16(L.ffn_norm)
             with sec("FFN"):
                 self._gemm_weights(h16, t, gu_w, gu.data.ptr, 2 * f)
-                K.launch("elementwise", "swiglu_f16_rowscale", (t,), (256,),
-                         (K.ptr(gu), K.ptr(sc), K.i32(f), h16, K.ptr(sc)))
+                glu = "geglu_f16_rowscale" if plan.activation == "gelu_tanh" else "swiglu_f16_rowscale"
+                K.launch("elementwise", glu, (t,), (256,), (K.ptr(gu), K.ptr(sc), K.i32(f), h16, K.ptr(sc)))
                 self._gemm_weights(h16, t, down_w, y.data.ptr, d)
-                add_scaled()
+                if plan.post_norms:
+                    post_add(L.ffn_post_norm, sc)
+                else:
+                    add_scaled()
         with sec("LM head"):
             last = x[(t - 1) * d : t * d].reshape(1, d)
             self.matvec((w.output,), last, 1, b.logits, norm=w.output_norm)
+            if cfg.final_softcap:  # gemma2
+                self._softcap(b.logits, b.logits, cfg.final_softcap)
