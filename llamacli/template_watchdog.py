@@ -76,12 +76,16 @@ class Watchdog:
         self.thread = threading.Thread(target=self._watch, daemon=True, name="template-watchdog")
 
     def _watch(self) -> None:
+        reason: type[Limit] | None = None
         while not self.stop.wait(max(0.0, min(POLL_S, self.deadline - time.monotonic()))):
-            if time.monotonic() >= self.deadline:
-                return self._fire(Timeout)
-            if _MEMORY and _MEMORY() - self.base > self.budget:
-                return self._fire(OutOfMemory)
-        return None
+            if reason is None and time.monotonic() >= self.deadline:
+                reason = Timeout
+            if reason is None and _MEMORY and _MEMORY() - self.base > self.budget:
+                reason = OutOfMemory
+            if reason is not None:
+                # Again every POLL_S until the render stops: an exception that lands inside a finalizer or a
+                # weakref callback is swallowed there by Python (see _quiet_unraisable), not raised.
+                self._fire(reason)
 
     def _fire(self, exc: type[Limit]) -> None:
         with self.lock:
@@ -90,6 +94,8 @@ class Watchdog:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), ctypes.py_object(exc))
 
     def __enter__(self) -> "Watchdog":
+        self.previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._quiet_unraisable
         self.thread.start()
         return self
 
@@ -99,3 +105,13 @@ class Watchdog:
             if self.fired:  # fired, but maybe not delivered yet: withdraw it (NULL clears a pending one)
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
         self.stop.set()
+        self.thread.join()
+        sys.unraisablehook = self.previous_hook
+
+    def _quiet_unraisable(self, unraisable: "sys.UnraisableHookArgs") -> None:
+        """Our own exception, delivered where Python cannot raise it (a finalizer, a weakref callback), would be
+        printed as "Exception ignored in ..." on stderr: drop it (the next firing stops the render); pass
+        anything else on."""
+        if isinstance(unraisable.exc_value, Limit):
+            return
+        self.previous_hook(unraisable)

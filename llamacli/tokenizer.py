@@ -4,10 +4,10 @@ Three kinds, picked by `tokenizer.ggml.model`:
 
     gpt2    byte-level BPE (Llama 3, Qwen2, SmolLM2, Mistral-Nemo...): the `tokenizers` library runs the merges,
             after the pre-tokenizer regexes that `tokenizer.ggml.pre` names (llama.cpp's src/llama-vocab.cpp,
-            written here in the Oniguruma syntax of the original tokenizer.json files).
+            written here in the Oniguruma syntax of the original tokenizer.json files). tokenizer_bpe.py.
     gemma4  the same BPE over raw UTF-8: spaces written "\u2581", <0xXX> byte tokens for what no merge covers.
     llama   SentencePiece BPE (Llama 2, TinyLlama, Mistral 7B, Phi-3): the `sentencepiece` library runs a model
-            proto that we serialize from the GGUF's tokens, scores and token types.
+            proto that we serialize from the GGUF's tokens, scores and token types. tokenizer_spm.py.
 
 Around them, the parts llama.cpp does itself (llama_vocab::impl::tokenize):
 
@@ -15,6 +15,9 @@ Around them, the parts llama.cpp does itself (llama_vocab::impl::tokenize):
          -> each plain fragment: [SPM: " " prefix at the start and after a special token]
             -> pieces of a long fragment, cut where the ids cannot change (cut_points) -> BPE -> ids
          -> BOS / EOS per tokenizer.ggml.add_bos_token / add_eos_token (with llama.cpp's defaults)
+
+This module is that driver, the special tokens (which end generation, which eat the whitespace after them) and
+decoding; where a text may be cut (TokenMatcher, cut_points) is in text_chunks.py.
 
 Decoding maps every id to bytes (byte-level alphabet undone, "\u2581" -> " ", <0xXX> -> one byte) and decodes
 UTF-8 once at the end; StreamDecoder does the same incrementally and never emits half a character.
@@ -26,102 +29,20 @@ from __future__ import annotations
 
 import codecs
 import operator
-import os
 import re
-import struct
-from bisect import bisect_right
-from functools import lru_cache
-from itertools import groupby
 from typing import Any, Iterable, Iterator
 
 from .errors import TokenizerError
+from .text_chunks import TokenMatcher, cut_points, glued_pairs, pieces
+from .tokenizer_bpe import build_bpe, byte_alphabet, pre_type
+from .tokenizer_spm import BYTE, CONTROL, HEX_BYTE, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, build_spm
 
-# GGUF token types (gguf.TokenType; the numbers are SentencePiece's too).
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+__all__ = [
+    "BYTE", "CONTROL", "NORMAL", "SUPPORTED_MODELS", "UNKNOWN", "UNUSED", "USER_DEFINED",
+    "StreamDecoder", "TokenMatcher", "Tokenizer", "cut_points",
+]
 
 SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
-
-# -- pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe) ---------------------------------------------
-# Each list is applied in turn: every regex splits the fragments the previous ones left, keeping both the
-# matches and the text between them (HF `Split(behavior="isolated")`).
-
-_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
-          r"|\s+(?!\S)|\s+")
-_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
-         rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
-         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-TINY_AYA = (r"\d{1,3}(?=(?:\d{3})*\b)",
-            rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
-            rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
-            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_DEEPSEEK_LETTERS = (  # cased letters; the escapes are code points that Unicode normalization would change
-    "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝ"
-    "\u1f5f-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌ\u1fd0-\u1fd3\u1fd6-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄ"
-    "Ⰰ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃"
-)
-_DEEPSEEK3_MAIN = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-                   r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PORO = r" ?[^(\s|.,!?…。，、।۔،)]+"
-
-_PRE_SPLITS: dict[str, tuple[str, ...]] = {
-    "default": (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
-    "gpt2": (GPT2,),
-    "llama3": (LLAMA3,),
-    "qwen2": (QWEN2,),
-    "qwen35": (QWEN35,),
-    "digits+gpt2": (r"\p{N}", GPT2),
-    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", GPT2, r"[0-9][0-9][0-9]"),
-    "deepseek-llm": (r"[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$",
-                     r"[一-龥ࠀ-一가-퟿]+", r"\p{N}+"),
-    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
-    "deepseek3": (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+", _DEEPSEEK3_MAIN),
-    "tekken": (TEKKEN,),
-    "gpt4o": (GPT4O,),
-    "tiny-aya": TINY_AYA,
-    "poro": (_PORO,),
-    "viking": (_PORO, r"\p{N}"),
-    "seed-coder": (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
-                   r"|\s+(?!\S)|\s+",),
-    "bailingmoe": (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]"
-                   r"|\s+(?!\S)|\s+",),
-    "gemma4": (r"[^\n]+|[\n]+",),  # after " " -> "\u2581"; BPE on raw UTF-8 (tokenizer.ggml.model gemma4)
-    "minicpm5": (r"\p{N}{1,3}", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+"),
-}
-
-# tokenizer.ggml.pre -> (split family, ignore_merges, add_bos default). llama-vocab.cpp, llama_vocab::impl::load.
-_PRE_TYPES: dict[str, tuple[str, bool, bool]] = {"default": ("default", False, False)}
-for _names, _family, _ignore, _bos in [
-    ("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano", "llama3", True, True),
-    ("dbrx smaug-bpe glm4 chatglm-bpe", "llama3", False, False),
-    ("deepseek-llm", "deepseek-llm", False, False),
-    ("deepseek-coder", "deepseek-coder", False, False),
-    ("deepseek-v3 hunyuan-dense joyai-llm hy_v4", "deepseek3", False, False),
-    ("falcon", "falcon", False, False),
-    # "gpt2" is not a name llama.cpp writes, but converters and people do: an explicit alias of "gpt-2".
-    ("gpt-2 gpt2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert exaone4 mpt olmo "
-     "jais trillion granite-docling jina-v1-en jina-v2-code roberta-bpe", "gpt2", False, False),
-    ("starcoder refact command-r smollm codeshell exaone minerva-7b mellum2", "digits+gpt2", False, False),
-    ("qwen2 deepseek-r1-qwen kormo f2llmv2 megrez stablelm2 hunyuan solar-open", "qwen2", False, False),
-    ("qwen35", "qwen35", False, False),
-    ("tekken", "tekken", True, True),
-    ("gpt-4o llama4 kanana2 talkie minimax-m2", "gpt4o", False, False),
-    ("tiny_aya cohere2moe", "tiny-aya", False, False),
-    ("poro-chat bloom gpt3-finnish", "poro", False, False),
-    ("viking", "viking", False, False),
-    ("seed-coder", "seed-coder", False, False),
-    ("bailingmoe bailingmoe2 llada-moe", "bailingmoe", False, False),
-    ("minicpm5", "minicpm5", True, False),
-]:
-    for _name in _names.split():
-        _PRE_TYPES[_name] = (_family, _ignore, _bos)
 
 # End-of-generation tokens found by their text (llama-vocab.cpp: "maintain a list of tokens that cause
 # end-of-generation"), and the FIM tokens llama.cpp also stops on.
@@ -146,123 +67,7 @@ _FIM_TEXTS = {
             "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>"),
     "eom": ("<|eom_id|>",),
 }
-
-
-@lru_cache(maxsize=1)
-def _byte_alphabet() -> tuple[dict[str, int], list[str]]:
-    """GPT-2's reversible byte <-> printable character map: (char -> byte, byte -> char)."""
-    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars = [""] * 256
-    extra = 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in enumerate(chars)}, chars
-
-
-_HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-# -- long texts in pieces ----------------------------------------------------------------------------------
-# Where a text may be cut so that the ids of the pieces are the ids of the whole: before a space or line break
-# that follows an ASCII letter or digit, and after a lone line break between a non-space and a letter or digit.
-# Every pre-tokenizer regex above ends a match there and starts the next one afresh (none looks behind, and
-# none lets a letter run, a digit run or a space run reach across), so BPE, which never merges across
-# pre-tokens, sees the same words; tests/test_tokenizer.py checks it for every regex family on random texts.
-# SentencePiece and gemma4 merge across spaces, so there the vocabulary has a say too (Tokenizer._next_cut).
-_CUT = re.compile(r"(?<=[A-Za-z0-9])[ \n]|(?<=\S\n)(?=[^\W_])")
-PIECE_CHARS = 1 << 16  # a long text is tokenized in pieces of about this many characters
-# A stretch with no cut is tokenized whole (100-500 bytes per character while it runs): refuse absurd ones.
-MAX_STRETCH_CHARS = 1 << 21
-_WHITESPACE = re.compile(r"[ \t\n\v\f\r]*")
-
-
-def cut_points(text: str) -> list[int]:
-    """Every position where `text` may be cut without changing its BPE pre-tokens (for tests and tools)."""
-    return [m.start() for m in _CUT.finditer(text)]
-
-
-def _check_stretch(n: int) -> None:
-    if n > MAX_STRETCH_CHARS:
-        raise TokenizerError(
-            f"cannot tokenize {n:,} characters in one stretch (at most {MAX_STRETCH_CHARS:,}): long texts are "
-            "tokenized in pieces cut at line breaks and at spaces after letters or digits, and this one has none"
-        )
-
-
-class TokenMatcher:
-    """Leftmost-longest search for any of a set of token strings (special and user-defined tokens), in time
-    and memory proportional to the text and to the set, not to their product: one regex alternation of a
-    vocabulary with millions of user-defined tokens took minutes and gigabytes to compile.
-
-    The tokens stay in one sorted list. A character class of their first characters finds where one may start;
-    a binary search finds the longest token the text continues with there: the last token <= the text is
-    either a prefix of it (then the longest), or shares a prefix with it that bounds every match (search
-    again for that)."""
-
-    WINDOW = 64  # characters of text compared at first; doubled while some token is longer and still matches
-
-    def __init__(self, texts: Iterable[str]):
-        self._sorted = sorted(texts)
-        if self._sorted and not self._sorted[0]:
-            del self._sorted[0]  # the empty string (sorted first) matches nowhere
-        # first character -> length of the longest token starting with it (tokens sharing one are adjacent)
-        self._longest = {c: max(map(len, group)) for c, group in groupby(self._sorted, key=operator.itemgetter(0))}
-        self._starts = re.compile(_char_class(self._longest))
-
-    def search(self, text: str, pos: int = 0) -> tuple[int, int] | None:
-        """(start, end) of the first token at or after `pos` (the longest one starting there), or None."""
-        while (m := self._starts.search(text, pos)) is not None:
-            start = m.start()
-            end = self._longest_at(text, start)
-            if end:
-                return start, end
-            pos = start + 1
-        return None
-
-    def _longest_at(self, text: str, start: int) -> int:
-        """The end of the longest token that `text` holds at `start`, or 0."""
-        limit = self._longest[text[start]]
-        window = self.WINDOW
-        while True:
-            head = text[start : start + min(window, limit)]
-            end = self._longest_prefix(head)
-            if window >= limit or len(head) < window or not self._extends(head):
-                return start + end if end else 0
-            window *= 2
-
-    def _longest_prefix(self, head: str) -> int:
-        tokens = self._sorted
-        while head:
-            i = bisect_right(tokens, head) - 1
-            if i < 0:
-                return 0
-            if head.startswith(tokens[i]):
-                return len(tokens[i])
-            head = head[: len(os.path.commonprefix((head, tokens[i])))]
-        return 0
-
-    def _extends(self, head: str) -> bool:
-        """Whether a token longer than `head` starts with it (then a wider window may find a longer match)."""
-        i = bisect_right(self._sorted, head)  # tokens that start with `head` and are longer sort right after it
-        return i < len(self._sorted) and self._sorted[i].startswith(head)
-
-
-def _char_class(chars: Iterable[str]) -> str:
-    """A regex character class of `chars`, written as ranges (a vocabulary may start tokens with any of
-    thousands of characters)."""
-    points = sorted(map(ord, chars))
-    parts, i = [], 0
-    while i < len(points):
-        j = i
-        while j + 1 < len(points) and points[j + 1] == points[j] + 1:
-            j += 1
-        first, last = re.escape(chr(points[i])), re.escape(chr(points[j]))
-        parts.append(first if i == j else f"{first}-{last}")
-        i = j + 1
-    return "[" + "".join(parts) + "]"
+_WHITESPACE = re.compile(r"[ \t\n\v\f\r]*")  # what a Phi-3 special token eats after it (_strip_rules)
 
 
 class Tokenizer:
@@ -319,12 +124,7 @@ class Tokenizer:
             add_space_prefix = False
         else:
             bos, eos, unk = 11, 11, None
-            if self.pre not in _PRE_TYPES:
-                raise TokenizerError(
-                    f"unsupported pre-tokenizer {self.pre!r} (tokenizer.ggml.pre; supported: "
-                    f"{', '.join(sorted(_PRE_TYPES))})"
-                )
-            family, ignore_merges, self.add_bos = _PRE_TYPES[self.pre]
+            family, ignore_merges, self.add_bos = pre_type(self.pre)
             self.add_eos = False
             add_space_prefix = False
         self.bos_id = self._special_id(md, "bos", bos)
@@ -345,9 +145,9 @@ class Tokenizer:
         self._piece_cache: dict[int, bytes] = {}
 
         if self.kind == "bpe":
-            self._bpe = self._build_bpe(md, _PRE_SPLITS[family], bool(ignore_merges))
+            self._bpe = build_bpe(md, self._ids, family, bool(ignore_merges), self._byte_level)
         else:
-            self._spm = self._build_spm(md)
+            self._spm = build_spm(md, self._tokens, self._types, self.unk_id)
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> "Tokenizer":
@@ -406,60 +206,6 @@ class Tokenizer:
         ids -= {self._ids[t] for t in ("<unk>", "<s>", "<|endoftext|>") if t in self._ids}
         return frozenset(ids)
 
-    # -- building the engines --------------------------------------------------------------------------------
-
-    def _build_bpe(self, md: dict[str, Any], splits: tuple[str, ...], ignore_merges: bool) -> Any:
-        from tokenizers import Regex
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import models, normalizers, pre_tokenizers
-
-        merges = md.get("tokenizer.ggml.merges")
-        if not isinstance(merges, list):
-            raise TokenizerError("missing metadata key 'tokenizer.ggml.merges' (a BPE vocabulary needs its merges)")
-        pairs = []
-        for m in merges:
-            cut = m.find(" ", 1) if isinstance(m, str) else -1
-            if cut < 0:
-                raise TokenizerError(f"malformed merge {m!r} in tokenizer.ggml.merges")
-            pairs.append((m[:cut], m[cut + 1 :]))
-        # A merge of or into a token the vocabulary lacks can never apply (llama.cpp would fall back to bytes),
-        # but `tokenizers` refuses to load it, or with a small vocabulary panics in Rust (a BaseException, and a
-        # backtrace on stderr): leave such merges out before it sees them.
-        ids = self._ids
-        pairs = [(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids]
-        try:
-            model = models.BPE(self._ids, pairs, ignore_merges=ignore_merges, byte_fallback=not self._byte_level)
-            hf = HFTokenizer(model)
-            steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
-            if self._byte_level:
-                steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-            else:
-                hf.normalizer = normalizers.Replace(" ", "\u2581")
-            hf.pre_tokenizer = pre_tokenizers.Sequence(steps)
-        except Exception as exc:  # tokenizers raises plain Exceptions
-            raise TokenizerError(f"cannot build the BPE tokenizer: {exc}") from None
-        return hf
-
-    def _build_spm(self, md: dict[str, Any]) -> Any:
-        import sentencepiece
-
-        scores = md.get("tokenizer.ggml.scores")
-        n = len(self._tokens)
-        if scores is None:
-            scores = [0.0] * n
-        elif not isinstance(scores, list) or len(scores) < n:
-            raise TokenizerError("tokenizer.ggml.scores is shorter than the vocabulary")
-        if not all(isinstance(x, (int, float)) for x in scores[:n]):
-            raise TokenizerError("tokenizer.ggml.scores must hold numbers")
-        scores = [min(max(float(x), -3.4e38), 3.4e38) for x in scores[:n]]  # the proto stores float32
-        proto = _spm_model_proto(self._tokens, scores, self._types, self.unk_id)
-        sp = sentencepiece.SentencePieceProcessor()
-        try:
-            sp.LoadFromSerializedProto(proto)
-        except Exception as exc:
-            raise TokenizerError(f"cannot build the SentencePiece tokenizer: {exc}") from None
-        return sp
-
     # -- encoding --------------------------------------------------------------------------------------------
 
     @property
@@ -503,7 +249,7 @@ class Tokenizer:
                 ids.append(part)
                 after_special = True
                 continue
-            for k, piece in enumerate(self._pieces(part)):
+            for k, piece in enumerate(pieces(part, self._cut_is_safe)):
                 piece_ids = self._encode_piece(" " + piece if k == 0 and prefix and after_special else piece)
                 ids.extend(map(same.setdefault, piece_ids, piece_ids))
             after_special = False
@@ -523,42 +269,13 @@ class Tokenizer:
             raise TokenizerError("the text has characters this vocabulary cannot spell (it has no <unk> token)")
         return ids
 
-    def _pieces(self, text: str) -> Iterator[str]:
-        """`text` in pieces of about PIECE_CHARS, cut only where the pieces' ids are the whole text's (see
-        cut_points): the engines need some 100-500 bytes per character while they work, so a 50 MB prompt read
-        whole would take gigabytes."""
-        start = 0
-        while len(text) - start > PIECE_CHARS:
-            cut = self._next_cut(text, start + PIECE_CHARS)
-            if cut is None:
-                break
-            _check_stretch(cut - start)
-            yield text[start:cut]
-            start = cut
-        _check_stretch(len(text) - start)
-        yield text[start:]
-
-    def _next_cut(self, text: str, pos: int) -> int | None:
-        """The first safe cut at or after `pos`. SentencePiece and gemma4 merge across spaces and line breaks
-        whenever a vocabulary piece spans them: a cut is safe there only where no piece holds its two
-        characters side by side."""
-        for m in _CUT.finditer(text, pos):
-            i = m.start()
-            if self._byte_level or (text[i - 1], text[i]) not in self._glued_pairs:
-                return i
-        return None
-
-    @property
-    def _glued_pairs(self) -> frozenset[tuple[str, str]]:
-        """Pairs of characters (a space as "\u2581") that a vocabulary piece holds side by side around a
-        space or line break."""
+    def _cut_is_safe(self, text: str, i: int) -> bool:
+        """Whether the vocabulary lets a long text be cut at cut point `i` (see text_chunks.glued_pairs)."""
+        if self._byte_level:
+            return True
         if self._glued is None:
-            pairs = set()
-            for t in self._tokens:
-                if "\u2581" in t or "\n" in t:
-                    pairs.update((a, b) for a, b in zip(t, t[1:]) if a in "\u2581\n" or b in "\u2581\n")
-            self._glued = frozenset((a.replace("\u2581", " "), b.replace("\u2581", " ")) for a, b in pairs)
-        return self._glued
+            self._glued = glued_pairs(self._tokens)
+        return (text[i - 1], text[i]) not in self._glued
 
     def _partition(self, text: str, special: bool) -> Iterator[str | int]:
         """`text` around special-token strings: str | id, no empty strings (tokenizer_st_partition). Leftmost
@@ -625,13 +342,13 @@ class Tokenizer:
         if ttype in (CONTROL, USER_DEFINED, UNKNOWN):
             return text.encode("utf-8")
         if ttype == BYTE:
-            m = _HEX_BYTE.fullmatch(text)
+            m = HEX_BYTE.fullmatch(text)
             return bytes([int(m.group(1), 16)]) if m else text.encode("utf-8")
         if ttype != NORMAL:  # unused / undefined tokens print nothing (llama_vocab::token_to_piece)
             return b""
         if not self._byte_level:  # SentencePiece and gemma4
             return text.replace("\u2581", " ").encode("utf-8")
-        to_byte, _ = _byte_alphabet()
+        to_byte, _ = byte_alphabet()
         try:
             return bytes(to_byte[c] for c in text)
         except KeyError:  # a token outside the byte alphabet: take its characters as they are
@@ -677,66 +394,3 @@ class StreamDecoder:
 def _flag(md: dict[str, Any], key: str, default: bool) -> bool:
     value = md.get(key)
     return value if isinstance(value, bool) else default
-
-
-# -- a SentencePiece model proto, written by hand (protobuf is not a dependency) --------------------------
-# sentencepiece_model.proto: ModelProto { repeated SentencePiece pieces = 1 {string piece = 1; float score = 2;
-# Type type = 3}; TrainerSpec trainer_spec = 2; NormalizerSpec normalizer_spec = 3 }.
-
-
-def _varint(value: int) -> bytes:
-    value &= (1 << 64) - 1  # negative int32 -> ten-byte two's complement, as protobuf writes it
-    out = bytearray()
-    while True:
-        low = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
-
-
-def _field_bytes(number: int, data: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(data)) + data
-
-
-def _field_int(number: int, value: int) -> bytes:
-    return _varint(number << 3) + _varint(value)
-
-
-def _spm_model_proto(tokens: list[str], scores: list[float], types: list[int], unk_id: int | None) -> bytes:
-    """A BPE ModelProto for sentencepiece. Only plain text reaches it (special tokens are split out before), so
-    types are simplified to what it accepts: exactly one UNKNOWN, BYTE only for <0xXX>, control stays control,
-    everything else NORMAL (llama.cpp merges into user-defined and unused tokens too)."""
-    pieces = bytearray()
-    pack_score = struct.Struct("<f").pack
-    has_bytes = False
-    for i, (text, score, ttype) in enumerate(zip(tokens, scores, types)):
-        if i == unk_id:
-            sp_type = UNKNOWN
-        elif ttype == BYTE and _HEX_BYTE.fullmatch(text):
-            sp_type, has_bytes = BYTE, True
-        elif ttype in (CONTROL, UNKNOWN, BYTE):  # (a BYTE token not spelled <0xXX>)
-            sp_type = CONTROL
-        else:
-            sp_type = NORMAL
-        body = _field_bytes(1, text.encode("utf-8")) + b"\x15" + pack_score(float(score))  # 0x15: field 2, fixed32
-        if sp_type != NORMAL:
-            body += _field_int(3, sp_type)
-        pieces += _field_bytes(1, body)
-    if unk_id is None:  # sentencepiece insists on an unknown piece; ours can never be produced from text
-        pieces += _field_bytes(1, _field_bytes(1, b"<llamacli-unk>") + _field_int(3, UNKNOWN))
-        unk_id = len(tokens)
-    trainer = (
-        _field_int(3, 2)  # model_type = BPE
-        + _field_int(35, int(has_bytes))  # byte_fallback
-        + _field_int(40, unk_id) + _field_int(41, -1) + _field_int(42, -1) + _field_int(43, -1)
-    )
-    normalizer = (
-        _field_bytes(1, b"identity")
-        + _field_int(3, 0)  # add_dummy_prefix: we add it ourselves, per fragment, as llama.cpp does
-        + _field_int(4, 0)  # remove_extra_whitespaces
-        + _field_int(5, 1)  # escape_whitespaces: " " -> "\u2581"
-    )
-    return bytes(pieces) + _field_bytes(2, trainer) + _field_bytes(3, normalizer)

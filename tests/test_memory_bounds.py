@@ -118,9 +118,10 @@ def test_tokenize_command_on_a_long_file(tmp_path: Path, llama_cpp_models: Path)
 def test_a_stretch_that_cannot_be_cut_is_refused(llama_cpp_models: Path) -> None:
     from llamacli.errors import TokenizerError
     from llamacli.gguf_file import open_gguf
-    from llamacli import tokenizer as t
+    from llamacli import text_chunks as t
+    from llamacli.tokenizer import Tokenizer
 
-    tok = t.Tokenizer.from_metadata(open_gguf(llama_cpp_models / "ggml-vocab-gpt-2.gguf").metadata)
+    tok = Tokenizer.from_metadata(open_gguf(llama_cpp_models / "ggml-vocab-gpt-2.gguf").metadata)
     old = t.MAX_STRETCH_CHARS, t.PIECE_CHARS
     try:
         t.MAX_STRETCH_CHARS, t.PIECE_CHARS = 1000, 100

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from llamacli.errors import TokenizerError
 from llamacli.gguf_file import open_gguf
-from llamacli import tokenizer as tokenizer_module
-from llamacli.tokenizer import _PRE_SPLITS, CONTROL, StreamDecoder, TokenMatcher, Tokenizer, cut_points
+from llamacli import text_chunks
+from llamacli.tokenizer import CONTROL, StreamDecoder, TokenMatcher, Tokenizer, cut_points
+from llamacli.tokenizer_bpe import PRE_SPLITS
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
@@ -349,14 +350,14 @@ def _random_texts(seed: int, n: int, extra: tuple[str, ...] = ()) -> list[str]:
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("family", sorted(set(_PRE_SPLITS) - {"gemma4"}))
+@pytest.mark.parametrize("family", sorted(set(PRE_SPLITS) - {"gemma4"}))
 def test_cut_points_keep_the_pre_tokens(family: str) -> None:
     """Cut at every cut point, a text pre-tokenizes into the same words as whole, for every regex family
     (gemma4's lines are one word: there the vocabulary decides, see the next test)."""
     from tokenizers import Regex, pre_tokenizers
 
     splitter = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[family]])
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[family]])
 
     def words(text: str) -> list[str]:
         return [w for w, _ in splitter.pre_tokenize_str(text)]
@@ -376,9 +377,9 @@ def test_pieces_give_the_ids_of_the_whole(name: str, vocab, smol: Tokenizer, mon
     specials = ("<|im_start|>", "<|im_end|>", "<s>", "</s>", "<|end|>", "<|endoftext|>", "<|user|>", "[PAD151646]")
     for text in _random_texts(len(name), 120, specials):
         for special in (False, True):
-            monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 1 << 30)
+            monkeypatch.setattr(text_chunks, "PIECE_CHARS", 1 << 30)
             whole = tok.encode(text, special=special)
-            monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 1)
+            monkeypatch.setattr(text_chunks, "PIECE_CHARS", 1)
             assert tok.encode(text, special=special) == whole, (text, special)
 
 
