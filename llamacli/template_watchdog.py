@@ -21,6 +21,7 @@ from .template_limits import Limit
 
 MIN_MEMORY_BYTES = 256 * 1024 * 1024  # the memory budget of a render: this, or 32 bytes per max_chars
 POLL_S = 0.01  # how often the watchdog looks at the clock and the memory
+REFIRE_S = 0.5  # when it fires a second time if the render goes on
 
 
 class Timeout(Limit):
@@ -76,16 +77,17 @@ class Watchdog:
         self.thread = threading.Thread(target=self._watch, daemon=True, name="template-watchdog")
 
     def _watch(self) -> None:
-        reason: type[Limit] | None = None
         while not self.stop.wait(max(0.0, min(POLL_S, self.deadline - time.monotonic()))):
-            if reason is None and time.monotonic() >= self.deadline:
-                reason = Timeout
+            reason = Timeout if time.monotonic() >= self.deadline else None
             if reason is None and _MEMORY and _MEMORY() - self.base > self.budget:
                 reason = OutOfMemory
             if reason is not None:
-                # Again every POLL_S until the render stops: an exception that lands inside a finalizer or a
-                # weakref callback is swallowed there by Python (see _quiet_unraisable), not raised.
                 self._fire(reason)
+                # Once more if the render is still running half a second later: an exception that lands inside
+                # a finalizer or a weakref callback is swallowed there (see _quiet_unraisable), not raised.
+                if not self.stop.wait(REFIRE_S):
+                    self._fire(reason)
+                return
 
     def _fire(self, exc: type[Limit]) -> None:
         with self.lock:
@@ -100,13 +102,14 @@ class Watchdog:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self.lock:
-            self.done = True
-            if self.fired:  # fired, but maybe not delivered yet: withdraw it (NULL clears a pending one)
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
-        self.stop.set()
-        self.thread.join()
-        sys.unraisablehook = self.previous_hook
+        try:
+            with self.lock:
+                self.done = True
+                if self.fired:  # fired, but maybe not delivered yet: withdraw it (NULL clears a pending one)
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+        finally:
+            self.stop.set()
+            sys.unraisablehook = self.previous_hook
 
     def _quiet_unraisable(self, unraisable: "sys.UnraisableHookArgs") -> None:
         """Our own exception, delivered where Python cannot raise it (a finalizer, a weakref callback), would be

