@@ -82,8 +82,10 @@ class ChatSession:
         stop: str | Sequence[str] = (),
         notice: Callable[[str], None] | None = None,
         think: bool | None = None,
+        constraint: Any = None,
     ):
         self.model = model
+        self.constraint = constraint  # structured.Constraint: every reply follows it
         self.think = think  # enable_thinking for the template (None: its default)
         self.params = (params or SamplingParams()).validate()
         self.max_tokens = max_tokens
@@ -180,7 +182,9 @@ class ChatSession:
         held, ids, first = len(self.model.cached), None, self.first
         try:
             ids = self.fit()
-            yield from self.model.run(ids, completion=c, max_tokens=self.max_tokens, stop=self.stop, params=self.params)
+            constrained = {} if self.constraint is None else {"constraint": self.constraint}
+            yield from self.model.run(ids, completion=c, max_tokens=self.max_tokens, stop=self.stop, params=self.params,
+                                      **constrained)
         except (KeyboardInterrupt, GeneratorExit):
             if c.finish_reason is None:  # closed after the reply had ended: its own reason stands
                 c.finish_reason = "interrupted"

@@ -118,6 +118,18 @@ PresencePenaltyOpt = Annotated[float, typer.Option("--presence-penalty")]
 FrequencyPenaltyOpt = Annotated[float, typer.Option("--frequency-penalty")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", "-s", help="Seed for reproducible sampling.")]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Always take the most likely token (temperature 0).")]
+JsonSchemaOpt = Annotated[Optional[str], typer.Option(
+    "--json-schema", metavar="FILE|JSON",
+    help="Constrain the output to JSON valid against this JSON Schema (a file, or the schema itself); "
+         "needs the optional llguidance package (pip install 'llamacli[structured]').")]
+GrammarOpt = Annotated[Optional[str], typer.Option(
+    "--grammar", metavar="FILE",
+    help="Constrain the output to a grammar in llama.cpp's GBNF (root ::= ...) or Lark (start: ...) syntax, "
+         "as llguidance reads them.")]
+LogprobsOpt = Annotated[Optional[int], typer.Option(
+    "--logprobs", metavar="N",
+    help="With --json: each token's log-probability and the N (0-20) most likely alternatives, as "
+         "\"logprobs\" (log-softmax of the raw logits, before penalties and sampling filters).")]
 ThinkOpt = Annotated[
     Optional[bool],
     typer.Option("--think/--no-think", help="Thinking models (Qwen3, SmolLM3, R1 distills): turn the template's "
@@ -296,4 +308,4 @@ def _say_error(text: str) -> None:
 
 # The commands live in their own modules; importing them registers them on `app` (they import `command`
 # and the shared options from here, so this comes last).
-from . import cli_generate, cli_models  # noqa: E402, F401
+from . import cli_generate, cli_models, serve  # noqa: E402, F401

@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from .cli import (
-    BackendOpt, CtxOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GreedyOpt, MaxTokensOpt, MinPOpt, ModelArg,
-    ModelOpt, PresencePenaltyOpt, RepeatLastNOpt, RepeatPenaltyOpt, SeedOpt, TemperatureOpt, ThinkOpt, TopKOpt, TopPOpt,
+    BackendOpt, CtxOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt, GreedyOpt, JsonSchemaOpt,
+    LogprobsOpt, MaxTokensOpt, MinPOpt, ModelArg, ModelOpt, PresencePenaltyOpt, RepeatLastNOpt, RepeatPenaltyOpt, SeedOpt, TemperatureOpt, ThinkOpt, TopKOpt, TopPOpt,
     command, dim, err, fail, load_model,
 )
 from .errors import Interrupted
@@ -46,6 +46,30 @@ def think_notice(m, think: bool | None) -> None:
     ignores it, so say that the flag changes nothing instead of leaving the user to guess."""
     if think is not None and not m.thinks:
         dim(f"{'--think' if think else '--no-think'} is ignored: the model's chat template has no think block")
+
+
+def read_constraint(json_schema: str | None, grammar: str | None) -> str | None:
+    """The grammar that --json-schema or --grammar asks for, read and checked before the model loads (None
+    without either). A --json-schema value that starts with '{' is the schema itself, else a file."""
+    if json_schema is None and grammar is None:
+        return None
+    if json_schema is not None and grammar is not None:
+        fail("give at most one of --json-schema and --grammar")
+    from .structured import schema_grammar, text_grammar
+
+    if grammar is not None:
+        return text_grammar(read_text(grammar, "grammar file"))
+    text = json_schema if json_schema.lstrip().startswith("{") else read_text(json_schema, "JSON schema file")
+    return schema_grammar(text)
+
+
+def build_constraint(m, grammar: str | None):
+    """The Constraint for a loaded model from read_constraint's grammar."""
+    if grammar is None:
+        return None
+    from .structured import constraint_for
+
+    return constraint_for(m, grammar)
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
@@ -85,21 +109,32 @@ def generate(
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
     think: ThinkOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    grammar: GrammarOpt = None,
+    logprobs: LogprobsOpt = None,
 ) -> None:
     """Generate a continuation of a prompt. Text streams to stdout; timings go to stderr.
-    The model may come first (`llamacli generate model.gguf -p hi`) or with -m."""
+    The model may come first (`llamacli generate model.gguf -p hi`) or with -m.
+    --json-schema / --grammar mask sampling so that the output follows them (it ends once complete)."""
     model = pick_model(model_arg, model)
     text = read_prompt(prompt, prompt_file)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
+    if logprobs is not None:
+        if not 0 <= logprobs <= 20:
+            fail(f"--logprobs must be from 0 to 20, got {logprobs}")
+        if not as_json:
+            fail("--logprobs needs --json (the log-probabilities are part of the JSON object)")
+    spec = read_constraint(json_schema, grammar)
     m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn)
     complete(m, text, params, max_tokens, stop=stop or (), raw=raw, system=system, truncate=truncate,
-             as_json=as_json, verbose=verbose, quiet=quiet, think=think)
+             as_json=as_json, verbose=verbose, quiet=quiet, think=think, logprobs=logprobs,
+             constraint=build_constraint(m, spec))
 
 
 def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = False, system: str | None = None,
              truncate: bool = False, as_json: bool = False, verbose: bool = False, quiet: bool = False,
-             think: bool | None = None) -> None:
+             think: bool | None = None, logprobs: int | None = None, constraint=None) -> None:
     """One completion of `text` on a loaded model, streamed to stdout (generate, and run with a prompt); a
     thinking model's reasoning streams to stderr."""
     from .generate import Completion
@@ -120,7 +155,7 @@ def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = Fals
     router = ReplyRouter(done, answer, sys.stderr)
     try:
         pieces = m.run(text, completion=done, max_tokens=max_tokens, stop=stop, params=params, raw=raw,
-                       system=system, truncate=truncate, think=think)
+                       system=system, truncate=truncate, think=think, logprobs=logprobs, constraint=constraint)
         for piece in pieces:
             if not as_json:
                 router.write(piece)
@@ -173,6 +208,8 @@ def chat(
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
     think: ThinkOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    grammar: GrammarOpt = None,
 ) -> None:
     """Talk with a model (named first, `llamacli chat model.gguf`, or with -m). Each turn prefills only what
     the KV cache does not hold yet; under each reply a dim line on stderr gives its tokens/s. When the context
@@ -184,23 +221,28 @@ def chat(
 
     From a pipe or file: one user message per line; stdout carries only the replies, each followed by one
     newline (`printf 'hi\\nbye\\n' | llamacli chat`).
+
+    --json-schema / --grammar: every reply follows them.
     """
     model = pick_model(model_arg, model)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
+    spec = read_constraint(json_schema, grammar)
     m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn)
-    converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think)
+    converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think,
+             constraint=build_constraint(m, spec))
 
 
 def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = False, quiet: bool = False,
-             think: bool | None = None) -> None:
+             think: bool | None = None, constraint=None) -> None:
     """The chat loop on a loaded model (chat, and run without a prompt)."""
     from .chat_repl import ChatLoop
     from .chat_session import ChatSession
 
     if not quiet:
         think_notice(m, think)
-    session = ChatSession(m, system=system, params=params, max_tokens=max_tokens, think=think)
+    session = ChatSession(m, system=system, params=params, max_tokens=max_tokens, think=think,
+                          constraint=constraint)
     ChatLoop(session, err, interactive=sys.stdin.isatty(), quiet=quiet, as_json=as_json).run()
 
 

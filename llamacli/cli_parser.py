@@ -22,7 +22,6 @@ from typing import Any
 
 from typer.core import TyperCommand, TyperGroup
 
-from .errors import UsageError
 
 ALIASES = {"list": "models", "ls": "models", "show": "inspect"}
 VALUED_FLAGS = {"-fa", "--flash-attn"}
@@ -106,9 +105,4 @@ class HabitGroup(_WholeNames, TyperGroup):
         return super().parse_args(ctx, args)
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
-        if cmd_name == "serve":
-            raise UsageError(
-                "there is no `serve` command yet: use `llamacli run`, `chat` or `generate`, "
-                "or llama.cpp's llama-server or vLLM for an HTTP server"
-            )
         return super().get_command(ctx, ALIASES.get(cmd_name, cmd_name))

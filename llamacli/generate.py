@@ -13,7 +13,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import numpy as np
 
 from .backends import select_backend
 from .backends.base import Progress
@@ -22,10 +24,14 @@ from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
 from .model import prefill
 from .reasoning import prompt_opens_think, split_reasoning
-from .sampling import SamplingParams, make_rng
+from .sampling import SamplingParams, make_rng, sample
 from .tokenizer import StreamDecoder, Tokenizer
 from .weights import check_tensors
 
+if TYPE_CHECKING:
+    from .structured import Constraint
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 DEFAULT_CTX_CAP = 4096  # default context: the model's, capped here (the KV cache grows with it)
 
 
@@ -81,6 +87,7 @@ class Completion:
     prompt_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "interrupted"
     timings: Timings = field(default_factory=Timings)
+    logprobs: list[dict[str, Any]] | None = None  # with run(logprobs=N): one entry per id in `tokens`
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +97,7 @@ class Completion:
             "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,
             "timings": self.timings.as_dict(),
+            **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
         }
 
 
@@ -200,12 +208,24 @@ class Model:
         system: str | None = None,
         truncate: bool = False,
         think: bool | None = None,
+        logprobs: int | None = None,
+        constraint: Constraint | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
         """The engine. Yields text as it completes (a thinking model's <think> block included: feed it to a
         reasoning.ReasoningSplitter(completion.think_open) to tell them apart while streaming); fills
-        `completion` (answer and reasoning, ids, finish reason, timings)."""
+        `completion` (answer and reasoning, ids, finish reason, timings).
+
+        `logprobs=N` (0..20) fills `completion.logprobs`, one entry per generated id: {"token", "id",
+        "logprob", "top_logprobs": the N most likely [{"token", "id", "logprob"}], best first}. The values are
+        the log-softmax of the model's raw logits (temperature 1, before penalties, top-k/p, min-p and any
+        constraint), the distribution OpenAI and llama-server report, not the truncated one sampled from.
+        `constraint` (structured.py) masks every step to the ids it allows; once it says the output is
+        complete, generation ends with finish_reason "stop". Either one moves each step's logits to the host;
+        without them decoding runs as before."""
         params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
+        if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise UsageError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
         if type(max_tokens) is not int or max_tokens < 0:
             raise UsageError(f"max tokens must be an integer >= 0, got {max_tokens!r}")
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # one string is one stop string
@@ -227,6 +247,17 @@ class Model:
         c.think_open = prompt_opens_think(self.tokenizer.decode(ids[-8:]))
         rng = make_rng(params.seed)
         be, cfg = self.backend, self.cfg
+        host_path = logprobs is not None or constraint is not None
+        c.logprobs = [] if logprobs is not None else None
+        if constraint is not None:
+            constraint.reset()
+
+        def pick(step_logits: Any) -> tuple[int, dict[str, Any] | None]:
+            """The next id (and its logprob entry) from one step's logits, on the host."""
+            raw = be.to_host(step_logits)[-1]
+            x = raw if constraint is None else np.where(constraint.allowed(), raw, np.float32(-np.inf))
+            chosen = sample(x, params, rng, history)
+            return chosen, (None if logprobs is None else _logprob_entry(self.tokenizer, raw, chosen, logprobs))
 
         # Prefill what the cache does not hold yet (at least the last token, whose logits we need).
         keep = _common_prefix(self.cached, ids, len(ids) - 1)
@@ -236,7 +267,10 @@ class Model:
         logits = prefill(be, cfg, new, keep)
         self.cached = list(ids)  # only once the prefill finished
         history = list(ids)
-        token = be.sample(logits, params, rng, history)
+        if host_path:
+            token, entry = pick(logits)
+        else:
+            token, entry = be.sample(logits, params, rng, history), None
         c.timings.prompt_ms = (time.perf_counter() - t0) * 1e3
         c.timings.prompt_tokens = len(new)
 
@@ -245,6 +279,7 @@ class Model:
         # control tokens (llama-cli without --special).
         decoder = StreamDecoder(self.tokenizer, special=False, strip_dummy_prefix=False)
         pending = ""  # text held back because it might begin a stop string
+        cut = False  # a stop string ended the output: what follows it is dropped
         t0 = time.perf_counter()
         try:
             while c.finish_reason is None:
@@ -256,12 +291,18 @@ class Model:
                     break
                 c.tokens.append(token)
                 history.append(token)
+                if c.logprobs is not None:
+                    c.logprobs.append(entry)
                 pending += decoder.feed(token)
-                before, hit = _split_stop(pending, stop)
-                if hit:
+                before, cut = _split_stop(pending, stop)
+                if cut:
                     c.finish_reason, pending = "stop", ""
                 else:
                     before, pending = _hold_back(pending, stop)
+                if constraint is not None and c.finish_reason is None:
+                    constraint.advance(token)
+                    if constraint.is_done:
+                        c.finish_reason = "stop"
                 if before:
                     c.text += before
                     yield before
@@ -270,7 +311,9 @@ class Model:
                 if c.finish_reason is None:
                     # Decode: one token at the next position (a captured graph on CUDA).
                     pos = len(self.cached)
-                    if plain_greedy:  # the argmax runs inside the step: only the id crosses
+                    if host_path:
+                        following, entry = pick(be.decode(token, pos))
+                    elif plain_greedy:  # the argmax runs inside the step: only the id crosses
                         following = be.decode_greedy(token, pos)
                     else:
                         following = be.sample(be.decode(token, pos), params, rng, history)
@@ -278,7 +321,7 @@ class Model:
                     token = following
                     c.timings.eval_tokens += 1
             c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
-            if c.finish_reason != "stop":
+            if not cut:
                 tail = pending + decoder.flush()
                 if tail:
                     c.text += tail
@@ -322,6 +365,25 @@ def context_warning(cfg: ModelConfig, ctx: int) -> str | None:
     }.get(cfg.rope_scaling, f"{cfg.rope_scaling} RoPE scaling applies")
     return (f"warning: a context of {ctx} tokens is longer than the {trained} the model was trained for, and "
             f"{scaling}: text past {trained} tokens may degrade")
+
+
+def _logprob_entry(tokenizer: Tokenizer, logits: np.ndarray, chosen: int, n: int) -> dict[str, Any]:
+    """The chosen id's log-probability under softmax(logits) and the n most likely ids, best first."""
+    x = logits.astype(np.float64)
+    top = x.max()
+    lp = x - (top + np.log(np.exp(x - top).sum()))
+    best = np.argpartition(-lp, n)[:n] if 0 < n < lp.size else np.arange(lp.size if n else 0)
+    best = best[np.lexsort((best, -lp[best]))]
+
+    def item(i: int) -> dict[str, Any]:
+        return {"token": _token_text(tokenizer, i), "id": i, "logprob": float(lp[i])}
+
+    return {**item(int(chosen)), "top_logprobs": [item(int(i)) for i in best]}
+
+
+def _token_text(tokenizer: Tokenizer, tid: int) -> str:
+    """A token's text as generated output prints it (a lone UTF-8 fragment becomes U+FFFD)."""
+    return tokenizer.decode([tid], strip_dummy_prefix=False)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

@@ -1,6 +1,6 @@
 """What llama.cpp and ollama users type, through the real command (a subprocess): -h everywhere, help with no
 arguments, llama.cpp's flags (-c -s -f -n --temp -ngl -fa) and single-dash words never split into -n gl, the
-verbs run/list/ls/show/serve, a positional model for generate and chat, the warning for a context past the
+verbs run/list/ls/show, a positional model for generate and chat, the warning for a context past the
 trained length."""
 
 from __future__ import annotations
@@ -153,11 +153,6 @@ def test_list_ls_and_show_are_aliases(tiny, home):
         assert r.code == 0 and r.out == models.out
     a, b = run_subprocess("show", tiny, "--json"), run_subprocess("inspect", tiny, "--json")
     assert a.code == b.code == 0 and a.out == b.out and json.loads(a.out)
-
-
-def test_serve_says_it_does_not_exist_yet():
-    r = run_subprocess("serve")
-    assert r.code == 2 and "no `serve` command yet" in r.one_line_error()
 
 
 def test_context_past_the_trained_length_warns_once(tiny):
