@@ -5,6 +5,8 @@ Tests (random token ids, no tokenizer):
     pp<P>        prefill P tokens from an empty cache                       t/s = P / time
     tg<N>        N decode steps from an empty cache, greedy argmax included  t/s = N / time
     pp<P>+tg<N>  both in a row                                              t/s = (P + N) / time
+    ... @ d<D>   (-d/--n-depth, as llama-bench's) the same test after a D-token context, prefilled
+                 untimed before each repetition: a prompt or answer deep into a conversation
 Each test runs twice to warm up (compilation; then the CUDA graphs, which the CUDA backend captures when a
 prefill length comes round again), then `reps` times; t/s is mean +- sample stddev over the repetitions.
 
@@ -45,6 +47,7 @@ class BenchRow:
     samples_ts: list[float] = field(default_factory=list)
     bytes_per_token: float = 0.0  # decode tests only
     bandwidth: float = 0.0  # measured copy bandwidth, bytes/s
+    n_depth: int = 0  # tokens already in the KV cache when the test starts (-d)
 
     @property
     def avg_ts(self) -> float:
@@ -69,6 +72,7 @@ class BenchRow:
         return {
             "model": self.model, "size": self.size, "params": self.params, "backend": self.backend,
             "device": device, "test": self.test, "n_prompt": self.n_prompt, "n_gen": self.n_gen,
+            "n_depth": self.n_depth,
             "avg_ts": round(self.avg_ts, 3), "stddev_ts": round(self.stddev_ts, 3),
             "samples_ts": [round(s, 3) for s in self.samples_ts],
             "gb_per_s": None if self.gb_per_s is None else round(self.gb_per_s, 2),
@@ -108,9 +112,9 @@ class Bench:
         be.synchronize()
         return time.perf_counter() - t0
 
-    def prefill(self, n: int) -> None:
+    def prefill(self, n: int, start: int = 0) -> None:
         be = self.be
-        logits = prefill_prompt(be, self.cfg, self._ids(n), 0)  # as generate runs a prompt
+        logits = prefill_prompt(be, self.cfg, self._ids(n), start)  # as generate runs a prompt
         be.to_host(logits[:, :1])  # the result must exist before the clock stops
 
     def generate(self, n: int, start: int = 0) -> None:
@@ -118,48 +122,59 @@ class Bench:
         for pos in range(start, start + n):
             token = self.be.decode_greedy(token, pos)
 
-    def run(self, n_prompt: int, n_gen: int, reps: int) -> list[float]:
-        if n_prompt + n_gen > self.m.ctx:
+    def run(self, n_prompt: int, n_gen: int, reps: int, depth: int = 0) -> list[float]:
+        if depth + n_prompt + n_gen > self.m.ctx:
             from .errors import UsageError
 
-            raise UsageError(f"test pp{n_prompt}+tg{n_gen} needs a context of {n_prompt + n_gen}, have {self.m.ctx} (--ctx)")
+            raise UsageError(f"test {test_name(n_prompt, n_gen, depth)} needs a context of "
+                             f"{depth + n_prompt + n_gen}, have {self.m.ctx} (--ctx)")
 
         def once() -> None:
             if n_prompt:
-                self.prefill(n_prompt)
+                self.prefill(n_prompt, start=depth)
             if n_gen:
-                self.generate(n_gen, start=n_prompt)
+                self.generate(n_gen, start=depth + n_prompt)
+
+        def timed() -> float:
+            if depth:  # the context the test starts from, written into the cache outside the clock
+                self.prefill(depth)
+            return self._timed(once)
 
         # Warm-up, twice: compilation, cuBLAS plans and caches; then the CUDA graphs, captured when a step or
         # a prefill length comes round again (CudaBackend.forward_prompt).
-        once()
-        once()
-        return [(n_prompt + n_gen) / self._timed(once) for _ in range(reps)]
+        timed()
+        timed()
+        return [(n_prompt + n_gen) / timed() for _ in range(reps)]
 
 
-def test_name(n_prompt: int, n_gen: int) -> str:
+def test_name(n_prompt: int, n_gen: int, depth: int = 0) -> str:
     if n_prompt and n_gen:
-        return f"pp{n_prompt}+tg{n_gen}"
-    return f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+        name = f"pp{n_prompt}+tg{n_gen}"
+    else:
+        name = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+    return f"{name} @ d{depth}" if depth else name
 
 
 def run_bench(model: Model, prompts: list[int], gens: list[int], pg: list[tuple[int, int]], reps: int,
-              progress: Callable[[str], None] | None = None) -> tuple[list[BenchRow], float]:
+              progress: Callable[[str], None] | None = None, depths: list[int] | None = None,
+              ) -> tuple[list[BenchRow], float]:
     bench = Bench(model)
     bandwidth = model.backend.memory_bandwidth()
     weights = sum(t.n_bytes for t in model.gguf.tensors.values())
     params = sum(t.n_elements for t in model.gguf.tensors.values())
     tests = [(p, 0) for p in prompts if p] + [(0, n) for n in gens if n] + list(pg)
     rows = []
-    for n_prompt, n_gen in tests:
-        if progress:
-            progress(test_name(n_prompt, n_gen))
-        row = BenchRow(model.path.name, weights, params, model.backend.name, test_name(n_prompt, n_gen), n_prompt,
-                       n_gen, bandwidth=bandwidth)
-        row.samples_ts = bench.run(n_prompt, n_gen, reps)
-        if n_gen and not n_prompt:
-            row.bytes_per_token = decode_bytes_per_token(model, (n_gen + 1) / 2)  # mean cached positions
-        rows.append(row)
+    for depth in depths or [0]:
+        for n_prompt, n_gen in tests:
+            name = test_name(n_prompt, n_gen, depth)
+            if progress:
+                progress(name)
+            row = BenchRow(model.path.name, weights, params, model.backend.name, name, n_prompt, n_gen,
+                           bandwidth=bandwidth, n_depth=depth)
+            row.samples_ts = bench.run(n_prompt, n_gen, reps, depth)
+            if n_gen and not n_prompt:  # mean cached positions over the steps
+                row.bytes_per_token = decode_bytes_per_token(model, depth + (n_gen + 1) / 2)
+            rows.append(row)
     return rows, bandwidth
 
 

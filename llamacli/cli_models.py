@@ -160,6 +160,7 @@ def bench(
     n_prompt: Annotated[str, typer.Option("--n-prompt", "-p", help="Prompt sizes for prefill tests, comma-separated.")] = "512",
     n_gen: Annotated[str, typer.Option("--n-gen", "-n", help="Token counts for decode tests, comma-separated.")] = "128",
     pg: Annotated[Optional[list[str]], typer.Option("--pg", help="A combined test P,N: prefill P then decode N (repeatable).")] = None,
+    n_depth: Annotated[str, typer.Option("--n-depth", "-d", help="Run each test after this many tokens of context, comma-separated (llama-bench's -d).")] = "0",
     reps: Annotated[int, typer.Option("--repetitions", "-r", help="Timed repetitions after one warm-up.")] = 5,
     ctx: CtxOpt = None,
     backend: BackendOpt = "auto",
@@ -190,12 +191,13 @@ def bench(
         return
     prompts, gens = parse_list(n_prompt, "-p"), parse_list(n_gen, "-n")
     pairs = [parse_pg(x) for x in pg or []]
-    need = max([p for p in prompts] + [n for n in gens] + [p + n for p, n in pairs] + [1])
+    depths = parse_list(n_depth, "-d") or [0]
+    need = max([p for p in prompts] + [n for n in gens] + [p + n for p, n in pairs] + [1]) + max(depths)
     m = load_model(model, backend, ctx or max(need + 1, 512), False, gpu_layers, flash_attn,
                    user_ctx=ctx is not None)  # bench's own context is not the user's choice
     if profile:
         prows, spans = run_profile(m, next((p for p in prompts if p), 512))
         print(render_profile(prows, spans, output, m.backend.device_name()))
         return
-    rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: dim(f"running {t}"))
+    rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: dim(f"running {t}"), depths=depths)
     print(render(rows, output, m.backend.device_name(), bandwidth))

@@ -7,7 +7,10 @@ import json
 
 import pytest
 
-from llamacli.bench import BenchRow, ProfileRow, render, render_kernels, render_profile
+import numpy as np
+
+from llamacli.bench import BenchRow, ProfileRow, render, render_kernels, render_profile, run_bench
+from llamacli.generate import Model
 from llamacli.testing import tiny_vocab, write_model
 
 from clirun import run
@@ -78,3 +81,21 @@ def test_renderers_without_a_gpu() -> None:
     assert "| mv1_q4_k | 4096x4096 | 5.0 | 1900 | 63.3% | 6.70 | copy |" in text
     row = BenchRow("m", 10, 5, "numpy", "tg4", 0, 4, [10.0, 12.0], bytes_per_token=1e6, bandwidth=1e10)
     assert "11.00 ± 1.41" in render([row], "md", "dev", 1e10)
+
+
+def test_depth_runs_each_test_after_a_context(tiny: str) -> None:
+    """-d as llama-bench's: each test after D tokens already in the cache; the rows say n_depth."""
+    r = run("bench", "-m", tiny, "--backend", "numpy", "-p", "8", "-n", "4", "-d", "0,16", "-r", "1", "-o", "json")
+    assert r.code == 0, r.err
+    rows = json.loads(r.out)
+    assert [(x["test"], x["n_depth"]) for x in rows] == [("pp8", 0), ("tg4", 0), ("pp8 @ d16", 16), ("tg4 @ d16", 16)]
+    assert rows[3]["gb_per_s"] > 0 and rows[2]["gb_per_s"] is None
+    bad = run("bench", "-m", tiny, "--backend", "numpy", "-d", "x")
+    assert bad.code == 2 and bad.one_line_error().startswith("error: -d takes")
+
+
+def test_depth_prefills_the_context_before_the_test(tmp_path) -> None:
+    m = Model(write_model(tmp_path / "t.gguf", "tiny-llama", "F32"), backend="numpy", ctx=64)
+    run_bench(m, [8], [], [], 1, depths=[16])
+    filled = np.abs(m.backend.k_cache[0]).reshape(64, -1).max(axis=1) > 0
+    assert filled[:24].all() and not filled[24:].any()  # the context 0..15, then the test's 16..23
