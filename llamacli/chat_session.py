@@ -182,9 +182,8 @@ class ChatSession:
         held, ids, first = len(self.model.cached), None, self.first
         try:
             ids = self.fit()
-            constrained = {} if self.constraint is None else {"constraint": self.constraint}
             yield from self.model.run(ids, completion=c, max_tokens=self.max_tokens, stop=self.stop, params=self.params,
-                                      **constrained)
+                                      constraint=self.constraint)
         except (KeyboardInterrupt, GeneratorExit):
             if c.finish_reason is None:  # closed after the reply had ended: its own reason stands
                 c.finish_reason = "interrupted"

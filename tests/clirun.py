@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import subprocess
@@ -31,18 +30,21 @@ class Result:
 
 def run(*args: str, stdin: str = "") -> Result:
     out, err = io.StringIO(), io.StringIO()
-    old_stdin = sys.stdin
-    sys.stdin = io.StringIO(stdin)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main(list(args))
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.stdin = old_stdin
+    code = run_with(args, stdin, out, err)
     return Result(code, out.getvalue(), err.getvalue())
+
+
+def run_with(args, stdin: str, stdout, stderr) -> int:  # noqa: ANN001 (any text streams)
+    """main(args) in-process with the standard streams replaced by these; the exit code."""
+    saved = sys.stdin, sys.stdout, sys.stderr
+    sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin), stdout, stderr
+    try:
+        main(list(args))
+        return 0
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = saved
 
 
 def run_subprocess(*args: str, stdin: str = "", timeout: float = 120, env: dict | None = None) -> Result:

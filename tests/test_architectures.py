@@ -9,7 +9,6 @@ test_model_reference: max |ours - ref| <= 1e-3 * max |ref| on last-position logi
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest

@@ -164,7 +164,7 @@ class FakeModel:
             ids += [self._id("<" + m["role"] + ">"), *map(self._id, m["content"].split()), self._id("<end>")]
         return ids + [self._id("<assistant>")] if add_generation_prompt else ids
 
-    def run(self, ids, *, completion, max_tokens, stop, params):
+    def run(self, ids, *, completion, max_tokens, stop, params, constraint=None):
         keep = _common_prefix(self.cached, ids, len(ids) - 1)
         c = completion
         c.prompt_tokens, c.timings = list(ids), Timings(prompt_tokens=len(ids) - keep)

@@ -13,8 +13,7 @@ import sys
 
 import pytest
 
-from clirun import ROOT, Result, run
-from llamacli.cli import main
+from clirun import ROOT, Result, run, run_with
 from llamacli.testing import write_model
 
 NAME = "café 模型"
@@ -104,15 +103,7 @@ class Gone(io.TextIOBase):
 def run_into(stdout: io.TextIOBase, *args: str, stdin: str = "", stderr: io.TextIOBase | None = None) -> Result:
     """The CLI in-process with the given stdout (and stderr), like clirun.run."""
     err = stderr or io.StringIO()
-    saved = sys.stdin, sys.stdout, sys.stderr
-    sys.stdin, sys.stdout, sys.stderr = io.StringIO(stdin), stdout, err
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.stdin, sys.stdout, sys.stderr = saved
+    code = run_with(args, stdin, stdout, err)
     return Result(code, "", err.getvalue() if isinstance(err, io.StringIO) else "")
 
 
