@@ -52,6 +52,10 @@ class ModelConfig:
     attn_scale: float = 0.0  # the query scale; 0: 1/sqrt(head_dim)
     embd_scale: float = 1.0  # token embeddings are multiplied by it (gemma: sqrt(n_embd))
     final_softcap: float = 0.0  # logits -> c tanh(logits / c) (gemma2: 30); 0: none
+    n_expert: int = 0  # mixture of experts (layers whose plan has moe): experts per layer,
+    n_expert_used: int = 0  # experts chosen per token,
+    n_ff_exp: int = 0  # an expert's FFN width,
+    expert_weights_norm: bool = False  # "softmax" gating: the chosen weights renormalised to sum 1
 
     @property
     def query_scale(self) -> float:
@@ -222,7 +226,8 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
     )
 
 
-_ARCH_FIELDS = ("rope_local_base", "attn_scale", "embd_scale", "final_softcap")  # set by a model's settings
+_ARCH_FIELDS = ("rope_local_base", "attn_scale", "embd_scale", "final_softcap", "n_expert", "n_expert_used",
+                "n_ff_exp", "expert_weights_norm")  # set by a model's settings
 
 
 def _yarn_magnitude(factor: float, log_mul: float) -> float:

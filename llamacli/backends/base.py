@@ -48,6 +48,18 @@ class LayerWeights:
     ffn_gate: Any = None  # [F, D]
     ffn_up: Any = None  # [F, D], or [2F, D] holding [gate; up] (phi3)
     ffn_down: Any = None  # [D, F]
+    attn_output_bias: Any = None  # [D] (gpt-oss)
+    attn_sinks: Any = None  # [Hq] float32 (gpt-oss)
+    # Mixture of experts (plan.moe): the router and the experts. Expert tensors are [E, rows, cols]: NumPy
+    # float32 arrays of that shape; on CUDA one DeviceMatrix of E * rows rows (expert e: rows e*rows ..).
+    ffn_gate_inp: Any = None  # [E, D] router
+    ffn_gate_inp_bias: Any = None  # [E]
+    ffn_gate_exps: Any = None  # [E, F_exp, D]
+    ffn_up_exps: Any = None  # [E, F_exp, D]
+    ffn_down_exps: Any = None  # [E, D, F_exp]
+    ffn_gate_exps_bias: Any = None  # [E, F_exp] float32
+    ffn_up_exps_bias: Any = None  # [E, F_exp]
+    ffn_down_exps_bias: Any = None  # [E, D]
 
 
 @dataclass
@@ -127,6 +139,12 @@ class Backend(ABC):
     def softcap(self, x: Any, cap: float) -> Any:
         """cap * tanh(x / cap) (gemma2's final logits)."""
         raise BackendError(f"the {self.name} backend has no logit soft-capping (gemma2 models)")
+
+    def moe(self, h: Any, layer: int) -> Any:
+        """The mixture-of-experts FFN of block `layer` (its plan has moe) on the normalised input h [T, D]:
+        route each token (llamacli/moe.py route: ids and weights of cfg.n_expert_used experts), run the
+        chosen experts' gated FFNs (the plan's activation, biases when moe_bias) -> sum_j w_j FFN_j(h) [T, D]."""
+        raise BackendError(f"the {self.name} backend has no mixture-of-experts FFN")
 
     @abstractmethod
     def add(self, x: Any, y: Any) -> Any:

@@ -31,7 +31,19 @@ class LayerPlan:
     post_norms: bool = False  # RMSNorm of the attention and FFN outputs before each residual add:
     #                           post_attention_norm / post_ffw_norm [D] (gemma2, gemma3)
     fused_gate_up: bool = False  # ffn_up [2F, D] holds rows [gate; up] (phi3)
-    activation: str = "silu"  # the gated FFN's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
+    activation: str = "silu"  # the gated FFN's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU, gemma) or
+    #                           "swiglu_oai" (gpt-oss: g = min(gate, 7), u = clip(up, -7, 7), g sigmoid(1.702 g) (u + 1))
+    o_bias: bool = False  # attn_output.bias [D] (gpt-oss)
+    sinks: bool = False  # attn_sinks [Hq]: a learned logit per head added to each softmax denominator (gpt-oss)
+    # Mixture of experts (qwen3moe, gpt-oss): the FFN is the weighted sum of cfg.n_expert_used of cfg.n_expert
+    # experts chosen per token by the router ffn_gate_inp [E, D] (llamacli/moe.py route()); experts are the 3-D
+    # ffn_gate_exps / ffn_up_exps [E, F_exp, D] and ffn_down_exps [E, D, F_exp] (F_exp = cfg.n_ff_exp).
+    moe: bool = False
+    moe_gating: str = "softmax"  # "softmax": softmax over all experts, then the top k (renormalised to sum 1
+    #                              when cfg.expert_weights_norm; qwen3moe); "topk_softmax": the top k logits,
+    #                              then a softmax over those k (gpt-oss)
+    moe_bias: bool = False  # ffn_gate_inp.bias [E] and ffn_{gate,up}_exps.bias [E, F_exp], ffn_down_exps.bias
+    #                         [E, D] (gpt-oss)
 
 
 @dataclass(frozen=True)
