@@ -31,7 +31,9 @@
 #define DEC_WIDE_POS 2048
 
 // EXT (the _w_ kernels): keys k > p - window only (0: all; the splits and keys before the window are not
-// read) and scores soft-capped after the scale, s -> softcap tanh(s / softcap) (0: none).
+// read) and scores soft-capped after the scale, s -> softcap tanh(s / softcap) (0: none); with sinks (gpt-oss,
+// [Hq], or null) the step's final normalisation adds exp(sinks[h]) to each head's softmax denominator (the
+// split-only form leaves that to attention_combine_w).
 template <int NPL, bool STEP, bool NEOX, bool EXT = false>
 __device__ __forceinline__ void attention_decode_body(const float* __restrict__ q, u16* kc, u16* vc,
                                                       const int* __restrict__ pos, int Hq, int Hkv, int Dh,
@@ -39,7 +41,8 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
                                                       const float* __restrict__ kv_src, int rope_dim,
                                                       const double* __restrict__ inv_freq, float attn,
                                                       unsigned int* counters, float* __restrict__ out, int early,
-                                                      int window = 0, float softcap = 0.0f) {
+                                                      int window = 0, float softcap = 0.0f,
+                                                      const float* __restrict__ sinks = nullptr) {
     extern __shared__ float dsm[];
     __shared__ int s_last;
     const int G = Hq / Hkv, kvh = blockIdx.x, split = blockIdx.y;
@@ -224,6 +227,7 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
             o += ro[(w * gn + r) * Dh + d] * wt;
         }
         if (STEP && n_held == 1) {
+            if (EXT && sinks) L += __expf(sinks[kvh * G + r0 + r] - M);
             out[(kvh * G + r0 + r) * Dh + d] = o / L;
             continue;
         }
@@ -256,6 +260,7 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
             L += __ldcg(part_ml + 2 * row + 1) * w;
             o += __ldcg(part_o + (long long)row * Dh + d) * w;
         }
+        if (EXT && sinks) L += __expf(sinks[h] - M);
         out[h * Dh + d] = o / L;
     }
     if (threadIdx.x == 0) counters[kvh] = 0u;
@@ -283,10 +288,10 @@ __device__ __forceinline__ void attention_decode_body(const float* __restrict__ 
     extern "C" __global__ void __launch_bounds__(256, 1) attention_step_w_##MODE##_npl##N(                   \
         const float* qkv, u16* kc, u16* vc, const int* pos, int Hq, int Hkv, int Dh, float scale, int chunk,  \
         float* part_o, float* part_ml, const float* kv_src, int rope_dim, const double* inv_freq, float attn, \
-        unsigned int* counters, float* out, int early, int window, float softcap) {                          \
+        unsigned int* counters, float* out, int early, int window, float softcap, const float* sinks) {      \
         attention_decode_body<N, true, NEOX, true>(qkv, kc, vc, pos, Hq, Hkv, Dh, scale, chunk, part_o,      \
                                                    part_ml, kv_src, rope_dim, inv_freq, attn, counters, out, \
-                                                   early, window, softcap);                                  \
+                                                   early, window, softcap, sinks);                           \
     }
 #define ATTENTION_DECODE_W_KERNEL(N)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 1) attention_decode_w_npl##N(                          \

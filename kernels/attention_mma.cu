@@ -19,8 +19,8 @@
 // O / l is a convex combination of V rows even with fp16 weights (fp16 output cannot overflow).
 // Dynamic shared memory: stages x (K + V) x 64 x (D + 8) x 2 bytes + 16 (D = 64: 55.3 KB, 128: 69.6 KB),
 // and for D = 256 the warps' Q rows, 4 x 16 x (D + 8) x 2 more (169.0 KB).
-// attention_tcx*_d<D>(..., out_stride, window, cap2): the same with gemma's sliding window and attention
-// soft-cap (see EXT below).
+// attention_tcx*_d<D>(..., out_stride, window, cap2, sinks): the same with gemma's sliding window and
+// attention soft-cap (see EXT below) and gpt-oss's attention sinks ([Hq] or null).
 // attention_tc16_d<D>: the same, output stored as fp16 (the fused prefill's O-projection GEMM input).
 // Accuracy vs the fp32 reference: fp16 Q and P, |err| ~ 1e-3 at unit-variance inputs (tests: atol 4e-3,
 // rtol 1e-2). The CUDA-core kernels (attention_simt.cu, attention_decode.cu) serve decode, short chunks and
@@ -35,23 +35,6 @@
 #define TC_STAGES(D) ((D) <= 64 ? 3 : 2)  // D = 128 at 3 stages (104 KB) fits 2 blocks per SM, not 3
 #define TC_BR (TC_WARPS * 16)  // query rows per block
 
-__device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-
 // EXT (attention_tcx*): a sliding window (keys k > pos - window seen; 0: all) and a soft-cap of the base-2
 // scores (s -> cap2 tanh(s / cap2), cap2 = c log2(e); 0: none), tiles wholly before every row's window neither
 // loaded nor multiplied. D > 128 keeps each warp's Q rows in shared memory (ldmatrix per k step) instead of
@@ -61,7 +44,7 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
                                                   const u16* __restrict__ kc, const u16* __restrict__ vc,
                                                   const int* __restrict__ pos, int T, int Hq, int Hkv,
                                                   void* __restrict__ out, int out_stride, int window = 0,
-                                                  float cap2 = 0.0f) {
+                                                  float cap2 = 0.0f, const float* __restrict__ sinks = nullptr) {
     constexpr int NST = TC_STAGES(D);  // K/V tiles in flight
     constexpr int KS = D / 16;       // k16 steps over the head dim (S = Q K^T)
     constexpr int NO = D / 8;        // n8 tiles of the output row
@@ -234,7 +217,13 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
         }
     }
 
-    // l[c]: every column of the ones-MMA holds the full row sum (c = 0 row g, c = 2 row g + 8).
+    // l[c]: every column of the ones-MMA holds the full row sum (c = 0 row g, c = 2 row g + 8). Sinks (EXT,
+    // gpt-oss): exp(sink) joins the denominator, in the base-2 units of m.
+    if (EXT && sinks) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (tt[r] < T) l[2 * r] += exp2f(sinks[hh[r]] * 1.4426950408889634f - m[r]);
+    }
     store_rows<D, OUT16>(out, out_stride, &o[0][0], l, tt, hh, T, tg);
 }
 
@@ -252,13 +241,15 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
 #define ATTENTION_TCX_KERNEL(D)                                                                               \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tcx_d##D(                           \
         const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
-        float* out, int out_stride, int window, float cap2) {                                                 \
-        attention_tc_body<D, false, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride, window, cap2); \
+        float* out, int out_stride, int window, float cap2, const float* sinks) {                             \
+        attention_tc_body<D, false, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride, window, cap2,  \
+                                          sinks);                                                             \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tcx16_d##D(                         \
         const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
-        u16* out, int out_stride, int window, float cap2) {                                                   \
-        attention_tc_body<D, true, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride, window, cap2);  \
+        u16* out, int out_stride, int window, float cap2, const float* sinks) {                               \
+        attention_tc_body<D, true, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride, window, cap2,   \
+                                         sinks);                                                              \
     }
 ATTENTION_TC_KERNEL(64)
 ATTENTION_TC_KERNEL(80)

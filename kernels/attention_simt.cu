@@ -16,8 +16,9 @@
 //   writes partial (o, m, l) for attention_combine (flash-decoding: decode has one query row per head, so
 //   the keys are what must spread over the SMs). Dynamic shared memory: 32*Dh*4 + 32*(Dh/2+1)*4 + 32*Dh*2.
 // attention_combine: grid T*Hq, block Dh rounded up to 32: merges the ceil((pos[t]+1)/chunk) partials.
-// attention_w_npl<N>(..., n_split, window, softcap) and attention_combine_w(..., window): the same with a
-// sliding window (keys k > pos - window; 0: all) and soft-capped scores (gemma; see EXT below).
+// attention_w_npl<N>(..., n_split, window, softcap, sinks) and attention_combine_w(..., window, sinks): the
+// same with a sliding window (keys k > pos - window; 0: all) and soft-capped scores (gemma; see EXT below),
+// and attention sinks (gpt-oss: sinks [Hq] or null, exp(sinks[h]) added to each softmax denominator).
 // kv_store: k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows pos[t] as fp16.
 // The other families: attention_mma.cu (prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128}, tensor
 // cores), attention_wgmma.cu (the same on a Hopper GPU with D 64 or 128, built for sm_90a) and
@@ -39,7 +40,8 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
                                                const u16* __restrict__ vc, const int* __restrict__ pos, int T,
                                                int Hq, int Hkv, int Dh, float scale, int chunk, float* out,
                                                int out_stride, float* part_o, float* part_ml, int n_split,
-                                               int window = 0, float softcap = 0.0f) {
+                                               int window = 0, float softcap = 0.0f,
+                                               const float* __restrict__ sinks = nullptr) {
     extern __shared__ float smem[];
     const int G = Hq / Hkv;
     const int kvh = blockIdx.y, split = blockIdx.z;
@@ -138,7 +140,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
         if (t >= T || qpos[rr] < begin) continue;
         const float lt = warp_sum(l[rr]);
         if (n_split == 1) {
-            const float inv = 1.0f / lt;
+            const float inv = 1.0f / (EXT && sinks ? lt + __expf(sinks[h] - m[rr]) : lt);
 #pragma unroll
             for (int i = 0; i < NPL; ++i) {
                 const int d = lane + 32 * i;
@@ -177,9 +179,9 @@ ATTENTION_KERNEL(8)
     extern "C" __global__ void __launch_bounds__(256) attention_w_npl##N(                                   \
         const float* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,   \
         int Dh, float scale, int chunk, float* out, int out_stride, float* part_o, float* part_ml,            \
-        int n_split, int window, float softcap) {                                                            \
+        int n_split, int window, float softcap, const float* sinks) {                                        \
         attention_body<N, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, Dh, scale, chunk, out, out_stride,      \
-                                part_o, part_ml, n_split, window, softcap);                                  \
+                                part_o, part_ml, n_split, window, softcap, sinks);                           \
     }
 ATTENTION_W_KERNEL(1)
 ATTENTION_W_KERNEL(2)
@@ -190,7 +192,8 @@ ATTENTION_W_KERNEL(8)
 template <bool EXT>
 __device__ __forceinline__ void combine_body(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                              const int* __restrict__ pos, int T, int Hq, int Dh, int n_split,
-                                             int chunk, float* out, int out_stride, int window) {
+                                             int chunk, float* out, int out_stride, int window,
+                                             const float* __restrict__ sinks) {
     const int row = blockIdx.x, t = row / Hq, h = row - t * Hq, d = threadIdx.x;
     const int n = min(n_split, (pos[t] + chunk) / chunk);  // splits that saw keys: ceil((pos+1)/chunk)
     // EXT: the first split holding a key of the window (the ones before wrote nothing)
@@ -205,20 +208,23 @@ __device__ __forceinline__ void combine_body(const float* __restrict__ part_o, c
         L += part_ml[2 * r + 1] * w;
         if (d < Dh) o += part_o[r * Dh + d] * w;
     }
+    if (EXT && sinks) L += __expf(sinks[h] - M);
     if (d < Dh) out[(long long)t * out_stride + h * Dh + d] = o / L;
 }
 
 extern "C" __global__ void attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                              const int* __restrict__ pos, int T, int Hq, int Dh, int n_split,
                                              int chunk, float* out, int out_stride) {
-    combine_body<false>(part_o, part_ml, pos, T, Hq, Dh, n_split, chunk, out, out_stride, 0);
+    combine_body<false>(part_o, part_ml, pos, T, Hq, Dh, n_split, chunk, out, out_stride, 0, nullptr);
 }
 
-// attention_combine_w(..., out_stride, window): the merge of attention_w_npl / attention_decode_w splits.
+// attention_combine_w(..., out_stride, window, sinks): the merge of attention_w_npl / attention_decode_w splits
+// (sinks [Hq] or null: exp(sinks[h]) joins the denominator, gpt-oss).
 extern "C" __global__ void attention_combine_w(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                const int* __restrict__ pos, int T, int Hq, int Dh, int n_split,
-                                               int chunk, float* out, int out_stride, int window) {
-    combine_body<true>(part_o, part_ml, pos, T, Hq, Dh, n_split, chunk, out, out_stride, window);
+                                               int chunk, float* out, int out_stride, int window,
+                                               const float* sinks) {
+    combine_body<true>(part_o, part_ml, pos, T, Hq, Dh, n_split, chunk, out, out_stride, window, sinks);
 }
 
 extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v, int v_stride, int T, int Hkv,

@@ -106,3 +106,22 @@ __device__ __forceinline__ float f16_rowscale(float m) {
 __device__ __forceinline__ float gelu_tanh(float g) {
     return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * fmaf(0.044715f * g, g * g, g)));
 }
+
+// A gated FFN's activation of gate a and up b (the matvecs' fused forms): ACT_SILU silu(a) b (SwiGLU),
+// ACT_GELU gelu_tanh(a) b (GeGLU), ACT_OAI gpt-oss's clamped SwiGLU: g = min(a, 7), u = clamp(b, -7, 7),
+// g sigmoid(1.702 g) (u + 1). The clamps are comparisons, so NaN passes through as in the reference.
+#define ACT_SILU 0
+#define ACT_GELU 1
+#define ACT_OAI 2
+template <int ACT>
+__device__ __forceinline__ float glu_act(float a, float b) {
+    if constexpr (ACT == ACT_GELU) {
+        return gelu_tanh(a) * b;
+    } else if constexpr (ACT == ACT_OAI) {
+        const float g = a > 7.0f ? 7.0f : a;
+        const float u = b > 7.0f ? 7.0f : (b < -7.0f ? -7.0f : b);
+        return g / (1.0f + expf(-1.702f * g)) * (u + 1.0f);
+    } else {
+        return a / (1.0f + expf(-a)) * b;
+    }
+}

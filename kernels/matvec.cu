@@ -6,7 +6,9 @@
 //                     w1: n1 rows, w2: the rest) of one type, so Q, K and V run as one launch without
 //                     copying them together; resid may alias y (the fused residual add).
 //   matvec_<t>_swiglu y[t, n] = silu(Wg[n] . x) * (Wu[n] . x), gate rows w0 and up rows w1 (the fused
-//                     gate/up projection: one launch, no [T, 2F] intermediate).
+//                     gate/up projection: one launch, no [T, 2F] intermediate). In the SwiGLU forms of the
+//                     bodies (matvec_body, mv1_body, mv1_put) `bias` and `resid` carry the gate and the up
+//                     biases (gpt-oss's experts, kernels/moe.cu); the kernels here pass neither.
 // Launch: block 128 threads (4 warps). A warp serves 32/lpr rows, lpr lanes per row (lpr = power of two
 // <= 32 chosen from the row's 32-value units so that short rows keep every lane busy); each lane walks units
 // u = lane, lane+lpr, ..., decodes 32 weights into registers and dots them with every token's x; the lpr
@@ -48,6 +50,8 @@
 // quantized types stay under memory speed: each block's x staging and the short per-lane loops (a
 // 4096-column Q4_K row is 128 units: four per lane) keep too few bytes in flight.
 
+// With MATVEC_BODIES_ONLY defined before it is included (kernels/moe.cu), this file gives its device bodies
+// and none of its kernels.
 #include "common.cuh"
 #include "quants.cuh"
 
@@ -81,11 +85,12 @@ __device__ __forceinline__ void row_pointers(const u8* w0, const u8* w1, const u
     }
 }
 
-template <class Q, bool SWIGLU, bool GELU = false>
+template <class Q, bool SWIGLU, int ACT = ACT_SILU>
 __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                             const u8* __restrict__ w2, int n0, int n1, int N, int K,
                                             const float* __restrict__ x, int T, float* y,
-                                            const float* __restrict__ bias, const float* resid, int lpr) {
+                                            const float* __restrict__ bias, const float* resid, int lpr,
+                                            const int* xrow = nullptr, const int* yrow = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows_per_warp = 32 / lpr;
     const int sub = lane % lpr;
@@ -111,7 +116,7 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8*
 #pragma unroll
         for (int t = 0; t < MATVEC_TMAX; ++t) {
             if (t < T) {
-                const float* xr = x + (long long)t * K + u * 32;
+                const float* xr = x + (long long)(xrow ? xrow[t] : t) * K + u * 32;
                 float xv[32];
                 if (vec_x && full) {
 #pragma unroll
@@ -144,9 +149,11 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8*
                 if (SWIGLU) s2 += __shfl_xor_sync(FULL_MASK, s2, o);
             }
             if (active && sub == 0) {
-                const long long i = (long long)t * N + n;
+                const long long i = (long long)(yrow ? yrow[t] : t) * N + n;
                 if (SWIGLU) {
-                    y[i] = (GELU ? gelu_tanh(s) : s / (1.0f + expf(-s))) * s2;
+                    if (bias) s += bias[n];  // the gate and up biases (bias, resid)
+                    if (resid) s2 += resid[n];
+                    y[i] = glu_act<ACT>(s, s2);
                 } else {
                     if (bias) s += bias[n];
                     if (resid) s += resid[i];
@@ -169,10 +176,12 @@ __device__ __forceinline__ void matvec_body(const u8* __restrict__ w0, const u8*
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_##name##_geglu(                                \
         const u8* wg, const u8* wu, int N, int K, const float* x, int T, float* y, int lpr) {               \
-        matvec_body<Q, true, true>(wg, wu, nullptr, N, 0, N, K, x, T, y, nullptr, nullptr, lpr);             \
+        matvec_body<Q, true, ACT_GELU>(wg, wu, nullptr, N, 0, N, K, x, T, y, nullptr, nullptr, lpr);             \
     }
 
+#ifndef MATVEC_BODIES_ONLY
 FOR_EACH_QTYPE(MATVEC_KERNELS)
+#endif
 
 // ---- one token: x in shared memory, fused RMSNorm, fused argmax ---------------------------------------------
 
@@ -616,12 +625,14 @@ __device__ __forceinline__ void mv1_row(const u8* ra, const u8* rb, int u, int l
 
 // Row n's output: silu(a) * b (SWIGLU), else a (+ bias[n]) (+ resid[n]) into y[n]; with the fused argmax,
 // this lane's best packed (logit, id) key and NaN/+inf flag take it in (mv1 and mv1_stream).
-template <bool SWIGLU, bool GELU = false>
+template <bool SWIGLU, int ACT = ACT_SILU>
 __device__ __forceinline__ void mv1_put(float a, float b, int n, float* y, const float* __restrict__ bias,
                                         const float* resid, bool argmax, u64& key, int& bad) {
     float out = a;
     if (SWIGLU) {
-        out = (GELU ? gelu_tanh(a) : a / (1.0f + expf(-a))) * b;
+        if (bias) a += bias[n];  // the SwiGLU forms: the gate and up biases (bias, resid)
+        if (resid) b += resid[n];
+        out = glu_act<ACT>(a, b);
     } else {
         if (bias) out += bias[n];
         if (resid) out += resid[n];
@@ -677,7 +688,7 @@ __device__ __forceinline__ void mv1_argmax(u64 key, int bad, u64* am) {
 
 // QV: the type of segment w2 (the V rows of a QKV launch; Q elsewhere). A mixed pair (Q4_K_M's Q4_K Q/K
 // with Q6_K V) shares one int8 staging of x, so the three matrices still run as one launch.
-template <class Q, class QV, bool SWIGLU, bool GELU = false>
+template <class Q, class QV, bool SWIGLU, int ACT = ACT_SILU>
 __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
                                          int n0, int n1, int N, int K, const float* __restrict__ x, float* y,
                                          const float* __restrict__ bias, const float* resid,
@@ -748,7 +759,7 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
             acc += __shfl_xor_sync(FULL_MASK, acc, o);
             if (SWIGLU) acc2 += __shfl_xor_sync(FULL_MASK, acc2, o);
         }
-        if (active && sub == 0) mv1_put<SWIGLU, GELU>(acc, acc2, n, y, bias, resid, am != nullptr, key, bad);
+        if (active && sub == 0) mv1_put<SWIGLU, ACT>(acc, acc2, n, y, bias, resid, am != nullptr, key, bad);
     }
     if (!early) pdl_launch_dependents();
     if (am != nullptr) mv1_argmax(key, bad, am);
@@ -771,11 +782,13 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name##_geglu(    \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
         int lpr, int groups, int early) {                                                                    \
-        mv1_body<Q, Q, true, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr,    \
+        mv1_body<Q, Q, true, ACT_GELU>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr,    \
                                    groups, nullptr, early);                                                  \
     }
 
+#ifndef MATVEC_BODIES_ONLY
 FOR_EACH_QTYPE(MV1_KERNELS)
+#endif
 
 // The QKV launch of Q4_K_M-style layers: Q and K rows (w0, w1) of type QA, V rows (w2) of type QB.
 #define MV1_MIXED(a, QA, b, QB)                                                                              \
@@ -786,12 +799,14 @@ FOR_EACH_QTYPE(MV1_KERNELS)
         mv1_body<QA, QB, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am,   \
                                 early);                                                                      \
     }
+#ifndef MATVEC_BODIES_ONLY
 MV1_MIXED(q4_k, QQ4_K, q5_k, QQ5_K)
 MV1_MIXED(q4_k, QQ4_K, q6_k, QQ6_K)
 MV1_MIXED(q5_k, QQ5_K, q4_k, QQ4_K)
 MV1_MIXED(q5_k, QQ5_K, q6_k, QQ6_K)
 MV1_MIXED(q6_k, QQ6_K, q4_k, QQ4_K)
 MV1_MIXED(q6_k, QQ6_K, q5_k, QQ5_K)
+#endif
 
 // ---- one token, 16-bit float rows: the streaming form ---------------------------------------------------------
 // mv1_stream_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, am, early) and
@@ -884,7 +899,7 @@ struct StreamCursor {
     __device__ __forceinline__ int chunk(int i, int lane) const { return (j * MV1S_BATCH + i) * 32 + lane; }
 };
 
-template <bool BF, bool SWIGLU, bool GELU = false>
+template <bool BF, bool SWIGLU, int ACT = ACT_SILU>
 __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* __restrict__ w1,
                                           const u8* __restrict__ w2, int n0, int n1, int N, int K,
                                           const float* __restrict__ x, float* y, const float* __restrict__ bias,
@@ -943,7 +958,7 @@ __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* _
             return;
         }
         cp = 0;
-        if (lane == 0) mv1_put<SWIGLU, GELU>(SWIGLU ? gate : t, t, cn, y, bias, resid, am != nullptr, key, bad);
+        if (lane == 0) mv1_put<SWIGLU, ACT>(SWIGLU ? gate : t, t, cn, y, bias, resid, am != nullptr, key, bad);
         cn += W;
     };
     for (int s = 0; s < steps; s += NB) {
@@ -974,8 +989,10 @@ __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* _
     extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name##_geglu(                 \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps, \
         int early) {                                                                                        \
-        mv1s_body<BF, true, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, nullptr, \
+        mv1s_body<BF, true, ACT_GELU>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, nullptr, \
                                   early);                                                                   \
     }
+#ifndef MATVEC_BODIES_ONLY
 MV1S_KERNELS(f16, false)
 MV1S_KERNELS(bf16, true)
+#endif

@@ -29,13 +29,14 @@ __device__ __forceinline__ void load_words(const u8* __restrict__ p, u32 (&w)[NW
     } else if constexpr (ALIGN >= 4) {
 #pragma unroll
         for (int k = 0; k < NW; ++k) w[k] = __ldg(reinterpret_cast<const u32*>(p) + k);
-    } else {  // 2-byte aligned: NW (+ 1) aligned words from p rounded down to 4, shifted into place by 0 or
-              // 16 bits (half the load instructions of 16-bit loads; each instruction's lanes touch as many
-              // cache lines either way). The extra word is read only when p is not 4-aligned; it then
-              // holds the last two bytes asked for, so it never leaves their (4-byte aligned) word's page.
+    } else {  // 2-byte (or 1-byte) aligned: NW (+ 1) aligned words from p rounded down to 4, shifted into
+              // place by 0 or 16 bits (1-byte aligned: 0, 8, 16 or 24) (half the load instructions of 16-bit
+              // loads; each instruction's lanes touch as many cache lines either way). The extra word is read
+              // only when p is not 4-aligned; it then holds the last bytes asked for, so it never leaves
+              // their (4-byte aligned) word's page.
         const unsigned long long a = reinterpret_cast<unsigned long long>(p);
         const u32* q = reinterpret_cast<const u32*>(a & ~3ull);
-        const u32 sh = (u32)(a & 2) * 8;
+        const u32 sh = (u32)(a & (ALIGN >= 2 ? 2 : 3)) * 8;
         u32 v[NW + 1];
 #pragma unroll
         for (int k = 0; k < NW; ++k) v[k] = __ldg(q + k);
@@ -191,6 +192,34 @@ struct QIQ4_NL {  // { f16 d; u8 qs[16]; }  v = d*kvalues[nibble], nibble order 
     }
 };
 
+// MXFP4 (gpt-oss's experts): { u8 e; u8 qs[16]; } v = kvalues_mxfp4[nibble] * 2^(e - 128), nibble order as
+// Q4_0. The table holds twice the E2M1 values (0, .5, 1, 1.5, 2, 3, 4, 6), hence e - 128 rather than e - 127
+// (ggml's GGML_E8M0_TO_FP32_HALF; e = 0 and 1 give the subnormals 2^-128 and 2^-127). 17-byte blocks: byte
+// aligned.
+__device__ __forceinline__ float e8m0_half(u32 e) {
+    return __int_as_float(e < 2 ? 0x00200000 << e : (e - 1) << 23);
+}
+__device__ __forceinline__ float mxfp4_value(u32 q) {  // 0, 1, 2, 3, 4, 6, 8, 12 and their negatives
+    const float v = (float)(__byte_perm(0x03020100u, 0x0C080604u, q & 7) & 0xffu);
+    return q & 8 ? -v : v;
+}
+
+struct QMXFP4 {
+    static constexpr int QK = 32, BYTES = 17;
+    __device__ static void unit(const u8* row, int u, int, float (&w)[32]) {
+        const u8* p = row + u * BYTES;
+        const float d = e8m0_half(__ldg(p));
+        u32 q[4];
+        load_words<1, 4>(p + 1, q);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const u32 b = QBYTE(q, i);
+            w[i] = d * mxfp4_value(b & 15);
+            w[i + 16] = d * mxfp4_value(b >> 4);
+        }
+    }
+};
+
 // ---- 256-value super-blocks (K quants, IQ4_XS); unit j = values 32j .. 32j+31 of the block ------------------
 
 struct QQ2_K {  // { u8 scales[16]; u8 qs[64]; f16 d, dmin; }
@@ -339,4 +368,4 @@ struct QIQ4_XS {  // { f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]; }
 #define FOR_EACH_QTYPE(X) \
     X(f32, QF32) X(f16, QF16) X(bf16, QBF16) X(q8_0, QQ8_0) X(q4_0, QQ4_0) X(q4_1, QQ4_1) X(q5_0, QQ5_0) \
     X(q5_1, QQ5_1) X(q2_k, QQ2_K) X(q3_k, QQ3_K) X(q4_k, QQ4_K) X(q5_k, QQ5_K) X(q6_k, QQ6_K)          \
-    X(iq4_nl, QIQ4_NL) X(iq4_xs, QIQ4_XS)
+    X(iq4_nl, QIQ4_NL) X(iq4_xs, QIQ4_XS) X(mxfp4, QMXFP4)

@@ -1,26 +1,61 @@
 // sampling.cu: choosing the next token on the GPU, so that one int32 (not 600 KB of logits) crosses.
 //
+// llamacli.sampling's chain, one kernel per stage (cuda/sampling.py SamplingMixin.sample launches them for one
+// call of sample(); the captured decode step launches the _step forms, cuda/decode.py):
 //   argmax_f32(x [V], V, out [2] i32 = (id, 1 if NaN/+inf seen), pos_inc i32* or null): one block of 1024 threads; ties go to the
 //       lowest id (each thread scans ascending ids with a strict >, the merge prefers the lower id).
 //       With pos_inc, thread 0 also advances the decode position, so a captured greedy step replays
 //       itself: embed reads out[0], every kernel reads pos, argmax writes both for the next replay.
-//   penalties_f32(x [V], hist [n] i32, n, repeat, freq, present): llama.cpp's penalties sampler on the
-//       last-n token window: for each distinct token c (count n_c): x[c] = x[c] > 0 ? x[c] / repeat :
-//       x[c] * repeat; x[c] -= n_c * freq + present. One block, 256 threads.
+//   penalties_f32(x [V], hist [n] i32, n, V, cnt [V] i32, repeat, freq, present): llama.cpp's penalties sampler
+//       on the token window hist: for each distinct token c (count n_c): x[c] = x[c] > 0 ? x[c] / repeat :
+//       x[c] * repeat; x[c] -= n_c * freq + present; a finite logit stays finite (clamped, as sampling.py).
+//       The counts go through cnt (zero before and after): one pass adds them up, a second takes each with an
+//       atomic exchange, so exactly one thread applies each distinct token's penalty: O(n), n up to the context.
+//       One block, 1024 threads.
 //   topk_f32(x [V], V, k, vals [k] f32, ids [k] i32): the k largest logits (unordered) by a 4-pass
-//       8-bit radix select on order-preserving keys, then one collecting pass. One block, 1024 threads.
-//       Ties at the k-th value keep the lowest ids (sampling.py's ranking).
+//       8-bit radix select on order-preserving keys (NaN above +inf, so that it is always a candidate and
+//       flagged; -0 equal to +0), then one collecting pass. Histogram atomics are aggregated per warp and
+//       bin (__match_any_sync: logits crowd into a few bins of the first passes); warp 0 finds each pass's
+//       bin (suffix sums over 8 bins a lane). Ties at the k-th value keep the lowest ids (sampling.py's
+//       ranking): where more keys equal the k-th than are taken, the collecting pass goes in id order (three
+//       barriers per 1024 ids), else in one pass without barriers. One block, 1024 threads.
 //   sample_topk_f32(vals [k], ids [k], k, top_p, log_min_p, temperature, u, out [2] i32): the rest of
 //       sampling.py's chain over the top-k candidates, so that only the chosen id crosses to the host:
 //       drop -inf; top-p on the ranking (logit desc, id asc) with weights exp(l - l_max) summed in rank
 //       order; min-p (l >= l_max + ln min_p); then weights exp((l - l_max) / T) summed in ascending id
-//       order, the first token whose running sum exceeds u * sum (u: the host generator's number).
+//       order, the first token whose running sum exceeds u * sum (u: the host generator's number);
+//       temperature 0: the first candidate of the ranking (greedy with penalties: top-k 1).
 //       float64 like sampling.py, and the sums run on one thread in numpy's cumsum order.
 //       out = (id, flag): flag 1 = NaN/+inf among the candidates, 2 = no candidate (all -inf).
 //       One block of >= k threads (k <= 1024).
+//
+// The same chain inside the captured decode step, after the LM head; the settings come from a SampleParams in
+// device memory (the host writes it before a generation), so one graph serves every setting:
+//   penalties_step_f32(x, hist [ctx] i32, pos*, ids*, V, cnt, p): hist[pos] = ids[0] (the step's input token:
+//       hist holds the sequence by position), then penalties_f32 over positions [pos + 1 - p->window, pos]
+//       (every position 0..pos when window = -1; nothing when 0).
+//   topk_step_f32(x, V, p, vals, ids): topk_f32 with k = p->top_k.
+//   sample_step_f32(vals, ids, p, uniforms [p->ring] f64, pos*, out [2] i32): sample_topk_f32 with the
+//       uniform number of this position, uniforms[(pos - p->base) mod ring] (the host fills the ring ahead
+//       from its seeded generator, in draw order: cuda/sampling.py UniformFeed); out = step_ids (id, flag)
+//       and *pos += 1, so the next replay reads them, as the greedy step's fused argmax does.
 // Best measured on H100: not yet tuned (single-block kernels: ~5-30 us for a 150k vocabulary).
 
 #include "common.cuh"
+
+#define SAMPLING_FLT_MAX 3.402823466e+38f
+
+// The sampler's settings for the captured step. cuda/sampling.py STEP_PARAMS mirrors this layout (56 bytes).
+struct SampleParams {
+    double top_p;        // 1 = off
+    double log_min_p;    // ln(min_p); -inf = off
+    double temperature;  // 0 = greedy: the first candidate of the ranking, no uniform number read
+    float repeat, freq, present;
+    int top_k;           // candidates: 1..min(TOPK_MAX, V)
+    int window;          // penalty window: 0 = none, -1 = every position up to pos, n = the last n positions
+    int base;            // the position whose step takes uniform number 0
+    int ring;            // uniform numbers in the ring (a power of two)
+};
 
 extern "C" __global__ void __launch_bounds__(1024) argmax_f32(const float* __restrict__ x, int V, int* out,
                                                              int* pos_inc) {
@@ -60,28 +95,53 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_f32(const float* __res
     }
 }
 
-extern "C" __global__ void penalties_f32(float* x, const int* __restrict__ hist, int n, float repeat, float freq,
-                                         float present) {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+// The penalties over the window hist[lo..hi) (one block; cnt [V] is zero before and after).
+__device__ __forceinline__ void penalize(float* x, const int* hist, int lo, int hi, int V, int* cnt, float repeat,
+                                         float freq, float present) {
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         const int tok = hist[i];
-        bool first = true;
-        for (int j = 0; j < i && first; ++j) first = hist[j] != tok;
-        if (!first || tok < 0) continue;
-        int count = 0;
-        for (int j = 0; j < n; ++j) count += hist[j] == tok;
-        float v = x[tok];
-        v = v > 0.0f ? v / repeat : v * repeat;
-        x[tok] = v - (float)((double)count * (double)freq + (double)present);  // sampling.py's rounding
+        if (tok >= 0 && tok < V) atomicAdd(&cnt[tok], 1);
+    }
+    __syncthreads();
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const int tok = hist[i];
+        if (tok < 0 || tok >= V) continue;
+        const int count = atomicExch(&cnt[tok], 0);  // the first thread to come takes the token's whole count
+        if (count == 0) continue;
+        const float old = x[tok];
+        float v = old > 0.0f ? old / repeat : old * repeat;
+        v -= (float)((double)count * (double)freq + (double)present);  // sampling.py's rounding
+        // As sampling.py: any logit but -inf (masked) and NaN ends finite (+inf too: clipped to the largest float).
+        if (old != -INFINITY && v == v) v = fminf(fmaxf(v, -SAMPLING_FLT_MAX), SAMPLING_FLT_MAX);
+        x[tok] = v;
     }
 }
 
+extern "C" __global__ void __launch_bounds__(1024) penalties_f32(float* x, const int* hist, int n, int V, int* cnt,
+                                                                float repeat, float freq, float present) {
+    penalize(x, hist, 0, n, V, cnt, repeat, freq, present);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) penalties_step_f32(float* x, int* hist, const int* pos_p,
+                                                                     const int* ids, int V, int* cnt,
+                                                                     const SampleParams* __restrict__ p) {
+    const int pos = *pos_p;
+    if (threadIdx.x == 0) hist[pos] = ids[0];
+    __syncthreads();  // the block's later reads of hist[pos] see the write
+    const int window = p->window;
+    if (window == 0) return;
+    const int lo = window < 0 ? 0 : max(0, pos + 1 - window);
+    penalize(x, hist, lo, pos + 1, V, cnt, p->repeat, p->freq, p->present);
+}
+
 __device__ __forceinline__ u32 order_key(float f) {
+    if (f != f) return 0xffffffffu;  // NaN above +inf: always a candidate, and flagged by the draw
+    if (f == 0.0f) return 0x80000000u;  // -0 ties with +0, as in sampling.py's comparisons
     const u32 b = __float_as_uint(f);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) topk_f32(const float* __restrict__ x, int V, int k, float* vals,
-                                                           int* ids) {
+__device__ __forceinline__ void topk_block(const float* __restrict__ x, int V, int k, float* vals, int* ids) {
     __shared__ u32 hist[256];
     __shared__ u32 s_prefix, s_mask, s_need, s_gt, s_eq;
     if (threadIdx.x == 0) { s_prefix = 0; s_mask = 0; s_need = (u32)min(k, V); s_gt = 0; s_eq = 0; }
@@ -89,28 +149,68 @@ extern "C" __global__ void __launch_bounds__(1024) topk_f32(const float* __restr
         for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
         __syncthreads();
         const u32 prefix = s_prefix, mask = s_mask;
-        for (int i = threadIdx.x; i < V; i += blockDim.x) {
-            const u32 key = order_key(x[i]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        for (int i0 = 0; i0 < V; i0 += blockDim.x) {  // whole warps: __match_any_sync needs every lane
+            const int i = i0 + (int)threadIdx.x;
+            const u32 key = i < V ? order_key(x[i]) : 0u;
+            const bool in = i < V && (key & mask) == prefix;
+            const u32 bin = in ? (key >> shift) & 255u : 256u;
+            const u32 peers = __match_any_sync(FULL_MASK, bin);
+            if (in && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 need = s_need;
-            int b = 255;
-            for (; b > 0; --b) {
-                if (hist[b] >= need) break;
-                need -= hist[b];
+        if (threadIdx.x < 32) {
+            // The bin b holding the need-th key from the top: the highest b with (keys in bins >= b) >= need.
+            // Warp 0, 8 bins a lane: suffix sums over the lanes, the lane where they reach need, its 8 bins.
+            const int lane = threadIdx.x;
+            u32 c8[8], own = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) own += c8[j] = hist[lane * 8 + j];
+            u32 from = own;  // keys in bins >= lane * 8
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 v = __shfl_down_sync(FULL_MASK, from, o);
+                if (lane + o < 32) from += v;
             }
-            s_need = need;  // how many keys equal to the final prefix still to take (after the pass)
-            s_prefix = prefix | ((u32)b << shift);
-            s_mask = mask | (255u << shift);
+            const u32 need = s_need;
+            const u32 hit = __ballot_sync(FULL_MASK, from >= need);  // lane 0 always (the prefix holds >= need)
+            if (lane == 31 - __clz(hit)) {
+                u32 above = from - own;  // keys in the bins above this lane's: < need
+                int found = 0;
+                u32 left = 0, count = 0;
+                bool done = false;
+#pragma unroll
+                for (int j = 7; j >= 0; --j) {
+                    if (!done && (j == 0 || above + c8[j] >= need)) {
+                        done = true;
+                        found = j;
+                        left = need - above;
+                        count = c8[j];
+                    }
+                    above += c8[j];
+                }
+                s_need = left;  // how many keys of the chosen bin still to take (after the last pass: equal to kth)
+                s_eq = count;   // keys in the chosen bin (after the last pass: all keys equal to kth)
+                s_prefix = prefix | ((u32)(lane * 8 + found) << shift);
+                s_mask = mask | (255u << shift);
+            }
         }
         __syncthreads();
     }
     const u32 kth = s_prefix, need_eq = s_need;
     const u32 n_gt = (u32)min(k, V) - need_eq;
-    // Keys above the k-th go anywhere in [0, n_gt); keys equal to it fill [n_gt, k) in ascending id order
-    // (a block-wide ordered count per 1024 ids), so ties at the cut keep the lowest ids, as sampling.py does.
+    if (s_eq == need_eq) {  // every key equal to the k-th is taken: no order needed, one pass without barriers
+        for (int i = threadIdx.x; i < V; i += blockDim.x) {
+            const float v = x[i];
+            if (order_key(v) >= kth) {
+                const u32 slot = atomicAdd(&s_gt, 1u);
+                vals[slot] = v;
+                ids[slot] = i;
+            }
+        }
+        return;
+    }
+    // Ties at the cut: keys above the k-th go anywhere in [0, n_gt); keys equal to it fill [n_gt, k) in
+    // ascending id order (a block-wide ordered count per 1024 ids), so the lowest ids stay, as in sampling.py.
     __shared__ u32 warp_ties[32];
     __shared__ u32 s_base;
     if (threadIdx.x == 0) s_base = 0;
@@ -145,10 +245,19 @@ extern "C" __global__ void __launch_bounds__(1024) topk_f32(const float* __restr
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) sample_topk_f32(const float* __restrict__ vals,
-                                                                  const int* __restrict__ ids, int k, double top_p,
-                                                                  double log_min_p, double temperature, double u,
-                                                                  int* out) {
+extern "C" __global__ void __launch_bounds__(1024) topk_f32(const float* __restrict__ x, int V, int k, float* vals,
+                                                           int* ids) {
+    topk_block(x, V, k, vals, ids);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) topk_step_f32(const float* __restrict__ x, int V,
+                                                                const SampleParams* __restrict__ p, float* vals,
+                                                                int* ids) {
+    topk_block(x, V, p->top_k, vals, ids);
+}
+
+__device__ __forceinline__ void sample_block(const float* __restrict__ vals, const int* __restrict__ ids, int k,
+                                             double top_p, double log_min_p, double temperature, double u, int* out) {
     __shared__ float sv[1024];          // candidate logits (-inf: not a candidate)
     __shared__ int sid[1024];
     __shared__ double w[1024];          // weights at rank positions (top-p), then at id positions (draw)
@@ -186,6 +295,10 @@ extern "C" __global__ void __launch_bounds__(1024) sample_topk_f32(const float* 
         slot[rank] = t;
     }
     __syncthreads();
+    if (temperature == 0.0) {  // greedy: the first of the ranking (the argmax, lowest id on ties)
+        if (t == 0) { out[0] = sid[slot[0]]; out[1] = 0; }
+        return;
+    }
     const double vmax = (double)sv[slot[0]];
     // top-p: keep ranks < 1 + (first r whose running weight reaches top_p * total).
     int keep = n;
@@ -238,4 +351,23 @@ extern "C" __global__ void __launch_bounds__(1024) sample_topk_f32(const float* 
         out[0] = sid[slot[i]];
         out[1] = 0;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) sample_topk_f32(const float* __restrict__ vals,
+                                                                  const int* __restrict__ ids, int k, double top_p,
+                                                                  double log_min_p, double temperature, double u,
+                                                                  int* out) {
+    sample_block(vals, ids, k, top_p, log_min_p, temperature, u, out);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) sample_step_f32(const float* __restrict__ vals,
+                                                                  const int* __restrict__ ids,
+                                                                  const SampleParams* __restrict__ p,
+                                                                  const double* __restrict__ uniforms, int* pos_p,
+                                                                  int* out) {
+    const int pos = *pos_p;  // every thread reads it before the barriers in sample_block; thread 0 writes it last
+    const double temperature = p->temperature;
+    const double u = temperature == 0.0 ? 0.0 : uniforms[(pos - p->base) & (p->ring - 1)];
+    sample_block(vals, ids, p->top_k, p->top_p, p->log_min_p, temperature, u, out);
+    if (threadIdx.x == 0) pos_p[0] = pos + 1;
 }

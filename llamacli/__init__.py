@@ -2,12 +2,22 @@
 
 __version__ = "0.1.0"
 
+_started: list[float] = []  # time.perf_counter() when run() began: --verbose's start-up stages count from it
+
+
+def started_at() -> float | None:
+    """When the CLI's entry (run) began, in time.perf_counter() seconds; None outside the CLI."""
+    return _started[0] if _started else None
+
 
 def run() -> None:
     """The `llamacli` console script and `python -m llamacli`. It lives in this small module so that a Ctrl-C
     while the CLI's own imports (typer, rich, numpy) are still loading ends as every later one does: one line
     and exit code 130, no traceback."""
     import sys
+    import time
+
+    _started[:] = [time.perf_counter()]
 
     try:
         from .cli import main

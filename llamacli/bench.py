@@ -14,8 +14,9 @@ On CUDA the clock is a pair of CUDA events around each repetition (backend.elaps
 synchronize + perf_counter.
 
 Decode reads every weight once per token (a tied embedding counted once, as the LM head; the embedding of
-an untied model contributes one row) plus the K and V written so far. GB/s = bytes per token x tokens/s, and
-% BW is that over the copy bandwidth the backend measures (bytes read + written by a large copy).
+an untied model contributes one row; of a mixture of experts, the k of E experts a token runs) plus the K
+and V written so far. GB/s = bytes per token x tokens/s, and % BW is that over the copy bandwidth the
+backend measures (bytes read + written by a large copy).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 from .generate import Model
 from .model import prefill as prefill_prompt
 from .units import human_bytes, human_count
+from .weights import active_share
 
 
 @dataclass
@@ -81,14 +83,11 @@ class BenchRow:
 
 
 def decode_bytes_per_token(model: Model, kv_positions: float) -> float:
-    """Bytes one decode step reads: the 2-D weights (embedding: one row unless it is the LM head) and the
-    fp16 K/V of `kv_positions` cached positions (CUDA keeps the cache in fp16)."""
-    cfg, total = model.cfg, 0.0
-    for t in model.gguf.tensors.values():
-        if t.name == "token_embd.weight" and not cfg.tied_embeddings:
-            total += t.row_bytes
-        else:
-            total += t.n_bytes
+    """Bytes one decode step reads: the weights (embedding: one row unless it is the LM head; experts: the
+    n_expert_used of n_expert a token runs) and the fp16 K/V of `kv_positions` cached positions (CUDA keeps
+    the cache in fp16)."""
+    cfg = model.cfg
+    total = sum(t.n_bytes * active_share(cfg, t.name) for t in model.gguf.tensors.values())
     return total + cfg.kv_cache_bytes(1) * kv_positions
 
 

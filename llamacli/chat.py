@@ -4,7 +4,7 @@ The template is the file's `tokenizer.chat_template` (Jinja, as in the model's t
 the way transformers' apply_chat_template renders it: an ImmutableSandboxedEnvironment with trim_blocks and
 lstrip_blocks, the loopcontrols extension, `raise_exception`, `strftime_now`, and a `tojson` that keeps
 non-ASCII text. A file without one gets a built-in format chosen by architecture and vocabulary (ChatML,
-Llama 3, Phi-3, Gemma, Llama 2 [INST]); `.source` says which ('gguf' or 'builtin:<name>').
+Llama 3, Phi-3, Gemma, Llama 2 [INST], gpt-oss's harmony); `.source` says which ('gguf' or 'builtin:<name>').
 
 Templates come from downloaded files, so they are untrusted code: they compile and render in the sandbox of
 template_sandbox.py, bounded in source size, time, memory and output size. Every failure is a TemplateError.
@@ -78,6 +78,26 @@ BUILTIN_TEMPLATES = {
         "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
     ),
+    # gpt-oss's harmony format (openai/harmony), as its chat_template.jinja renders a conversation without tools:
+    # the system message with the reasoning effort, the caller's system message as the developer's instructions,
+    # earlier answers as their final channel (their analysis dropped), the reply opened with <|start|>assistant.
+    "harmony": (
+        "{{ '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+        "Knowledge cutoff: 2024-06\nCurrent date: ' + strftime_now('%Y-%m-%d') + '\n\nReasoning: ' }}"
+        "{{ (reasoning_effort if reasoning_effort is defined else 'medium') + '\n\n# Valid channels: analysis, "
+        "commentary, final. Channel must be included for every message.<|end|>' }}"
+        "{% if messages and messages[0]['role'] in ('system', 'developer') %}"
+        "{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}"
+        "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
+        "{% if system %}{{ '<|start|>developer<|message|># Instructions\n\n' + system + '\n\n<|end|>' }}{% endif %}"
+        "{% for message in turns %}"
+        "{% if message['role'] == 'assistant' %}"
+        "{{ '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+        "{% elif message['role'] == 'user' %}{{ '<|start|>user<|message|>' + message['content'] + '<|end|>' }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+    ),
 }
 
 GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding"})
@@ -93,6 +113,8 @@ def builtin_for(md: dict[str, Any], arch: str | None = None) -> str:
         return "chatml"
     if arch in GEMMA_ARCHITECTURES or (has("<start_of_turn>") and has("<end_of_turn>")):
         return "gemma"
+    if arch == "gpt-oss" or (has("<|start|>") and has("<|channel|>") and has("<|message|>")):
+        return "harmony"
     if has("<|eot_id|>") or has("<|start_header_id|>"):
         return "llama3"
     if arch == "phi3":

@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import sys
+import time
 import traceback
 from typing import Annotated, Optional
 
@@ -133,7 +134,15 @@ LogprobsOpt = Annotated[Optional[int], typer.Option(
 ThinkOpt = Annotated[
     Optional[bool],
     typer.Option("--think/--no-think", help="Thinking models (Qwen3, SmolLM3, R1 distills): turn the template's "
-                 "think block on or off (enable_thinking). The reasoning goes to stderr, the answer to stdout."),
+                 "think block on or off (enable_thinking). gpt-oss always reasons: --no-think asks for low "
+                 "effort. The reasoning goes to stderr, the answer to stdout."),
+]
+ReasoningEffortOpt = Annotated[
+    Optional[str],
+    typer.Option("--reasoning-effort", metavar="LEVEL",
+                 help="low, medium or high: how much gpt-oss reasons (its template's reasoning_effort; the default "
+                      "is medium), as llama.cpp's --reasoning-effort and ollama's --think=LEVEL. none is --no-think, "
+                      "OpenAI's minimal is low; on a thinking model without levels any level turns thinking on."),
 ]
 
 
@@ -148,7 +157,9 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
     from .registry import resolve_model
 
     check_gpu_layers(gpu_layers)
-    path = resolve_model(model)
+    looked_up = time.perf_counter()
+    path = resolve_model(model)  # a name: the registry and the cache, and the download on first use
+    found = time.perf_counter()
     notice = None if quiet else dim
     with Progress(
         TextColumn("loading {task.description}", markup=False), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -160,6 +171,7 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
             bar.update(task, completed=done, total=total)
 
         m = Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice)
+    m.lookup = (looked_up, found)
     if not quiet:
         for line in llama_cpp_notices(m.backend.name, gpu_layers, flash_attn):
             dim(line)

@@ -10,7 +10,8 @@ import typer
 
 from .cli import (
     BackendOpt, CtxOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt, GreedyOpt, JsonSchemaOpt,
-    LogprobsOpt, MaxTokensOpt, MinPOpt, ModelArg, ModelOpt, PresencePenaltyOpt, RepeatLastNOpt, RepeatPenaltyOpt, SeedOpt, TemperatureOpt, ThinkOpt, TopKOpt, TopPOpt,
+    LogprobsOpt, MaxTokensOpt, MinPOpt, ModelArg, ModelOpt, PresencePenaltyOpt, ReasoningEffortOpt, RepeatLastNOpt,
+    RepeatPenaltyOpt, SeedOpt, TemperatureOpt, ThinkOpt, TopKOpt, TopPOpt,
     command, dim, err, fail, load_model,
 )
 from .errors import Interrupted
@@ -41,11 +42,36 @@ def sampling_params(max_tokens: int, ctx: int | None, greedy: bool, temperature:
     ).validate()
 
 
-def think_notice(m, think: bool | None) -> None:
-    """--think/--no-think reach the chat template as enable_thinking; a template without a think block
-    ignores it, so say that the flag changes nothing instead of leaving the user to guess."""
-    if think is not None and not m.thinks:
-        dim(f"{'--think' if think else '--no-think'} is ignored: the model's chat template has no think block")
+def think_setting(think: bool | None, effort: str | None) -> bool | str | None:
+    """--think/--no-think, or --reasoning-effort LEVEL, as the one value the chat template gets
+    (reasoning.template_variables): True, False, an effort level, or None for the template's default."""
+    if effort is None:
+        return think
+    from .reasoning import parse_effort
+
+    if think is not None:
+        fail("give --think/--no-think or --reasoning-effort, not both")
+    try:
+        return parse_effort(effort)
+    except ValueError as exc:
+        fail(f"--reasoning-effort {exc}")
+
+
+def think_notice(m, think: bool | str | None) -> None:
+    """--think/--no-think/--reasoning-effort reach the chat template (enable_thinking, reasoning_effort); say
+    what a template makes of them when that is not what the flag says, instead of leaving the user to guess."""
+    if think is None:
+        return
+    from .reasoning import template_takes_effort
+
+    flag = f"--reasoning-effort {think}" if isinstance(think, str) else "--think" if think else "--no-think"
+    if not m.thinks:
+        dim(f"{flag} is ignored: the model's chat template has no think block")
+    elif template_takes_effort(m.chat_template.text):
+        if think is False:
+            dim("this model always reasons: --no-think asks for low reasoning effort")
+    elif isinstance(think, str):
+        dim(f"{flag} turns thinking on: the model's chat template has no effort levels")
 
 
 def read_constraint(json_schema: str | None, grammar: str | None) -> str | None:
@@ -109,6 +135,7 @@ def generate(
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
     think: ThinkOpt = None,
+    reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
     grammar: GrammarOpt = None,
     logprobs: LogprobsOpt = None,
@@ -118,6 +145,7 @@ def generate(
     --json-schema / --grammar mask sampling so that the output follows them (it ends once complete)."""
     model = pick_model(model_arg, model)
     text = read_prompt(prompt, prompt_file)
+    think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     if logprobs is not None:
@@ -134,7 +162,7 @@ def generate(
 
 def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = False, system: str | None = None,
              truncate: bool = False, as_json: bool = False, verbose: bool = False, quiet: bool = False,
-             think: bool | None = None, logprobs: int | None = None, constraint=None) -> None:
+             think: bool | str | None = None, logprobs: int | None = None, constraint=None) -> None:
     """One completion of `text` on a loaded model, streamed to stdout (generate, and run with a prompt); a
     thinking model's reasoning streams to stderr."""
     from .generate import Completion
@@ -142,6 +170,7 @@ def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = Fals
 
     if verbose:
         dim(f"backend {m.backend.name}, context {m.ctx}")
+        dim(startup_line(m))
         if not raw:
             dim(f"chat template: {m.chat_template.source}")
     if not quiet:
@@ -168,6 +197,31 @@ def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = Fals
     _finish(done, as_json, quiet, verbose)
 
 
+def startup_line(m) -> str:
+    """--verbose: the stages of start-up, from the CLI's imports and options through the model's lookup (the
+    registry, and a download on first use) to the backend's own (its decode graphs, where it has any)."""
+    from . import started_at
+
+    stages = list(m.load_stages)
+    if started_at() is not None and m.lookup is not None:
+        begun, found = m.lookup
+        stages[:0] = [("imports, options", (begun - started_at()) * 1e3), ("model lookup", (found - begun) * 1e3)]
+    elif started_at() is not None:
+        stages.insert(0, ("imports, options, model lookup", (m.load_started - started_at()) * 1e3))
+    return stages_text("start-up", stages) + _since_start(m.load_started + m.load_ms / 1e3, "loaded")
+
+
+def stages_text(title: str, stages) -> str:
+    return f"{title}: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in stages)
+
+
+def _since_start(t: float, what: str) -> str:
+    """'; <what> at N ms' since the CLI's entry (llamacli.run), when known."""
+    from . import started_at
+
+    return f"; {what} at {(t - started_at()) * 1e3:.0f} ms" if started_at() is not None and t else ""
+
+
 def _finish(done, as_json: bool, quiet: bool, verbose: bool) -> None:
     if as_json:
         print(json_text(done.as_dict()))
@@ -177,6 +231,9 @@ def _finish(done, as_json: bool, quiet: bool, verbose: bool) -> None:
         sys.stdout.flush()
     if verbose:
         dim(f"prompt: {len(done.prompt_tokens)} tokens; finish reason: {done.finish_reason}")
+        if done.timings.stages:
+            line = stages_text("to the first token", done.timings.stages)
+            dim(line + _since_start(done.timings.first_token_at, "first token"))
     if not quiet:
         for line in done.timings.report():
             dim(line)
@@ -208,6 +265,7 @@ def chat(
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
     think: ThinkOpt = None,
+    reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
     grammar: GrammarOpt = None,
 ) -> None:
@@ -225,6 +283,7 @@ def chat(
     --json-schema / --grammar: every reply follows them.
     """
     model = pick_model(model_arg, model)
+    think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     spec = read_constraint(json_schema, grammar)
@@ -234,7 +293,7 @@ def chat(
 
 
 def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = False, quiet: bool = False,
-             think: bool | None = None, constraint=None) -> None:
+             think: bool | str | None = None, constraint=None) -> None:
     """The chat loop on a loaded model (chat, and run without a prompt)."""
     from .chat_repl import ChatLoop
     from .chat_session import ChatSession
@@ -274,9 +333,11 @@ def run(
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
     think: ThinkOpt = None,
+    reasoning_effort: ReasoningEffortOpt = None,
 ) -> None:
     """Run a model as ollama does: with a PROMPT, one reply through the chat template (as `generate`);
     without one, a conversation (as `chat`)."""
+    think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn)

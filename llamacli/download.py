@@ -30,7 +30,6 @@ Network and server failures become DownloadError with one sentence; progress bar
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import shutil
@@ -39,7 +38,6 @@ import stat
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,6 +272,9 @@ class _RangeRefused(Exception):
 
 
 def _get(url: str, part: Path, *, bars: Bars, label: str, expect: int | None) -> str:
+    import http.client  # here, not at the top: with ssl they cost every start-up ~20 ms, and most need no network
+    import urllib.request
+
     host = urllib.parse.urlsplit(url).netloc or url
     offset, validator = _resumable(part, url)
     if expect is not None and offset >= expect:
@@ -378,7 +379,9 @@ def _rehash(f, offset: int, h) -> None:  # noqa: ANN001
 def _copy_local_file(parts: urllib.parse.SplitResult, part: Path, *, bars: Bars, label: str, expect: int | None) -> str:
     if parts.netloc not in ("", "localhost"):
         raise DownloadError(f"a file URL names a file on this machine, not on {parts.netloc}")
-    path = Path(urllib.request.url2pathname(parts.path))
+    from urllib.request import url2pathname
+
+    path = Path(url2pathname(parts.path))
     try:
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .backends import select_backend
-from .backends.base import Progress
+from .backends.base import Backend, Progress
 from .config import ModelConfig
 from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
 from .model import prefill
-from .reasoning import prompt_opens_think, split_reasoning
+from .reasoning import prompt_opens_think, reply_format, split_reasoning
 from .sampling import SamplingParams, make_rng, sample
 from .tokenizer import StreamDecoder, Tokenizer
 from .weights import check_tensors
@@ -42,6 +42,10 @@ class Timings:
     prompt_tokens: int = 0  # tokens actually prefilled (a reused cache prefix is not counted)
     eval_ms: float = 0.0
     eval_tokens: int = 0  # decode steps
+    # What --verbose shows besides: (stage, ms) of the prompt's way to its first token, and when that came
+    # (time.perf_counter()); neither is in as_dict.
+    stages: list[tuple[str, float]] = field(default_factory=list)
+    first_token_at: float = 0.0
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -83,6 +87,7 @@ class Completion:
     text: str = ""  # the answer: a thinking model's <think> block goes to `reasoning` once generation ends
     reasoning: str = ""
     think_open: bool = False  # the prompt left a <think> block open: the output starts inside it
+    reasoning_format: str = "think"  # "think" (<think> blocks) or "harmony" (gpt-oss channels): reasoning.py
     tokens: list[int] = field(default_factory=list)  # generated ids (an end-of-generation id is not included)
     prompt_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "interrupted"
@@ -112,12 +117,15 @@ class Model:
         progress: Progress | None = None,
         notice: Callable[[str], None] | None = None,
     ):
-        t0 = time.perf_counter()
+        t0 = self.load_started = time.perf_counter()
+        laps = _Laps()
         self.path = Path(path)
         self.gguf = open_gguf(self.path)
         md = self.gguf.metadata
         self.cfg = ModelConfig.from_gguf(md, set(self.gguf.tensors))
+        laps.lap("open + metadata")
         self.tokenizer = Tokenizer.from_metadata(md)
+        laps.lap("tokenizer")
         if self.tokenizer.vocab_size != self.cfg.vocab_size:  # llama.cpp refuses these too
             raise ShapeMismatchError(
                 f"the vocabulary has {self.tokenizer.vocab_size} tokens but the model has {self.cfg.vocab_size} "
@@ -127,8 +135,18 @@ class Model:
             raise UsageError(f"context size must be a positive integer, got {ctx!r}")
         self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
         self.backend = select_backend(backend, notice)
+        laps.lap(f"backend start ({self.backend.name})")
         check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
         self.backend.load(self.gguf, self.cfg, self.ctx, progress)
+        laps.lap("weights, KV cache", self.backend.load_stages)
+        # The decode steps' graphs (CUDA) are captured here, so that no generation's timed loop pays for them.
+        self.backend.prepare_decode()
+        if _has_own(self.backend, "prepare_decode"):  # the NumPy backend has no graphs: no stage to list
+            laps.lap("decode graphs")
+        self.load_stages = laps.stages  # (stage, ms): --verbose prints them
+        # When the CLI looked the model up (registry, cache, any download) before this load: (start, end) in
+        # time.perf_counter() seconds, for --verbose's start-up line; None outside the CLI.
+        self.lookup: tuple[float, float] | None = None
         self.cached: list[int] = []  # the ids whose K/V the cache holds, positions 0..len-1
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self._chat = None
@@ -149,14 +167,17 @@ class Model:
         return self._chat
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    think: bool | None = None) -> str:
+                    think: bool | str | None = None) -> str:
         """The rendered conversation; `think` True/False reaches the template as enable_thinking (as
-        transformers passes it), None leaves the template's default."""
-        extra = {} if think is None else {"enable_thinking": think}
+        transformers passes it), a reasoning effort ('low', 'medium', 'high') as reasoning_effort to a template
+        that reads it (reasoning.template_variables); None leaves the template's defaults."""
+        from .reasoning import template_variables
+
+        extra = template_variables(self.chat_template.text, think)
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
     def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                 think: bool | None = None) -> list[int]:
+                 think: bool | str | None = None) -> list[int]:
         """Token ids of a rendered conversation: special tokens parsed, BOS added unless the template wrote it."""
         from .chat import encode_prompt
 
@@ -164,13 +185,14 @@ class Model:
 
     @property
     def thinks(self) -> bool:
-        """Whether the chat template knows think blocks (Qwen3, SmolLM3, the R1 distills)."""
+        """Whether the chat template knows think blocks (Qwen3, SmolLM3, the R1 distills) or reasoning efforts
+        (gpt-oss)."""
         from .reasoning import template_thinks
 
-        return template_thinks(self.gguf.metadata.get("tokenizer.chat_template"))
+        return template_thinks(self.chat_template.text)
 
     def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None,
-                   think: bool | None = None) -> list[int]:
+                   think: bool | str | None = None) -> list[int]:
         """The ids for a prompt: through the chat template (when the file has one, or `system` is given),
         or as plain text with `raw`."""
         from .chat import chat_messages
@@ -207,13 +229,13 @@ class Model:
         raw: bool = False,
         system: str | None = None,
         truncate: bool = False,
-        think: bool | None = None,
+        think: bool | str | None = None,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
         """The engine. Yields text as it completes (a thinking model's <think> block included: feed it to a
-        reasoning.ReasoningSplitter(completion.think_open) to tell them apart while streaming); fills
+        reasoning.make_splitter(completion) to tell them apart while streaming); fills
         `completion` (answer and reasoning, ids, finish reason, timings).
 
         `logprobs=N` (0..20) fills `completion.logprobs`, one entry per generated id: {"token", "id",
@@ -223,6 +245,7 @@ class Model:
         `constraint` (structured.py) masks every step to the ids it allows; once it says the output is
         complete, generation ends with finish_reason "stop". Either one moves each step's logits to the host;
         without them decoding runs as before."""
+        laps = _Laps()  # --verbose's stages of this prompt
         params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
         if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
             raise UsageError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
@@ -244,7 +267,10 @@ class Model:
                 raise UsageError(f"token id {tid} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         c = completion
         c.prompt_tokens, c.timings = list(ids), Timings(load_ms=self.load_ms)
+        # A generation prompt that opens a think block ends with it: 8 tokens, so that a <think> in the user's
+        # text a little before is not taken for one; "<|start|>assistant" may take 16 in a small vocabulary.
         c.think_open = prompt_opens_think(self.tokenizer.decode(ids[-8:]))
+        c.reasoning_format = reply_format(self.tokenizer.decode(ids[-16:]))
         rng = make_rng(params.seed)
         be, cfg = self.backend, self.cfg
         host_path = logprobs is not None or constraint is not None
@@ -253,9 +279,11 @@ class Model:
             constraint.reset()
 
         def pick(step_logits: Any) -> tuple[int, dict[str, Any] | None]:
-            """The next id (and its logprob entry) from one step's logits, on the host."""
+            """The next id (and its logprob entry) from one step's logits, on the host. The constraint's mask is
+            computed before the logits are read: on CUDA the step is still running then, so the two overlap."""
+            allowed = None if constraint is None else constraint.allowed()
             raw = be.to_host(step_logits)[-1]
-            x = raw if constraint is None else np.where(constraint.allowed(), raw, np.float32(-np.inf))
+            x = raw if allowed is None else np.where(allowed, raw, np.float32(-np.inf))
             chosen = sample(x, params, rng, history)
             return chosen, (None if logprobs is None else _logprob_entry(self.tokenizer, raw, chosen, logprobs))
 
@@ -264,17 +292,32 @@ class Model:
         t0 = time.perf_counter()
         self.cached = self.cached[:keep]
         new = ids[keep:]
+        laps.lap("prompt to ids")
         logits = prefill(be, cfg, new, keep)
+        be.synchronize()  # (the first token's sampling would wait here anyway): prefill and sampling timed apart
+        laps.lap(f"prefill ({len(new)} tokens)")
         self.cached = list(ids)  # only once the prefill finished
         history = list(ids)
         if host_path:
             token, entry = pick(logits)
         else:
             token, entry = be.sample(logits, params, rng, history), None
-        c.timings.prompt_ms = (time.perf_counter() - t0) * 1e3
+        c.timings.first_token_at = time.perf_counter()
+        laps.lap("first token")
+        c.timings.prompt_ms = (c.timings.first_token_at - t0) * 1e3
         c.timings.prompt_tokens = len(new)
 
+        # The decode loop: the argmax (greedy) or the whole sampler (start_sampling: after the first token,
+        # whose uniform number came first) inside the step, so that only ids cross; else the step's logits
+        # go to sample() (top-k 0 or > 1024 on CUDA: on the host), or to the host with logprobs or a
+        # constraint. Its graph is ready before the clock starts (captured at load; again here if dropped).
         plain_greedy = params.greedy and not params.has_penalties
+        sampled = not host_path and not plain_greedy and be.start_sampling(params, rng, history)
+        kind = "sampled" if sampled else "greedy" if plain_greedy and not host_path else "logits"
+        be.prepare_decode((kind,), pos=len(self.cached))
+        if _has_own(be, "prepare_decode") or _has_own(be, "start_sampling"):  # (none on NumPy)
+            laps.lap("decode set-up")
+        c.timings.stages = laps.stages
         # Generated text continues the prompt: keep the space SentencePiece pieces start with, and print no
         # control tokens (llama-cli without --special).
         decoder = StreamDecoder(self.tokenizer, special=False, strip_dummy_prefix=False)
@@ -315,6 +358,8 @@ class Model:
                         following, entry = pick(be.decode(token, pos))
                     elif plain_greedy:  # the argmax runs inside the step: only the id crosses
                         following = be.decode_greedy(token, pos)
+                    elif sampled:  # so does the sampler (the same ids as sample() below, draw for draw)
+                        following = be.decode_sampled(token, pos)
                     else:
                         following = be.sample(be.decode(token, pos), params, rng, history)
                     self.cached.append(token)  # only once its K/V are surely written
@@ -331,7 +376,7 @@ class Model:
             c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
             raise
         finally:  # also when the consumer stops early: a partial reply is split too
-            c.reasoning, c.text = split_reasoning(c.text, c.think_open)
+            c.reasoning, c.text = split_reasoning(c.text, c.think_open, c.reasoning_format)
 
     def close(self) -> None:
         self.backend.close()
@@ -342,6 +387,25 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _has_own(backend: Backend, method: str) -> bool:
+    """Whether `backend` overrides Backend.`method` (whose own is a no-op): --verbose lists only real stages."""
+    return getattr(type(backend), method) is not getattr(Backend, method)
+
+
+class _Laps:
+    """Consecutive stages in milliseconds: lap(name) closes the stage that began at the previous lap."""
+
+    def __init__(self) -> None:
+        self.stages: list[tuple[str, float]] = []
+        self._t = time.perf_counter()
+
+    def lap(self, name: str, parts: Sequence[tuple[str, float]] = ()) -> None:
+        """`parts`: the stage's own breakdown (stage, ms), listed instead of it where there is one."""
+        now = time.perf_counter()
+        self.stages.extend(parts or [(name, (now - self._t) * 1e3)])
+        self._t = now
 
 
 def load(path: str | Path, backend: str = "auto", ctx: int | None = None, **kw: Any) -> Model:

@@ -17,7 +17,7 @@ from .gguf_file import GGUFFile, open_gguf
 from .models.base import describe
 from .textio import printable
 from .units import human_bytes, human_count
-from .weights import check_tensors
+from .weights import active_share, check_tensors
 
 MAX_LIST_ITEMS = 8  # long arrays are abbreviated in --metadata
 
@@ -102,6 +102,15 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
         if cfg.rope_scaling not in ("none",):
             info["rope_scaling_factor"] = cfg.rope_scaling_factor
             info["rope_original_context"] = cfg.rope_original_context
+        if cfg.n_expert:  # a mixture of experts: a token runs n_expert_used of the n_expert in each layer, and
+            # reads one row of an untied embedding (what gpt-oss's "3.6B active" counts)
+            info.update(
+                n_expert=cfg.n_expert,
+                n_expert_used=cfg.n_expert_used,
+                n_ff_exp=cfg.n_ff_exp,
+                active_parameters=round(sum(t.n_elements * active_share(cfg, t.name) for t in g.tensors.values())),
+                active_weights_bytes=round(sum(t.n_bytes * active_share(cfg, t.name) for t in g.tensors.values())),
+            )
     return info
 
 
@@ -133,8 +142,9 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
         ("name", str(info.get("name"))),
     ]
     if not info["vocab_only"]:
+        active = f" ({human_count(info['active_parameters'])} active per token)" if "n_expert" in info else ""
         rows += [
-            ("parameters", human_count(info["parameters"])),
+            ("parameters", human_count(info["parameters"]) + active),
             ("file size", human_bytes(info["file_size"])),
             ("bits per weight", str(info["bits_per_weight"])),
         ]
@@ -148,6 +158,11 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
             ("heads / KV heads", f"{info['n_head']} / {info['n_head_kv']}"),
             ("head dim", str(info["head_dim"])),
             ("feed-forward", str(info["n_ff"])),
+        ]
+        if "n_expert" in info:
+            rows.append(("experts", f"{info['n_expert']}, {info['n_expert_used']} per token, "
+                                    f"feed-forward {info['n_ff_exp']} each"))
+        rows += [
             ("blocks", info["layers"]),
             ("RoPE", f"{info['rope_type']}, base {info['rope_freq_base']:g}, scaling {info['rope_scaling']}"
                      + (f" x{info['rope_scaling_factor']:g} from {info['rope_original_context']}"
@@ -165,6 +180,10 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
     ]
     if not info["vocab_only"] and "kv_cache_bytes" in info:
         rows.append(("GPU memory: weights", human_bytes(info["weights_bytes"])))
+        if "n_expert" in info:
+            rows.append(("active weights", f"{human_bytes(info['active_weights_bytes'])} per token "
+                                           f"({info['n_expert_used']} of {info['n_expert']} experts, one "
+                                           f"embedding row, all else)"))
         rows.append((f"KV cache (fp16) @ {info['context_length']}", human_bytes(info["kv_cache_bytes"])))
         at = info.get("kv_cache_bytes_at_ctx")
         if at:

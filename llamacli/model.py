@@ -1,9 +1,9 @@
 """The transformer forward pass, written once against the backend operations (backends/base.py).
 
-Pre-norm decoder blocks of grouped-query attention and a SwiGLU feed-forward, RMSNorm, rotary positions;
-what differs by architecture (fused matrices, biases, q/k norms, RoPE-less layers) is read from each layer's
-plan, cfg.layers[i] (llamacli/models/). Activations float32; shapes in brackets with T tokens,
-D = n_embd, Hq/Hkv heads, Dh = head_dim, F = n_ff, V = vocab.
+Pre-norm decoder blocks of grouped-query attention and a SwiGLU feed-forward (or a mixture of experts),
+RMSNorm, rotary positions; what differs by architecture (fused matrices, biases, q/k norms, RoPE-less layers,
+attention sinks, experts) is read from each layer's plan, cfg.layers[i] (llamacli/models/). Activations
+float32; shapes in brackets with T tokens, D = n_embd, Hq/Hkv heads, Dh = head_dim, F = n_ff, V = vocab.
 
 Prefill passes the whole prompt (T > 1, matrix-matrix products); decode passes one token (T = 1,
 matrix-vector). Positions come as a backend array so the same code can be captured in a CUDA graph.
@@ -43,19 +43,22 @@ def forward(be: Backend, cfg: ModelConfig, ids: Any, pos: Any, all_logits: bool 
         if plan.rope:  # smollm3's NoPE layers skip it; gemma's sliding-window layers use the local table
             q, k = be.rope(q, pos, plan.rope_local), be.rope(k, pos, plan.rope_local)
         a = be.attention(i, q, k, v.reshape(t, hkv, dh), pos)  # [T, Hq Dh] (window, soft-cap: the plan's)
-        o = be.matmul(a, L.attn_output)  # [T, D]
+        o = be.matmul(a, L.attn_output, L.attn_output_bias)  # [T, D] (+ bias: gpt-oss)
         if plan.post_norms:  # gemma: the block's output normalised before the residual add
             o = be.rms_norm(o, L.attn_post_norm, cfg.rms_eps)
         x = be.add(x, o)
 
         # Feed-forward block: x += W_down (act(W_gate h) * W_up h), h = rmsnorm(x); act silu or gelu (tanh)
         h = be.rms_norm(x, L.ffn_norm, cfg.rms_eps)
-        if plan.fused_gate_up:  # phi3: ffn_up rows [gate; up]
-            gu = be.matmul(h, L.ffn_up)  # [T, 2F]
-            g, u = gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]
+        if plan.moe:  # qwen3moe, gpt-oss: the weighted sum of the FFNs of the experts the router picks
+            f = be.moe(h, i)  # [T, D]
         else:
-            g, u = be.matmul(h, L.ffn_gate), be.matmul(h, L.ffn_up)  # [T, F] each
-        f = be.matmul(be.geglu(g, u) if plan.activation == "gelu_tanh" else be.swiglu(g, u), L.ffn_down)
+            if plan.fused_gate_up:  # phi3: ffn_up rows [gate; up]
+                gu = be.matmul(h, L.ffn_up)  # [T, 2F]
+                g, u = gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]
+            else:
+                g, u = be.matmul(h, L.ffn_gate), be.matmul(h, L.ffn_up)  # [T, F] each
+            f = be.matmul(be.geglu(g, u) if plan.activation == "gelu_tanh" else be.swiglu(g, u), L.ffn_down)
         if plan.post_norms:
             f = be.rms_norm(f, L.ffn_post_norm, cfg.rms_eps)
         x = be.add(x, f)

@@ -9,11 +9,23 @@ With thinking off, Qwen3's template writes an empty block into the prompt, which
 output is reasoning. Everything up to `</think>` is reasoning; the answer is what follows, without the blank
 lines between. A stream that ends inside the block (max tokens reached) is all reasoning, as llama-server
 reports it.
+
+gpt-oss writes channels instead ("harmony", harmony.py): the prompt says which format a reply has
+(`reply_format`), and `make_splitter(completion)` gives the splitter for it; both have the same interface.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from .harmony import HarmonySplitter, opens_reply, split_harmony
+from .splitter import Splitter, partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
+EFFORTS = ("low", "medium", "high")  # gpt-oss's reasoning efforts ("Reasoning: ..." in its system message)
+# OpenAI's reasoning_effort also takes "minimal", a level gpt-oss's template lacks: taken as its least, "low".
+EFFORT_ALIASES = {"minimal": "low"}
+EFFORT_NAMES = ("none", "minimal", *EFFORTS)  # what parse_effort takes
 
 
 def prompt_opens_think(prompt: str) -> bool:
@@ -23,19 +35,64 @@ def prompt_opens_think(prompt: str) -> bool:
 
 
 def template_thinks(template_source: str | None) -> bool:
-    """Whether a chat template knows about think blocks (so --think / --no-think can mean something)."""
-    return bool(template_source) and (OPEN in template_source or "enable_thinking" in template_source)
+    """Whether a chat template knows about think blocks or reasoning efforts (so --think / --no-think can
+    mean something)."""
+    return bool(template_source) and (OPEN in template_source or "enable_thinking" in template_source
+                                      or template_takes_effort(template_source))
 
 
-class ReasoningSplitter:
+def template_takes_effort(template_source: str | None) -> bool:
+    """Whether a chat template reads `reasoning_effort` (gpt-oss: low, medium or high; its default is medium)."""
+    return bool(template_source) and "reasoning_effort" in template_source
+
+
+def parse_effort(value: object) -> bool | str:
+    """A reasoning effort as given (--reasoning-effort, OpenAI's reasoning_effort), in any case and with spaces
+    around: 'low', 'medium' or 'high' as it is, 'minimal' as 'low' (EFFORT_ALIASES), 'none' as False (thinking
+    off). Raises ValueError naming the levels for anything else."""
+    level = value.strip().lower() if isinstance(value, str) else None
+    level = EFFORT_ALIASES.get(level, level)  # type: ignore[arg-type]
+    if level == "none":
+        return False
+    if level in EFFORTS:
+        return level
+    raise ValueError(f"must be one of {', '.join(EFFORT_NAMES)} (minimal is low); got {value!r}")
+
+
+def template_variables(template_source: str | None, think: bool | str | None) -> dict[str, Any]:
+    """The template variables for --think (True), --no-think (False) or a reasoning effort ('low', 'medium',
+    'high'), as transformers passes keyword arguments to a template: `enable_thinking` (Qwen3 and the like) and,
+    for a template that reads it, `reasoning_effort`. gpt-oss always reasons, so False asks for its least effort
+    ('low'), True leaves the template's default, and an effort reaches it as given (llama.cpp's
+    --reasoning-effort, ollama's --think=LEVEL); a template without efforts takes an effort as thinking on."""
+    if think is None:
+        return {}
+    effort = think if isinstance(think, str) else None if think else "low"
+    out: dict[str, Any] = {"enable_thinking": think is not False}
+    if effort is not None and template_takes_effort(template_source):
+        out["reasoning_effort"] = effort
+    return out
+
+
+def reply_format(prompt_tail: str) -> str:
+    """'harmony' when the prompt ends as gpt-oss's template leaves it for the reply, else 'think'."""
+    return "harmony" if opens_reply(prompt_tail) else "think"
+
+
+def make_splitter(completion: Any) -> "ReasoningSplitter | HarmonySplitter":
+    """The splitter for a completion's reply format (Completion.reasoning_format, think_open)."""
+    if getattr(completion, "reasoning_format", "think") == "harmony":
+        return HarmonySplitter()
+    return ReasoningSplitter(completion.think_open)
+
+
+class ReasoningSplitter(Splitter):
     """Feed text pieces as they stream; each call returns (reasoning, answer) text that is now certain.
     A piece that might be the start of a tag is held back until the next piece decides it."""
 
     def __init__(self, opened: bool = False):
+        super().__init__()
         self.state = "think" if opened else "start"  # start -> think -> answer, or start -> answer
-        self.pending = ""
-        self.reasoning: list[str] = []
-        self.answer: list[str] = []
 
     def feed(self, piece: str) -> tuple[str, str]:
         text, self.pending = self.pending + piece, ""
@@ -55,7 +112,7 @@ class ReasoningSplitter:
                     think.append(text[:at])
                     self.state, text = "gap", text[at + len(CLOSE) :]
                 else:
-                    keep = _partial_suffix(text, CLOSE)
+                    keep = partial_suffix(text, CLOSE)
                     think.append(text[: len(text) - keep])
                     self.pending, text = text[len(text) - keep :], ""
             elif self.state == "gap":  # the blank lines between </think> and the answer
@@ -65,54 +122,36 @@ class ReasoningSplitter:
             else:
                 answer.append(text)
                 text = ""
-        out = "".join(think), "".join(answer)
-        self.reasoning.append(out[0])
-        self.answer.append(out[1])
-        return out
+        return self._record("".join(think), "".join(answer))
 
     def finish(self) -> tuple[str, str]:
         """The end of the stream: what was held back is released (a partial tag is just text)."""
         text, self.pending = self.pending, ""
-        if not text:
-            return "", ""
         if self.state == "think":
-            self.reasoning.append(text)
-            return text, ""
+            return self._record(text, "")
         if self.state == "gap":
             return "", ""
-        self.answer.append(text)
-        return "", text
-
-    @property
-    def texts(self) -> tuple[str, str]:
-        """(reasoning, answer) so far; reasoning without the whitespace around it."""
-        return "".join(self.reasoning).strip(), "".join(self.answer)
+        return self._record("", text)
 
 
-def split_reasoning(text: str, opened: bool = False) -> tuple[str, str]:
-    """(reasoning, answer) of a whole output."""
+def split_reasoning(text: str, opened: bool = False, reply: str = "think") -> tuple[str, str]:
+    """(reasoning, answer) of a whole output in a reply format ('think' or 'harmony')."""
+    if reply == "harmony":
+        return split_harmony(text)
     s = ReasoningSplitter(opened)
     s.feed(text)
     s.finish()
     return s.texts
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ReplyRouter:
     """Routes a streamed reply as `llamacli generate` / `chat` show it: the answer to `answer(text)`, the
     reasoning to `side` (stderr; dimmed on a terminal, blank lines around it dropped). The splitter is made at
-    the first piece, when the completion knows whether its prompt opened a think block."""
+    the first piece, when the completion knows its reply format (and whether its prompt opened a think block)."""
 
     def __init__(self, completion, answer, side=None):  # noqa: ANN001 (Completion, callable, text stream)
         self.completion, self.answer, self.side = completion, answer, side
-        self.splitter: ReasoningSplitter | None = None
+        self.splitter: ReasoningSplitter | HarmonySplitter | None = None
         self.shown = False  # some reasoning went to `side`
         self.dimmed = False  # the terminal's dim attribute is on
         self.last = ""  # the last text written to `side`
@@ -120,7 +159,7 @@ class ReplyRouter:
 
     def write(self, piece: str) -> None:
         if self.splitter is None:
-            self.splitter = ReasoningSplitter(self.completion.think_open)
+            self.splitter = make_splitter(self.completion)
         self._route(*self.splitter.feed(piece))
 
     def end(self) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BadInputError, ContextOverflowError, LlamacliError
+from .reasoning import parse_effort
 from .sampling import SamplingParams
 
 MAX_STOP = 16  # OpenAI takes 4; llama-server takes more
@@ -112,7 +113,23 @@ def _chat_ids(model, body: dict) -> list[int]:
         if not isinstance(kwargs, dict):
             raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs")
         think = _bool(kwargs, "enable_thinking", None)
+        think = _effort(kwargs, "chat_template_kwargs.reasoning_effort", think)
+    think = _effort(body, "reasoning_effort", think)  # OpenAI's field, over the template's keyword
     return model.chat_ids(clean, think=think)
+
+
+def _effort(body: dict, param: str, think: bool | str | None) -> bool | str | None:
+    """A reasoning effort (OpenAI's reasoning_effort, or the template keyword as llama-server takes it), read
+    as the CLI reads --reasoning-effort (reasoning.parse_effort): 'low', 'medium' or 'high' reaches a template
+    that reads it (gpt-oss) and turns thinking on elsewhere; OpenAI's 'minimal' is 'low'; 'none' is
+    enable_thinking false (gpt-oss: low). Absent: `think` as it was."""
+    value = body.get(param.rsplit(".", 1)[-1])
+    if value is None:
+        return think
+    try:
+        return parse_effort(value)
+    except ValueError as exc:
+        raise ApiError(f"{param} {exc}", param=param) from None
 
 
 def _message(m: Any, i: int) -> dict[str, str]:

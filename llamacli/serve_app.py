@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .generate import Completion
-from .reasoning import ReasoningSplitter
+from .reasoning import make_splitter
 from .serve_api import ApiError, Job, api_error, chunk, finish_reason, read_job, response, usage_chunk
 from .textio import printable
 
@@ -190,7 +190,7 @@ async def _events(engine: Engine, job: Job, request: Request, t0: float) -> Asyn
     try:
         async for piece in engine.pieces(job, c, request):
             if splitter is None:
-                splitter = ReasoningSplitter(c.think_open) if job.chat else None
+                splitter = make_splitter(c) if job.chat else None
             think, answer = splitter.feed(piece) if splitter else ("", piece)
             entries, sent_logprobs = _new_logprobs(job, c, sent_logprobs)
             if think or answer or entries:

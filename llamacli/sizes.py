@@ -13,7 +13,6 @@ import os
 import threading
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,12 +90,15 @@ def _probe(keys: list[str]) -> dict[str, int]:
 
 
 def _url_size(url: str) -> int | None:
+    # Here, not at the top: with ssl urllib.request costs every start-up ~20 ms (registry imports this module).
+    from urllib.request import Request, url2pathname, urlopen
+
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "file":
-        path = Path(urllib.request.url2pathname(parts.path))
+        path = Path(url2pathname(parts.path))
         return path.stat().st_size if path.is_file() else None
-    request = urllib.request.Request(url, method="HEAD", headers={"User-Agent": dl.USER_AGENT})
-    with urllib.request.urlopen(request, timeout=PROBE_TIMEOUT_S) as response:
+    request = Request(url, method="HEAD", headers={"User-Agent": dl.USER_AGENT})
+    with urlopen(request, timeout=PROBE_TIMEOUT_S) as response:
         length = response.headers.get("Content-Length") or ""
     return int(length) if length.isdigit() and len(length) < 16 else None
 

@@ -1,10 +1,12 @@
 """Random GGUF models for tests and benchmarks (in the package so the GPU machine can use it too).
 
 - `write_model(path, spec, qtype)`: a whole model of any supported architecture (llama, qwen2, phi3, qwen3,
-  smollm3) at any shape, streamed tensor by
+  smollm3, gemma2/3, the mixtures of experts qwen3moe and gpt-oss) at any shape, streamed tensor by
   tensor (an 8B-shape F16 model never sits in RAM), with a tiny byte-level BPE vocabulary or a real one
-  copied from llama.cpp's vocabulary-only GGUFs (`vocab_file=`).
-- `SHAPES`: tiny test shapes and real ones (Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B, SmolLM2-135M, Qwen3-8B).
+  copied from llama.cpp's vocabulary-only GGUFs (`vocab_file=`). Models past FAST_PARAMS parameters are
+  written the fast way (testing_quants.random_quant_rows(fast=True)): for speed runs, not for accuracy.
+- `SHAPES`: tiny test shapes and real ones (Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B, SmolLM2-135M, Qwen3-8B,
+  Qwen3-30B-A3B, gpt-oss-20b).
 
 The random weight blocks and the int8-activation helpers are in testing_quants.py (re-exported here).
 """
@@ -20,7 +22,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFWriter
 
 from .gguf_file import open_gguf
-from .testing_quants import WEIGHT_TYPES, act8, act8_bound, random_quant_rows, tensor_type
+from .testing_quants import MIXES, WEIGHT_TYPES, act8, act8_bound, random_quant_rows, tensor_type
 
 __all__ = [
     "SHAPES", "WEIGHT_TYPES", "ModelSpec", "act8", "act8_bound", "add_metadata", "model_metadata",
@@ -48,7 +50,11 @@ class ModelSpec:
     name: str = "random"
     head_dim: int = 0  # attention.key_length; 0: n_embd / n_head
     rope_dim: int = 0  # rope.dimension_count; 0: the head dim (partial rotary when smaller)
-    window: int = 0  # attention.sliding_window (gemma2/gemma3); 0: not written
+    window: int = 0  # attention.sliding_window (gemma2/gemma3, gpt-oss); 0: not written
+    n_expert: int = 0  # expert_count (qwen3moe, gpt-oss); 0: a dense model
+    n_expert_used: int = 0  # expert_used_count
+    n_ff_exp: int = 0  # expert_feed_forward_length
+    rope_original: int = 0  # rope.scaling.original_context_length (yarn, longrope); 0: context_length // 4
 
     @property
     def dh(self) -> int:
@@ -85,6 +91,18 @@ SHAPES: dict[str, ModelSpec] = {
                            "Gemma-3-4B-shape", head_dim=256, window=1024),
     "gemma2-2b": ModelSpec("gemma2", 26, 2304, 8, 4, 9216, 256000, 8192, 1e4, 1e-6, True, name="Gemma-2-2B-shape",
                            head_dim=256, window=4096),
+    # Mixtures of experts: 8 experts, 2 per token; head dims apart from n_embd / n_head as in the real ones.
+    # gpt-oss: a window of 8 on layers 0 and 2, YaRN x4 over 64 positions, experts in MXFP4 (32-value rows).
+    "tiny-qwen3moe": ModelSpec("qwen3moe", 3, 64, 4, 2, 96, rope_base=1e6, rms_eps=1e-6, name="tiny-qwen3moe",
+                               head_dim=32, n_expert=8, n_expert_used=2, n_ff_exp=32),
+    "tiny-gpt-oss": ModelSpec("gpt-oss", 4, 64, 4, 2, 64, rope_base=150000.0, rope_scaling="yarn", rope_factor=4.0,
+                              name="tiny-gpt-oss", head_dim=32, window=8, n_expert=8, n_expert_used=2, n_ff_exp=64),
+    # Real shapes for speed runs (Qwen3-30B-A3B: config.json of Qwen/Qwen3-30B-A3B; gpt-oss-20b: openai's).
+    "qwen3-30b-a3b": ModelSpec("qwen3moe", 48, 2048, 32, 4, 6144, 151936, 40960, 1e6, 1e-6, False,
+                               name="Qwen3-30B-A3B-shape", head_dim=128, n_expert=128, n_expert_used=8, n_ff_exp=768),
+    "gpt-oss-20b": ModelSpec("gpt-oss", 24, 2880, 64, 8, 2880, 201088, 131072, 150000.0, 1e-5, False, "yarn", 32.0,
+                             "gpt-oss-20b-shape", head_dim=64, window=128, n_expert=32, n_expert_used=4,
+                             n_ff_exp=2880, rope_original=4096),
 }
 
 
@@ -128,13 +146,16 @@ def model_metadata(spec: ModelSpec, n_vocab: int) -> dict[str, Any]:
     if spec.rope_scaling in ("linear", "yarn"):
         kv[f"{arch}.rope.scaling.type"] = spec.rope_scaling
         kv[f"{arch}.rope.scaling.factor"] = float(spec.rope_factor)
-    if spec.rope_scaling == "yarn":
-        kv[f"{arch}.rope.scaling.original_context_length"] = spec.context_length // 4
+    if spec.rope_scaling in ("yarn", "longrope"):
+        kv[f"{arch}.rope.scaling.original_context_length"] = spec.rope_original or spec.context_length // 4
     if spec.rope_scaling == "longrope":
-        kv[f"{arch}.rope.scaling.original_context_length"] = spec.context_length // 4
         kv[f"{arch}.rope.scaling.attn_factor"] = 1.19
     if spec.window:
         kv[f"{arch}.attention.sliding_window"] = spec.window
+    if spec.n_expert:
+        kv[f"{arch}.expert_count"] = spec.n_expert
+        kv[f"{arch}.expert_used_count"] = spec.n_expert_used
+        kv[f"{arch}.expert_feed_forward_length"] = spec.n_ff_exp
     if arch == "gemma2":  # as the converter writes them (llama.cpp's defaults too)
         kv[f"{arch}.attn_logit_softcapping"] = 50.0
         kv[f"{arch}.final_logit_softcapping"] = 30.0
@@ -236,9 +257,16 @@ def write_model(
     metadata: dict[str, Any] | None = None,
     drop_tensors: tuple[str, ...] = (),
     tensor_types: dict[str, QT] | None = None,
+    fast: bool | None = None,
 ) -> Path:
     """Write a random model to `path` and return it. `qtype`: a ggml type (or its name) for the matrices,
-    or "Q4_K_M" for llama.cpp's mix. Tensors are generated and written one at a time.
+    or a mix: "Q4_K_M" (llama.cpp's), "MXFP4_MOE" (gpt-oss's: MXFP4 experts, Q8_0 elsewhere). Tensors are
+    generated and written one at a time.
+    `fast` (default: models of more than FAST_PARAMS parameters) writes every block type as random valid
+    blocks drawn 8 bytes at a time instead of quantized Gaussians (~1 GB/s of random bytes on one core): the
+    real-shape files for speed runs, "qwen3-30b-a3b" at "Q4_K_M" (18.6 GB) and "gpt-oss-20b" at "MXFP4_MOE"
+    (12.1 GB), took 67 s and 49 s on a 2-core VM. Their weights are noise of about the right size: for timing
+    only.
     For broken-file tests: `metadata` overrides keys (None deletes one), `drop_tensors` leaves tensors
     out, `tensor_types` forces the type of named tensors."""
     spec = SHAPES[spec] if isinstance(spec, str) else spec
@@ -255,15 +283,17 @@ def write_model(
     w.add_name(spec.name)
     kv = model_metadata(spec, n_vocab)
     del kv["general.architecture"]  # GGUFWriter writes it
-    if isinstance(qtype, str) and qtype != "Q4_K_M":
+    if isinstance(qtype, str) and qtype not in MIXES:
         qtype = QT[qtype]
-    file_type = {QT.F32: 0, QT.F16: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q8_0: 7, QT.Q5_0: 8, QT.Q5_1: 9, "Q4_K_M": 15}
+    file_type = {QT.F32: 0, QT.F16: 1, QT.Q4_0: 2, QT.Q4_1: 3, QT.Q8_0: 7, QT.Q5_0: 8, QT.Q5_1: 9, **MIXES}
     kv["general.file_type"] = file_type.get(qtype, 0)  # type: ignore[arg-type]
     for key, value in {**kv, **vocab, **(metadata or {})}.items():
         if value is not None:
             add_metadata(w, key, value)
 
     shapes = [(n, s) for n, s in tensor_shapes(spec, n_vocab) if n not in drop_tensors]
+    if fast is None:
+        fast = sum(math.prod(s) for _, s in shapes) > FAST_PARAMS
     forced = tensor_types or {}
     plan = [(n, s, forced.get(n) or tensor_type(n, s, qtype, spec.n_layer, spec.tied)) for n, s in shapes]
     for name, shape, t in plan:
@@ -278,19 +308,23 @@ def write_model(
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, shape, t in plan:
-        w.write_tensor_data(_random_tensor(name, shape, t, rng, std, spec))
+        w.write_tensor_data(_random_tensor(name, shape, t, rng, std, spec, fast))
     w.close()
     return path
 
 
+FAST_PARAMS = 1 << 30  # write_model's fast path from here (the 1B-8B speed-run shapes and beyond)
 _NUMPY_TYPES = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32, QT.I8: np.int8, QT.F64: np.float64}
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], t: QT, rng: np.random.Generator, std: float, spec: ModelSpec) -> np.ndarray:
+def _random_tensor(name: str, shape: tuple[int, ...], t: QT, rng: np.random.Generator, std: float, spec: ModelSpec,
+                   fast: bool = False) -> np.ndarray:
     if name.endswith("norm.weight"):
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith(".bias"):
         return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("attn_sinks.weight"):  # logits of the order of the scores, so that sinks matter
+        return rng.standard_normal(shape).astype(np.float32)
     if name.startswith("rope_"):
         # Frequency divisors >= 1 (llama3's factors run from 1 for high frequencies up to the factor).
         return np.linspace(1.0, max(spec.rope_factor, 2.0), shape[0], dtype=np.float32)
@@ -299,9 +333,10 @@ def _random_tensor(name: str, shape: tuple[int, ...], t: QT, rng: np.random.Gene
         return rng.integers(-8, 8, size=shape).astype(_NUMPY_TYPES[t])
     if name == "token_embd.weight":
         std = max(std, 0.5)  # embeddings carry the signal: keep them larger than matrices
-    # Generate in slices so that a 128k x 4096 embedding does not need a float32 copy at once.
-    step = max(1, (1 << 24) // cols)
-    parts = [random_quant_rows(t, min(step, rows - r), cols, rng, std) for r in range(0, rows, step)]
+    # Generate in slices so that a 128k x 4096 embedding does not need a float32 copy at once; fast random
+    # blocks come in one piece (a few hundred MB at most, and three times faster than slices joined).
+    step = rows if fast and t not in _NUMPY_TYPES and t != QT.BF16 else max(1, (1 << 24) // cols)
+    parts = [random_quant_rows(t, min(step, rows - r), cols, rng, std, fast) for r in range(0, rows, step)]
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 

@@ -1,7 +1,8 @@
 """Which tensors a model needs, with their shapes: checked once against the file before any backend loads.
 
 Names are GGUF's (llama.cpp's tensor_mapping): token_embd, blk.N.attn_q, ..., output_norm, output.
-Shapes are row-major [out_features, in_features] (GGUF lists dims fastest-first; gguf_file reverses them).
+Shapes are row-major [out_features, in_features] (GGUF lists dims fastest-first; gguf_file reverses them);
+experts are 3-D [E, out, in], one [out, in] matrix per expert.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from gguf import GGMLQuantizationType
 from .config import ModelConfig
 from .errors import MissingTensorError, ShapeMismatchError, UnsupportedTensorTypeError
 from .gguf_file import GGUFFile
+from .models import ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -20,42 +22,120 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     required: bool = True
+    field: str = ""  # the LayerWeights field that holds it ("" outside the blocks)
+
+    @property
+    def vector(self) -> bool:
+        """Norms, biases (an expert bias [E, F] too), sinks, RoPE factors: F32/F16/BF16 in the file, float32
+        on every backend. Everything else is a matrix in the backend's weight types ([E, rows, cols] for
+        experts)."""
+        return len(self.shape) == 1 or self.name.endswith(".bias")
+
+
+# LayerWeights field -> GGUF name after "blk.N." (llama.cpp's tensor names, gguf-py constants.py); an
+# architecture overrides a name where its files differ (models/base.py Architecture.tensor_names).
+TENSOR_NAMES = {
+    "attn_norm": "attn_norm.weight",
+    "attn_q": "attn_q.weight",
+    "attn_k": "attn_k.weight",
+    "attn_v": "attn_v.weight",
+    "attn_qkv": "attn_qkv.weight",
+    "attn_q_bias": "attn_q.bias",
+    "attn_k_bias": "attn_k.bias",
+    "attn_v_bias": "attn_v.bias",
+    "attn_q_norm": "attn_q_norm.weight",
+    "attn_k_norm": "attn_k_norm.weight",
+    "attn_output": "attn_output.weight",
+    "attn_output_bias": "attn_output.bias",
+    "attn_sinks": "attn_sinks.weight",
+    "attn_post_norm": "post_attention_norm.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "ffn_gate": "ffn_gate.weight",
+    "ffn_up": "ffn_up.weight",
+    "ffn_down": "ffn_down.weight",
+    "ffn_post_norm": "post_ffw_norm.weight",
+    "ffn_gate_inp": "ffn_gate_inp.weight",
+    "ffn_gate_inp_bias": "ffn_gate_inp.bias",
+    "ffn_gate_exps": "ffn_gate_exps.weight",
+    "ffn_up_exps": "ffn_up_exps.weight",
+    "ffn_down_exps": "ffn_down_exps.weight",
+    "ffn_gate_exps_bias": "ffn_gate_exps.bias",
+    "ffn_up_exps_bias": "ffn_up_exps.bias",
+    "ffn_down_exps_bias": "ffn_down_exps.bias",
+}
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
-    """The tensors block i needs, as its plan (cfg.layers[i]) implies."""
+    """The tensors block i needs, as its plan (cfg.layers[i]) implies, each with its LayerWeights field."""
     d, q, kv, ff, dh = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff, cfg.head_dim
+    e, fe = cfg.n_expert, cfg.n_ff_exp
     plan = cfg.layers[i]
-    p = f"blk.{i}."
-    specs = [TensorSpec(p + "attn_norm.weight", (d,))]
+    arch = ARCHITECTURES.get(cfg.architecture)
+    names = {**TENSOR_NAMES, **(arch.tensor_names if arch else {})}
+    specs: list[TensorSpec] = []
+
+    def add(field: str, *shape: int) -> None:
+        specs.append(TensorSpec(f"blk.{i}.{names[field]}", shape, field=field))
+
+    add("attn_norm", d)
     if plan.fused_qkv:
-        specs.append(TensorSpec(p + "attn_qkv.weight", (q + 2 * kv, d)))  # [q; k; v] rows
+        add("attn_qkv", q + 2 * kv, d)  # [q; k; v] rows
     else:
-        specs += [
-            TensorSpec(p + "attn_q.weight", (q, d)),
-            TensorSpec(p + "attn_k.weight", (kv, d)),
-            TensorSpec(p + "attn_v.weight", (kv, d)),
-        ]
+        add("attn_q", q, d)
+        add("attn_k", kv, d)
+        add("attn_v", kv, d)
     if plan.qkv_bias:
-        specs += [
-            TensorSpec(p + "attn_q.bias", (q,)),
-            TensorSpec(p + "attn_k.bias", (kv,)),
-            TensorSpec(p + "attn_v.bias", (kv,)),
-        ]
+        add("attn_q_bias", q)
+        add("attn_k_bias", kv)
+        add("attn_v_bias", kv)
     if plan.qk_norm:  # one weight per head dim, shared by every head
-        specs += [TensorSpec(p + "attn_q_norm.weight", (dh,)), TensorSpec(p + "attn_k_norm.weight", (dh,))]
-    specs.append(TensorSpec(p + "attn_output.weight", (d, q)))
+        add("attn_q_norm", dh)
+        add("attn_k_norm", dh)
+    if plan.sinks:  # gpt-oss: one logit per query head
+        add("attn_sinks", cfg.n_head)
+    add("attn_output", d, q)
+    if plan.o_bias:
+        add("attn_output_bias", d)
     if plan.post_norms:  # gemma: RMSNorm of the attention output before its residual add
-        specs.append(TensorSpec(p + "post_attention_norm.weight", (d,)))
-    specs.append(TensorSpec(p + "ffn_norm.weight", (d,)))
-    if plan.fused_gate_up:
-        specs.append(TensorSpec(p + "ffn_up.weight", (2 * ff, d)))  # [gate; up] rows
+        add("attn_post_norm", d)
+    add("ffn_norm", d)
+    if plan.moe:  # the router and the experts, [E, rows, cols] (GGUF dims {cols, rows, E})
+        add("ffn_gate_inp", e, d)
+        add("ffn_gate_exps", e, fe, d)
+        add("ffn_up_exps", e, fe, d)
+        add("ffn_down_exps", e, d, fe)
+        if plan.moe_bias:
+            add("ffn_gate_inp_bias", e)
+            add("ffn_gate_exps_bias", e, fe)
+            add("ffn_up_exps_bias", e, fe)
+            add("ffn_down_exps_bias", e, d)
+    elif plan.fused_gate_up:
+        add("ffn_up", 2 * ff, d)  # [gate; up] rows
+        add("ffn_down", d, ff)
     else:
-        specs += [TensorSpec(p + "ffn_gate.weight", (ff, d)), TensorSpec(p + "ffn_up.weight", (ff, d))]
-    specs.append(TensorSpec(p + "ffn_down.weight", (d, ff)))
+        add("ffn_gate", ff, d)
+        add("ffn_up", ff, d)
+        add("ffn_down", d, ff)
     if plan.post_norms:
-        specs.append(TensorSpec(p + "post_ffw_norm.weight", (d,)))
+        add("ffn_post_norm", d)
     return specs
+
+
+def layer_tensor_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+    """LayerWeights field -> GGUF tensor name for every tensor block i needs: what both loaders (the NumPy
+    backend's and CUDA's) build LayerWeights from, so that names live here only."""
+    return {s.field: s.name for s in layer_specs(cfg, i)}
+
+
+def active_share(cfg: ModelConfig, name: str) -> float:
+    """The share of tensor `name` one token reads: n_expert_used / n_expert of an expert tensor
+    (blk.N.ffn_{gate,up,down}_exps, weights and biases), one row of an untied token_embd (tied, it is the LM
+    head, read whole), all of anything else. Inspect's active parameters, bench's bytes per token."""
+    if cfg.n_expert and "_exps." in name:
+        return cfg.n_expert_used / cfg.n_expert
+    if name == "token_embd.weight" and not cfg.tied_embeddings:
+        return 1 / cfg.vocab_size
+    return 1.0
 
 
 def model_specs(cfg: ModelConfig) -> list[TensorSpec]:
@@ -89,7 +169,7 @@ def check_tensors(gguf: GGUFFile, cfg: ModelConfig, runnable: frozenset[GGMLQuan
             raise ShapeMismatchError(
                 f"tensor {spec.name!r} has shape {list(info.shape)}, the config implies {list(spec.shape)}"
             )
-        ok = info.type in _VECTOR_TYPES if len(spec.shape) == 1 else info.type in runnable
+        ok = info.type in _VECTOR_TYPES if spec.vector else info.type in runnable
         if not ok:
             raise UnsupportedTensorTypeError(
                 f"tensor {spec.name!r} has type {info.type.name}, which this backend cannot run"

@@ -237,6 +237,10 @@ def write_seed_models(root: Path) -> dict[str, Path]:
                                                                          rope_scaling="longrope"), "F16", vocab=spm_vocab()),
         "llama3-spm-q4_0": write_model(root / "llama3-spm-q4_0.gguf", replace(micro, rope_scaling="llama3", rope_factor=8.0),
                                        "Q4_0", vocab=spm_vocab()),
+        # a mixture of experts: 3-D MXFP4 experts, their [E, F] biases, sinks, a window, YaRN
+        "gpt-oss-bpe-mxfp4": write_model(root / "gpt-oss-bpe-mxfp4.gguf", replace(
+            micro, arch="gpt-oss", n_layer=2, rope_scaling="yarn", rope_factor=2.0, window=4, n_expert=4,
+            n_expert_used=2, n_ff_exp=32, name="micro-gpt-oss"), "MXFP4_MOE", vocab=tiny_vocab()),
     }
     vocab_only = root / "vocab-only-bpe.gguf"
     w = GGUFWriter(str(vocab_only), "llama")

@@ -135,6 +135,29 @@ def test_ctrl_c_while_the_cli_imports_is_one_line_and_130():
     assert (r.returncode, r.stdout, r.stderr) == (130, "", "error: interrupted\n")
 
 
+def test_verbose_start_up_on_numpy_names_only_real_stages_and_loads_no_ssl(tmp_path):
+    """`generate --verbose` of a local file, run as the console script runs it: the start-up line parts the
+    imports from the model's lookup and lists no stage the NumPy backend lacks (decode graphs, decode set-up);
+    and nothing on the way imports ssl (urllib.request, ~20 ms): no download is needed."""
+    from llamacli.testing import write_model
+
+    model = write_model(tmp_path / "tiny.gguf", "tiny-llama", "F32")
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: sys.stderr.write('ssl imported: %s\\n' % ('ssl' in sys.modules)))\n"
+        f"sys.argv = ['llamacli', 'generate', '-m', {str(model)!r}, '--backend', 'numpy', '-p', 'hi', '-n', '2',"
+        " '--raw', '--verbose']\n"
+        "import llamacli; llamacli.run()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    startup = next(line for line in r.stderr.splitlines() if line.startswith("start-up: "))
+    assert startup.startswith("start-up: imports, options ") and ", model lookup " in startup
+    assert "decode graphs" not in startup and "decode set-up" not in r.stderr
+    assert "ssl imported: False" in r.stderr
+
+
 def test_ctrl_c_exits_130_with_text_and_timings(smollm2):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen(

@@ -87,6 +87,24 @@ def test_chat_history_keeps_the_answer_only(monkeypatch, thinker):
     assert m.chat_ids(s.window(), think=False) != m.chat_ids(s.window(), think=True)
 
 
+def test_a_think_tag_in_the_prompt_text_opens_no_block(thinker):
+    """Only the prompt's last 8 tokens say whether it left a <think> block open (a generation prompt ends with
+    one); a <think> a little further back is the user's text, though the reply format looks 16 tokens back."""
+    from llamacli.generate import Completion, Model
+
+    with Model(thinker, backend="numpy", ctx=256) as m:
+        think_id = m.tokenizer.encode("<think>", special=True, add_bos=False)[0]
+        for text in ["Is <think> a tag? Yes, it is", "<think> in a user's text"]:
+            ids = m.prompt_ids(text, raw=True)
+            assert 8 < len(ids) - ids.index(think_id) <= 16
+            c = Completion()
+            list(m.run(text, completion=c, max_tokens=0, raw=True))
+            assert not c.think_open and c.reasoning_format == "think"
+        c = Completion()
+        list(m.run("Well <think>", completion=c, max_tokens=0, raw=True))
+        assert c.think_open
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """A chat model whose template has no think block: enable_thinking means nothing to it."""

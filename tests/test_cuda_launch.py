@@ -277,3 +277,41 @@ def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
         per = -(-rows // warps)
         assert rows > (grid - 1) * MV1_WARPS * per  # no block without a row; fewer blocks would need per + 1
     assert mv1_stream_grid(6144, 132) == 256 and mv1_stream_grid(4096, 132) == 256
+
+
+def test_moe_sizes_match_the_kernel_source() -> None:
+    """cuda/moe.py's tile sizes and limits are kernels/moe.cu's."""
+    import re
+
+    from llamacli.backends.cuda import moe as M
+
+    src = K.kernel_source("moe")
+    define = lambda name: int(re.search(rf"#define {name} (\d+)", src).group(1))  # noqa: E731
+    assert (define("MG_BM"), define("MG_BN"), define("MOE_EMAX"), define("MOE_KMAX")) == (
+        M.MG_BM, M.MG_BN, M.MOE_EMAX, M.MOE_KMAX)
+
+
+def test_check_moe_refuses_what_the_expert_kernels_cannot_read() -> None:
+    """Gate and up experts of two types (one decoder and one stride read both), too many experts or slots, and
+    widths off the GEMM's 32-value steps: a BackendError before anything is uploaded."""
+    from types import SimpleNamespace
+
+    from llamacli.backends.cuda.moe import check_moe, dense_ff
+    from llamacli.errors import BackendError
+    from llamacli.models.base import LayerPlan
+
+    plan = LayerPlan(moe=True, qk_norm=True)
+    cfg = SimpleNamespace(layers=(plan, plan), n_expert=128, n_expert_used=8, n_embd=2048, n_ff_exp=768, n_ff=6144)
+    info = lambda t, rb: SimpleNamespace(type=t, row_bytes=rb)  # noqa: E731
+    same = SimpleNamespace(tensors={f"blk.{i}.ffn_{n}_exps.weight": info(QT.Q4_K, 1152)
+                                    for i in range(2) for n in ("gate", "up")})
+    check_moe(cfg, same)
+    mixed = SimpleNamespace(tensors=dict(same.tensors))
+    mixed.tensors["blk.1.ffn_up_exps.weight"] = info(QT.Q5_K, 1408)
+    with pytest.raises(BackendError, match="layer 1.*Q4_K and Q5_K"):
+        check_moe(cfg, mixed)
+    for bad in (dict(n_expert=2000), dict(n_expert_used=33, n_expert=64), dict(n_expert_used=0), dict(n_ff_exp=760)):
+        with pytest.raises(BackendError):
+            check_moe(SimpleNamespace(**{**vars(cfg), **bad}), same)
+    assert dense_ff(cfg) == 0  # no dense layer: the dense FFN buffers are not needed
+    assert dense_ff(SimpleNamespace(**{**vars(cfg), "layers": (plan, LayerPlan())})) == 6144

@@ -137,7 +137,8 @@ def test_mutation_fuzz(seed_files, seed, long_run, summary, tmp_path):
         f"seed {seed}: {n} cases of synthetic models ({len(cuts)} boundary truncations + {n_random} random mutants) "
         f"in {elapsed:.1f} s; per case at most {TIME_S:g} s and {MEM_MB} MiB above the worker's "
         f"{info.get('vm_base_mb')} MiB (RLIMIT_AS {info.get('limit_mb')} MiB); peak RSS of a worker {info.get('peak_mb')} MiB",
-        *_table("synthetic models (tiny llama/qwen2/phi3, BPE and SPM vocabularies, F32/F16/Q8_0/Q4_0, vocab-only):", rows),
+        *_table("synthetic models (tiny llama/qwen2/phi3/gpt-oss, BPE and SPM vocabularies, F32/F16/Q8_0/Q4_0/MXFP4, "
+                "vocab-only):", rows),
     ]
     _check(rows, make, seed, tmp_path / "failing")
 

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from llamacli.reasoning import ReasoningSplitter, ReplyRouter, prompt_opens_think, split_reasoning, template_thinks
+from llamacli.reasoning import (ReasoningSplitter, ReplyRouter, parse_effort, prompt_opens_think, split_reasoning,
+                                template_thinks)
 
 CASES = [
     # (output, opened by the prompt, reasoning, answer)
@@ -113,3 +114,24 @@ def test_router_without_reasoning_leaves_stderr_alone():
     r.write(" there")
     r.end()
     assert "".join(answer) == "Hello there" and side.text == ""
+
+
+def test_reasoning_efforts_read_alike_everywhere():
+    """--reasoning-effort (cli_generate.think_setting) and the API's reasoning_effort (serve_api) both read an
+    effort with parse_effort: any case, OpenAI's "minimal" as gpt-oss's least ("low"), "none" as thinking off."""
+    from llamacli.cli_generate import think_setting
+    from llamacli.errors import UsageError
+    from llamacli.serve_api import ApiError, _effort
+
+    for given, want in [("low", "low"), ("HIGH", "high"), (" Medium ", "medium"), ("minimal", "low"),
+                        ("none", False), ("NONE", False)]:
+        assert parse_effort(given) == want
+        assert think_setting(None, given) == want
+        assert _effort({"reasoning_effort": given}, "reasoning_effort", None) == want
+    for bad in ["max", "", "lowest", 3, None, ["low"]]:
+        with pytest.raises(ValueError, match="none, minimal, low, medium, high"):
+            parse_effort(bad)
+        with pytest.raises(ApiError):
+            _effort({"reasoning_effort": bad if bad is not None else "?"}, "reasoning_effort", None)
+    with pytest.raises(UsageError, match="--reasoning-effort must be one of"):
+        think_setting(None, "max")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import sys
 
-import jsonschema
 import numpy as np
 import pytest
 
 pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
 
 from llamacli import generate
 from llamacli.generate import Model

@@ -78,6 +78,8 @@ class Backend(ABC):
     # Prompt tokens per forward pass in model.prefill; None runs the whole prompt in one pass (the default,
     # as the reference does). A backend may set a micro-batch (llama.cpp's is 512) to bound its scratch.
     prefill_chunk: int | None = None
+    # (stage, ms) of the last load() where the backend times its parts (--verbose lists them).
+    load_stages: tuple[tuple[str, float], ...] = ()
 
     cfg: ModelConfig
     ctx: int
@@ -170,6 +172,21 @@ class Backend(ABC):
         from ..sampling import greedy
 
         return greedy(self.to_host(self.decode(token, pos))[-1])
+
+    def prepare_decode(self, kinds: tuple[str, ...] = ("greedy", "sampled"), pos: int = 0) -> None:
+        """Get the decode steps of `kinds` ready ("greedy", "sampled", "logits": a GPU backend captures its
+        graphs) so that no timed step pays for it; a warm-up may write position `pos`'s K/V."""
+
+    def start_sampling(self, params: "SamplingParams", rng: np.random.Generator, recent: list[int]) -> bool:
+        """Set up decode_sampled for a generation whose first step runs at position len(recent) (`recent`: the
+        ids before it), drawing from `rng` as sample() would; False where this backend cannot (the engine then
+        calls sample(decode(...)))."""
+        return False
+
+    def decode_sampled(self, token: int, pos: int) -> int:
+        """A decode step with the sampler start_sampling set up inside it: only the id comes back, the same
+        as sample(decode(token, pos), params, rng, recent) with the same generator."""
+        raise BackendError(f"the {self.name} backend samples on the host (start_sampling returned False)")
 
     # -- measuring (bench) ---------------------------------------------------------------------------------
     def synchronize(self) -> None:

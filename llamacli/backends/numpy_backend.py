@@ -1,7 +1,8 @@
 """The NumPy backend: the readable reference every CUDA kernel is tested against.
 
-Weights are dequantized to float32 once at load (layer by layer); the embedding table stays quantized and
-only the rows asked for are dequantized. The KV cache is float32 [layer, ctx, Hkv, Dh].
+Weights are dequantized to float32 once at load (layer by layer; experts as [E, rows, cols] arrays); the
+embedding table stays quantized and only the rows asked for are dequantized. The KV cache is float32
+[layer, ctx, Hkv, Dh].
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from .. import rope as rope_tables
 from ..config import ROPE_NEOX, ModelConfig
 from ..errors import HostMemoryError
 from ..gguf_file import GGUFFile
+from ..moe import route
 from ..quants import can_dequantize, gather_rows
 from ..units import human_bytes
+from ..weights import layer_tensor_names, model_specs
 from .base import Backend, LayerWeights, ModelWeights, Progress
 
 
@@ -61,30 +64,9 @@ class NumpyBackend(Backend):
         token_embd = QuantTable(gguf.raw(emb.name), emb.type, (emb.shape[0], emb.shape[1]))
         report(1, total, "token_embd")
         layers = []
-        for i in range(cfg.n_layer):
-            p = f"blk.{i}."
-            get = lambda name: f32(p + name) if p + name in gguf.tensors else None  # noqa: E731
-            layers.append(
-                LayerWeights(
-                    attn_norm=get("attn_norm.weight"),
-                    attn_q=get("attn_q.weight"),
-                    attn_k=get("attn_k.weight"),
-                    attn_v=get("attn_v.weight"),
-                    attn_qkv=get("attn_qkv.weight"),
-                    attn_q_bias=get("attn_q.bias"),
-                    attn_k_bias=get("attn_k.bias"),
-                    attn_v_bias=get("attn_v.bias"),
-                    attn_q_norm=get("attn_q_norm.weight"),
-                    attn_k_norm=get("attn_k_norm.weight"),
-                    attn_post_norm=get("post_attention_norm.weight"),
-                    ffn_post_norm=get("post_ffw_norm.weight"),
-                    attn_output=get("attn_output.weight"),
-                    ffn_norm=get("ffn_norm.weight"),
-                    ffn_gate=get("ffn_gate.weight"),
-                    ffn_up=get("ffn_up.weight"),
-                    ffn_down=get("ffn_down.weight"),
-                )
-            )
+        for i in range(cfg.n_layer):  # every tensor the block's plan names, as float32 (experts [E, rows, cols])
+            names = layer_tensor_names(cfg, i)
+            layers.append(LayerWeights(**{field: f32(name) for field, name in names.items() if name in gguf.tensors}))
             report(2 + i, total, f"layer {i}")
         # The LM head needs the whole matrix every step: dequantize it once (a copy when tied).
         output = f32("output.weight") if "output.weight" in gguf.tensors else f32("token_embd.weight")
@@ -159,9 +141,15 @@ class NumpyBackend(Backend):
             if plan.window:  # sliding window: keys at or before p - window are out of reach
                 hidden |= np.arange(n)[None, :] <= pr[:, None] - plan.window
             scores = np.where(hidden, -np.inf, scores)
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
+            top = scores.max(axis=-1, keepdims=True)  # [Hkv, G, rows, 1]
+            if plan.sinks:  # gpt-oss: the head's sink logit joins the denominator (and the max), no value row
+                sink = self.weights.layers[layer].attn_sinks.reshape(cfg.n_head_kv, cfg.n_group, 1, 1)
+                top = np.maximum(top, sink)
+            p = np.exp(scores - top)
+            denom = p.sum(axis=-1, keepdims=True)
+            if plan.sinks:
+                denom += np.exp(sink - top)
+            p /= denom
             out[r : r + rows] = np.einsum("hgts,shd->thgd", p, values)  # [rows, Hkv, G, Dh]
         return out.reshape(t, cfg.q_dim)
 
@@ -176,6 +164,48 @@ class NumpyBackend(Backend):
         g = gate.astype(np.float64)
         gelu = 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
         return (gelu * up).astype(np.float32)
+
+    @_ieee
+    def swiglu_oai(self, gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+        """gpt-oss's clamped SwiGLU (ggml_swiglu_oai; transformers' GptOssExperts): g = min(gate, limit),
+        u = clip(up, -limit, limit) -> g sigmoid(alpha g) (u + 1)."""
+        g = np.minimum(gate, limit).astype(np.float64)  # no lower clamp: float64 keeps sigmoid's tail exact
+        u = np.clip(up, -limit, limit)
+        return (g / (1.0 + np.exp(-alpha * g)) * (u + 1.0)).astype(np.float32)
+
+    def gated(self, activation: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """The plan's activation of a gated FFN: "silu" (SwiGLU), "gelu_tanh" (GeGLU), "swiglu_oai"."""
+        if activation == "gelu_tanh":
+            return self.geglu(gate, up)
+        if activation == "swiglu_oai":
+            return self.swiglu_oai(gate, up)
+        return self.swiglu(gate, up)
+
+    @_ieee
+    def moe(self, h: np.ndarray, layer: int) -> np.ndarray:
+        """Route each token of h [T, D] to cfg.n_expert_used experts (moe.route), then run expert by expert
+        over the tokens that chose it: gate/up [T_e, F_exp] (+ biases), the activation, down [T_e, D]
+        (+ bias), times the token's weight, added into its row. A token picks distinct experts, so within
+        one expert its rows are distinct and a plain indexed add suffices."""
+        cfg, plan, L = self.cfg, self.cfg.layers[layer], self.weights.layers[layer]
+        logits = self.matmul(h, L.ffn_gate_inp, L.ffn_gate_inp_bias)  # [T, E]
+        ids, weights = route(logits, cfg.n_expert_used, plan.moe_gating, cfg.expert_weights_norm)  # [T, k]
+        k = ids.shape[1]
+        flat, wflat = ids.reshape(-1), weights.reshape(-1)  # slot s = token s // k
+        order = np.argsort(flat, kind="stable")  # slots grouped by expert
+        experts, starts = np.unique(flat[order], return_index=True)
+        ends = np.append(starts[1:], flat.size)
+        out = np.zeros((h.shape[0], cfg.n_embd), dtype=np.float32)
+        bias = lambda b, e: None if b is None else b[e]  # noqa: E731
+        for e, s0, s1 in zip(experts.tolist(), starts.tolist(), ends.tolist()):
+            slots = order[s0:s1]
+            tok = slots // k
+            x = h[tok]  # [T_e, D]
+            g = self.matmul(x, L.ffn_gate_exps[e], bias(L.ffn_gate_exps_bias, e))  # [T_e, F_exp]
+            u = self.matmul(x, L.ffn_up_exps[e], bias(L.ffn_up_exps_bias, e))
+            y = self.matmul(self.gated(plan.activation, g, u), L.ffn_down_exps[e], bias(L.ffn_down_exps_bias, e))
+            out[tok] += y * wflat[slots, None]  # [T_e, D]
+        return out
 
     @_ieee
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
@@ -204,16 +234,17 @@ def scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int | None = None) -> int:
     temporaries, q/k/v and their rotations, gate/up and SwiGLU's temporaries) and four score arrays of one
     attention pass of query rows over the whole context (einsum, scaled, where(), exp())."""
     t = min(ctx, chunk or ctx)
-    acts = t * (8 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 6 * cfg.n_ff)
+    acts = t * (8 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 6 * max(cfg.n_ff, cfg.n_ff_exp))
+    if any(p.moe for p in cfg.layers):  # router logits and their float64 softmax [T, E], the gathered rows
+        acts += t * (6 * cfg.n_expert + 2 * cfg.n_embd)
     scores = cfg.n_head * attention_rows(cfg, t, ctx) * ctx
     return 4 * (acts + 2 * cfg.vocab_size) + 8 * 4 * scores
 
 
 def host_bytes(cfg: ModelConfig, ctx: int) -> tuple[int, int]:
     """(weights, KV cache) bytes this backend allocates: every tensor but the embedding table as float32 (the
-    LM head too, a copy when tied), and K and V float32 [layer, ctx, Hkv, Dh]."""
-    from ..weights import model_specs
-
+    LM head too, a copy when tied; experts, all E of them, [E, rows, cols]), and K and V float32
+    [layer, ctx, Hkv, Dh]."""
     weights = sum(4 * math.prod(s.shape) for s in model_specs(cfg) if s.name != "token_embd.weight")
     if cfg.tied_embeddings:
         weights += 4 * cfg.vocab_size * cfg.n_embd

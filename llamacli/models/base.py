@@ -69,6 +69,9 @@ class Architecture:
     # checked as config.py checks every key; `common` holds n_layer, n_embd, n_head, head_dim, rope_freq_base.
     settings: Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]] = field(
         default=lambda get, common: {})
+    # LayerWeights field -> GGUF tensor name (after "blk.N.") where this architecture's files differ from
+    # weights.py's defaults (gpt-oss: the FFN pre-norm ffn_norm is "post_attention_norm.weight").
+    tensor_names: dict[str, str] = field(default_factory=dict)
 
     def plans(self, n_layer: int, tensors: set[str] | frozenset[str], metadata: Any = None,
               settings: dict[str, Any] | None = None) -> tuple[LayerPlan, ...]:
@@ -85,6 +88,8 @@ _FEATURES = (  # (plan field, shown when the layer has it (True) or lacks it (Fa
     ("rope_local", True, "local RoPE"),
     ("post_norms", True, "post-norms"),
     ("fused_gate_up", True, "fused gate/up"),
+    ("o_bias", True, "output bias"),
+    ("sinks", True, "attention sinks"),
 )
 
 
@@ -102,5 +107,9 @@ def describe(plans: tuple[LayerPlan, ...]) -> str:
     for cap in sorted({p.attn_softcap for p in plans if p.attn_softcap}):
         parts.append(f"attention soft-cap {cap:g}")
     for act in sorted({p.activation for p in plans if p.activation != "silu"}):
-        parts.append({"gelu_tanh": "GeGLU"}.get(act, act))
+        parts.append({"gelu_tanh": "GeGLU", "swiglu_oai": "clamped SwiGLU"}.get(act, act))
+    n = sum(p.moe for p in plans)
+    for gating in sorted({p.moe_gating for p in plans if p.moe}):
+        label = {"softmax": "softmax, top-k", "topk_softmax": "top-k, softmax"}.get(gating, gating)
+        parts.append(f"mixture of experts ({label})" + ("" if n == len(plans) else f" on {n} of {len(plans)} layers"))
     return ", ".join(parts) or "the Llama block"

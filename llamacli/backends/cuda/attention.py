@@ -7,7 +7,8 @@
 - kernels/attention_mma.cu: attention_tc*_d<D> (prefill on tensor cores, mma.sync);
 - the _w / tcx forms of each (attention_w_npl<N>, attention_combine_w, attention_decode_w_npl<N>,
   attention_step_w_<mode>_npl<N>, attention_tcx*_d<D>): the same with a layer's sliding window and attention
-  soft-cap (gemma), launched only on the layers whose plan has either (LayerPlan.window, attn_softcap);
+  soft-cap (gemma) and attention sinks (gpt-oss), launched only on the layers whose plan has one of them
+  (LayerPlan.window, attn_softcap, sinks);
 - kernels/attention_wgmma.cu: attention_wg*_d<D> (prefill on Hopper's wgmma; built for sm_90a).
 
 Decode splits the keys (flash-decoding): a fixed grid of n_split splits of `chunk` keys each (decode_chunk,
@@ -56,8 +57,8 @@ def tc_qscale(dh: int, scale: float = 0.0) -> float:
 
 
 def layer_ext(plan: Any) -> bool:
-    """Whether a layer's attention needs the _w / tcx kernels: a sliding window or a soft-cap."""
-    return bool(plan.window or plan.attn_softcap)
+    """Whether a layer's attention needs the _w / tcx kernels: a sliding window, a soft-cap or sinks."""
+    return bool(plan.window or plan.attn_softcap or plan.sinks)
 
 
 def values_per_lane(dh: int) -> int:
@@ -105,6 +106,7 @@ class AttentionMixin:
         plan = cfg.layers[layer] if layer is not None else None
         ext = plan is not None and layer_ext(plan)
         wx = (K.i32(plan.window), K.f32(plan.attn_softcap)) if ext else ()  # the _w kernels' extra arguments
+        sinks = (K.ptr(self.sinks(layer)),) if ext else ()  # gpt-oss's, or null
         w_ = "_w" if ext else ""
         if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
             # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e) x the query scale), as
@@ -122,18 +124,23 @@ class AttentionMixin:
                      shared=self._decode_smem())
             K.launch("attention_simt", f"attention_combine{w_}", (hq,), (max(32, K.cdiv(dh, 32) * 32),),
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(1), K.i32(hq), K.i32(dh), K.i32(n_split),
-                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1]))
+                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1], *sinks))
             return
         smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
         grid = (K.cdiv(t * cfg.n_group, ATT_ROWS), hkv, n_split)
         K.launch("attention_simt", f"attention{w_}_npl{npl}", grid, (256,),
                  (K.ptr(q), K.i32(q_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
                   K.i32(dh), K.f32(cfg.query_scale), K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim),
-                  K.ptr(part_o), K.ptr(part_ml), K.i32(n_split), *wx), shared=smem)
+                  K.ptr(part_o), K.ptr(part_ml), K.i32(n_split), *wx, *sinks), shared=smem)
         if n_split > 1:
             K.launch("attention_simt", f"attention_combine{w_}", (t * hq,), (max(32, K.cdiv(dh, 32) * 32),),
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(dh), K.i32(n_split),
-                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1]))
+                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1], *sinks))
+
+    def sinks(self, layer: int | None) -> Any:
+        """Layer `layer`'s attention sinks [Hq] (gpt-oss), or None (also for kernel tests without weights)."""
+        w = getattr(self, "weights", None)
+        return None if w is None or layer is None else w.layers[layer].attn_sinks
 
     def attend_tc(self, q16: Any, q16_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any,
                   layer: int | None = None) -> None:
@@ -148,7 +155,7 @@ class AttentionMixin:
         if plan is not None and layer_ext(plan):  # the soft-cap in the kernel's base-2 units: c log2(e)
             args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq),
                     K.i32(hkv), K.ptr(out), K.i32(cfg.q_dim), K.i32(plan.window),
-                    K.f32(plan.attn_softcap * math.log2(math.e)))
+                    K.f32(plan.attn_softcap * math.log2(math.e)), K.ptr(self.sinks(layer)))
             K.launch("attention_mma", f"attention_tcx{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv),
                      (128,), args, shared=tc_smem(dh))
             return
@@ -186,7 +193,8 @@ class AttentionMixin:
                   K.ptr(self._part_o), K.ptr(self._part_ml), K.ptr(qkv.data.ptr + 4 * cfg.q_dim),
                   K.i32(self.rope_dims[layer]), K.ptr(inv_freq), K.f32(attn),
                   K.ptr(self.attention_counters), K.ptr(att), K.i32(early),
-                  *((K.i32(plan.window), K.f32(plan.attn_softcap)) if ext else ())),
+                  *((K.i32(plan.window), K.f32(plan.attn_softcap), K.ptr(self.sinks(layer)))
+                    if ext else ())),
                  shared=self._decode_smem())
 
     def _decode_smem(self) -> int:

@@ -9,8 +9,9 @@ Two ways to run the model:
   and a look-ahead step (decode.py).
 
 CudaBackend is assembled from one mixin per concern, each in its own module: device.py (loading, memory,
-transfers), linear.py (matvec / GEMM), ops.py, attention.py, prefill.py, decode.py, sampling.py (device
-sampling) and profile.py (bench --profile); loader.py compiles and launches the kernels.
+transfers), linear.py (matvec / GEMM), ops.py, attention.py, moe.py (mixtures of experts), prefill.py,
+decode.py, sampling.py (device sampling) and profile.py (bench --profile); loader.py compiles and launches the
+kernels.
 
 Measured on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,742 tok/s, pp512 261,099
 tok/s; `llamacli bench --profile` breaks a step down by kernel family.
@@ -31,14 +32,15 @@ from .attention import AttentionMixin
 from .decode import PDL_EARLY_BYTES, PDL_MAX_BYTES, DecodeMixin
 from .device import DeviceMixin, cuda_available
 from .linear import RUNNABLE, LinearMixin
+from .moe import MoEMixin
 from .ops import OpsMixin
 from .prefill import PREFILL_CHUNK, PrefillMixin
 from .profile import ProfileMixin
 from .sampling import SamplingMixin
 
 
-class CudaBackend(DeviceMixin, LinearMixin, OpsMixin, AttentionMixin, PrefillMixin, DecodeMixin, SamplingMixin,
-                  ProfileMixin, Backend):
+class CudaBackend(DeviceMixin, LinearMixin, OpsMixin, AttentionMixin, MoEMixin, PrefillMixin, DecodeMixin,
+                  SamplingMixin, ProfileMixin, Backend):
     name = "cuda"
     runnable_types = frozenset(RUNNABLE)
     prefill_chunk = PREFILL_CHUNK

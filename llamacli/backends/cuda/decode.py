@@ -1,15 +1,18 @@
-"""The fused decode step of the CUDA backend: `decode(token, pos)` and `decode_greedy`.
+"""The fused decode step of the CUDA backend: `decode(token, pos)`, `decode_greedy` and `decode_sampled`.
 
 Every buffer is allocated at load and the token and position are read by the kernels from device memory
 (step_ids, step_pos), so the step is captured once into a CUDA graph and replayed on the current stream
 (`use_graph`); the host uploads token/pos only when the device does not already hold them and reads back
-one id. Per layer (_step_kernels), 5 kernels: QKV matvec (RMSNorm fused into its input, + bias) | [q/k norm, where
-the layer's plan has it] | attention
-(RoPE, K/V store, splits and their merge in one kernel) | output matvec + residual | gate/up matvec (RMSNorm
-fused, + SwiGLU) | down matvec + residual; then the LM head with the final RMSNorm and, when greedy, the
-argmax fused in (kernels/matvec.cu mv1_*). Inside the graph the small matvecs and the attention are
-programmatic dependents (sm_90: each starts while the previous kernel finishes), and decode_greedy queues
-the next step before it reads this step's id (look-ahead).
+one id. Per layer (_step_kernels), 5 kernels: QKV matvec (RMSNorm fused into its input, + bias) | [q/k norm,
+where the layer's plan has it] | attention (RoPE, K/V store, splits and their merge in one kernel) | output
+matvec + residual | gate/up matvec (RMSNorm fused, + SwiGLU) | down matvec + residual (a mixture-of-experts
+layer: router + routing | the chosen experts' gate/up | down | their weighted sum, moe.MoEMixin.moe_step);
+then the LM head with the final RMSNorm and, when greedy, the
+argmax fused in (kernels/matvec.cu mv1_*), or, when sampled, the device sampler after it (penalties, top-k,
+the draw: sampling.py). Inside the graph the small matvecs and the attention are programmatic dependents
+(sm_90: each starts while the previous kernel finishes), and decode_greedy / decode_sampled queue the next
+step before they read this step's id (look-ahead). The graphs are captured before generation times anything
+(`prepare_decode`: at load, generate.Model).
 """
 
 from __future__ import annotations
@@ -20,17 +23,18 @@ from typing import Any, Callable
 import numpy as np
 
 from ...config import ROPE_NEOX
-from ...errors import NumericalError
 from . import loader as K
 from .linear import DeviceMatrix, mv1_kernel, mv1_stream_ok
 from .profile import _NULL
-from .sampling import TOPK_MAX
+from .sampling import check_flag
 
 log = logging.getLogger("llamacli.cuda")
 
 # The captured decode step's programmatic launches (_step_kernels; measured on the H100, BENCHMARKS.md):
 PDL_MAX_BYTES = 16 << 20  # matvecs under this many weight bytes (and the attention) launch as dependents
 PDL_EARLY_BYTES = 2 << 20  # a kernel lets the next start early when the next reads under this many bytes
+# The captured steps by what follows the LM head: (the argmax fused into it, the device sampler after it).
+STEP_KINDS = {"logits": (False, False), "greedy": (True, False), "sampled": (False, True)}
 
 
 class DecodeMixin:
@@ -48,9 +52,7 @@ class DecodeMixin:
         self.step_pos = cp.zeros(1, dtype=cp.int32)
         # Fused argmax cells (kernels/matvec.cu mv1): key, block counter, flag, &step_ids, &step_pos.
         self._am = cp.asarray(np.asarray([0, 0, 0, self.step_ids.data.ptr, self.step_pos.data.ptr], np.uint64))
-        self._topk_vals = cp.empty(TOPK_MAX, cp.float32)
-        self._topk_ids = cp.empty(TOPK_MAX, cp.int32)
-        self._sample_out = cp.zeros(2, cp.int32)  # (token id, flag) from sample_topk_f32
+        self._alloc_sampler()  # sampling.SamplingMixin: top-k buffers, the captured step's sampler state
 
     def _alloc_step_buffers(self) -> None:
         cp, cfg = self.cp, self.cfg
@@ -67,8 +69,9 @@ class DecodeMixin:
         self._part_ml = cp.empty((n_split, cfg.n_head, 2), f)
         self.attention_counters = cp.zeros(cfg.n_head_kv, cp.uint32)  # attention_step: finished splits per KV head
         self._dev_state: tuple[int, int] | None = None
-        # decode_greedy's step queued ahead: ((token, pos) it computes, its pinned slot, launch count then)
-        self._ahead: tuple[tuple[int, int], int, int] | None = None
+        # The step decode_greedy / decode_sampled queued ahead: ((token, pos) it computes, its pinned slot, launch
+        # count then, its graph's key)
+        self._ahead: tuple[tuple[int, int], int, int, str] | None = None
         self._ids_slot = 0
         self._ids_out = []
         for _ in range(2):  # pinned host slots for the (id, flag) of a step, each with its copy's event
@@ -89,17 +92,21 @@ class DecodeMixin:
             self._qkv_plan.append((segs, bias))
         # Gate/up: separate tensors, or phi3's ffn_up rows [gate; up].
         self._ffn_plan = []
-        for L in self.weights.layers:
-            if L.ffn_gate is not None and L.ffn_gate.qtype == L.ffn_up.qtype:
+        for L, plan in zip(self.weights.layers, self.cfg.layers):
+            if plan.moe:  # the experts: moe.MoEMixin.moe_step
+                self._ffn_plan.append(None)
+            elif L.ffn_gate is not None and L.ffn_gate.qtype == L.ffn_up.qtype:
                 self._ffn_plan.append((L.ffn_gate, L.ffn_up))
             elif L.ffn_gate is None:
                 f_ = self.cfg.n_ff
                 self._ffn_plan.append((L.ffn_up.slice_rows(0, f_), L.ffn_up.slice_rows(f_, f_)))
             else:
                 self._ffn_plan.append(None)  # mixed types: two matvecs and a swiglu kernel
+        self.alloc_moe_step()
 
-    def _step_kernels(self, greedy: bool) -> None:
-        """Launch one decode step reading step_ids[0] and step_pos[0]; logits -> step_logits. Per layer:
+    def _step_kernels(self, greedy: bool, sample: bool = False) -> None:
+        """Launch one decode step reading step_ids[0] and step_pos[0]; logits -> step_logits (`sample`: then the
+        device sampler, sampling.SamplingMixin._sample_tail, writes the id and advances pos). Per layer:
         QKV matvec (+ RMSNorm, bias) | attention step (RoPE + K/V store + splits + their merge; where the head
         shape has no such kernel: rope_store, attention split, combine) | O matvec + residual | gate/up matvec
         (+ RMSNorm, SwiGLU) | down matvec + residual; then the LM head (+ RMSNorm, argmax)."""
@@ -160,9 +167,12 @@ class DecodeMixin:
                 mv("O-proj", (L.attn_output,), att, self._blk)
                 step.append(("O-proj", 0, False, lambda early, w=L.attn_post_norm: self._post_norm_add(w)))
             else:
-                mv("O-proj", (L.attn_output,), att, x, resid=x)
+                mv("O-proj", (L.attn_output,), att, x, resid=x, bias=L.attn_output_bias)
             act = cfg.layers[i].activation
             plan = self._ffn_plan[i]
+            if cfg.layers[i].moe:  # x += the chosen experts' weighted sum
+                self.moe_step(i, x, lambda name, nbytes, launch: step.append((name, nbytes, False, launch)))
+                continue
             if plan is not None:
                 step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, self.mv1_stream and mv1_stream_ok(plan),
                              lambda early, plan=plan, L=L, act=act:
@@ -191,6 +201,8 @@ class DecodeMixin:
         else:
             mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), x, self.step_logits,
                norm=w.output_norm, argmax=greedy)
+        if sample:  # penalties (the history by position) | top-k | top-p, min-p, temperature, the draw
+            self._sample_tail(step, cfg.vocab_size)
         for j, (name, nbytes, streams, launch) in enumerate(step):
             nxt_bytes, nxt_streams = step[j + 1][1:3] if j + 1 < len(step) else (0, False)
             plain = nbytes >= self.pdl_max_bytes and not streams
@@ -208,37 +220,53 @@ class DecodeMixin:
             self._ff2 = self.cp.empty((2, 1, self.cfg.n_ff), dtype=self.cp.float32)
         return self._ff2
 
-    def _run_step(self, greedy: bool) -> None:
-        cp = self.cp
-        key = "greedy" if greedy else "logits"
+    def _run_step(self, kind: str) -> None:
+        """Queue one decode step of `kind` (STEP_KINDS): its graph replayed (captured first if need be), or
+        its kernels launched one by one without graphs."""
         if not self.use_graph:
-            self._step_kernels(greedy)
+            self._step_kernels(*STEP_KINDS[kind])
             return
-        graph = self._graphs.get(key)
-        if graph is None:
-            self._ff_tmp()
-            self._step_kernels(greedy)  # warm up: compile, first-launch setup, outside the capture
-            graph = self._graphs[key] = self._capture_step(greedy)
-            # The warm-up ran the step once (it wrote this position's K/V and, when greedy, advanced pos):
-            # restore the inputs so the first replay computes the same step.
-            self.step_ids[:1].set(np.asarray([self._cur_token], np.int32))
-            self.step_pos.set(np.asarray([self._cur_pos], np.int32))
         # Replay on the current stream: ordered after the prefill and the input copies, and the host waits
         # only where it reads a result (step_ids.get(), or the caller's use of the logits).
-        graph.launch(cp.cuda.get_current_stream())
+        self._graph(kind).launch(self.cp.cuda.get_current_stream())
 
-    def _capture_step(self, greedy: bool) -> Any:
+    def _graph(self, kind: str) -> Any:
+        """The captured step of `kind`; capturing it runs the step once first, for the inputs set now."""
+        graph = self._graphs.get(kind)
+        if graph is None:
+            self._ff_tmp()
+            self._step_kernels(*STEP_KINDS[kind])  # warm up: compile, first-launch setup, outside the capture
+            graph = self._graphs[kind] = self._capture_step(kind)
+            # The warm-up ran the step once (it wrote this position's K/V and, when greedy or sampled, the id
+            # and pos + 1): restore the inputs so the first replay computes the same step.
+            self.step_ids[:1].set(np.asarray([self._cur_token], np.int32))
+            self.step_pos.set(np.asarray([self._cur_pos], np.int32))
+        return graph
+
+    def prepare_decode(self, kinds: tuple[str, ...] = ("greedy", "sampled"), pos: int = 0) -> None:
+        """Capture the decode steps of `kinds` now (at load, or before a generation's timed loop) so that no
+        decode pays for it. The warm-up runs a step at position `pos`, whose K/V only a later decode there
+        may read (that decode overwrites them first): pos 0 on an empty cache, or the next decode position."""
+        todo = [k for k in kinds if k not in self._graphs] if self.use_graph else []
+        if not todo:
+            return
+        for kind in todo:
+            self._set_inputs(0, pos)
+            self._graph(kind)
+        self._dev_state = None
+
+    def _capture_step(self, kind: str) -> Any:
         """The decode step's graph, its matvecs and attention launched as programmatic dependents (each starts
         while the one before finishes; loader.dependent_launches) unless `pdl` is off or that capture
         fails (then a plain one, with a warning)."""
         if self.pdl:
             try:
                 with K.dependent_launches():
-                    return self._capture(lambda: self._step_kernels(greedy))
+                    return self._capture(lambda: self._step_kernels(*STEP_KINDS[kind]))
             except Exception as exc:  # a driver that refuses the attribute in capture: the plain graph
                 log.warning("decode step capture with programmatic launches failed (%s); capturing without", exc)
                 self.pdl = False
-        return self._capture(lambda: self._step_kernels(greedy))
+        return self._capture(lambda: self._step_kernels(*STEP_KINDS[kind]))
 
     def drop_graphs(self) -> None:
         """Forget the captured decode steps: the next step captures again (after changing pdl, say)."""
@@ -258,7 +286,7 @@ class DecodeMixin:
         """The fused decode step for `token` at position `pos` -> logits [1, V] (a device buffer that the
         next step overwrites). Writes that position's K/V into the cache."""
         self._set_inputs(token, pos)
-        self._run_step(greedy=False)
+        self._run_step("logits")
         return self.step_logits
 
     def decode_greedy(self, token: int, pos: int) -> int:
@@ -270,33 +298,51 @@ class DecodeMixin:
         the next call, (that id, pos + 1), takes its result, and any other call or launch recomputes (positions
         past pos must hold nothing the caller needs: true of generation, which extends the cache one token a
         time). Each result leaves the device through its own pinned slot, copied between the two steps."""
+        return self._decode_id(token, pos, "greedy")
+
+    def decode_sampled(self, token: int, pos: int) -> int:
+        """The fused decode step with the device sampler after the LM head (sampling.SamplingMixin, set up by
+        start_sampling): only the chosen id comes back, and the next step is queued ahead as in
+        decode_greedy. The ids equal sample(decode(token, pos), params, rng, history) call for call: the
+        step takes the uniform number and the penalty window of its position (sampling.py's docstring)."""
+        self._feed_uniforms(pos)
+        return self._decode_id(token, pos, "sampled")
+
+    def _decode_id(self, token: int, pos: int, kind: str) -> int:
+        """decode_greedy / decode_sampled: a step of `kind` that writes its id into step_ids, the next one
+        queued ahead."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == (int(token), int(pos)) and ahead[2] == K.launch_count():
+        if (ahead is not None and ahead[0] == (int(token), int(pos)) and ahead[2] == K.launch_count()
+                and ahead[3] == kind):
             slot = ahead[1]
             self._cur_token, self._cur_pos = int(token), int(pos)
         else:
             self._set_inputs(token, pos)
-            self._run_step(greedy=True)
+            self._run_step(kind)
             slot = self._copy_ids()
         nxt = None
-        if self.use_graph and pos + 1 < self.ctx and "greedy" in self._graphs:
-            self._run_step(greedy=True)  # reads (id, pos + 1) from the device
+        if self.use_graph and pos + 1 < self.ctx and kind in self._graphs:
+            if kind == "sampled":
+                self._feed_uniforms(pos + 1)
+            self._run_step(kind)  # reads (id, pos + 1) from the device
             nxt = self._copy_ids()
         ids, event = self._ids_out[slot]
         event.synchronize()
-        tok, bad = int(ids[0]), int(ids[1])
-        if bad:
-            raise NumericalError("the logits contain NaN or +inf: the model output is broken")
+        tok, flag = int(ids[0]), int(ids[1])
+        if flag:
+            self._dev_state = None
+            check_flag(flag, self.cfg.vocab_size)
         if nxt is None:
             self._dev_state = (tok, self._cur_pos + 1)
         else:
             self._dev_state = None  # the queued step moved the device on to (its id, pos + 2)
-            self._ahead = ((tok, self._cur_pos + 1), nxt, K.launch_count())
+            self._ahead = ((tok, self._cur_pos + 1), nxt, K.launch_count(), kind)
         return tok
 
     @property
     def queued_ahead(self) -> tuple[int, int] | None:
-        """The (token, pos) of the step decode_greedy queued ahead and has not handed out yet, or None."""
+        """The (token, pos) of the step decode_greedy / decode_sampled queued ahead and has not handed out yet,
+        or None."""
         return None if self._ahead is None else self._ahead[0]
 
     def _copy_ids(self) -> int:

@@ -9,6 +9,7 @@ the memory map in chunks; the 1-D tensors (norms, biases) as float32 arrays. The
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -18,10 +19,11 @@ from ...config import ModelConfig
 from ...errors import DeviceMemoryError
 from ...gguf_file import GGUFFile
 from ...memory_fit import not_enough_memory
-from ...weights import model_specs
+from ...weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights, Progress
 from . import loader as K
 from .linear import DEQUANT_CHUNK, DeviceMatrix
+from .moe import check_moe, dense_ff, moe_family_needed, moe_scratch_bytes
 
 _ALIGN = 256
 
@@ -57,14 +59,20 @@ class DeviceMixin:
     # -- lifetime ------------------------------------------------------------------------------------------
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None) -> None:
         cp = self.cp
+        t0 = time.perf_counter()  # load_stages: kernels, weights, the rest
         self.cfg, self.ctx = cfg, ctx
         report = progress or (lambda done, total, what: None)
+        check_moe(cfg, gguf)
         for fam in K.FAMILIES:  # compile (or fetch from CuPy's cache) before touching device memory
-            K.module(fam)
+            if fam != "moe" or moe_family_needed(cfg):  # the expert kernels only for models with experts
+                K.module(fam)
+        t_kernels = time.perf_counter()
 
+        # Matrices (2-D, and 3-D expert tensors as one matrix of E * rows rows) go to the arena in their GGUF
+        # layout; vectors and bias tables (the experts' [E, F] biases) become float32 arrays.
         specs = [s for s in model_specs(cfg) if s.name in gguf.tensors]
-        mats = [gguf.tensors[s.name] for s in specs if len(s.shape) == 2]
-        vecs = [gguf.tensors[s.name] for s in specs if len(s.shape) == 1]
+        mats = [gguf.tensors[s.name] for s in specs if not s.vector]
+        vecs = [gguf.tensors[s.name] for s in specs if s.vector]
         offsets, total = {}, 0
         for info in mats:
             offsets[info.name] = total
@@ -87,34 +95,28 @@ class DeviceMixin:
                 dst[s:e].set(np.ascontiguousarray(raw[s:e]))
                 done += e - s
                 report(done, grand, info.name)
-            rows, cols = info.shape
-            handles[info.name] = DeviceMatrix(base + offsets[info.name], rows, cols, info.type, info.row_bytes)
-        for info in vecs:
-            handles[info.name] = cp.asarray(gguf.dequantize(info.name).astype(np.float32).reshape(-1))
+            *rows, cols = info.shape
+            handles[info.name] = DeviceMatrix(base + offsets[info.name], int(np.prod(rows)), cols, info.type,
+                                              info.row_bytes)
+        for info in vecs:  # 1-D, or [E, F] bias tables kept 2-D
+            v = gguf.dequantize(info.name).astype(np.float32)
+            handles[info.name] = cp.asarray(v.reshape(-1) if len(info.shape) == 1 else v.reshape(info.shape))
             done += 4 * info.n_elements
             report(done, grand, info.name)
 
+        t_weights = time.perf_counter()
         layers = []
-        for i in range(cfg.n_layer):
-            p = f"blk.{i}."
-            g = lambda n: handles.get(p + n)  # noqa: E731
-            layers.append(
-                LayerWeights(
-                    attn_norm=g("attn_norm.weight"), attn_q=g("attn_q.weight"), attn_k=g("attn_k.weight"),
-                    attn_v=g("attn_v.weight"), attn_qkv=g("attn_qkv.weight"), attn_q_bias=g("attn_q.bias"),
-                    attn_k_bias=g("attn_k.bias"), attn_v_bias=g("attn_v.bias"),
-                    attn_q_norm=g("attn_q_norm.weight"), attn_k_norm=g("attn_k_norm.weight"),
-                    attn_post_norm=g("post_attention_norm.weight"), ffn_post_norm=g("post_ffw_norm.weight"),
-                    attn_output=g("attn_output.weight"), ffn_norm=g("ffn_norm.weight"),
-                    ffn_gate=g("ffn_gate.weight"), ffn_up=g("ffn_up.weight"), ffn_down=g("ffn_down.weight"),
-                )
-            )
+        for i in range(cfg.n_layer):  # every tensor the block's plan names (weights.layer_tensor_names)
+            names = layer_tensor_names(cfg, i)
+            layers.append(LayerWeights(**{field: handles[name] for field, name in names.items() if name in handles}))
         emb = handles["token_embd.weight"]
         self.weights = ModelWeights(emb, layers, handles["output_norm.weight"], handles.get("output.weight", emb))
         self._wfam = {id(self.weights.output): "LM head"}
         for L in layers:
             for m, fam in ((L.attn_q, "QKV"), (L.attn_k, "QKV"), (L.attn_v, "QKV"), (L.attn_qkv, "QKV"),
-                           (L.attn_output, "O-proj"), (L.ffn_gate, "FFN"), (L.ffn_up, "FFN"), (L.ffn_down, "FFN")):
+                           (L.attn_output, "O-proj"), (L.ffn_gate, "FFN"), (L.ffn_up, "FFN"), (L.ffn_down, "FFN"),
+                           (L.ffn_gate_inp, "FFN"), (L.ffn_gate_exps, "FFN"), (L.ffn_up_exps, "FFN"),
+                           (L.ffn_down_exps, "FFN")):
                 if m is not None:
                     self._wfam[id(m)] = fam
 
@@ -131,16 +133,21 @@ class DeviceMixin:
         self._pf = None
         self._pf_graphs.clear()
         self._pf_seen.clear()
+        t_end = time.perf_counter()
+        self.load_stages = (("kernels", (t_kernels - t0) * 1e3),
+                            ("weights upload", (t_weights - t_kernels) * 1e3),
+                            ("KV cache, buffers", (t_end - t_weights) * 1e3))
 
     def _scratch_bytes(self, cfg: ModelConfig, ctx: int) -> int:
         """Decode buffers plus a prefill working set (a 512-token chunk and one fp16 weight chunk)."""
         t = min(ctx, 512)
-        widest = max(cfg.q_dim + 2 * cfg.kv_dim, 2 * cfg.n_ff, cfg.vocab_size)
-        act = t * (4 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.n_ff) * 4 + t * widest * 2 * 2
+        ff = dense_ff(cfg)
+        widest = max(cfg.q_dim + 2 * cfg.kv_dim, 2 * ff, cfg.vocab_size)
+        act = t * (4 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + 3 * ff) * 4 + t * widest * 2 * 2
         split = self.decode_splits(ctx)
         step = 4 * (3 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + cfg.q_dim + cfg.n_ff + cfg.vocab_size)
         step += split * cfg.n_head * (cfg.head_dim + 2) * 4
-        return act + step + 2 * DEQUANT_CHUNK + (64 << 20)  # + CuPy/cuBLAS workspace margin
+        return act + step + moe_scratch_bytes(cfg, t) + 2 * DEQUANT_CHUNK + (64 << 20)  # + CuPy/cuBLAS margin
 
     def _check_memory(self, cfg: ModelConfig, ctx: int, weight_bytes: int) -> None:
         """DeviceMemoryError saying what the model needs, what the GPU has and what would fit

@@ -38,7 +38,7 @@ NVRTC_OPTIONS = ("-std=c++17",)
 _NVRTC_DIRECT = (*NVRTC_OPTIONS, "-default-device")
 FEATURE_ARCH = {"attention_wgmma": ("90", "sm_90a")}  # family -> (compute capability, NVRTC target on it)
 FAMILIES = ("attention_decode", "attention_mma", "attention_simt", "attention_wgmma", "dequant", "elementwise",
-            "matvec", "norm", "rope", "sampling")
+            "matvec", "moe", "norm", "rope", "sampling")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 

@@ -6,8 +6,10 @@ Per layer (_prefill_kernels): rms_norm_f16 | dequantize Q,K,V into one fp16 scra
 back to back with one type; F16 weights are read in place) + one GEMM | scale, bias, RoPE, K/V store
 (rope_store_pf) | attention on tensor cores, fp16 out | O GEMM accumulating into the residual (beta = 1) |
 rms_norm_f16 | gate/up dequantize + one GEMM | swiglu_f16_rowscale | down dequantize + GEMM | rowscale_add into
-the residual. Then the LM head on the last row only (mv1 with the final RMSNorm fused). 11-17 launches per
-layer where the op-by-op path (model.forward) takes ~45.
+the residual (a mixture-of-experts layer: rms_norm_f16, then moe.MoEMixin._moe_gemm's ~10 launches: router,
+routing, grouping, the experts' GEMMs on tensor cores, their weighted sum into the residual). Then the LM head
+on the last row only (mv1 with the final RMSNorm fused). 11-17 launches per dense layer where the op-by-op
+path (model.forward) takes ~45.
 
 The token ids and positions live in device buffers, so a chunk length seen before is captured once into a
 CUDA graph and replayed (the first sighting runs the kernels directly: compilation, cuBLAS plans); long
@@ -27,6 +29,7 @@ from ...config import ROPE_NEOX
 from . import loader as K
 from .attention import ATT_TC_DIMS, ATT_TC_MIN_T, tc_qscale
 from .linear import DEQUANT_CHUNK, MATVEC_TMAX, DeviceMatrix, merge_rows, qname
+from .moe import dense_ff, moe_family_needed
 
 log = logging.getLogger("llamacli.cuda")
 
@@ -82,7 +85,7 @@ class PrefillMixin:
             return self._pf
         cp, cfg = self.cp, self.cfg
         tm = min(self.ctx, PREFILL_CHUNK)
-        d, f, nqkv = cfg.n_embd, cfg.n_ff, cfg.q_dim + 2 * cfg.kv_dim
+        d, f, nqkv = cfg.n_embd, dense_ff(cfg), cfg.q_dim + 2 * cfg.kv_dim
         f32 = cp.float32
         b = SimpleNamespace(
             ids=cp.zeros(tm, cp.int32), pos=cp.zeros(tm, cp.int32),
@@ -94,8 +97,13 @@ class PrefillMixin:
         )
         for i, L in enumerate(self.weights.layers):
             qkv = [L.attn_qkv] if L.attn_qkv is not None else [L.attn_q, L.attn_k, L.attn_v]
+            if cfg.layers[i].moe:  # the experts: moe.MoEMixin.moe
+                b.layers.append((merge_rows(qkv), self._qkv_plan[i][1], [L.attn_output], None, None))
+                continue
             gu = [L.ffn_up] if L.ffn_gate is None else [L.ffn_gate, L.ffn_up]
             b.layers.append((merge_rows(qkv), self._qkv_plan[i][1], [L.attn_output], merge_rows(gu), [L.ffn_down]))
+        if moe_family_needed(cfg):
+            self._moe_buffers(tm)  # before any capture: a captured pass allocates nothing
         self._pf = b
         return b
 
@@ -141,6 +149,7 @@ class PrefillMixin:
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
         tc = t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc
         x, h16, sc, qkv, gu, y = b.x, b.h16.data.ptr, b.scale, b.qkv, b.gu, b.y
+        xt = x[: t * d].reshape(t, d)  # the residual stream as [t, D]
         sec = self._section
 
         def norm16(weight: Any) -> None:  # h16, sc = fp16 RMSNorm(x) * weight with its row scales
@@ -192,6 +201,14 @@ class PrefillMixin:
                 else:
                     self._gemm_weights(b.att16.data.ptr, t, o_w, y.data.ptr, d)
                     add_scaled()
+                if L.attn_output_bias is not None:  # gpt-oss
+                    xt += L.attn_output_bias
+            if plan.moe:  # x += the experts' weighted sum (moe.MoEMixin._moe_gemm)
+                with sec("norm"):
+                    norm16(L.ffn_norm)
+                with sec("FFN"):
+                    self._moe_gemm(h16, sc, t, i, xt)
+                continue
             with sec("norm"):
                 norm16(L.ffn_norm)
             with sec("FFN"):

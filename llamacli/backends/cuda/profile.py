@@ -129,8 +129,10 @@ def _random_weight(cp: Any, qtype: QT, n: int, k: int) -> Any:
     block, size = GGML_QUANT_SIZES[qtype]
     b = cp.random.randint(0, 256, size=(n * k // block, size), dtype=cp.uint8)
     scale = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
-    for off in _F16_FIELDS[qtype]:
+    for off in _F16_FIELDS.get(qtype, ()):
         b[:, off], b[:, off + 1] = int(scale[0]), int(scale[1])
+    if qtype == QT.MXFP4:  # the E8M0 exponent byte: 2^(118 - 128), about 1e-3
+        b[:, 0] = 118
     return b.reshape(n, -1)
 
 

@@ -1,30 +1,130 @@
 """Sampling on the device (kernels/sampling.cu): penalties, then argmax (greedy), or top-k (k <= TOPK_MAX) and
 the rest of llamacli.sampling's chain over the candidates (top-p, min-p, temperature, the draw with the
 uniform number the host's seeded generator supplies): only the chosen id crosses, and the tokens equal
-llamacli.sampling's for the same seed (tests/test_gpu_kernels.py). top_k = 0 or > TOPK_MAX copies the logits
-and samples on the host."""
+llamacli.sampling's for the same seed (tests/test_gpu_kernels.py, test_gpu_sampling.py; the host side of the
+step's sampler without a GPU: test_cuda_sampling.py). top_k = 0 or > TOPK_MAX copies the logits and samples on
+the host.
+
+Two ways in:
+
+- `sample(logits, params, rng, recent)`: one call of llamacli.sampling.sample, kernel by kernel (the first
+  token after a prefill, and any step whose logits the caller holds);
+- inside the captured decode step (`start_sampling`, then decode.DecodeMixin.decode_sampled): the same kernels
+  in their _step forms follow the LM head, so a sampled generation queues its next step ahead as the greedy
+  one does and only the id crosses. The settings live in device memory (one graph serves them all). The
+  step reads what the host would pass to sample() from the device:
+    - the uniform number: the host draws them ahead from the same generator in the same order (draw d is the
+      d-th rng.random() after start_sampling, the one sample() would have drawn for the d-th step) into a ring
+      of UNIFORM_RING slots that the step indexes by its position (UniformFeed);
+    - the recent tokens: a per-position history [ctx] that each step extends with its input token (the
+      prompt's tail written by start_sampling), so the window of a step at pos is positions
+      pos - repeat_last_n + 1 .. pos, as generate's history list.
+  Greedy with penalties runs there too (top-k 1, temperature 0: no uniform number drawn). top_k = 0 or
+  > TOPK_MAX stays with the host path (start_sampling says False).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ...errors import NumericalError
+from ...sampling import SamplingParams
 from . import loader as K
 from .profile import profiled
 
 TOPK_MAX = 1024  # device top-k candidates
+UNIFORM_RING = 1024  # uniform numbers the device holds ahead (a power of two); refilled by halves
+
+# kernels/sampling.cu SampleParams, field for field (C layout: 56 bytes).
+STEP_PARAMS = np.dtype([("top_p", "<f8"), ("log_min_p", "<f8"), ("temperature", "<f8"), ("repeat", "<f4"),
+                        ("freq", "<f4"), ("present", "<f4"), ("top_k", "<i4"), ("window", "<i4"), ("base", "<i4"),
+                        ("ring", "<i4")], align=True)
+
+
+def on_device(params: Any) -> bool:
+    """Whether the device can run this sampler in the decode step: greedy (with penalties), or top-k within
+    1..TOPK_MAX (top_k = 0 or more candidates: the host path)."""
+    return params.greedy or 0 < params.top_k <= TOPK_MAX
+
+
+def step_params(params: Any, vocab: int, base: int) -> np.ndarray:
+    """The SampleParams record for `params` (validated): greedy -> top-k 1 at temperature 0; the penalty window
+    0 when no penalty changes a logit; `base`, the position whose step takes uniform number 0."""
+    p = np.zeros((), STEP_PARAMS)
+    p["top_p"] = params.top_p
+    p["log_min_p"] = math.log(params.min_p) if params.min_p > 0 else -math.inf
+    p["temperature"] = 0.0 if params.greedy else params.temperature
+    p["repeat"], p["freq"], p["present"] = params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+    p["top_k"] = 1 if params.greedy else min(params.top_k, vocab)
+    p["window"] = params.repeat_last_n if params.has_penalties else 0
+    p["base"], p["ring"] = base, UNIFORM_RING
+    return p
+
+
+def record_bytes(rec: np.ndarray) -> np.ndarray:
+    """A SampleParams record as the uint8 [56] its device buffer takes."""
+    return np.frombuffer(rec.tobytes(), np.uint8).copy()
+
+
+class UniformFeed:
+    """The seeded uniform numbers ahead of the device, in draw order: draw d (the d-th rng.random() since
+    `start`) sits in slot d % size of the device ring. `start` gives the whole first ring; `need(d)` the
+    (first slot, numbers) writes that make draw d available, a half ring at a time, overwriting only draws
+    at least half a ring older than d (the steps that read them are queued before the copy, and the host
+    never goes back more than one step)."""
+
+    def __init__(self, size: int = UNIFORM_RING):
+        if size < 8 or size & (size - 1):
+            raise ValueError(f"the ring size must be a power of two >= 8, got {size}")
+        self.size, self.half = size, size // 2
+        self.rng: np.random.Generator | None = None
+        self.filled = 0  # draws made so far: draws [filled - size, filled) sit in the ring
+
+    def start(self, rng: np.random.Generator) -> np.ndarray:
+        self.rng, self.filled = rng, self.size
+        return rng.random(self.size)  # the same numbers as `size` calls of rng.random()
+
+    def need(self, d: int) -> list[tuple[int, np.ndarray]]:
+        if self.rng is None or d < self.filled - self.size:
+            raise ValueError(f"uniform number {d} is no longer in the ring (draws {self.filled - self.size}.."
+                             f"{self.filled - 1})")
+        writes = []
+        while d >= self.filled:
+            writes.append((self.filled % self.size, self.rng.random(self.half)))
+            self.filled += self.half
+        return writes
 
 
 class SamplingMixin:
-    """Mixed into backend.CudaBackend; its buffers (_topk_vals, _topk_ids, _sample_out) come from
-    decode.DecodeMixin.alloc_step_io."""
+    """Mixed into backend.CudaBackend; decode.DecodeMixin.alloc_step_io calls _alloc_sampler."""
 
     cp: Any
     cfg: Any
+    ctx: int
 
+    def _alloc_sampler(self) -> None:
+        cp = self.cp
+        self._topk_vals = cp.empty(TOPK_MAX, cp.float32)
+        self._topk_ids = cp.empty(TOPK_MAX, cp.int32)
+        self._sample_out = cp.zeros(2, cp.int32)  # (token id, flag) from sample_topk_f32
+        self._pen_counts = cp.zeros(self.cfg.vocab_size, cp.int32)  # the penalty kernels' counts: zero between them
+        # The captured step's sampler: its settings, the token of every position, the uniform ring.
+        self._step_params = cp.zeros(STEP_PARAMS.itemsize, cp.uint8)
+        self._step_params.set(record_bytes(step_params(SamplingParams(temperature=0.0), self.cfg.vocab_size, 0)))
+        self._hist = cp.full(self.ctx, -1, cp.int32)
+        self._uniforms = cp.zeros(UNIFORM_RING, cp.float64)
+        self._feed = UniformFeed(UNIFORM_RING)
+        self._feed_greedy = True  # the settings draw no uniform numbers
+        self._feed_base = 0  # the position whose step takes draw 0
+        # Pinned staging for the ring's refills, one event per half (its last copy).
+        mem = cp.cuda.alloc_pinned_memory(UNIFORM_RING * 8)
+        self._uniform_stage = np.frombuffer(mem, np.float64, UNIFORM_RING)
+        self._uniform_events = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+
+    # -- one call ------------------------------------------------------------------------------------------
     @profiled("sampling")
     def sample(self, logits: Any, params: Any, rng: np.random.Generator, recent: list[int]) -> int:
         from ... import sampling as S
@@ -34,18 +134,16 @@ class SamplingMixin:
         if not params.greedy and not 0 < params.top_k <= TOPK_MAX:
             return S.sample(self.to_host(logits)[-1], params, rng, recent)  # host path (documented)
         x = self._f32(logits[-1]).copy()  # [V]; penalties write into it
-        penal = params.repeat_last_n != 0 and (
-            params.repeat_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-        )
-        if penal and recent:
+        if params.has_penalties and recent:
             window = np.asarray(recent, dtype=np.int32)
             if params.repeat_last_n > 0:
                 window = window[-params.repeat_last_n :]
             if window.size:
                 hist = cp.asarray(window)
-                K.launch("sampling", "penalties_f32", (1,), (256,),
-                         (K.ptr(x), K.ptr(hist), K.i32(window.size), K.f32(params.repeat_penalty),
-                          K.f32(params.frequency_penalty), K.f32(params.presence_penalty)))
+                K.launch("sampling", "penalties_f32", (1,), (1024,),
+                         (K.ptr(x), K.ptr(hist), K.i32(window.size), K.i32(v), K.ptr(self._pen_counts),
+                          K.f32(params.repeat_penalty), K.f32(params.frequency_penalty),
+                          K.f32(params.presence_penalty)))
         if params.greedy:
             out = cp.empty(2, dtype=cp.int32)
             K.launch("sampling", "argmax_f32", (1,), (1024,), (K.ptr(x), K.i32(v), K.ptr(out), K.ptr(None)))
@@ -64,8 +162,75 @@ class SamplingMixin:
                  (K.ptr(self._topk_vals), K.ptr(self._topk_ids), K.i32(k), np.float64(params.top_p),
                   np.float64(log_min_p), np.float64(params.temperature), np.float64(rng.random()), K.ptr(out)))
         token, flag = (int(a) for a in out.get())
-        if flag == 1:
-            raise NumericalError("the logits contain NaN or +inf: the model output is broken")
-        if flag == 2:
-            raise NumericalError(f"all {v} logits are -inf: no token can be sampled")
+        check_flag(flag, v)
         return token
+
+    # -- inside the decode step ----------------------------------------------------------------------------
+    def start_sampling(self, params: Any, rng: np.random.Generator, recent: Sequence[int]) -> bool:
+        """Set up decode_sampled for a generation whose first step runs at position len(recent) (`recent`:
+        the ids at positions 0.. before it, as generate's history): the settings, the penalty window's tail of
+        `recent`, and the first ring of uniform numbers from `rng` (its next draws, in order; none when
+        greedy). False, and nothing changes, where the device cannot sample these settings (on_device)."""
+        if not on_device(params.validate()):
+            return False
+        cp = self.cp
+        base = len(recent)
+        if base >= self.ctx:
+            return False
+        cp.cuda.get_current_stream().synchronize()  # a step queued ahead may still read the old settings
+        self._ahead = None  # a step queued ahead under the old settings is not taken (decode._decode_id)
+        rec = step_params(params, self.cfg.vocab_size, base)
+        self._step_params.set(record_bytes(rec))
+        window = int(rec["window"])
+        lo = 0 if window < 0 else max(0, base - window + 1)  # the step at base writes position base itself
+        if window and base > lo:
+            self._hist[lo:base].set(np.asarray(recent[lo:base], dtype=np.int32))
+        self._feed_greedy, self._feed_base = bool(params.greedy), base
+        if not self._feed_greedy:
+            for e in self._uniform_events:
+                e.synchronize()
+            self._uniform_stage[:] = self._feed.start(rng)
+            self._copy_uniforms(0, UNIFORM_RING)
+        return True
+
+    def _feed_uniforms(self, pos: int) -> None:
+        """Before queuing the sampled step at `pos`: make its uniform number, draw pos - base, available."""
+        if self._feed_greedy:
+            return
+        for slot, values in self._feed.need(pos - self._feed_base):
+            self._uniform_events[slot // self._feed.half].synchronize()  # its last copy from the stage is done
+            self._uniform_stage[slot : slot + values.size] = values
+            self._copy_uniforms(slot, values.size)
+
+    def _copy_uniforms(self, slot: int, n: int) -> None:
+        """Queue the copy of stage slots [slot, slot + n) into the device ring (after the steps queued so far)."""
+        cp = self.cp
+        stream = cp.cuda.get_current_stream()
+        src = self._uniform_stage.ctypes.data + 8 * slot
+        cp.cuda.runtime.memcpyAsync(self._uniforms.data.ptr + 8 * slot, src, 8 * n, 1, stream.ptr)  # host -> device
+        for half in range(slot // self._feed.half, (slot + n) // self._feed.half):
+            self._uniform_events[half].record(stream)
+
+    def _sample_tail(self, step: list, V: int) -> None:
+        """Append the captured step's sampling kernels (after the LM head wrote step_logits) to the step's
+        launch list (decode._step_kernels' (section, bytes, streams, launch(early)) entries)."""
+        x = self.step_logits
+        step.append(("sampling", 0, False, lambda early: K.launch(
+            "sampling", "penalties_step_f32", (1,), (1024,),
+            (K.ptr(x), K.ptr(self._hist), K.ptr(self.step_pos), K.ptr(self.step_ids), K.i32(V),
+             K.ptr(self._pen_counts), K.ptr(self._step_params)))))
+        step.append(("sampling", 0, False, lambda early: K.launch(
+            "sampling", "topk_step_f32", (1,), (1024,),
+            (K.ptr(x), K.i32(V), K.ptr(self._step_params), K.ptr(self._topk_vals), K.ptr(self._topk_ids)))))
+        step.append(("sampling", 0, False, lambda early: K.launch(
+            "sampling", "sample_step_f32", (1,), (1024,),
+            (K.ptr(self._topk_vals), K.ptr(self._topk_ids), K.ptr(self._step_params), K.ptr(self._uniforms),
+             K.ptr(self.step_pos), K.ptr(self.step_ids)))))
+
+
+def check_flag(flag: int, vocab: int) -> None:
+    """The NumericalError a sampler flag means (kernels/sampling.cu: 1 NaN/+inf, 2 no candidate)."""
+    if flag == 1:
+        raise NumericalError("the logits contain NaN or +inf: the model output is broken")
+    if flag == 2:
+        raise NumericalError(f"all {vocab} logits are -inf: no token can be sampled")

@@ -1,0 +1,399 @@
+// moe.cu: the mixture-of-experts FFN (qwen3moe, gpt-oss): routing, grouping tokens by expert, the experts'
+// matvecs reading the chosen experts' GGUF blocks in place, and the weighted sum. Compiled only for models
+// with experts (cuda.moe.moe_family_needed).
+//
+// Shapes: E experts, k chosen per token, T tokens, P = T k (token, slot) pairs, pair p = t k + j. An expert
+// tensor is one [E * rows, cols] matrix of GGUF rows, expert e's rows at e * expert_bytes.
+//
+//   moe_route_f32(logits [T, E], T, E, k, gating, norm, ids [P], wts [P])
+//       llamacli/moe.py route(): gating 0 ("softmax": softmax over all E, the k largest, renormalised to sum 1
+//       when norm) or 1 ("topk_softmax": the k largest logits, softmax over them); ties to the lower id,
+//       experts in descending order. One warp per token (block 32, grid T). Selection compares logits
+//       (softmax keeps their order), so it matches the reference wherever the logits are not tied.
+//   mv1_route_<t>(w, E, K, x, logits, bias, norm_w, eps, lpr, groups, k, gating, norm, done, ids, wts), t =
+//       f32 / f16 / bf16: the decode step's router matvec (mv1's, RMSNorm fused) and moe_route_f32's routing by
+//       the block that finishes last (`done`: a zeroed counter it resets): one launch.
+//   moe_group(ids [P], P, E, tile, list [P], items [3 * max_items], n_items [1])
+//       the pairs grouped by expert: list holds pair ids, expert by expert (in any order within one);
+//       items (e, start, count) cut each expert's pairs into tiles of at most `tile` (MATVEC_TMAX for
+//       matvec_moe, MG_BM for moe_gemm); n_items the number of items. One block of 1024 threads; E <= MOE_EMAX.
+//   matvec_moe_<t>(w, expert_bytes, list, items, n_items, k, N, K, x, x_per_pair, y, bias, lpr)
+//   matvec_moe_<t>_swiglu / _oai(wg, wu, expert_bytes, list, items, n_items, k, N, K, x, y, bg, bu, lpr)
+//       matvec_<t>'s body for one item per blockIdx.y: expert e's rows times the x rows of its pairs (token
+//       t = p / k, or pair p itself when x_per_pair: the down projection's input) -> y rows p [P, N]; biases
+//       [E, N] taken at row e. Grid (row blocks as matvec_<t>, max_items); blocks past n_items return.
+//   mv1_moe_<t>(w, expert_bytes, ids, N, K, x [k, K], y [k, N], bias, lpr, groups, early)
+//   mv1_moe_<t>_swiglu / _oai(wg, wu, expert_bytes, ids, N, K, x [K], y [k, N], norm_w, eps, lpr, groups,
+//                             bg, bu, early)
+//       one token (the decode step): mv1_<t>'s body for slot j = blockIdx.y, expert ids[j]; the gate/up form
+//       normalises x with norm_w first as mv1 does; the plain form reads x row j (the slot's activation).
+//   moe_gemm_<t>(w, expert_bytes, list, items, n_items, k, N, K, x16, xsc, x_per_pair, y, bias)
+//   moe_gemm_<t>_swiglu / _oai(wg, wu, expert_bytes, list, items, n_items, k, N, K, x16, xsc, y, bg, bu)
+//       many tokens (prefill): matvec_moe's results on tensor cores (mma.sync m16n8k16, fp16 in, fp32 sums)
+//       for items of up to MG_BM pairs: x16 fp16 rows (tokens, or pairs when x_per_pair) times their row
+//       scale xsc, expert e's weight rows decoded unit by unit into shared memory as fp16. A block computes
+//       MG_BM pairs x MG_BN weight rows (the GLU forms: MG_BN / 2 gate rows and the same up rows, so the
+//       activation is applied in the epilogue). Grid (ceil(N / columns per block), max_items); K % 32 == 0.
+//   moe_combine_f32(y [P, N], wts [P], x [T, N], T, N, k): x[t] += sum_j wts[t k + j] y[t k + j].
+
+#define MATVEC_BODIES_ONLY
+#include "matvec.cu"
+#include "attention_common.cuh"
+
+#define MOE_EMAX 1024
+#define MOE_KMAX 32
+
+// One token's routing by one warp (lane = threadIdx.x & 31; the other warps of the block must not call it):
+// the row's E logits -> ids[0..k), wts[0..k). `ldcg`: read the row through L2 (written by other blocks of the
+// same kernel: mv1_route).
+__device__ __forceinline__ void route_row(const float* __restrict__ row, int E, int k, int gating, int norm,
+                                          bool ldcg, int* __restrict__ ids, float* __restrict__ wts) {
+    const int lane = threadIdx.x & 31;
+    __shared__ float v[MOE_EMAX];  // the row, read once for the k passes
+    __shared__ unsigned int taken[MOE_EMAX / 32];
+    for (int i = lane; i < MOE_EMAX / 32; i += 32) taken[i] = 0u;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int e = lane; e < E; e += 32) {
+        const float x = ldcg ? __ldcg(row + e) : row[e];
+        v[e] = x != x ? -INFINITY : x;  // NaN ranks with -inf (then the lower id): one order for every lane
+        mx = fmaxf(mx, v[e]);
+    }
+    __syncwarp();
+    if (gating == 0) {  // softmax over every expert: its max and denominator
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+        for (int e = lane; e < E; e += 32) sum += __expf(v[e] - mx);
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+    }
+    float top[MOE_KMAX];
+    int sel[MOE_KMAX];
+    for (int j = 0; j < k; ++j) {
+        // The largest logit not taken yet, the lower id on ties .
+        float best = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int e = lane; e < E; e += 32) {
+            if ((taken[e >> 5] >> (e & 31)) & 1u) continue;
+            const float x = v[e];
+            if (x > best || (x == best && e < bi)) {
+                best = x;
+                bi = e;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ob = __shfl_xor_sync(FULL_MASK, best, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (ob > best || (ob == best && oi < bi)) {
+                best = ob;
+                bi = oi;
+            }
+        }
+        if (bi == 0x7fffffff) bi = 0;  // unreachable for k <= E; keeps the id in range
+        if (lane == 0) taken[bi >> 5] |= 1u << (bi & 31);
+        __syncwarp();
+        top[j] = best;
+        sel[j] = bi;
+    }
+    if (lane != 0) return;
+    if (gating == 1) mx = top[0];  // the largest chosen logit
+    float s = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        top[j] = gating == 0 ? __expf(top[j] - mx) / sum : __expf(top[j] - mx);
+        s += top[j];
+    }
+    const float inv = gating == 1 || norm ? 1.0f / s : 1.0f;
+    for (int j = 0; j < k; ++j) {
+        ids[j] = sel[j];
+        wts[j] = top[j] * inv;
+    }
+}
+
+extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int T, int E, int k, int gating,
+                                         int norm, int* __restrict__ ids, float* __restrict__ wts) {
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    pdl_wait();  // the logits come from the router's matvec
+    route_row(logits + (long long)t * E, E, k, gating, norm, false, ids + t * k, wts + t * k);
+}
+
+// The decode step's router: mv1_<t>'s logits of one token (RMSNorm fused, + bias), then the last block to
+// finish routes them (route_row) and resets `done` for the next step: one launch instead of two.
+template <class Q>
+__device__ __forceinline__ void mv1_route_body(const u8* w, int E, int K, const float* x, float* logits,
+                                               const float* bias, const float* norm_w, float eps, int lpr,
+                                               int groups, int k, int gating, int norm, unsigned int* done,
+                                               int* ids, float* wts) {
+    mv1_body<Q, Q, false>(w, nullptr, nullptr, E, 0, E, K, x, logits, bias, nullptr, norm_w, eps, lpr, groups,
+                          nullptr, 0);
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (threadIdx.x < 32) route_row(logits, E, k, gating, norm, true, ids, wts);
+    if (threadIdx.x == 0) *done = 0u;
+}
+
+#define MV1_ROUTE_KERNEL(name, Q)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) mv1_route_##name(                                     \
+        const u8* w, int E, int K, const float* x, float* logits, const float* bias, const float* norm_w,     \
+        float eps, int lpr, int groups, int k, int gating, int norm, unsigned int* done, int* ids,           \
+        float* wts) {                                                                                        \
+        mv1_route_body<Q>(w, E, K, x, logits, bias, norm_w, eps, lpr, groups, k, gating, norm, done, ids,    \
+                          wts);                                                                              \
+    }
+MV1_ROUTE_KERNEL(f32, QF32)
+MV1_ROUTE_KERNEL(f16, QF16)
+MV1_ROUTE_KERNEL(bf16, QBF16)
+
+extern "C" __global__ void __launch_bounds__(1024) moe_group(const int* __restrict__ ids, int P, int E, int tile,
+                                                             int* __restrict__ list, int* __restrict__ items,
+                                                             int* __restrict__ n_items) {
+    __shared__ int count[MOE_EMAX], start[MOE_EMAX], fill[MOE_EMAX];
+    pdl_wait();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = fill[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {  // offsets and the tiles of every expert (E small: one thread)
+        int at = 0, n = 0;
+        for (int e = 0; e < E; ++e) {
+            start[e] = at;
+            for (int c = 0; c < count[e]; c += tile) {
+                items[3 * n] = e;
+                items[3 * n + 1] = at + c;
+                items[3 * n + 2] = min(tile, count[e] - c);
+                ++n;
+            }
+            at += count[e];
+        }
+        *n_items = n;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int e = ids[p];
+        list[start[e] + atomicAdd(&fill[e], 1)] = p;
+    }
+}
+
+// The rows of one item: xrow / yrow of its pairs in shared memory; false when the block has no item.
+__device__ __forceinline__ bool moe_item(const int* __restrict__ list, const int* __restrict__ items,
+                                         const int* __restrict__ n_items, int k, bool x_per_pair, int* xrow,
+                                         int* yrow, int& e, int& cnt) {
+    const int it = blockIdx.y;
+    pdl_wait();  // the tiles come from moe_group
+    if (it >= *n_items) return false;
+    e = items[3 * it];
+    const int s = items[3 * it + 1];
+    cnt = items[3 * it + 2];
+    if (threadIdx.x < cnt) {
+        const int p = list[s + threadIdx.x];
+        xrow[threadIdx.x] = x_per_pair ? p : p / k;
+        yrow[threadIdx.x] = p;
+    }
+    __syncthreads();
+    return true;
+}
+
+template <class Q>
+__device__ __forceinline__ void matvec_moe_plain(const u8* w, long long eb, const int* list, const int* items,
+                                                 const int* n_items, int k, int N, int K, const float* x,
+                                                 int x_per_pair, float* y, const float* bias, int lpr) {
+    __shared__ int xrow[MATVEC_TMAX], yrow[MATVEC_TMAX];
+    int e, cnt;
+    if (!moe_item(list, items, n_items, k, x_per_pair != 0, xrow, yrow, e, cnt)) return;
+    matvec_body<Q, false>(w + e * eb, nullptr, nullptr, N, 0, N, K, x, cnt, y, bias ? bias + (long long)e * N : nullptr,
+                          nullptr, lpr, xrow, yrow);
+}
+
+template <class Q, int ACT>
+__device__ __forceinline__ void matvec_moe_glu(const u8* wg, const u8* wu, long long eb, const int* list,
+                                               const int* items, const int* n_items, int k, int N, int K,
+                                               const float* x, float* y, const float* bg, const float* bu,
+                                               int lpr) {
+    __shared__ int xrow[MATVEC_TMAX], yrow[MATVEC_TMAX];
+    int e, cnt;
+    if (!moe_item(list, items, n_items, k, false, xrow, yrow, e, cnt)) return;
+    matvec_body<Q, true, ACT>(wg + e * eb, wu + e * eb, nullptr, N, 0, N, K, x, cnt, y,
+                              bg ? bg + (long long)e * N : nullptr, bu ? bu + (long long)e * N : nullptr, lpr,
+                              xrow, yrow);
+}
+
+template <class Q, int ACT>
+__device__ __forceinline__ void mv1_moe_glu(const u8* wg, const u8* wu, long long eb, const int* ids, int N, int K,
+                                            const float* x, float* y, const float* norm_w, float eps, int lpr,
+                                            int groups, const float* bg, const float* bu, int early) {
+    pdl_wait();  // the ids come from the route kernel: before mv1's weight prefetch
+    const int j = blockIdx.y, e = ids[j];
+    mv1_body<Q, Q, true, ACT>(wg + e * eb, wu + e * eb, nullptr, N, 0, N, K, x, y + (long long)j * N,
+                              bg ? bg + (long long)e * N : nullptr, bu ? bu + (long long)e * N : nullptr, norm_w,
+                              eps, lpr, groups, nullptr, early);
+}
+
+#define MOE_KERNELS(name, Q)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) matvec_moe_##name(                                    \
+        const u8* w, long long eb, const int* list, const int* items, const int* n_items, int k, int N, int K, \
+        const float* x, int x_per_pair, float* y, const float* bias, int lpr) {                              \
+        matvec_moe_plain<Q>(w, eb, list, items, n_items, k, N, K, x, x_per_pair, y, bias, lpr);              \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) matvec_moe_##name##_swiglu(                           \
+        const u8* wg, const u8* wu, long long eb, const int* list, const int* items, const int* n_items,     \
+        int k, int N, int K, const float* x, float* y, const float* bg, const float* bu, int lpr) {          \
+        matvec_moe_glu<Q, ACT_SILU>(wg, wu, eb, list, items, n_items, k, N, K, x, y, bg, bu, lpr);                \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) matvec_moe_##name##_oai(                              \
+        const u8* wg, const u8* wu, long long eb, const int* list, const int* items, const int* n_items,     \
+        int k, int N, int K, const float* x, float* y, const float* bg, const float* bu, int lpr) {          \
+        matvec_moe_glu<Q, ACT_OAI>(wg, wu, eb, list, items, n_items, k, N, K, x, y, bg, bu, lpr);                 \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_moe_##name(        \
+        const u8* w, long long eb, const int* ids, int N, int K, const float* x, float* y, const float* bias, \
+        int lpr, int groups, int early) {                                                                    \
+        pdl_wait();                                                                                          \
+        const int j = blockIdx.y, e = ids[j];                                                                \
+        mv1_body<Q, Q, false>(w + e * eb, nullptr, nullptr, N, 0, N, K, x + (long long)j * K,                \
+                              y + (long long)j * N, bias ? bias + (long long)e * N : nullptr, nullptr, nullptr, \
+                              0.0f, lpr, groups, nullptr, early);                                            \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_moe_##name##_swiglu( \
+        const u8* wg, const u8* wu, long long eb, const int* ids, int N, int K, const float* x, float* y,    \
+        const float* norm_w, float eps, int lpr, int groups, const float* bg, const float* bu, int early) {  \
+        mv1_moe_glu<Q, ACT_SILU>(wg, wu, eb, ids, N, K, x, y, norm_w, eps, lpr, groups, bg, bu, early);      \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_moe_##name##_oai(  \
+        const u8* wg, const u8* wu, long long eb, const int* ids, int N, int K, const float* x, float* y,    \
+        const float* norm_w, float eps, int lpr, int groups, const float* bg, const float* bu, int early) {  \
+        mv1_moe_glu<Q, ACT_OAI>(wg, wu, eb, ids, N, K, x, y, norm_w, eps, lpr, groups, bg, bu, early);       \
+    }
+
+FOR_EACH_QTYPE(MOE_KERNELS)
+
+// ---- many tokens: the grouped GEMM on tensor cores ------------------------------------------------------
+#define MG_BM 64          // pairs per item (4 warps x 16 rows)
+#define MG_BN 128         // weight rows per block (one per thread: each decodes its row's unit per k step)
+#define MG_RS (32 + 8)    // shared row stride in halves: 80 bytes, 16-byte aligned, ldmatrix conflict-free
+
+template <class Q, bool GLU, int ACT>
+__device__ __forceinline__ void moe_gemm_body(const u8* __restrict__ wa, const u8* __restrict__ wb, long long eb,
+                                              const int* __restrict__ list, const int* __restrict__ items,
+                                              const int* __restrict__ n_items, int k, int N, int K,
+                                              const u16* __restrict__ x16, const float* __restrict__ xsc,
+                                              int x_per_pair, float* __restrict__ y, const float* __restrict__ ba,
+                                              const float* __restrict__ bb) {
+    __shared__ __align__(16) u16 as[MG_BM * MG_RS];
+    __shared__ __align__(16) u16 ws[MG_BN * MG_RS];
+    __shared__ int xrow[MG_BM], yrow[MG_BM];
+    const int it = blockIdx.y;
+    pdl_wait();  // the tiles come from moe_group
+    if (it >= *n_items) return;
+    const int e = items[3 * it], s0 = items[3 * it + 1], cnt = items[3 * it + 2];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid < MG_BM) {
+        const int p = tid < cnt ? list[s0 + tid] : -1;
+        xrow[tid] = p < 0 ? -1 : (x_per_pair ? p : p / k);
+        yrow[tid] = p;
+    }
+    constexpr int NH = GLU ? MG_BN / 2 : MG_BN;  // output columns of the block
+    const int n0 = blockIdx.x * NH;
+    const long long row_bytes = (long long)((K + Q::QK - 1) / Q::QK) * Q::BYTES;
+    const int wn = n0 + (GLU ? (tid & (NH - 1)) : tid);  // the weight row this thread decodes
+    const bool wok = wn < N;
+    const u8* wrow = (GLU && tid >= NH ? wb : wa) + e * eb + (long long)(wok ? wn : 0) * row_bytes;
+    __syncthreads();
+
+    float c[MG_BN / 8][4];
+#pragma unroll
+    for (int n = 0; n < MG_BN / 8; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+    const int mi = lane >> 3, r8 = lane & 7;
+    const u32 a_lds = smem_addr(as + (warp * 16 + (mi & 1) * 8 + r8) * MG_RS + (mi >> 1) * 8);
+    const u32 b_lds = smem_addr(ws + ((mi >> 1) * 8 + r8) * MG_RS + (mi & 1) * 8);
+    const int units = K / 32;
+    for (int u = 0; u < units; ++u) {
+        float w[32];
+        if (wok) {
+            Q::unit(wrow, u, K, w);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) w[i] = 0.0f;
+        }
+        uint4* wd = reinterpret_cast<uint4*>(ws + tid * MG_RS);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            wd[q] = make_uint4(pack_h2(w[8 * q], w[8 * q + 1]), pack_h2(w[8 * q + 2], w[8 * q + 3]),
+                               pack_h2(w[8 * q + 4], w[8 * q + 5]), pack_h2(w[8 * q + 6], w[8 * q + 7]));
+        for (int j = tid; j < MG_BM * 4; j += 128) {  // the pairs' 32 activations: 4 chunks of 16 bytes a row
+            const int m = j >> 2, ch = j & 3, xr = xrow[m];
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (xr >= 0) v = __ldg(reinterpret_cast<const uint4*>(x16 + (long long)xr * K + u * 32 + ch * 8));
+            *reinterpret_cast<uint4*>(as + m * MG_RS + ch * 8) = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+            u32 a[4];
+            ldsm_x4(a_lds + ks * 32, a[0], a[1], a[2], a[3]);
+#pragma unroll
+            for (int np = 0; np < MG_BN / 16; ++np) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(b_lds + (u32)((np * 16 * MG_RS + ks * 16) * 2), b0, b1, b2, b3);
+                mma_16816(c[2 * np], a, b0, b1);
+                mma_16816(c[2 * np + 1], a, b2, b3);
+            }
+        }
+        __syncthreads();
+    }
+    // c[n][i]: pair row warp*16 + g (i < 2) or + 8, weight column 8n + 2tg + (i & 1) of the tile.
+    const int g = lane >> 2, tg = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int m = warp * 16 + g + (i >> 1) * 8;
+        if (m >= cnt) continue;
+        const float sc = xsc[xrow[m]];
+        float* yr = y + (long long)yrow[m] * N;
+#pragma unroll
+        for (int n = 0; n < NH / 8; ++n) {
+            const int col = n0 + n * 8 + 2 * tg + (i & 1);
+            if (col >= N) continue;
+            float a = c[n][i] * sc;
+            if (ba) a += ba[(long long)e * N + col];
+            if constexpr (GLU) {
+                float b = c[n + NH / 8][i] * sc;
+                if (bb) b += bb[(long long)e * N + col];
+                yr[col] = glu_act<ACT>(a, b);
+            } else {
+                yr[col] = a;
+            }
+        }
+    }
+}
+
+#define MOE_GEMM_KERNELS(name, Q)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) moe_gemm_##name(                                      \
+        const u8* w, long long eb, const int* list, const int* items, const int* n_items, int k, int N, int K, \
+        const u16* x16, const float* xsc, int x_per_pair, float* y, const float* bias) {                     \
+        moe_gemm_body<Q, false, ACT_SILU>(w, nullptr, eb, list, items, n_items, k, N, K, x16, xsc, x_per_pair, \
+                                          y, bias, nullptr);                                                 \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) moe_gemm_##name##_swiglu(                             \
+        const u8* wg, const u8* wu, long long eb, const int* list, const int* items, const int* n_items,     \
+        int k, int N, int K, const u16* x16, const float* xsc, float* y, const float* bg, const float* bu) {  \
+        moe_gemm_body<Q, true, ACT_SILU>(wg, wu, eb, list, items, n_items, k, N, K, x16, xsc, 0, y, bg, bu); \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) moe_gemm_##name##_oai(                                \
+        const u8* wg, const u8* wu, long long eb, const int* list, const int* items, const int* n_items,     \
+        int k, int N, int K, const u16* x16, const float* xsc, float* y, const float* bg, const float* bu) {  \
+        moe_gemm_body<Q, true, ACT_OAI>(wg, wu, eb, list, items, n_items, k, N, K, x16, xsc, 0, y, bg, bu);  \
+    }
+
+FOR_EACH_QTYPE(MOE_GEMM_KERNELS)
+
+extern "C" __global__ void moe_combine_f32(const float* __restrict__ y, const float* __restrict__ wts, float* x,
+                                           int T, int N, int k) {
+    const int t = blockIdx.y;
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T || n >= N) return;
+    pdl_wait();
+    float s = 0.0f;
+    for (int j = 0; j < k; ++j) s = fmaf(wts[t * k + j], y[((long long)t * k + j) * N + n], s);
+    x[(long long)t * N + n] += s;
+}

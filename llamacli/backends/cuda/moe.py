@@ -1,0 +1,264 @@
+"""The mixture-of-experts FFN on the CUDA backend (kernels/moe.cu): qwen3moe and gpt-oss.
+
+Expert tensors stay in their GGUF layout: one DeviceMatrix of E * rows rows per tensor, expert e's rows at
+e * expert_bytes; the kernels add that offset themselves from the expert ids in device memory, so nothing
+crosses to the host and the decode step stays one captured graph.
+
+- Many tokens (`moe`, the Backend operation, and the fused prefill): the router's logits (a GEMM),
+  moe_route_f32 (ids and weights, llamacli.moe.route's semantics), moe_group (the (token, slot) pairs sorted by
+  expert and cut into tiles of up to MG_BM), the gate/up and down GEMMs over those tiles on tensor cores
+  (moe_gemm_<t>: grid y = an upper bound of the tiles; the blocks past the real count return at once; the
+  weights decoded from their GGUF blocks into shared memory), moe_combine_f32 (the weighted sum). About ten
+  launches per layer whatever the number of experts, and no host round trip: the pass can be captured.
+  Up to MATVEC_TMAX tokens take matvec_moe_<t> (float activations, tiles of up to 8 pairs) instead.
+- One token (`moe_step`, inside the captured decode step): router matvec (+ RMSNorm) and routing in one
+  launch (mv1_route_<t>; other router types: mv1 then moe_route_f32) | mv1_moe gate/up (+ RMSNorm,
+  activation; grid y = the k slots) | mv1_moe down | moe_combine_f32 into the residual.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from ...errors import BackendError
+from . import loader as K
+from gguf import GGMLQuantizationType as QT
+
+from .linear import MATVEC_TMAX, MV1_ACT8, MV1_WARPS, DeviceMatrix, _lpr, mv1_groups, mv1_smem, qname
+from .profile import profiled
+
+MOE_EMAX, MOE_KMAX = 1024, 32  # kernels/moe.cu: experts per layer and experts per token
+MG_BM, MG_BN = 64, 128  # kernels/moe.cu moe_gemm: pairs per tile, weight rows per block (GLU: half gate, half up)
+_GATING = {"softmax": 0, "topk_softmax": 1}
+_ACT = {"silu": "swiglu", "swiglu_oai": "oai"}
+
+
+ROUTE_FUSED = frozenset({QT.F32, QT.F16, QT.BF16})  # router types with mv1_route_<t> (real files: F32)
+
+
+def expert_groups(qtype: QT) -> int:
+    """mv1 row groups per block of the decode step's expert matvecs: x is staged (and normalised) once per
+    block, and an expert's matrix is small, so the int8-activation types share one staging between 2 groups.
+    Measured on the H100 (tg at depth 512, groups gate/up, down): Qwen3-30B-A3B Q4_K_M 279 tok/s with 1, 1;
+    301 with 2, 2; 302 with 4, 4; gpt-oss-20b MXFP4 (float x) 352 with 1, 1, 348 with 2, 2, 341 with 4, 4."""
+    return 2 if qtype in MV1_ACT8 else 1
+
+
+def moe_family_needed(cfg: Any) -> bool:
+    return any(p.moe for p in cfg.layers)
+
+
+def check_moe(cfg: Any, gguf: Any = None) -> None:
+    """BackendError for a mixture of experts the kernels do not serve (with the file: gate and up experts of
+    different types or row sizes, which the expert kernels read with one decoder and one stride)."""
+    if not moe_family_needed(cfg):
+        return
+    if not 0 < cfg.n_expert <= MOE_EMAX or not 0 < cfg.n_expert_used <= min(MOE_KMAX, cfg.n_expert):
+        raise BackendError(f"the CUDA backend runs up to {MOE_EMAX} experts with up to {MOE_KMAX} per token "
+                           f"(this model: {cfg.n_expert_used} of {cfg.n_expert})")
+    for i, p in enumerate(cfg.layers):
+        if p.moe and (p.activation not in _ACT or p.moe_gating not in _GATING or p.post_norms):
+            raise BackendError(f"the CUDA backend has no expert FFN with {p.activation} / {p.moe_gating} gating")
+        if p.moe and gguf is not None:
+            g, u = (gguf.tensors.get(f"blk.{i}.ffn_{n}_exps.weight") for n in ("gate", "up"))
+            if g is not None and u is not None and (g.type, g.row_bytes) != (u.type, u.row_bytes):
+                raise BackendError(f"layer {i}: the CUDA backend needs the gate and up experts in one type "
+                                   f"(this file: {g.type.name} and {u.type.name})")
+    if cfg.n_embd % 32 or cfg.n_ff_exp % 32:
+        raise BackendError("the CUDA backend's expert GEMMs need n_embd and the expert FFN width in multiples of 32")
+
+
+def dense_ff(cfg: Any) -> int:
+    """The dense FFN width the prefill and decode buffers need: n_ff, or 0 when every layer has experts
+    (Qwen3-MoE files still carry a feed_forward_length that no layer uses)."""
+    return cfg.n_ff if any(not p.moe for p in cfg.layers) else 0
+
+
+def moe_scratch_bytes(cfg: Any, t: int) -> int:
+    """The MoE FFN's working set for t tokens, as MoEMixin._moe_buffers allocates it."""
+    if not moe_family_needed(cfg):
+        return 0
+    p, f, e = t * cfg.n_expert_used, cfg.n_ff_exp, cfg.n_expert
+    items = K.cdiv(p, MATVEC_TMAX) + min(e, p)
+    return (4 * t * e + 4 * p * 3 + 4 * 3 * items + 4  # logits; ids, weights, pairs; the tiles and their count
+            + 4 * p * f + 2 * p * f + 4 * p + 4 * p * cfg.n_embd)  # ff, ff16, its row scales; y
+
+
+def _expert(m: DeviceMatrix, n_expert: int) -> tuple[int, int]:
+    """(rows of one expert, bytes of one expert) of an expert tensor held as E * rows rows."""
+    rows = m.rows // n_expert
+    return rows, rows * m.row_bytes
+
+
+class MoEMixin:
+    """Mixed into backend.CudaBackend."""
+
+    cp: Any
+    cfg: Any
+    n_sms: int
+    weights: Any
+
+    @profiled("FFN")
+    def moe(self, h: Any, layer: int) -> Any:
+        h = self._f32(h)
+        t = h.shape[0]
+        out = self.cp.zeros((t, self.cfg.n_embd), self.cp.float32)
+        if t <= MATVEC_TMAX:
+            self._moe_matvec(h, t, layer, out)
+        else:
+            h16, sc = self._to_f16_scaled(h)
+            self._moe_gemm(h16.data.ptr, sc, t, layer, out)
+        return out
+
+    def _moe_buffers(self, t: int) -> SimpleNamespace:
+        """The MoE FFN's working set for up to t tokens (kept, grown when a pass needs more; prefill allocates
+        it at its chunk size before any capture)."""
+        b = getattr(self, "_moe_buf", None)
+        if b is not None and b.t >= t:
+            return b
+        cp, cfg = self.cp, self.cfg
+        p, f = t * cfg.n_expert_used, cfg.n_ff_exp
+        items = K.cdiv(p, MATVEC_TMAX) + min(cfg.n_expert, p)  # the most tiles of either size
+        b = self._moe_buf = SimpleNamespace(
+            t=t, logits=cp.empty((t, cfg.n_expert), cp.float32), ids=cp.empty(p, cp.int32),
+            wts=cp.empty(p, cp.float32), pairs=cp.empty(p, cp.int32), items=cp.empty(3 * items, cp.int32),
+            n_items=cp.empty(1, cp.int32), ff=cp.empty((p, f), cp.float32), ff16=cp.empty((p, f), cp.float16),
+            sc=cp.empty(p, cp.float32), y=cp.empty((p, cfg.n_embd), cp.float32))
+        return b
+
+    def _moe_group(self, b: SimpleNamespace, p: int, tile: int) -> int:
+        """Group the p pairs of b.ids by expert into tiles of up to `tile` -> the grid's bound on the tiles."""
+        e_n = self.cfg.n_expert
+        K.launch("moe", "moe_group", (1,), (1024,),
+                 (K.ptr(b.ids), K.i32(p), K.i32(e_n), K.i32(tile), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items)))
+        return K.cdiv(p, tile) + min(e_n, p)
+
+    def _moe_matvec(self, h: Any, t: int, layer: int, out: Any) -> None:
+        """out += the MoE FFN of h [t, D] f32, t <= MATVEC_TMAX: matvec_moe over tiles of up to 8 pairs."""
+        cfg = self.cfg
+        L, plan = self.weights.layers[layer], cfg.layers[layer]
+        d, k = cfg.n_embd, cfg.n_expert_used
+        f, eb = _expert(L.ffn_gate_exps, cfg.n_expert)
+        _, eb_down = _expert(L.ffn_down_exps, cfg.n_expert)
+        b = self._moe_buffers(t)
+        self.matvec((L.ffn_gate_inp,), h, t, b.logits, bias=L.ffn_gate_inp_bias)
+        self._moe_route(b.logits, t, b.ids, b.wts, plan.moe_gating)
+        grid_y = self._moe_group(b, t * k, MATVEC_TMAX)
+        g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
+        lpr = _lpr(d)
+        K.launch("moe", f"matvec_moe_{qname(g.qtype)}_{_ACT[plan.activation]}", (K.cdiv(f, 4 * (32 // lpr)), grid_y),
+                 (128,),
+                 (K.ptr(g.ptr), K.ptr(u.ptr), K.i64(eb), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k),
+                  K.i32(f), K.i32(d), K.ptr(h), K.ptr(b.ff), K.ptr(L.ffn_gate_exps_bias), K.ptr(L.ffn_up_exps_bias),
+                  K.i32(lpr)))
+        lpr = _lpr(f)
+        K.launch("moe", f"matvec_moe_{qname(dn.qtype)}", (K.cdiv(d, 4 * (32 // lpr)), grid_y), (128,),
+                 (K.ptr(dn.ptr), K.i64(eb_down), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k), K.i32(d),
+                  K.i32(f), K.ptr(b.ff), K.i32(1), K.ptr(b.y), K.ptr(L.ffn_down_exps_bias), K.i32(lpr)))
+        self._moe_combine(b.y, b.wts, out, t)
+
+    def _moe_gemm(self, h16: int, sc: Any, t: int, layer: int, out: Any) -> None:
+        """out [t, D] f32 += the MoE FFN of the fp16 rows at h16 [t, D] times their row scales sc [t] (the fused
+        prefill's normalised input): the router GEMM, routing, grouping into tiles of MG_BM pairs, the experts'
+        GEMMs on tensor cores (moe_gemm_*), the weighted sum."""
+        cfg = self.cfg
+        L, plan = self.weights.layers[layer], cfg.layers[layer]
+        d, k, e_n = cfg.n_embd, cfg.n_expert_used, cfg.n_expert
+        f, eb = _expert(L.ffn_gate_exps, e_n)
+        _, eb_down = _expert(L.ffn_down_exps, e_n)
+        self.prefill_buffers()  # the dequantize scratch of _gemm_weights (and the MoE buffers at its size)
+        b = self._moe_buffers(t)
+        self._gemm_weights(h16, t, [L.ffn_gate_inp], b.logits.data.ptr, e_n)
+        n = t * e_n
+        K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n, 256), 4096),), (256,),
+                 (K.ptr(b.logits), K.ptr(sc), K.ptr(L.ffn_gate_inp_bias), K.i64(n), K.i32(e_n)))
+        self._moe_route(b.logits, t, b.ids, b.wts, plan.moe_gating)
+        p = t * k
+        grid_y = self._moe_group(b, p, MG_BM)
+        g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
+        K.launch("moe", f"moe_gemm_{qname(g.qtype)}_{_ACT[plan.activation]}", (K.cdiv(f, MG_BN // 2), grid_y), (128,),
+                 (K.ptr(g.ptr), K.ptr(u.ptr), K.i64(eb), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k),
+                  K.i32(f), K.i32(d), K.ptr(h16), K.ptr(sc), K.ptr(b.ff), K.ptr(L.ffn_gate_exps_bias),
+                  K.ptr(L.ffn_up_exps_bias)))
+        K.launch("elementwise", "to_f16_rowscale_f32", (p,), (256,), (K.ptr(b.ff), K.ptr(b.ff16), K.ptr(b.sc), K.i32(f)))
+        K.launch("moe", f"moe_gemm_{qname(dn.qtype)}", (K.cdiv(d, MG_BN), grid_y), (128,),
+                 (K.ptr(dn.ptr), K.i64(eb_down), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k), K.i32(d),
+                  K.i32(f), K.ptr(b.ff16), K.ptr(b.sc), K.i32(1), K.ptr(b.y), K.ptr(L.ffn_down_exps_bias)))
+        self._moe_combine(b.y, b.wts, out, t)
+
+    def _moe_route(self, logits: Any, t: int, ids: Any, wts: Any, gating: str) -> None:
+        cfg = self.cfg
+        K.launch("moe", "moe_route_f32", (t,), (32,),
+                 (K.ptr(logits), K.i32(t), K.i32(cfg.n_expert), K.i32(cfg.n_expert_used), K.i32(_GATING[gating]), K.i32(int(cfg.expert_weights_norm)), K.ptr(ids), K.ptr(wts)))
+
+    def _moe_combine(self, y: Any, wts: Any, x: Any, t: int) -> None:
+        d = self.cfg.n_embd
+        K.launch("moe", "moe_combine_f32", (K.cdiv(d, 256), t), (256,),
+                 (K.ptr(y), K.ptr(wts), K.ptr(x), K.i32(t), K.i32(d), K.i32(self.cfg.n_expert_used)))
+
+    # -- the decode step -------------------------------------------------------------------------------------
+    def alloc_moe_step(self) -> None:
+        """The decode step's MoE buffers (router logits, ids, weights, the k experts' activations and outputs)."""
+        cp, cfg = self.cp, self.cfg
+        if not moe_family_needed(cfg):
+            return
+        k = cfg.n_expert_used
+        f = max(_expert(L.ffn_gate_exps, cfg.n_expert)[0] for L, p in zip(self.weights.layers, cfg.layers) if p.moe)
+        self._moe_logits = cp.empty((1, cfg.n_expert), cp.float32)
+        self._moe_ids = cp.zeros(k, cp.int32)
+        self._moe_wts = cp.zeros(k, cp.float32)
+        self._moe_ff = cp.empty((k, f), cp.float32)
+        self._moe_y = cp.empty((k, cfg.n_embd), cp.float32)
+        self._moe_done = cp.zeros(1, cp.uint32)  # mv1_route's finished blocks (zero between steps)
+
+    def moe_step(self, layer: int, x: Any, add: Callable[[str, int, Callable[[bool], None]], None]) -> None:
+        """Queue layer `layer`'s MoE FFN of the decode step's residual x [1, D] (x += the experts' weighted
+        sum) through add(section, weight bytes read, launch(early))."""
+        cfg = self.cfg
+        L, plan = self.weights.layers[layer], cfg.layers[layer]
+        e_n, k, d = cfg.n_expert, cfg.n_expert_used, cfg.n_embd
+        f, eb = _expert(L.ffn_gate_exps, e_n)
+        _, eb_down = _expert(L.ffn_down_exps, e_n)
+        r = L.ffn_gate_inp
+        if r.qtype in ROUTE_FUSED:  # one launch: the router's matvec, then its last block routes
+
+            def router(early: bool) -> None:
+                lpr, groups = _lpr(d), mv1_groups(e_n, d, r.qtype, self.n_sms)
+                K.launch("moe", f"mv1_route_{qname(r.qtype)}", (K.cdiv(e_n, MV1_WARPS * (32 // lpr) * groups),),
+                         (32 * MV1_WARPS,),
+                         (K.ptr(r.ptr), K.i32(e_n), K.i32(d), K.ptr(x), K.ptr(self._moe_logits),
+                          K.ptr(L.ffn_gate_inp_bias), K.ptr(L.ffn_norm), K.f32(cfg.rms_eps), K.i32(lpr), K.i32(groups),
+                          K.i32(k), K.i32(_GATING[plan.moe_gating]), K.i32(int(cfg.expert_weights_norm)),
+                          K.ptr(self._moe_done), K.ptr(self._moe_ids), K.ptr(self._moe_wts)),
+                         shared=mv1_smem(r.qtype, d))
+
+            add("norm+router", r.nbytes, router)
+        else:
+            add("norm+router", r.nbytes, lambda early: self.matvec(
+                (r,), x, 1, self._moe_logits, bias=L.ffn_gate_inp_bias, norm=L.ffn_norm, early=early))
+            add("router", 0, lambda early: self._moe_route(self._moe_logits, 1, self._moe_ids, self._moe_wts,
+                                                            plan.moe_gating))
+        g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
+        act = _ACT[plan.activation]
+
+        def gate_up(early: bool) -> None:
+            lpr, groups = _lpr(d), expert_groups(g.qtype)
+            K.launch("moe", f"mv1_moe_{qname(g.qtype)}_{act}", (K.cdiv(f, MV1_WARPS * (32 // lpr) * groups), k),
+                     (32 * MV1_WARPS,),
+                     (K.ptr(g.ptr), K.ptr(u.ptr), K.i64(eb), K.ptr(self._moe_ids), K.i32(f), K.i32(d), K.ptr(x),
+                      K.ptr(self._moe_ff), K.ptr(L.ffn_norm), K.f32(cfg.rms_eps), K.i32(lpr), K.i32(groups),
+                      K.ptr(L.ffn_gate_exps_bias), K.ptr(L.ffn_up_exps_bias), K.i32(early)),
+                     shared=mv1_smem(g.qtype, d))
+
+        def down(early: bool) -> None:
+            lpr, groups = _lpr(f), expert_groups(dn.qtype)
+            K.launch("moe", f"mv1_moe_{qname(dn.qtype)}", (K.cdiv(d, MV1_WARPS * (32 // lpr) * groups), k),
+                     (32 * MV1_WARPS,),
+                     (K.ptr(dn.ptr), K.i64(eb_down), K.ptr(self._moe_ids), K.i32(d), K.i32(f), K.ptr(self._moe_ff),
+                      K.ptr(self._moe_y), K.ptr(L.ffn_down_exps_bias), K.i32(lpr), K.i32(groups), K.i32(early)),
+                     shared=mv1_smem(dn.qtype, f))
+
+        add("experts", k * 2 * eb, gate_up)
+        add("experts", k * eb_down, down)
+        add("experts", 0, lambda early: self._moe_combine(self._moe_y, self._moe_wts, x, 1))

@@ -1,0 +1,161 @@
+"""GPU tests of the mixture-of-experts kernels (kernels/moe.cu) and gpt-oss's attention sinks, against the
+references: llamacli.moe.route, float64 attention with sinks, and the NumPy backend's MoE FFN."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from llamacli import rope as rope_tables  # noqa: E402
+from llamacli.backends.cuda import cuda_available  # noqa: E402
+from llamacli.backends.cuda.attention import ATT_TC_MIN_T  # noqa: E402
+from llamacli.moe import route  # noqa: E402
+
+_ok, _why = cuda_available()
+if not _ok:
+    pytest.skip(_why, allow_module_level=True)
+pytestmark = pytest.mark.gpu
+
+from test_gpu_kernels import assert_close, bare, make_cfg, poisoned  # noqa: E402
+
+
+# -- routing ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_expert,k", [(8, 1), (8, 2), (60, 4), (128, 8), (1000, 32), (32, 32)])
+@pytest.mark.parametrize("gating", ["softmax", "topk_softmax"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_route_matches_reference(n_expert, k, gating, norm) -> None:
+    """moe_route_f32 against llamacli.moe.route: random logits, logits with many exact ties (lower id first),
+    one expert far ahead of the rest, -inf logits; ids exact, weights to float32 rounding."""
+    from llamacli.backends.cuda import CudaBackend
+
+    be = CudaBackend(use_graph=False)
+    be.cfg = SimpleNamespace(n_expert=n_expert, n_expert_used=k, expert_weights_norm=norm)
+    rng = np.random.default_rng(n_expert * 31 + k)
+    t = 37
+    cases = [
+        rng.standard_normal((t, n_expert)).astype(np.float32) * 3,
+        rng.integers(-2, 3, size=(t, n_expert)).astype(np.float32),  # ties everywhere
+    ]
+    far = rng.standard_normal((t, n_expert)).astype(np.float32)
+    far[np.arange(t), rng.integers(0, n_expert, size=t)] = 80.0  # all the weight on one expert
+    cases.append(far)
+    minf = rng.standard_normal((t, n_expert)).astype(np.float32)
+    minf[:, ::3] = -np.inf
+    if n_expert - len(range(0, n_expert, 3)) >= k:
+        cases.append(minf)
+    for logits in cases:
+        want_ids, want_w = route(logits, k, gating, norm)
+        ids = cp.full(t * k, -1, cp.int32)
+        wts = poisoned(t * k)
+        be._moe_route(cp.asarray(logits), t, ids, wts, gating)
+        np.testing.assert_array_equal(ids.get().reshape(t, k), want_ids)
+        assert_close(wts.get().reshape(t, k), want_w, 1e-6, 1e-5, "weights")
+
+
+# -- attention sinks (gpt-oss) ------------------------------------------------------------------------------
+
+
+def sink_cfg(dh: int, hkv: int, group: int, window: int):
+    from llamacli.config import ROPE_NEOX
+    from llamacli.models.base import LayerPlan
+
+    plan = LayerPlan(window=window, sinks=True)
+    return make_cfg(n_head=hkv * group, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hkv * group * dh,
+                    layers=(plan,), rope_type=ROPE_NEOX)
+
+
+def sink_attention_ref(q, kc, vc, pos, group, scale, window, sinks):
+    """float64 causal GQA attention, keys k > p - window (0: all), exp(sinks[h]) in each denominator."""
+    t, hq, dh = q.shape
+    out = np.empty((t, hq, dh))
+    k64 = np.repeat(kc.astype(np.float64), group, axis=1)
+    v64 = np.repeat(vc.astype(np.float64), group, axis=1)
+    for i in range(t):
+        lo = max(0, pos[i] - window + 1) if window else 0
+        s = np.einsum("nhd,hd->hn", k64[lo : pos[i] + 1], q[i].astype(np.float64)) * scale
+        m = np.maximum(s.max(axis=1), sinks)
+        p = np.exp(s - m[:, None])
+        out[i] = np.einsum("hn,nhd->hd", p, v64[lo : pos[i] + 1]) / (p.sum(axis=1) + np.exp(sinks - m))[:, None]
+    return out.reshape(t, hq * dh)
+
+
+@pytest.mark.parametrize("dh", [64, 128])
+@pytest.mark.parametrize("window", [0, 7, 128])
+def test_attention_sinks_prefill(dh, window) -> None:
+    """attention_tcx*_d* (tensor cores) and attention_w_npl* (CUDA cores) with sinks: large positive and
+    negative sink logits, windows, chunks on a filled cache whose positions past the chunk are NaN."""
+    rng = np.random.default_rng(dh + window)
+    hkv, group, ctx = 2, 4, 700
+    cfg = sink_cfg(dh, hkv, group, window)
+    be, _ = bare(cfg, ctx)
+    sinks = np.concatenate([rng.standard_normal(cfg.n_head - 2) * 2, [9.0, -30.0]]).astype(np.float32)
+    be.weights = SimpleNamespace(layers=[SimpleNamespace(attn_sinks=cp.asarray(sinks))])
+    kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    for start, t in ((0, 37), (131, 333), (600, 5), (650, 50)):
+        kp, vp = kc.copy(), vc.copy()
+        kp[start + t :], vp[start + t :] = np.nan, np.nan
+        be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
+        q = (rng.standard_normal((t, cfg.n_head, dh)) * 0.5).astype(np.float32)
+        pos = np.arange(start, start + t, dtype=np.int32)
+        want = sink_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, sinks.astype(np.float64))
+        for use_tc in (True, False):
+            be.attention_tc = use_tc
+            out = poisoned((t, cfg.q_dim))
+            be.attend(cp.asarray(q), cfg.q_dim, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
+                      None, None, layer=0)
+            tc = use_tc and t >= ATT_TC_MIN_T
+            tol = (6e-3, 1e-2) if tc else (2e-4, 2e-3)
+            assert_close(out.get(), want, *tol, f"tc={tc} t={t} start={start}")
+
+
+@pytest.mark.parametrize("dh,group", [(64, 8), (64, 3), (128, 4)])
+@pytest.mark.parametrize("window", [0, 128])
+def test_attention_sinks_decode_and_step(dh, group, window) -> None:
+    """Decode with sinks: the op path (attention_decode_w + attention_combine_w over splits) and the fused
+    step's kernel (attention_step_w_neox: RoPE, K/V store, splits, merge) at positions past several splits."""
+    rng = np.random.default_rng(dh * 3 + group + window)
+    hkv, ctx = 2, 2048
+    cfg = sink_cfg(dh, hkv, group, window)
+    be, ref = bare(cfg, ctx)
+    sinks = (rng.standard_normal(cfg.n_head) * 3).astype(np.float32)
+    be.weights = SimpleNamespace(layers=[SimpleNamespace(attn_sinks=cp.asarray(sinks))])
+    hist = 700
+    k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float16)
+    v0 = rng.standard_normal((hist, hkv, dh)).astype(np.float16)
+    be.k_cache[0, :hist], be.v_cache[0, :hist] = cp.asarray(k0), cp.asarray(v0)
+    kc, vc = k0.astype(np.float32), v0.astype(np.float32)
+    # The op path: one query at position hist - 1 over the cache (its own K/V rewritten as they are).
+    q = rng.standard_normal((1, cfg.n_head, dh)).astype(np.float32)
+    pos = np.array([hist - 1], np.int32)
+    got = be.attention(0, cp.asarray(q), cp.asarray(kc[hist - 1 : hist]), cp.asarray(vc[hist - 1 : hist]),
+                       cp.asarray(pos))
+    want = sink_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, sinks.astype(np.float64))
+    assert_close(got.get(), want, 2e-4, 2e-3, "decode op path")
+    # The fused step: RoPE of q and k at the position, K/V stored, splits merged by the last block.
+    n_split = be.decode_splits(ctx)
+    be._part_o = cp.empty((n_split, cfg.n_head, dh), cp.float32)
+    be._part_ml = cp.empty((n_split, cfg.n_head, 2), cp.float32)
+    be.attention_counters = cp.zeros(hkv, cp.uint32)
+    for p in (hist, hist + 1):
+        qkv = rng.standard_normal((1, cfg.q_dim + 2 * cfg.kv_dim)).astype(np.float32)
+        qs = qkv[:, : cfg.q_dim].reshape(1, cfg.n_head, dh)
+        ks = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(1, hkv, dh)
+        vs = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(1, hkv, dh)
+        ppos = np.array([p], np.int32)
+        kr = ref.rope(ks, ppos).astype(np.float16).astype(np.float32)
+        kc = np.concatenate([kc, kr])
+        vc = np.concatenate([vc, vs.astype(np.float16).astype(np.float32)])
+        want = sink_attention_ref(ref.rope(qs, ppos), kc, vc, ppos, group, cfg.query_scale, window,
+                                  sinks.astype(np.float64))
+        be.step_pos.set(ppos)
+        att = poisoned((1, cfg.q_dim))
+        be.attend_step(0, cp.asarray(qkv), att, False)
+        assert_close(att.get(), want, 2e-4, 2e-3, f"step p={p}")
+        assert int(be.attention_counters.sum()) == 0

@@ -1,0 +1,202 @@
+"""Sampling inside the captured decode step (decode_sampled; kernels/sampling.cu's _step kernels) against
+llamacli.sampling: the same ids for a seed, with penalties, across top-k / top-p / min-p / temperature, step by
+step on random logits and through generate on random models and SmolLM2; greedy unchanged. Needs a GPU
+(marker gpu)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+cp = pytest.importorskip("cupy")
+
+from llamacli import sampling as S  # noqa: E402
+from llamacli.backends.cuda import CudaBackend, cuda_available  # noqa: E402
+from llamacli.backends.cuda.sampling import TOPK_MAX, UNIFORM_RING, check_flag  # noqa: E402
+from llamacli.config import ROPE_NORMAL, ModelConfig  # noqa: E402
+from llamacli.errors import NumericalError  # noqa: E402
+from llamacli.generate import load  # noqa: E402
+
+from test_gpu_backend import _smollm2_path  # noqa: E402  (the real test model, or a skip)
+
+_ok, _why = cuda_available()
+if not _ok:
+    pytest.skip(_why, allow_module_level=True)
+pytestmark = pytest.mark.gpu
+
+SETTINGS = [
+    S.SamplingParams(temperature=0.8, seed=1),  # the CLI's defaults: top-k 40, top-p 0.95, min-p 0.05
+    S.SamplingParams(temperature=1.3, top_k=7, top_p=1.0, min_p=0.0, repeat_penalty=1.3, frequency_penalty=0.2,
+                     presence_penalty=0.5, repeat_last_n=64, seed=2),
+    S.SamplingParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=-1),  # greedy with penalties
+    S.SamplingParams(temperature=0.7, top_k=TOPK_MAX, top_p=0.5, seed=3),
+    S.SamplingParams(temperature=2.0, top_k=200, top_p=0.8, min_p=0.3, presence_penalty=-0.5, repeat_last_n=5),
+    S.SamplingParams(temperature=0.4, top_k=60, top_p=0.99, min_p=0.0, frequency_penalty=1.0, repeat_last_n=-1),
+    S.SamplingParams(temperature=1.0, top_k=1),
+    S.SamplingParams(temperature=1.0, top_k=TOPK_MAX, top_p=1.0, min_p=1.0),  # only the best (and its ties)
+]
+
+
+def make_cfg(vocab: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", name="t", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=128,
+        vocab_size=vocab, context_length=4096, rope_type=ROPE_NORMAL, rope_dim=16, rope_freq_base=10000.0,
+        rope_scaling="none", rope_scaling_factor=1.0, rope_original_context=4096, rope_attn_factor=1.0,
+        rms_eps=1e-5, tied_embeddings=False, bos_token_id=None, eos_token_id=None,
+    )
+
+
+def step_tail(vocab: int, ctx: int) -> tuple[CudaBackend, Callable[[int, int, np.ndarray], tuple[int, int]]]:
+    """A backend with only the step's I/O (no model) and a function that runs the step's sampling kernels
+    (decode._step_kernels' tail after the LM head) on step_logits, as the captured step does."""
+    be = CudaBackend(use_graph=False)
+    be.cfg, be.ctx = make_cfg(vocab), ctx
+    be.alloc_step_io()
+    be.step_logits = cp.empty((1, vocab), cp.float32)
+    step: list = []
+    be._sample_tail(step, vocab)
+
+    def run(token: int, pos: int, logits: np.ndarray) -> tuple[int, int]:
+        be.step_logits[0].set(logits)
+        be.step_ids[:1].set(np.asarray([token], np.int32))
+        be.step_pos.set(np.asarray([pos], np.int32))
+        be._feed_uniforms(pos)
+        for _, _, _, launch in step:
+            launch(False)
+        tok, flag = (int(a) for a in be.step_ids.get())
+        assert int(be.step_pos.get()[0]) == pos + 1  # the step moves the device on, as the fused argmax does
+        return tok, flag
+
+    return be, run
+
+
+def random_logits(rng: np.random.Generator, v: int) -> np.ndarray:
+    x = (rng.standard_normal(v) * 3).astype(np.float32)
+    x[rng.choice(v, 30)] = x.max()  # ties at the top
+    x[rng.choice(v, 20)] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_step_sampler_matches_sampling_py_step_by_step(params) -> None:
+    """The step's kernels (penalties over the history by position, top-k, the draw with the ring's uniform
+    number of that position) pick what llamacli.sampling.sample picks with the same generator and history,
+    for more steps than the ring holds (so it is refilled while the generation runs)."""
+    v, ctx = 3001, 4096
+    be, run = step_tail(v, ctx)
+    rng = np.random.default_rng(11)
+    history = [int(t) for t in rng.integers(0, v, size=300)]
+    host, dev = np.random.default_rng(params.seed or 0), np.random.default_rng(params.seed or 0)
+    assert be.start_sampling(params, dev, history)
+    token = int(rng.integers(0, v))
+    for pos in range(len(history), len(history) + UNIFORM_RING + 200):
+        x = random_logits(rng, v)
+        history.append(token)
+        want = S.sample(x, params, host, history)
+        got, flag = run(token, pos, x)
+        assert flag == 0 and got == want, (pos, params)
+        token = got if pos % 3 else int(rng.integers(0, v))  # repeats, and tokens the sampler did not choose
+
+
+def test_step_sampler_flags_broken_logits() -> None:
+    v = 1000
+    be, run = step_tail(v, 64)
+    assert be.start_sampling(S.SamplingParams(temperature=0.8, seed=0), np.random.default_rng(0), [1, 2, 3])
+    x = np.zeros(v, np.float32)
+    x[17] = np.nan
+    assert run(5, 3, x)[1] == 1
+    x[17] = -np.nan  # a NaN with its sign bit set ranks above +inf too
+    assert run(5, 4, x)[1] == 1
+    with pytest.raises(NumericalError, match="-inf"):
+        check_flag(run(5, 5, np.full(v, -np.inf, np.float32))[1], v)
+
+
+def _sampled_settings() -> list[dict]:
+    return [dict(temperature=0.8, seed=1),
+            dict(temperature=1.3, top_k=7, top_p=0.9, min_p=0.0, repeat_penalty=1.3, frequency_penalty=0.2,
+                 presence_penalty=0.5, repeat_last_n=16, seed=2),
+            dict(temperature=1.0, top_k=TOPK_MAX, top_p=1.0, min_p=0.0, repeat_penalty=1.1, repeat_last_n=-1, seed=3),
+            dict(temperature=0.0, repeat_penalty=1.4, repeat_last_n=32)]
+
+
+def _host(m, prompt, n, settings):
+    """generate with each step's logits sampled on the host by llamacli.sampling (logprobs moves them there)."""
+    m.cached = []
+    return m.complete(prompt, max_tokens=n, logprobs=0, **settings).tokens
+
+
+def _device(m, prompt, n, settings):
+    m.cached = []
+    return m.complete(prompt, max_tokens=n, **settings).tokens
+
+
+@pytest.mark.parametrize("shape,qtype", [("small-llama", QT.Q8_0), ("small-qwen2", QT.Q4_K), ("tiny-gemma2", QT.Q8_0),
+                                         ("tiny-qwen3", "Q4_K_M")], ids=["llama", "qwen2", "gemma2", "qwen3"])
+def test_generate_sampled_in_the_graph_equals_host_sampling(random_model, shape, qtype) -> None:
+    """generate's default path (the sampler inside the captured step, the next step queued ahead) gives the
+    ids that sampling each step's logits on the host gives, for the same seed: penalties, top-k up to 1024,
+    greedy with penalties; with graphs and without; over more tokens than the uniform ring holds."""
+    m = load(random_model(shape, qtype), backend="cuda", ctx=2048)
+    m.tokenizer.eog_ids = frozenset()  # every generation runs to max_tokens
+    assert {"greedy", "sampled"} <= set(m.backend._graphs)  # captured at load, before any timed step
+    prompt = [1, 30, 31, 32, 33, 34, 35]
+    for settings in _sampled_settings():
+        n = UNIFORM_RING + 100 if settings.get("seed") == 1 else 96
+        want = _host(m, prompt, n, settings)
+        assert len(want) == n
+        assert _device(m, prompt, n, settings) == want, settings
+        m.backend.use_graph = False
+        assert _device(m, prompt, n, settings) == want, settings
+        m.backend.use_graph = True
+
+
+def test_greedy_is_unchanged(random_model) -> None:
+    """Plain greedy still runs the fused argmax (decode_greedy): the host's argmax ids, also right after a
+    sampled generation (whose step queued ahead it must not take)."""
+    m = load(random_model("small-qwen2", QT.Q4_K), backend="cuda", ctx=512)
+    m.tokenizer.eog_ids = frozenset()
+    prompt = [1, 30, 31, 32]
+    want = _host(m, prompt, 64, dict(temperature=0.0))
+    assert _device(m, prompt, 64, dict(temperature=0.0)) == want
+    m.complete(prompt, max_tokens=8, temperature=0.9, seed=5)
+    assert _device(m, prompt, 64, dict(temperature=0.0)) == want
+
+
+def test_sampled_step_queued_ahead_is_taken_only_when_it_matches(random_model) -> None:
+    """decode_sampled queues the next step (its id at pos + 1) before it reads the id; a different token, a
+    prefill in between or a new start_sampling recomputes: the same ids as the plain launches."""
+    path = random_model("small-qwen2", QT.Q4_K)
+    m = load(path, backend="cuda", ctx=256)
+    be, v = m.backend, m.cfg.vocab_size
+    rng = np.random.default_rng(5)
+    p, q = [int(t) for t in rng.integers(0, v, 20)], [int(t) for t in rng.integers(0, v, 21)]
+    params = S.SamplingParams(temperature=1.1, repeat_penalty=1.2, repeat_last_n=8)
+
+    def script(use_graph: bool) -> list[int]:
+        be.use_graph = use_graph
+        be.forward_prompt(np.asarray(p), 0)
+        assert be.start_sampling(params, np.random.default_rng(9), p)
+        a = be.decode_sampled(3, 20)
+        assert (be.queued_ahead is not None) == use_graph and (not use_graph or be.queued_ahead == (a, 21))
+        b = be.decode_sampled((a + 1) % v, 21)  # not the step queued
+        c = be.decode_sampled(b, 22)  # the step queued
+        be.forward_prompt(np.asarray(q), 0)  # the step queued now, (c, 23), saw the old cache
+        assert be.queued_ahead is None
+        d = be.decode_sampled(c, 23)
+        e = be.decode_greedy(d, 24)  # a greedy step does not take the sampled one queued
+        f = be.decode_sampled(e, 25)
+        return [a, b, c, d, e, f]
+
+    for _ in range(2):
+        assert script(True) == script(False)
+
+
+def test_smollm2_sampled_64_tokens_equal_host_sampling() -> None:
+    m = load(_smollm2_path(), backend="cuda", ctx=1024)
+    for prompt in ("The capital of France is", "Write a haiku about GPUs", "List three colors:"):
+        ids = m.prompt_ids(prompt)
+        for settings in _sampled_settings():
+            assert _device(m, ids, 64, settings) == _host(m, ids, 64, settings), (prompt, settings)
