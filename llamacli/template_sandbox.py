@@ -57,8 +57,9 @@ def compile_template(text: str, source: str, max_chars: int, timeout_s: float) -
     if len(text) > MAX_SOURCE_CHARS:
         raise TemplateError(f"chat template ({source}) is {len(text)} characters long; the limit is "
                             f"{MAX_SOURCE_CHARS} (real templates are a few thousand)")
+    watchdog = Watchdog(timeout_s, memory_budget(max_chars))
     try:
-        with Watchdog(timeout_s, memory_budget(max_chars)):
+        with watchdog:
             return _Sandbox(max_chars).from_string(text)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(f"chat template ({source}) has a syntax error at line {exc.lineno}: {exc.message}") from None
@@ -68,16 +69,19 @@ def compile_template(text: str, source: str, max_chars: int, timeout_s: float) -
         raise TemplateError(f"chat template ({source}) does not compile: it nests too deeply") from None
     except Exception as exc:  # anything else the compiler trips on
         raise TemplateError(f"chat template ({source}) does not compile: {exc}") from None
+    finally:
+        watchdog.close()  # also when its firing landed inside __enter__ (Watchdog.close)
 
 
 def render(template: jinja2.Template, context: dict[str, Any], source: str, max_chars: int, timeout_s: float) -> str:
     """The template's output for `context`, bounded in time, memory and size."""
     chunks: list[str] = []
     size = 0
+    watchdog = Watchdog(timeout_s, memory_budget(max_chars))
     try:
-        # The watchdog's exception may land anywhere inside this block, its own __exit__ included: all of it
-        # sits inside the try.
-        with Watchdog(timeout_s, memory_budget(max_chars)):
+        # The watchdog's exception may land anywhere inside this block, its own __enter__ and __exit__
+        # included: all of it sits inside the try, and the finally disarms it in any case.
+        with watchdog:
             for chunk in template.generate(**context):
                 size += len(chunk)
                 if size > max_chars:
@@ -97,6 +101,8 @@ def render(template: jinja2.Template, context: dict[str, Any], source: str, max_
         raise TemplateError(f"chat template ({source}) ran out of memory") from None
     except Exception as exc:
         raise TemplateError(f"chat template ({source}) failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        watchdog.close()  # also when its firing landed inside __enter__ (Watchdog.close)
     return "".join(chunks)
 
 

@@ -102,6 +102,13 @@ class Watchdog:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Disarm: no firing after this, a pending one withdrawn. Idempotent. The caller calls it again where it
+        handles Limit: a firing that lands inside __enter__ (a deadline shorter than the time to enter) leaves
+        the with-statement without __exit__, and the watchdog would fire once more, REFIRE_S later, into
+        whatever the thread runs then."""
         try:
             with self.lock:
                 self.done = True
@@ -109,7 +116,8 @@ class Watchdog:
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
         finally:
             self.stop.set()
-            sys.unraisablehook = self.previous_hook
+            if hasattr(self, "previous_hook"):
+                sys.unraisablehook = self.previous_hook
 
     def _quiet_unraisable(self, unraisable: "sys.UnraisableHookArgs") -> None:
         """Our own exception, delivered where Python cannot raise it (a finalizer, a weakref callback), would be

@@ -418,3 +418,30 @@ def test_deadline_works_in_any_thread_and_leaves_nothing_pending() -> None:
     for i in range(300_000):  # a pending asynchronous exception would surface in this loop
         total += i
     assert total == 44_999_850_000
+
+
+def test_a_firing_inside_the_watchdogs_enter_leaves_no_second_one(monkeypatch) -> None:
+    """A deadline shorter than the time to enter the watchdog fires inside its __enter__, so the with-statement
+    never calls __exit__: the render still ends in a TemplateError, and nothing fires into the code after it
+    when the watchdog's second firing (REFIRE_S later) comes due."""
+    import threading
+
+    from llamacli import template_watchdog as W
+
+    real_start = threading.Thread.start
+
+    def slow_start(self: threading.Thread) -> None:
+        real_start(self)
+        if self.name == "template-watchdog":
+            time.sleep(0.05)  # the watchdog's deadline passes before __enter__ returns: it fires in there
+
+    monkeypatch.setattr(threading.Thread, "start", slow_start)
+    for _ in range(3):
+        with pytest.raises(TemplateError, match="longer than"):
+            ChatTemplate("{{ 'x' }}", timeout_s=0.001).render([])
+    monkeypatch.undo()
+    end = time.monotonic() + W.REFIRE_S + 0.3
+    spins = 0
+    while time.monotonic() < end:  # a second firing would surface in this loop
+        spins += 1
+    assert spins > 0
