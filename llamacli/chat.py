@@ -107,8 +107,9 @@ def builtin_for(md: dict[str, Any], arch: str | None = None) -> str:
     """The built-in format for a file without a template: by architecture, then by vocabulary (the tokens
     llama.cpp's llm_chat_detect_template looks for in a template's text)."""
     arch = arch or md.get("general.architecture")
+    arch = arch if isinstance(arch, str) else None  # a hostile file's array or number names nothing
     tokens = md.get("tokenizer.ggml.tokens")
-    has = set(tokens if isinstance(tokens, list) else ()).__contains__
+    has = {t for t in tokens if isinstance(t, str)}.__contains__ if isinstance(tokens, list) else set().__contains__
     if arch == "qwen2":
         return "chatml"
     if arch in GEMMA_ARCHITECTURES or (has("<start_of_turn>") and has("<end_of_turn>")):

@@ -445,3 +445,11 @@ def test_a_firing_inside_the_watchdogs_enter_leaves_no_second_one(monkeypatch) -
     while time.monotonic() < end:  # a second firing would surface in this loop
         spins += 1
     assert spins > 0
+
+
+def test_builtin_choice_ignores_hostile_metadata_types() -> None:
+    """An architecture that is an array or a number and token lists holding arrays pick a format (the
+    fuzzer's find: a TypeError from `in` on an unhashable value)."""
+    assert builtin_for({"general.architecture": ["gemma3"], "tokenizer.ggml.tokens": [["<|eot_id|>"], 7]}) == "chatml"
+    assert builtin_for({"general.architecture": 3, "tokenizer.ggml.tokens": ["<start_of_turn>", "<end_of_turn>"]}) == "gemma"
+    assert builtin_for({"tokenizer.ggml.tokens": "not a list"}) == "chatml"

@@ -190,7 +190,8 @@ class MoEMixin:
     def _moe_route(self, logits: Any, t: int, ids: Any, wts: Any, gating: str) -> None:
         cfg = self.cfg
         K.launch("moe", "moe_route_f32", (t,), (32,),
-                 (K.ptr(logits), K.i32(t), K.i32(cfg.n_expert), K.i32(cfg.n_expert_used), K.i32(_GATING[gating]), K.i32(int(cfg.expert_weights_norm)), K.ptr(ids), K.ptr(wts)))
+                 (K.ptr(logits), K.i32(t), K.i32(cfg.n_expert), K.i32(cfg.n_expert_used), K.i32(_GATING[gating]),
+                  K.i32(int(cfg.expert_weights_norm)), K.ptr(ids), K.ptr(wts)))
 
     def _moe_combine(self, y: Any, wts: Any, x: Any, t: int) -> None:
         d = self.cfg.n_embd
