@@ -48,7 +48,7 @@ def forward(be: Backend, cfg: ModelConfig, ids: Any, pos: Any, all_logits: bool 
             o = be.rms_norm(o, L.attn_post_norm, cfg.rms_eps)
         x = be.add(x, o)
 
-        # Feed-forward block: x += W_down (act(W_gate h) * W_up h), h = rmsnorm(x); act silu or gelu (tanh)
+        # Feed-forward block: x += W_down (act(W_gate h) * W_up h), h = rmsnorm(x); act as the plan names it
         h = be.rms_norm(x, L.ffn_norm, cfg.rms_eps)
         if plan.moe:  # qwen3moe, gpt-oss: the weighted sum of the FFNs of the experts the router picks
             f = be.moe(h, i)  # [T, D]
@@ -58,7 +58,7 @@ def forward(be: Backend, cfg: ModelConfig, ids: Any, pos: Any, all_logits: bool 
                 g, u = gu[:, : cfg.n_ff], gu[:, cfg.n_ff :]
             else:
                 g, u = be.matmul(h, L.ffn_gate), be.matmul(h, L.ffn_up)  # [T, F] each
-            f = be.matmul(be.geglu(g, u) if plan.activation == "gelu_tanh" else be.swiglu(g, u), L.ffn_down)
+            f = be.matmul(be.gated(plan.activation, g, u), L.ffn_down)
         if plan.post_norms:
             f = be.rms_norm(f, L.ffn_post_norm, cfg.rms_eps)
         x = be.add(x, f)

@@ -682,19 +682,22 @@ def ext_cfg(dh: int, hkv: int, group: int, window: int, softcap: float, attn_sca
                     attn_scale=attn_scale, layers=(plan,), rope_type=ROPE_NEOX)
 
 
-def ext_attention_ref(q, kc, vc, pos, group, scale, window, softcap):
-    """float64 causal GQA attention with a sliding window (keys k > p - window; 0: all) and a soft-cap."""
+def ext_attention_ref(q, kc, vc, pos, group, scale, window, softcap, sinks=None):
+    """float64 causal GQA attention with a sliding window (keys k > p - window; 0: all), a soft-cap, and
+    attention sinks (gpt-oss: exp(sinks[h]) in each head's denominator, no value row; None: none)."""
     t, hq, dh = q.shape
     out = np.empty((t, hq, dh))
     k64 = np.repeat(kc.astype(np.float64), group, axis=1)
     v64 = np.repeat(vc.astype(np.float64), group, axis=1)
+    sink = np.full(hq, -np.inf) if sinks is None else np.asarray(sinks, np.float64)
     for i in range(t):
         lo = max(0, pos[i] - window + 1) if window else 0
         s = np.einsum("nhd,hd->hn", k64[lo : pos[i] + 1], q[i].astype(np.float64)) * scale
         if softcap:
             s = softcap * np.tanh(s / softcap)
-        p = np.exp(s - s.max(axis=1, keepdims=True))
-        out[i] = np.einsum("hn,nhd->hd", p, v64[lo : pos[i] + 1]) / p.sum(axis=1)[:, None]
+        m = np.maximum(s.max(axis=1), sink)
+        p = np.exp(s - m[:, None])
+        out[i] = np.einsum("hn,nhd->hd", p, v64[lo : pos[i] + 1]) / (p.sum(axis=1) + np.exp(sink - m))[:, None]
     return out.reshape(t, hq * dh)
 
 

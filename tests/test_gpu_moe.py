@@ -1,5 +1,6 @@
 """GPU tests of the mixture-of-experts kernels (kernels/moe.cu) and gpt-oss's attention sinks, against the
-references: llamacli.moe.route, float64 attention with sinks, and the NumPy backend's MoE FFN."""
+references: llamacli.moe.route and float64 attention with sinks (test_gpu_kernels.ext_attention_ref); the
+whole MoE layer against the NumPy backend is in test_gpu_backend.py's architecture cases."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 
 cp = pytest.importorskip("cupy")
 
-from llamacli import rope as rope_tables  # noqa: E402
 from llamacli.backends.cuda import cuda_available  # noqa: E402
 from llamacli.backends.cuda.attention import ATT_TC_MIN_T  # noqa: E402
 from llamacli.moe import route  # noqa: E402
@@ -20,7 +20,7 @@ if not _ok:
     pytest.skip(_why, allow_module_level=True)
 pytestmark = pytest.mark.gpu
 
-from test_gpu_kernels import assert_close, bare, make_cfg, poisoned  # noqa: E402
+from test_gpu_kernels import assert_close, bare, ext_attention_ref, make_cfg, poisoned  # noqa: E402
 
 
 # -- routing ----------------------------------------------------------------------------------------------
@@ -70,21 +70,6 @@ def sink_cfg(dh: int, hkv: int, group: int, window: int):
                     layers=(plan,), rope_type=ROPE_NEOX)
 
 
-def sink_attention_ref(q, kc, vc, pos, group, scale, window, sinks):
-    """float64 causal GQA attention, keys k > p - window (0: all), exp(sinks[h]) in each denominator."""
-    t, hq, dh = q.shape
-    out = np.empty((t, hq, dh))
-    k64 = np.repeat(kc.astype(np.float64), group, axis=1)
-    v64 = np.repeat(vc.astype(np.float64), group, axis=1)
-    for i in range(t):
-        lo = max(0, pos[i] - window + 1) if window else 0
-        s = np.einsum("nhd,hd->hn", k64[lo : pos[i] + 1], q[i].astype(np.float64)) * scale
-        m = np.maximum(s.max(axis=1), sinks)
-        p = np.exp(s - m[:, None])
-        out[i] = np.einsum("hn,nhd->hd", p, v64[lo : pos[i] + 1]) / (p.sum(axis=1) + np.exp(sinks - m))[:, None]
-    return out.reshape(t, hq * dh)
-
-
 @pytest.mark.parametrize("dh", [64, 128])
 @pytest.mark.parametrize("window", [0, 7, 128])
 def test_attention_sinks_prefill(dh, window) -> None:
@@ -104,7 +89,7 @@ def test_attention_sinks_prefill(dh, window) -> None:
         be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
         q = (rng.standard_normal((t, cfg.n_head, dh)) * 0.5).astype(np.float32)
         pos = np.arange(start, start + t, dtype=np.int32)
-        want = sink_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, sinks.astype(np.float64))
+        want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, 0.0, sinks.astype(np.float64))
         for use_tc in (True, False):
             be.attention_tc = use_tc
             out = poisoned((t, cfg.q_dim))
@@ -136,7 +121,7 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
     pos = np.array([hist - 1], np.int32)
     got = be.attention(0, cp.asarray(q), cp.asarray(kc[hist - 1 : hist]), cp.asarray(vc[hist - 1 : hist]),
                        cp.asarray(pos))
-    want = sink_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, sinks.astype(np.float64))
+    want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, 0.0, sinks.astype(np.float64))
     assert_close(got.get(), want, 2e-4, 2e-3, "decode op path")
     # The fused step: RoPE of q and k at the position, K/V stored, splits merged by the last block.
     n_split = be.decode_splits(ctx)
@@ -152,8 +137,8 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
         kr = ref.rope(ks, ppos).astype(np.float16).astype(np.float32)
         kc = np.concatenate([kc, kr])
         vc = np.concatenate([vc, vs.astype(np.float16).astype(np.float32)])
-        want = sink_attention_ref(ref.rope(qs, ppos), kc, vc, ppos, group, cfg.query_scale, window,
-                                  sinks.astype(np.float64))
+        want = ext_attention_ref(ref.rope(qs, ppos), kc, vc, ppos, group, cfg.query_scale, window, 0.0,
+                                 sinks.astype(np.float64))
         be.step_pos.set(ppos)
         att = poisoned((1, cfg.q_dim))
         be.attend_step(0, cp.asarray(qkv), att, False)

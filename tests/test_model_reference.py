@@ -54,10 +54,11 @@ def check(ours, ref):
     return err / scale
 
 
-def run_lengths_and_decode(path, vocab, seed):
-    """Prompts of 1, 7 and 130 tokens, then 10 decode steps (teacher-forced), each vs a full HF forward."""
+def run_lengths_and_decode(path, vocab, seed, m=None):
+    """Prompts of 1, 7 and 130 tokens, then 10 decode steps (teacher-forced), each vs a full HF forward (of
+    `m`, or of transformers' GGUF loader on `path`) -> the worst relative error."""
     rng = np.random.default_rng(seed)
-    m = hf_model(path)
+    m = hf_model(path) if m is None else m
     ours = Ours(path)
     worst = 0.0
     for n in (1, 7, 130):

@@ -260,23 +260,11 @@ def hf_pairs(tiny_moe):
 def test_logits_match_transformers(tiny_moe, hf_pairs, arch):
     """Prompts of 1, 7 and 130 tokens (gpt-oss: 16 times its window of 8), then 10 decode steps through the
     KV cache, each against a full transformers forward."""
-    from test_model_reference import Ours, check, hf_logits
+    from test_architectures import vocab_of
+    from test_model_reference import run_lengths_and_decode
 
-    path, m = tiny_moe[arch], hf_pairs[arch]
-    rng = np.random.default_rng(21)
-    ours = Ours(path)
-    vocab = ours.cfg.vocab_size
-    worst = 0.0
-    for n in (1, 7, 130):
-        ids = rng.integers(0, vocab, size=n).tolist()
-        worst = max(worst, check(ours.prefill(ids), hf_logits(m, ids)[-1]))
-    ids = rng.integers(0, vocab, size=9).tolist()
-    ours.prefill(ids)
-    for _ in range(10):
-        tok = int(rng.integers(0, vocab))
-        logits = ours.decode(tok, len(ids))
-        ids.append(tok)
-        worst = max(worst, check(logits, hf_logits(m, ids)[-1]))
+    path = tiny_moe[arch]
+    worst = run_lengths_and_decode(path, vocab_of(path), seed=21, m=hf_pairs[arch])
     print(f"{arch}: worst relative error {worst:.2e}")
 
 

@@ -138,6 +138,19 @@ class Backend(ABC):
         """gelu_tanh(gate) * up, [T, F] (gemma's FFN)."""
         raise BackendError(f"the {self.name} backend has no GeGLU (gemma models)")
 
+    def swiglu_oai(self, gate: Any, up: Any) -> Any:
+        """gpt-oss's clamped SwiGLU, [T, F]: min(gate, 7) sigmoid(1.702 min(gate, 7)) (clip(up, -7, 7) + 1)."""
+        raise BackendError(f"the {self.name} backend has no clamped SwiGLU as a separate operation")
+
+    def gated(self, activation: str, gate: Any, up: Any) -> Any:
+        """A gated FFN's activation as a layer plan names it: "silu" (SwiGLU), "gelu_tanh" (GeGLU),
+        "swiglu_oai" (gpt-oss)."""
+        if activation == "gelu_tanh":
+            return self.geglu(gate, up)
+        if activation == "swiglu_oai":
+            return self.swiglu_oai(gate, up)
+        return self.swiglu(gate, up)
+
     def softcap(self, x: Any, cap: float) -> Any:
         """cap * tanh(x / cap) (gemma2's final logits)."""
         raise BackendError(f"the {self.name} backend has no logit soft-capping (gemma2 models)")

@@ -173,14 +173,6 @@ class NumpyBackend(Backend):
         u = np.clip(up, -limit, limit)
         return (g / (1.0 + np.exp(-alpha * g)) * (u + 1.0)).astype(np.float32)
 
-    def gated(self, activation: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        """The plan's activation of a gated FFN: "silu" (SwiGLU), "gelu_tanh" (GeGLU), "swiglu_oai"."""
-        if activation == "gelu_tanh":
-            return self.geglu(gate, up)
-        if activation == "swiglu_oai":
-            return self.swiglu_oai(gate, up)
-        return self.swiglu(gate, up)
-
     @_ieee
     def moe(self, h: np.ndarray, layer: int) -> np.ndarray:
         """Route each token of h [T, D] to cfg.n_expert_used experts (moe.route), then run expert by expert

@@ -148,8 +148,7 @@ class SamplingMixin:
             out = cp.empty(2, dtype=cp.int32)
             K.launch("sampling", "argmax_f32", (1,), (1024,), (K.ptr(x), K.i32(v), K.ptr(out), K.ptr(None)))
             host = out.get()
-            if host[1]:
-                raise NumericalError("the logits contain NaN or +inf: the model output is broken")
+            check_flag(int(host[1]), v)
             return int(host[0])
         k = min(params.top_k, v)
         K.launch("sampling", "topk_f32", (1,), (1024,),
