@@ -22,7 +22,7 @@
 // kv_store: k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows pos[t] as fp16.
 // The other families: attention_mma.cu (prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128}, tensor
 // cores), attention_wgmma.cu (the same on a Hopper GPU with D 64 or 128, built for sm_90a) and
-// attention_decode.cu (decode with G <= 8 and D % 8 == 0, and the fused decode step's attention).
+// attention_split.cu (decode with G <= 16 and those head dims or 256, and the fused decode step's attention).
 // Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal): this kernel (f32 q and out) ~2,100 us, the
 // tensor-core prefill kernels 67 us (attention_wg16_d64) and 103-105 us (attention_tc16_d64).
 
@@ -218,7 +218,7 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_o, c
     combine_body<false>(part_o, part_ml, pos, T, Hq, Dh, n_split, chunk, out, out_stride, 0, nullptr);
 }
 
-// attention_combine_w(..., out_stride, window, sinks): the merge of attention_w_npl / attention_decode_w splits
+// attention_combine_w(..., out_stride, window, sinks): the merge of attention_w_npl splits
 // (sinks [Hq] or null: exp(sinks[h]) joins the denominator, gpt-oss).
 extern "C" __global__ void attention_combine_w(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                const int* __restrict__ pos, int T, int Hq, int Dh, int n_split,

@@ -218,13 +218,56 @@ __device__ __forceinline__ float4 x4(const float* __restrict__ p, int K, int i) 
     return v;
 }
 
+// A gemma block's input (post != null, one-token forms): x + RMSNorm(blk) * w, the post-norm and residual add
+// of the block before, which no kernel of its own then computes. post is a device array {blk, w, out} of three
+// pointers; every block computes the sum of squares of blk [K] and adds the scaled rows as it stages x, and
+// block 0 also writes the new residual to out (another buffer than x: other blocks still read x).
+struct PostIn {
+    const float* blk = nullptr;
+    const float* w = nullptr;
+    float* out = nullptr;
+    float r = 0.0f;
+};
+
+__device__ __forceinline__ PostIn post_in(const u64* __restrict__ post, int K, float eps) {
+    PostIn pi;
+    if (post == nullptr) return pi;
+    pi.blk = reinterpret_cast<const float*>(post[0]);
+    pi.w = reinterpret_cast<const float*>(post[1]);
+    pi.out = blockIdx.x == 0 ? reinterpret_cast<float*>(post[2]) : nullptr;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) ss = fmaf(pi.blk[i], pi.blk[i], ss);
+    pi.r = rsqrtf(block_sum(ss) / (float)K + eps);  // rms_norm_add's math
+    return pi;
+}
+
+// Values 4i .. 4i+3 of the input: x4(x), plus the post-norm term (and stored to out when `store`).
+__device__ __forceinline__ float4 in4(const float* __restrict__ x, int K, int i, const PostIn& pi, bool store) {
+    float4 v = x4(x, K, i);
+    if (pi.blk != nullptr) {
+        const float4 b = x4(pi.blk, K, i), w = x4(pi.w, K, i);
+        v.x += b.x * pi.r * w.x;
+        v.y += b.y * pi.r * w.y;
+        v.z += b.z * pi.r * w.z;
+        v.w += b.w * pi.r * w.w;
+        if (store && pi.out != nullptr) {
+            const int e = 4 * i;
+            if (e < K) pi.out[e] = v.x;
+            if (e + 1 < K) pi.out[e + 1] = v.y;
+            if (e + 2 < K) pi.out[e + 2] = v.z;
+            if (e + 3 < K) pi.out[e + 3] = v.w;
+        }
+    }
+    return v;
+}
+
 // Stage x [K] (zero-padded to whole units) into xs4; with norm_w, x / rms(x) * norm_w (the norm weights are
 // read in the same pass as x, so their loads are in flight together). With XSUM, also the per-unit sums of
 // the staged x after the slots (the offset terms of Q4_1, Q5_1: d*q + m dotted with x is d * (q . x) +
 // m * sum(x)); the 8 lanes of a unit are 8 consecutive lanes of one warp.
 template <bool XSUM, int SB = STAGE_BATCH>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, int K, const float* __restrict__ norm_w, float eps,
-                                        float4* xs4) {
+                                        float4* xs4, const PostIn& pi = PostIn()) {
     const int units = (K + 31) / 32, n = units * 8;
     float ss = 0.0f;
     for (int base = threadIdx.x; base < n; base += SB * blockDim.x) {
@@ -233,7 +276,7 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, int K, cons
         for (int b = 0; b < SB; ++b) {
             const int i = base + b * blockDim.x;
             if (i < n) {
-                v[b] = x4(x, K, i);
+                v[b] = in4(x, K, i, pi, true);
                 if (norm_w) w[b] = x4(norm_w, K, i);
             }
         }
@@ -401,6 +444,13 @@ __device__ __forceinline__ void load_half(const float* __restrict__ p, int K, in
     for (int k = 0; k < 4; ++k) v[k] = h < nh ? x4(p, K, 4 * h + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
+// load_half of the input x with the post-norm term (PostIn), stored to out when `store`.
+__device__ __forceinline__ void load_half_in(const float* __restrict__ x, int K, int h, int nh, float4 (&v)[4],
+                                             const PostIn& pi, bool store) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = h < nh ? in4(x, K, 4 * h + k, pi, store) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
 // Round half-unit h (the 16 values v) to int8 into its uint4 slot; the unit's two halves are lanes 2j and
 // 2j + 1 of one warp, which meet by one shuffle for the unit's max and one for its code sum, and the even one
 // writes xd and xsum. Every lane must call it. The max runs on the float bits (an integer max orders
@@ -446,7 +496,7 @@ __device__ __forceinline__ void quant_half(const float4 (&v)[4], int h, int nh, 
 // were most of the staging time.
 template <int H, bool NORM>
 __device__ __forceinline__ void stage_xq_halves(const float* __restrict__ x, int K, const float* __restrict__ norm_w,
-                                                float eps, uint4* xq4) {
+                                                float eps, uint4* xq4, const PostIn& pi) {
     const int units = (K + 31) / 32, nh = units * 2, per = H * (int)blockDim.x;
     float* xd = reinterpret_cast<float*>(xq4 + 2 * units);
     float* xsum = xd + units;
@@ -457,7 +507,7 @@ __device__ __forceinline__ void stage_xq_halves(const float* __restrict__ x, int
 #pragma unroll
             for (int j = 0; j < H; ++j) {
                 float4 v[4];
-                load_half(x, K, base + j * (int)blockDim.x, nh, v);
+                load_half_in(x, K, base + j * (int)blockDim.x, nh, v, pi, false);
 #pragma unroll
                 for (int k = 0; k < 4; ++k) ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
             }
@@ -469,7 +519,7 @@ __device__ __forceinline__ void stage_xq_halves(const float* __restrict__ x, int
 #pragma unroll
         for (int j = 0; j < H; ++j) {
             const int h = base + j * (int)blockDim.x + (int)threadIdx.x;
-            load_half(x, K, h, nh, v[j]);
+            load_half_in(x, K, h, nh, v[j], pi, true);
             if (NORM) load_half(norm_w, K, h, nh, w[NORM ? j : 0]);
         }
         if (NORM) {
@@ -497,11 +547,11 @@ __device__ __forceinline__ void stage_xq_halves(const float* __restrict__ x, int
 }
 
 __device__ __forceinline__ void stage_xq(const float* __restrict__ x, int K, const float* __restrict__ norm_w, float eps,
-                                         uint4* xq4) {
+                                         uint4* xq4, const PostIn& pi = PostIn()) {
     if (norm_w)
-        stage_xq_halves<1, true>(x, K, norm_w, eps, xq4);
+        stage_xq_halves<1, true>(x, K, norm_w, eps, xq4, pi);
     else
-        stage_xq_halves<2, false>(x, K, nullptr, eps, xq4);
+        stage_xq_halves<2, false>(x, K, nullptr, eps, xq4, pi);
 }
 
 // Sum over unit u of w[i] * x[i] against the int8 x: (scales) * xd[u] * (integer dot) (- the offset term).
@@ -693,7 +743,7 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
                                          int n0, int n1, int N, int K, const float* __restrict__ x, float* y,
                                          const float* __restrict__ bias, const float* resid,
                                          const float* __restrict__ norm_w, float eps, int lpr, int groups, u64* am,
-                                         int early) {
+                                         int early, const u64* __restrict__ post = nullptr) {
     constexpr bool MIXED = !same_type<Q, QV>::value;
     static_assert(!MIXED || (act8<Q>::value && act8<QV>::value && !SWIGLU), "mixed mv1: two int8-activation types");
     extern __shared__ float4 xs4[];
@@ -732,11 +782,12 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
     const uint4* xq4 = reinterpret_cast<const uint4*>(xs4);
     const float* xd = reinterpret_cast<const float*>(xq4 + 2 * units);
     const float* xsum;
+    const PostIn pi = post_in(post, K, eps);
     if constexpr (act8<Q>::value) {
-        stage_xq(x, K, norm_w, eps, reinterpret_cast<uint4*>(xs4));
+        stage_xq(x, K, norm_w, eps, reinterpret_cast<uint4*>(xs4), pi);
         xsum = xd + units;
     } else {
-        stage_x<needs_xsum<Q>::value>(x, K, norm_w, eps, xs4);
+        stage_x<needs_xsum<Q>::value>(x, K, norm_w, eps, xs4, pi);
         xsum = reinterpret_cast<const float*>(xs4 + units * 8);
     }
 
@@ -769,21 +820,21 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name(            \
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
         const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am, \
-        int early) {                                                                                         \
+        int early, const u64* post) {                                                                                         \
         mv1_body<Q, Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am,     \
-                              early);                                                                        \
+                              early, post);                                                                        \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name##_swiglu(   \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
-        int lpr, int groups, int early) {                                                                    \
+        int lpr, int groups, int early, const u64* post) {                                                                    \
         mv1_body<Q, Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,  \
-                             nullptr, early);                                                                \
+                             nullptr, early, post);                                                                \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name##_geglu(    \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
-        int lpr, int groups, int early) {                                                                    \
+        int lpr, int groups, int early, const u64* post) {                                                                    \
         mv1_body<Q, Q, true, ACT_GELU>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr,    \
-                                   groups, nullptr, early);                                                  \
+                                   groups, nullptr, early, post);                                                  \
     }
 
 #ifndef MATVEC_BODIES_ONLY
@@ -795,9 +846,9 @@ FOR_EACH_QTYPE(MV1_KERNELS)
     extern "C" __global__ void __launch_bounds__(256, MV1_MINB8) mv1_mixed_##a##_##b(                        \
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
         const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am, \
-        int early) {                                                                                         \
+        int early, const u64* post) {                                                                                         \
         mv1_body<QA, QB, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am,   \
-                                early);                                                                      \
+                                early, post);                                                                      \
     }
 #ifndef MATVEC_BODIES_ONLY
 MV1_MIXED(q4_k, QQ4_K, q5_k, QQ5_K)
@@ -904,7 +955,7 @@ __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* _
                                           const u8* __restrict__ w2, int n0, int n1, int N, int K,
                                           const float* __restrict__ x, float* y, const float* __restrict__ bias,
                                           const float* resid, const float* __restrict__ norm_w, float eps, u64* am,
-                                          int early) {
+                                          int early, const u64* __restrict__ post = nullptr) {
     constexpr int B = MV1S_BATCH, NB = MV1S_BUFS;
     extern __shared__ float4 xs4[];
     const int lane = threadIdx.x & 31;
@@ -935,7 +986,7 @@ __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* _
     }
     pdl_wait();  // x, resid, y and the argmax cells belong to earlier kernels of the step
     if (early) pdl_launch_dependents();
-    stage_x<false, MV1S_STAGE_BATCH>(x, K, norm_w, eps, xs4);
+    stage_x<false, MV1S_STAGE_BATCH>(x, K, norm_w, eps, xs4, post_in(post, K, eps));
 
     // Dot cursor: batch cj of pass cp of row cn.
     int cn = gw, cp = 0, cj = 0;
@@ -977,20 +1028,20 @@ __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* _
 #define MV1S_KERNELS(name, BF)                                                                              \
     extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name(                         \
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,   \
-        const float* bias, const float* resid, const float* norm_w, float eps, u64* am, int early) {        \
-        mv1s_body<BF, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, am, early);          \
+        const float* bias, const float* resid, const float* norm_w, float eps, u64* am, int early, const u64* post) {        \
+        mv1s_body<BF, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, am, early, post);          \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name##_swiglu(                \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps, \
-        int early) {                                                                                        \
+        int early, const u64* post) {                                                                                        \
         mv1s_body<BF, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, nullptr,      \
-                            early);                                                                         \
+                            early, post);                                                                         \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name##_geglu(                 \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps, \
-        int early) {                                                                                        \
+        int early, const u64* post) {                                                                                        \
         mv1s_body<BF, true, ACT_GELU>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, nullptr, \
-                                  early);                                                                   \
+                                  early, post);                                                                   \
     }
 #ifndef MATVEC_BODIES_ONLY
 MV1S_KERNELS(f16, false)

@@ -1,5 +1,5 @@
 // rope.cuh: one rotary pair of a head vector (the math in rope.cu's header), shared by rope.cu and the fused
-// decode attention in attention_decode.cu.
+// decode attention in attention_split.cu.
 #pragma once
 #include "common.cuh"
 

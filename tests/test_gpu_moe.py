@@ -103,8 +103,8 @@ def test_attention_sinks_prefill(dh, window) -> None:
 @pytest.mark.parametrize("dh,group", [(64, 8), (64, 3), (128, 4)])
 @pytest.mark.parametrize("window", [0, 128])
 def test_attention_sinks_decode_and_step(dh, group, window) -> None:
-    """Decode with sinks: the op path (attention_decode_w + attention_combine_w over splits) and the fused
-    step's kernel (attention_step_w_neox: RoPE, K/V store, splits, merge) at positions past several splits."""
+    """Decode with sinks: the op path (attention_split) and the fused step's kernel (attention_split_step_neox:
+    RoPE, K/V store, splits, merge) at positions past several splits."""
     rng = np.random.default_rng(dh * 3 + group + window)
     hkv, ctx = 2, 2048
     cfg = sink_cfg(dh, hkv, group, window)
@@ -122,7 +122,7 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
     got = be.attention(0, cp.asarray(q), cp.asarray(kc[hist - 1 : hist]), cp.asarray(vc[hist - 1 : hist]),
                        cp.asarray(pos))
     want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, 0.0, sinks.astype(np.float64))
-    assert_close(got.get(), want, 2e-4, 2e-3, "decode op path")
+    assert_close(got.get(), want, 4e-3, 1e-2, "decode op path")  # fp16 q and P (test_gpu_kernels.SPLIT_TOL)
     # The fused step: RoPE of q and k at the position, K/V stored, splits merged by the last block.
     n_split = be.decode_splits(ctx)
     be._part_o = cp.empty((n_split, cfg.n_head, dh), cp.float32)
@@ -142,5 +142,5 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
         be.step_pos.set(ppos)
         att = poisoned((1, cfg.q_dim))
         be.attend_step(0, cp.asarray(qkv), att, False)
-        assert_close(att.get(), want, 2e-4, 2e-3, f"step p={p}")
+        assert_close(att.get(), want, 4e-3, 1e-2, f"step p={p}")
         assert int(be.attention_counters.sum()) == 0

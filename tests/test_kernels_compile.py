@@ -94,15 +94,15 @@ def test_attention_has_hopper_code_only_for_sm90a() -> None:
     assert "wgmma.mma_async" in hopper and "wgmma" not in plain
     assert set(re.findall(r"\.entry\s+(\w+)\(", hopper)) == set(re.findall(r"\.entry\s+(\w+)\(", plain))
     assert K.FEATURE_ARCH == {"attention_wgmma": ("90", "sm_90a")}
-    for family in ("attention_simt", "attention_decode", "attention_mma"):
+    for family in ("attention_simt", "attention_split", "attention_mma"):
         assert "wgmma" not in re.sub(r"//[^\n]*", "", K.kernel_source(family)), family
 
 
 ATTENTION_KERNELS = {  # the kernels of the four attention families, as the Python launchers name them
     "attention_simt": {"kv_store", "attention_combine", "attention_combine_w"}
     | {f"attention{w}_npl{n}" for w in ("", "_w") for n in (1, 2, 3, 4, 8)},
-    "attention_decode": {f"attention_decode{w}_npl{n}" for w in ("", "_w") for n in (1, 2, 3, 4, 8)}
-    | {f"attention_step_{w}{m}_npl{n}" for w in ("", "w_") for m in ("normal", "neox") for n in (1, 2, 3, 4, 8)},
+    "attention_split": {f"attention_split{s}_d{d}" for s in ("", "_step_normal", "_step_neox")
+                        for d in (64, 80, 96, 112, 128, 256)},
     "attention_mma": {f"attention_tc{x}{o}_d{d}" for x in ("", "x") for o in ("", "16")
                       for d in (64, 80, 96, 112, 128, 256)},
     "attention_wgmma": {f"attention_wg{o}_d{d}" for o in ("", "16") for d in (64, 128)},

@@ -2,17 +2,19 @@
 
 - kernels/attention_simt.cu: attention_npl<N> (CUDA cores: short prefill chunks, head dims without a
   tensor-core kernel, decode where G > 8), attention_combine (merges decode splits), kv_store;
-- kernels/attention_decode.cu: attention_decode_npl<N> (decode, keys over all 8 warps) and its fused-step form
-  attention_step_<mode>_npl<N> (RoPE + K/V store + splits + merge);
+- kernels/attention_split.cu: attention_split_d<D> (decode on tensor cores, split over the keys) and its
+  fused-step form attention_split_step_<mode>_d<D> (q/k norm + RoPE + K/V store + splits + merge), with the
+  window, soft-cap and sinks as arguments;
 - kernels/attention_mma.cu: attention_tc*_d<D> (prefill on tensor cores, mma.sync);
-- the _w / tcx forms of each (attention_w_npl<N>, attention_combine_w, attention_decode_w_npl<N>,
-  attention_step_w_<mode>_npl<N>, attention_tcx*_d<D>): the same with a layer's sliding window and attention
-  soft-cap (gemma) and attention sinks (gpt-oss), launched only on the layers whose plan has one of them
-  (LayerPlan.window, attn_softcap, sinks);
+- the _w / tcx forms of the others (attention_w_npl<N>, attention_combine_w, attention_tcx*_d<D>): the same with
+  a layer's sliding window and attention soft-cap (gemma) and attention sinks (gpt-oss), launched only on the
+  layers whose plan has one of them (LayerPlan.window, attn_softcap, sinks);
 - kernels/attention_wgmma.cu: attention_wg*_d<D> (prefill on Hopper's wgmma; built for sm_90a).
 
-Decode splits the keys (flash-decoding): a fixed grid of n_split splits of `chunk` keys each (decode_chunk,
-decode_splits), so one captured graph serves every position.
+Decode splits the keys (flash-decoding) over a grid fixed when the step is captured, so one graph serves every
+position: attention_split takes as many splits as the GPU holds blocks of it (decode_splits) and computes
+each split's key range from the position; the CUDA-core fallback (head shapes attention_split lacks) takes
+ctx / decode_chunk(ctx) splits of decode_chunk keys.
 """
 
 from __future__ import annotations
@@ -31,7 +33,20 @@ ATT_TC_ROWS, ATT_TC_KEYS = 64, 64  # attention_tc_d*: query rows per block (TC_B
 ATT_TC_DIMS = (64, 80, 96, 112, 128, 256)  # head dims with a tensor-core prefill kernel
 ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: attention_wg*_d*
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
-DEC_KEYS = 256  # attention_decode_npl*: keys per pass of a split (8 warps x 32 lanes)
+SPLIT_KEYS = 64  # attention_split: keys per tile (a split takes whole tiles)
+SPLIT_MAX_G = 16  # attention_split: query heads per KV head (the rows of one MMA tile)
+
+
+def split_stage_bytes(dh: int) -> int:
+    """attention_split_d<dh>'s K and V stages: SP_STAGES(dh) (2 past head dim 128, else 3) x 64 keys x
+    (dh + 8) halves each."""
+    return 2 * (2 if dh > 128 else 3) * SPLIT_KEYS * (dh + 8) * 2
+
+
+def split_smem(dh: int, group: int) -> int:
+    """attention_split*_d<dh>'s dynamic shared memory at `group` query heads per KV head: the K/V stages, 16
+    fp16 q rows and group + 1 f32 rows."""
+    return split_stage_bytes(dh) + 16 * (dh + 8) * 2 + (group + 1) * dh * 4
 
 
 def tc_smem(dh: int) -> int:
@@ -62,8 +77,7 @@ def layer_ext(plan: Any) -> bool:
 
 
 def values_per_lane(dh: int) -> int:
-    """N of attention_npl<N> / attention_decode_npl<N>: output dims per lane, the smallest of 1, 2, 3, 4, 8
-    with 32 N >= dh."""
+    """N of attention_npl<N>: output dims per lane, the smallest of 1, 2, 3, 4, 8 with 32 N >= dh."""
     return next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
 
 
@@ -87,7 +101,7 @@ class AttentionMixin:
                   K.ptr(kc), K.ptr(vc)))
         out = cp.empty((t, cfg.q_dim), dtype=cp.float32)
         if t == 1:
-            n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)
+            n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)  # (chunk: CUDA-core form)
             part_o = cp.empty((n_split, cfg.n_head, dh), dtype=cp.float32)
             part_ml = cp.empty((n_split, cfg.n_head, 2), dtype=cp.float32)
             self.attend(q, cfg.q_dim, kc, vc, pos, 1, out, n_split, chunk, part_o, part_ml, layer=layer)
@@ -98,8 +112,9 @@ class AttentionMixin:
     def attend(self, q: Any, q_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any, n_split: int,
                chunk: int, part_o: Any, part_ml: Any, layer: int | None = None) -> None:
         """Causal attention of q [t, Hq*Dh] f32 (rows q_stride apart) over one layer's cache kc, vc up to each
-        row's position -> out [t, q_dim] f32: tensor cores for prefill chunks (attend_tc), attention_decode for
-        one token in n_split splits of `chunk` keys (partials in part_o, part_ml), else attention_npl.
+        row's position -> out [t, q_dim] f32: tensor cores for prefill chunks (attend_tc), attention_split for one
+        token in n_split splits (partials in part_o, part_ml), else attention_npl in n_split splits of `chunk`
+        keys.
         `layer`: whose plan's window and soft-cap apply (the _w kernels); None: neither."""
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -115,17 +130,10 @@ class AttentionMixin:
             q16 = (q32 * np.float32(tc_qscale(dh, cfg.attn_scale))).astype(self.cp.float16)
             self.attend_tc(q16, hq * dh, kc, vc, pos, t, out, layer)
             return
-        npl = values_per_lane(dh)
-        if n_split > 1 and t == 1 and self.decode_kernel_fits():
-            # Decode: the split's keys spread over all 8 warps (chunk is a multiple of 256 here).
-            K.launch("attention_decode", f"attention_decode{w_}_npl{npl}", (hkv, n_split), (256,),
-                     (K.ptr(q), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(hq), K.i32(hkv), K.i32(dh),
-                      K.f32(cfg.query_scale), K.i32(chunk), K.ptr(part_o), K.ptr(part_ml), *wx),
-                     shared=self._decode_smem())
-            K.launch("attention_simt", f"attention_combine{w_}", (hq,), (max(32, K.cdiv(dh, 32) * 32),),
-                     (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(1), K.i32(hq), K.i32(dh), K.i32(n_split),
-                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1], *sinks))
+        if t == 1 and self.split_fits():  # decode on tensor cores, n_split splits from the position
+            self.attend_split(layer, q, kc, vc, pos, out, n_split, part_o, part_ml)
             return
+        npl = values_per_lane(dh)
         smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
         grid = (K.cdiv(t * cfg.n_group, ATT_ROWS), hkv, n_split)
         K.launch("attention_simt", f"attention{w_}_npl{npl}", grid, (256,),
@@ -173,48 +181,71 @@ class AttentionMixin:
         K.launch("attention_mma", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
                  args, shared=tc_smem(dh))
 
+    def split_args(self, layer: int | None, pos: Any, n_split: int, part_o: Any, part_ml: Any,
+                   kc: Any, vc: Any) -> tuple[Any, ...]:
+        """attention_split*'s arguments from kc to counters (the window, soft-cap and sinks of `layer`'s plan;
+        none without a layer)."""
+        cfg = self.cfg
+        plan = cfg.layers[layer] if layer is not None else None
+        window = plan.window if plan is not None else 0
+        cap2 = plan.attn_softcap * math.log2(math.e) if plan is not None else 0.0
+        if getattr(self, "attention_counters", None) is None:
+            self.attention_counters = self.cp.zeros(cfg.n_head_kv, self.cp.uint32)
+        return (K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(cfg.n_head), K.i32(cfg.n_head_kv),
+                K.f32(tc_qscale(cfg.head_dim, cfg.attn_scale)), K.i32(window), K.f32(cap2), K.ptr(self.sinks(layer)),
+                K.ptr(part_o), K.ptr(part_ml), K.ptr(self.attention_counters))
+
+    def attend_split(self, layer: int | None, q: Any, kc: Any, vc: Any, pos: Any, out: Any, n_split: int,
+                     part_o: Any, part_ml: Any) -> None:
+        """Decode attention of one rotated query q [1, q_dim] f32 over the cache up to pos[0] (its K/V already
+        stored) in n_split splits (attention_split_d<D>, partials in part_o [n_split, Hq, D] and part_ml
+        [n_split, Hq, 2]) -> out [1, q_dim] f32."""
+        cfg = self.cfg
+        K.launch("attention_split", f"attention_split_d{cfg.head_dim}", (cfg.n_head_kv, n_split), (128,),
+                 (K.ptr(q), *self.split_args(layer, pos, n_split, part_o, part_ml, kc, vc), K.ptr(out)),
+                 shared=split_smem(cfg.head_dim, cfg.n_group))
+
     def attend_step(self, layer: int, qkv: Any, att: Any, early: bool) -> None:
-        """The fused decode step's attention of layer `layer` (attention_step_<mode>_npl<N>): RoPE of q and k
-        from the QKV matvec's output qkv [1, q_dim + 2 kv_dim] at step_pos, K/V into the cache, the splits and
-        their merge by the last block of each KV head (counters in attention_counters) -> att [1, q_dim].
-        decode_rows query rows per block; `early` as in matvec."""
+        """The fused decode step's attention of layer `layer` (attention_split_step_<mode>_d<D>): the q/k norm
+        where the plan has it, RoPE of q and k from the QKV matvec's output qkv [1, q_dim + 2 kv_dim] at
+        step_pos, K/V into the cache, the splits and their merge by the last block of each KV head (counters
+        in attention_counters) -> att [1, q_dim]. `early` as in matvec."""
         cfg = self.cfg
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
-        hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)
-        row_blocks = K.cdiv(cfg.n_group, self.decode_rows)
+        n_split = self.decode_splits(self.ctx)
         plan = cfg.layers[layer]
-        ext = layer_ext(plan)
         inv_freq, attn = self.rope_table(layer)
-        K.launch("attention_decode", f"attention_step_{'w_' if ext else ''}{mode}_npl{values_per_lane(dh)}",
-                 (hkv, n_split, row_blocks), (256,),
-                 (K.ptr(qkv), K.ptr(self.k_cache[layer]), K.ptr(self.v_cache[layer]), K.ptr(self.step_pos),
-                  K.i32(hq), K.i32(hkv), K.i32(dh), K.f32(cfg.query_scale), K.i32(chunk),
-                  K.ptr(self._part_o), K.ptr(self._part_ml), K.ptr(qkv.data.ptr + 4 * cfg.q_dim),
-                  K.i32(self.rope_dims[layer]), K.ptr(inv_freq), K.f32(attn),
-                  K.ptr(self.attention_counters), K.ptr(att), K.i32(early),
-                  *((K.i32(plan.window), K.f32(plan.attn_softcap), K.ptr(self.sinks(layer)))
-                    if ext else ())),
-                 shared=self._decode_smem())
+        L = self.weights.layers[layer] if plan.qk_norm else None
+        qn, kn = (L.attn_q_norm, L.attn_k_norm) if L is not None else (None, None)
+        K.launch("attention_split", f"attention_split_step_{mode}_d{cfg.head_dim}", (cfg.n_head_kv, n_split),
+                 (128,),
+                 (K.ptr(qkv), *self.split_args(layer, self.step_pos, n_split, self._part_o, self._part_ml,
+                                               self.k_cache[layer], self.v_cache[layer]),
+                  K.ptr(att), K.i32(self.rope_dims[layer]), K.ptr(inv_freq), K.f32(attn), K.ptr(qn), K.ptr(kn),
+                  K.f32(cfg.rms_eps), K.i32(early)),
+                 shared=split_smem(cfg.head_dim, cfg.n_group))
 
-    def _decode_smem(self) -> int:
-        """attention_decode / attention_step: q [G, Dh] + per-warp o [8, G, Dh] and (m, l) f32, V tiles [8, 32, Dh] fp16."""
-        g, dh = self.cfg.n_group, self.cfg.head_dim
-        return (9 * g * dh + 16 * g) * 4 + 8 * 32 * dh * 2
-
-    def decode_kernel_fits(self) -> bool:
-        """attention_decode_npl*: up to 8 query heads per KV head, head dim a multiple of 8, at most 128, or
-        256 (npl8: 201 KB of shared memory at 8 heads per KV head)."""
+    def split_fits(self) -> bool:
+        """attention_split serves the head shape: up to 16 query heads per KV head, a head dim with a kernel,
+        and its shared memory within the GPU's per-block limit."""
         cfg = self.cfg
-        return cfg.n_group <= 8 and cfg.head_dim % 8 == 0 and (cfg.head_dim <= 128 or cfg.head_dim == 256)
+        return (cfg.n_group <= SPLIT_MAX_G and cfg.head_dim in ATT_TC_DIMS
+                and split_smem(cfg.head_dim, cfg.n_group) <= self.smem_block)
 
     def decode_chunk(self, ctx: int) -> int:
-        """Keys per split in decode attention. attention_decode: 256 (one key per lane of 8 warps), more
-        only past 256 splits (ctx > 65536). The CUDA-core fallback (G > 8): 32-key tiles, at most 256 splits."""
-        if self.decode_kernel_fits():
-            return K.cdiv(K.cdiv(ctx, 256), DEC_KEYS) * DEC_KEYS
+        """Keys per split of the CUDA-core decode fallback (attention_npl + attention_combine; head shapes
+        attention_split lacks): 32-key tiles, at most 256 splits."""
         return max(32, K.cdiv(K.cdiv(ctx, 256), 32) * 32)
 
     def decode_splits(self, ctx: int) -> int:
-        """Splits of decode attention over a cache of ctx positions (each decode_chunk(ctx) keys)."""
-        return K.cdiv(ctx, self.decode_chunk(ctx))
+        """Splits of decode attention over a cache of ctx positions. attention_split: as many as the GPU holds
+        blocks of it at once (SMs x blocks per SM by shared memory, at most 4), shared among the KV heads,
+        at most one per 64-key tile of the cache and as many as its merge's weights fit the stages. The
+        CUDA-core fallback: ctx / decode_chunk(ctx)."""
+        cfg = self.cfg
+        if not self.split_fits():
+            return K.cdiv(ctx, self.decode_chunk(ctx))
+        smem = split_smem(cfg.head_dim, cfg.n_group)
+        per_sm = max(1, min(4, self.smem_sm // (smem + 1024)))
+        n = K.cdiv(self.n_sms * per_sm, cfg.n_head_kv)
+        return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), split_stage_bytes(cfg.head_dim) // (4 * cfg.n_group)))

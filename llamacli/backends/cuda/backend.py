@@ -57,11 +57,11 @@ class CudaBackend(DeviceMixin, LinearMixin, OpsMixin, AttentionMixin, MoEMixin, 
         # ... with Hopper's warpgroup MMA where attention_wgmma.cu is built for sm_90a and the driver makes TMA
         # descriptors (False: mma.sync everywhere)
         self.attention_wg = K.built_arch("attention_wgmma") == "sm_90a" and K.tma_supported()
-        # Query rows per block in the fused step's attention (of the G sharing a KV head): 1 gives the
-        # shortest dependent chain per lane (decode at short contexts is latency-bound); each block re-reads
-        # its split's K/V from L2. Set before the first decode (the graph keeps it).
-        self.decode_rows = 1
-        self.n_sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+        attrs = cp.cuda.Device().attributes
+        self.n_sms = int(attrs["MultiProcessorCount"])
+        # Shared memory a block may opt into and an SM holds (attention_split's fit and its splits).
+        self.smem_block = int(attrs["MaxSharedMemoryPerBlockOptin"])
+        self.smem_sm = int(attrs["MaxSharedMemoryPerMultiprocessor"])
         # The captured decode step launches its matvecs and attention as programmatic dependents (sm_90+):
         # set before the first decode (the graph keeps it).
         self.pdl = True

@@ -3,8 +3,8 @@
 Every buffer is allocated at load and the token and position are read by the kernels from device memory
 (step_ids, step_pos), so the step is captured once into a CUDA graph and replayed on the current stream
 (`use_graph`); the host uploads token/pos only when the device does not already hold them and reads back
-one id. Per layer (_step_kernels), 5 kernels: QKV matvec (RMSNorm fused into its input, + bias) | [q/k norm,
-where the layer's plan has it] | attention (RoPE, K/V store, splits and their merge in one kernel) | output
+one id. Per layer (_step_kernels), 5 kernels: QKV matvec (RMSNorm fused into its input, + bias) | attention
+(the q/k norm where the layer's plan has it, RoPE, K/V store, splits and their merge in one kernel) | output
 matvec + residual | gate/up matvec (RMSNorm fused, + SwiGLU) | down matvec + residual (a mixture-of-experts
 layer: router + routing | the chosen experts' gate/up | down | their weighted sum, moe.MoEMixin.moe_step);
 then the LM head with the final RMSNorm and, when greedy, the
@@ -63,6 +63,8 @@ class DecodeMixin:
         self._att = cp.empty((1, cfg.q_dim), f)
         self._ff = cp.empty((1, cfg.n_ff), f)
         self._blk = cp.empty((1, cfg.n_embd), f)  # a block's output before its post-norm (gemma)
+        self._x2 = cp.empty((1, cfg.n_embd), f)  # the residual's second buffer (a pending post-norm: _step_kernels)
+        self._post_descs: dict[tuple[int, int, int], Any] = {}
         self.step_logits = cp.empty((1, cfg.vocab_size), f)
         n_split = self.decode_splits(self.ctx)
         self._part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), f)
@@ -107,8 +109,8 @@ class DecodeMixin:
     def _step_kernels(self, greedy: bool, sample: bool = False) -> None:
         """Launch one decode step reading step_ids[0] and step_pos[0]; logits -> step_logits (`sample`: then the
         device sampler, sampling.SamplingMixin._sample_tail, writes the id and advances pos). Per layer:
-        QKV matvec (+ RMSNorm, bias) | attention step (RoPE + K/V store + splits + their merge; where the head
-        shape has no such kernel: rope_store, attention split, combine) | O matvec + residual | gate/up matvec
+        QKV matvec (+ RMSNorm, bias) | attention step (q/k norm + RoPE + K/V store + splits + their merge; where
+        the head shape has no such kernel: head_rms_norm, rope_store, attention splits, combine) | O matvec + residual | gate/up matvec
         (+ RMSNorm, SwiGLU) | down matvec + residual; then the LM head (+ RMSNorm, argmax)."""
         cfg, w = self.cfg, self.weights
         x, qkv, att, ff = self._x, self._qkv, self._att, self._ff
@@ -135,24 +137,52 @@ class DecodeMixin:
             step.append((name, sum(m.nbytes for m in ws), self.mv1_stream and mv1_stream_ok(ws),
                          lambda early: self.matvec(ws, src, 1, dst, early=early, **kw)))
 
+        # A gemma block's output goes through its post-norm before the residual add: x + RMSNorm(blk) * w. That
+        # sum is not computed by a kernel of its own: it stays pending and the next matvec that normalises
+        # the residual (the next block's QKV or gate/up, or the LM head) takes it as its input (`post`,
+        # kernels/matvec.cu PostIn) and writes the new residual into the other of two buffers (its other
+        # blocks still read the old one); a consumer without that input applies it first (rms_norm_add).
+        res = {"cur": x, "pending": None}
+
+        def take() -> tuple[Any, Any]:
+            """(the residual buffer to read, the post descriptor or None); the residual moves to the other
+            buffer when a post-norm is pending."""
+            cur, pend = res["cur"], res["pending"]
+            if pend is None:
+                return cur, None
+            out = self._x2 if cur is self._x else self._x
+            res["cur"], res["pending"] = out, None
+            return cur, self._post_desc(pend[0], pend[1], out)
+
+        def flush() -> Any:
+            """Apply a pending post-norm in place (rms_norm_add) -> the residual buffer."""
+            cur, pend = res["cur"], res["pending"]
+            if pend is not None:
+                res["pending"] = None
+                step.append(("post-norm", 0, False, lambda early, cur=cur, pend=pend: self._post_norm_add(
+                    pend[1], cur, pend[0])))
+            return cur
+
         for i, L in enumerate(w.layers):
             segs, bias = self._qkv_plan[i]
+            src, pd = take()
             if len(segs) == 1:
-                mv("norm+QKV", segs[0], x, qkv, bias=bias, norm=L.attn_norm)
-            else:  # mixed types: three launches into the row ranges of qkv, each normalising x itself
+                mv("norm+QKV", segs[0], src, qkv, bias=bias, norm=L.attn_norm, post=pd)
+            else:  # mixed types: three launches into the row ranges of qkv, each normalising x itself (each
+                # writes the same new residual when a post-norm is pending)
                 off = 0
                 for (m,) in segs:
                     b = None if bias is None else bias[off : off + m.rows]
-                    mv("norm+QKV", (m,), x, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm)
+                    mv("norm+QKV", (m,), src, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm, post=pd)
                     off += m.rows
-            if cfg.layers[i].qk_norm:  # qwen3: per-head RMSNorm of q and k, in place, before the RoPE
-                step.append(("q/k norm", 0, False, lambda early, L=L: K.launch(
-                    "norm", "head_rms_norm", (1, hq + hkv), (min(1024, K.cdiv(dh, 32) * 32),),
-                    (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.ptr(L.attn_q_norm),
-                     K.ptr(L.attn_k_norm), K.f32(cfg.rms_eps)))))
-            if self.decode_kernel_fits():  # one kernel: RoPE, K/V store, the attention splits and their merge
+            if self.split_fits():  # one kernel: q/k norm, RoPE, K/V store, the attention splits and their merge
                 step.append(("RoPE+KV+attention", 0, False, lambda early, i=i: self.attend_step(i, qkv, att, early)))
             else:
+                if cfg.layers[i].qk_norm:  # qwen3: per-head RMSNorm of q and k, in place, before the RoPE
+                    step.append(("q/k norm", 0, False, lambda early, L=L: K.launch(
+                        "norm", "head_rms_norm", (1, hq + hkv), (min(1024, K.cdiv(dh, 32) * 32),),
+                        (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.ptr(L.attn_q_norm),
+                         K.ptr(L.attn_k_norm), K.f32(cfg.rms_eps)))))
                 table, attn = self.rope_table(i)
                 step.append(("RoPE+KV", 0, False, lambda early, i=i, table=table, attn=attn: K.launch(
                     "rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
@@ -163,35 +193,38 @@ class DecodeMixin:
                     qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split, chunk,
                     self._part_o, self._part_ml, layer=i)))
             post = cfg.layers[i].post_norms
-            if post:  # gemma: x += RMSNorm(Wo att) * w_post (rms_norm_add), not x += Wo att
+            if post:  # gemma: x += RMSNorm(Wo att) * w_post, pending until the FFN's input
                 mv("O-proj", (L.attn_output,), att, self._blk)
-                step.append(("O-proj", 0, False, lambda early, w=L.attn_post_norm: self._post_norm_add(w)))
+                res["pending"] = (self._blk, L.attn_post_norm)
             else:
-                mv("O-proj", (L.attn_output,), att, x, resid=x, bias=L.attn_output_bias)
+                mv("O-proj", (L.attn_output,), att, res["cur"], resid=res["cur"], bias=L.attn_output_bias)
             act = cfg.layers[i].activation
             plan = self._ffn_plan[i]
             if cfg.layers[i].moe:  # x += the chosen experts' weighted sum
-                self.moe_step(i, x, lambda name, nbytes, launch: step.append((name, nbytes, False, launch)))
+                self.moe_step(i, flush(), lambda name, nbytes, launch: step.append((name, nbytes, False, launch)))
                 continue
+            src, pd = take()
             if plan is not None:
                 step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, self.mv1_stream and mv1_stream_ok(plan),
-                             lambda early, plan=plan, L=L, act=act:
-                             self.matvec_swiglu(plan[0], plan[1], x, 1, ff, norm=L.ffn_norm, early=early, act=act)))
+                             lambda early, plan=plan, L=L, act=act, src=src, pd=pd:
+                             self.matvec_swiglu(plan[0], plan[1], src, 1, ff, norm=L.ffn_norm, early=early, act=act,
+                                                post=pd)))
             else:
                 g = self._ff_tmp()
-                mv("norm+FFN", (L.ffn_gate,), x, g[0], norm=L.ffn_norm)
-                mv("norm+FFN", (L.ffn_up,), x, g[1], norm=L.ffn_norm)
+                mv("norm+FFN", (L.ffn_gate,), src, g[0], norm=L.ffn_norm, post=pd)
+                mv("norm+FFN", (L.ffn_up,), src, g[1], norm=L.ffn_norm, post=pd)
                 glu = "geglu_f32" if act == "gelu_tanh" else "swiglu_f32"
                 step.append(("norm+FFN", 0, False, lambda early, g=g, glu=glu: K.launch(
                     "elementwise", glu, (K.cdiv(cfg.n_ff, 256),), (256,),
                     (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))))
             if post:
                 mv("norm+FFN", (L.ffn_down,), ff, self._blk)
-                step.append(("norm+FFN", 0, False, lambda early, w=L.ffn_post_norm: self._post_norm_add(w)))
+                res["pending"] = (self._blk, L.ffn_post_norm)
             else:
-                mv("norm+FFN", (L.ffn_down,), ff, x, resid=x)
+                mv("norm+FFN", (L.ffn_down,), ff, res["cur"], resid=res["cur"])
+        src, pd = take()
         if cfg.final_softcap:  # gemma2: logits -> c tanh(logits / c), then (greedy) argmax_f32 over them
-            mv("norm+LM head", (w.output,), x, self.step_logits, norm=w.output_norm)
+            mv("norm+LM head", (w.output,), src, self.step_logits, norm=w.output_norm, post=pd)
             step.append(("LM head", 0, False, lambda early: self._softcap(self.step_logits, self.step_logits,
                                                                           cfg.final_softcap)))
             if greedy:  # argmax_f32 writes step_ids [id, NaN/+inf seen] and advances step_pos, as mv1's argmax
@@ -199,8 +232,8 @@ class DecodeMixin:
                     "sampling", "argmax_f32", (1,), (1024,),
                     (K.ptr(self.step_logits), K.i32(cfg.vocab_size), K.ptr(self.step_ids), K.ptr(self.step_pos)))))
         else:
-            mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), x, self.step_logits,
-               norm=w.output_norm, argmax=greedy)
+            mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), src, self.step_logits,
+               norm=w.output_norm, argmax=greedy, post=pd)
         if sample:  # penalties (the history by position) | top-k | top-p, min-p, temperature, the draw
             self._sample_tail(step, cfg.vocab_size)
         for j, (name, nbytes, streams, launch) in enumerate(step):
@@ -209,11 +242,20 @@ class DecodeMixin:
             with sec(name), (K.dependent_launches(False) if plain else _NULL):
                 launch(nxt_bytes < self.pdl_early_bytes or nxt_streams)
 
-    def _post_norm_add(self, weight: Any) -> None:
-        """x += RMSNorm(_blk) * weight (kernels/norm.cu rms_norm_add): a gemma block's output into the residual."""
+    def _post_norm_add(self, weight: Any, x: Any, blk: Any) -> None:
+        """x += RMSNorm(blk) * weight (kernels/norm.cu rms_norm_add): a gemma block's output into the residual."""
         d = self.cfg.n_embd
         K.launch("norm", "rms_norm_add", (1,), (256,),
-                 (K.ptr(self._x), K.ptr(self._blk), K.ptr(None), K.ptr(weight), K.i32(d), K.f32(self.cfg.rms_eps)))
+                 (K.ptr(x), K.ptr(blk), K.ptr(None), K.ptr(weight), K.i32(d), K.f32(self.cfg.rms_eps)))
+
+    def _post_desc(self, blk: Any, weight: Any, out: Any) -> Any:
+        """The device array {blk, weight, out} of pointers a matvec's `post` input reads (made once per triple,
+        in the un-captured warm-up that precedes every capture of the step)."""
+        key = (blk.data.ptr, weight.data.ptr, out.data.ptr)
+        desc = self._post_descs.get(key)
+        if desc is None:
+            desc = self._post_descs[key] = self.cp.asarray(np.asarray(key, np.uint64))
+        return desc
 
     def _ff_tmp(self) -> Any:
         if not hasattr(self, "_ff2"):

@@ -264,12 +264,14 @@ class LinearMixin:
             raise BackendError(f"cuBLAS GEMM ({t} x {n_rows} x {k}) failed with status {st}")
 
     def matvec(self, ws: tuple[DeviceMatrix, ...], x: Any, t: int, y: Any, bias: Any = None, resid: Any = None,
-               norm: Any = None, argmax: bool = False, early: bool = False) -> None:
+               norm: Any = None, argmax: bool = False, early: bool = False, post: Any = None) -> None:
         """y [t, sum rows] = [W0; W1; W2] x (+ bias) (+ resid): up to three row segments of one type (one
         token: W2 may be another int8-activation type than W0 and W1, mv1_kernel).
         One token goes through mv1 (x in shared memory), which can also apply RMSNorm(x) * norm first and
         reduce the rows to the greedy argmax (into step_ids, advancing step_pos); `early`: where it lets a
-        programmatic dependent start (decode.DecodeMixin._step_kernels)."""
+        programmatic dependent start (decode.DecodeMixin._step_kernels). `post` (one token): a device array
+        of three pointers {blk, w, out}: the input is x + RMSNorm(blk) * w (a gemma block's post-norm and
+        residual add, kernels/matvec.cu PostIn), also written to out."""
         w0 = ws[0]
         kernel = mv1_kernel(ws) if t == 1 else None
         if kernel is None and any(w.qtype != w0.qtype for w in ws):
@@ -283,7 +285,7 @@ class LinearMixin:
             K.launch("matvec", f"mv1_stream_{qname(w0.qtype)}", (mv1_stream_grid(n, self.n_sms),), (32 * MV1_WARPS,),
                      (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                       K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps),
-                      K.ptr(self._am if argmax else None), K.i32(early)),
+                      K.ptr(self._am if argmax else None), K.i32(early), K.ptr(post)),
                      shared=mv1_smem(w0.qtype, w0.cols))
             return
         if t == 1:
@@ -292,27 +294,28 @@ class LinearMixin:
             K.launch("matvec", kernel, (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                       K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps), K.i32(lpr),
-                      K.i32(groups), K.ptr(self._am if argmax else None), K.i32(early)),
+                      K.i32(groups), K.ptr(self._am if argmax else None), K.i32(early), K.ptr(post)),
                      shared=mv1_smem(w0.qtype, w0.cols))
             return
-        if norm is not None or argmax:
-            raise BackendError("fused RMSNorm / argmax need one token")
+        if norm is not None or argmax or post is not None:
+            raise BackendError("fused RMSNorm / argmax / post-norm need one token")
         rows_per_block = 4 * (32 // lpr)
         K.launch("matvec", f"matvec_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (128,),
                  (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
                   K.ptr(x), K.i32(t), K.ptr(y), K.ptr(bias), K.ptr(resid), K.i32(lpr)))
 
     def matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any, norm: Any = None,
-                      early: bool = False, act: str = "silu") -> None:
+                      early: bool = False, act: str = "silu", post: Any = None) -> None:
         """y [t, rows] = silu(Wg x) * (Wu x), gate and up of one type and shape (one token: RMSNorm(x) * norm
-        first when given; `early` as in matvec); act "gelu_tanh": gelu (the _geglu kernels) for silu."""
+        first when given; `early` and `post` as in matvec); act "gelu_tanh": gelu (the _geglu kernels) for
+        silu."""
         glu = "geglu" if act == "gelu_tanh" else "swiglu"
         lpr = _lpr(wg.cols)
         if t == 1 and self.mv1_stream and mv1_stream_ok((wg, wu)):
             K.launch("matvec", f"mv1_stream_{qname(wg.qtype)}_{glu}", (mv1_stream_grid(wg.rows, self.n_sms),),
                      (32 * MV1_WARPS,),
                      (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
-                      K.f32(self.cfg.rms_eps), K.i32(early)),
+                      K.f32(self.cfg.rms_eps), K.i32(early), K.ptr(post)),
                      shared=mv1_smem(wg.qtype, wg.cols))
             return
         if t == 1:
@@ -320,11 +323,11 @@ class LinearMixin:
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", f"mv1_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
                      (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
-                      K.f32(self.cfg.rms_eps), K.i32(lpr), K.i32(groups), K.i32(early)),
+                      K.f32(self.cfg.rms_eps), K.i32(lpr), K.i32(groups), K.i32(early), K.ptr(post)),
                      shared=mv1_smem(wg.qtype, wg.cols))
             return
-        if norm is not None:
-            raise BackendError("fused RMSNorm needs one token")
+        if norm is not None or post is not None:
+            raise BackendError("fused RMSNorm / post-norm need one token")
         rows_per_block = 4 * (32 // lpr)
         K.launch("matvec", f"matvec_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (128,),
                  (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.i32(t), K.ptr(y),

@@ -37,7 +37,7 @@ NVRTC_OPTIONS = ("-std=c++17",)
 # (a generic lambda, say) are device functions.
 _NVRTC_DIRECT = (*NVRTC_OPTIONS, "-default-device")
 FEATURE_ARCH = {"attention_wgmma": ("90", "sm_90a")}  # family -> (compute capability, NVRTC target on it)
-FAMILIES = ("attention_decode", "attention_mma", "attention_simt", "attention_wgmma", "dequant", "elementwise",
+FAMILIES = ("attention_mma", "attention_simt", "attention_split", "attention_wgmma", "dequant", "elementwise",
             "matvec", "moe", "norm", "rope", "sampling")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
@@ -206,7 +206,7 @@ def launch(family: str, name: str, grid: tuple[int, ...], block: tuple[int, ...]
 # pdl_wait() before touching anything an earlier kernel writes may be launched so: these name prefixes.
 # CuPy's launcher cannot set launch attributes, so these go through the driver's cuLaunchKernelEx (ctypes);
 # stream capture records them as programmatic edges of the graph.
-PDL_KERNELS = ("mv1_", "attention_step_")
+PDL_KERNELS = ("mv1_", "attention_split_step_", "rms_norm_add")
 _pdl = [False]
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h CUlaunchAttributeID
 
