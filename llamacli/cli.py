@@ -100,6 +100,12 @@ ModelOpt = Annotated[
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (CUDA when available), cuda or numpy.")]
 ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help="The model, as -m takes it.", show_default=False)]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", "--ctx-size", help="Context size (default: the model's, at most 4096).")]
+CacheTypeKOpt = Annotated[str, typer.Option(
+    "--cache-type-k", "-ctk", metavar="TYPE",
+    help="KV cache type of K, as llama.cpp's: f16 (default) or q8_0 (8-bit: 1.9x the context in the same memory; "
+         "the NumPy backend only so far).")]
+CacheTypeVOpt = Annotated[str, typer.Option(
+    "--cache-type-v", "-ctv", metavar="TYPE", help="KV cache type of V: f16 (default) or q8_0, as -ctk.")]
 # llama.cpp's options that have nothing to choose here: accepted, with a notice saying why.
 GpuLayersOpt = Annotated[Optional[str], typer.Option(
     "--n-gpu-layers", "-ngl", "--gpu-layers", metavar="N",
@@ -147,16 +153,20 @@ ReasoningEffortOpt = Annotated[
 
 
 def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gpu_layers: str | None = None,
-               flash_attn: bool = False, user_ctx: bool = True):
+               flash_attn: bool = False, user_ctx: bool = True, cache_types: tuple[str, str] = ("f16", "f16")):
     """Resolve, open and upload a model, with a progress bar on stderr. `gpu_layers` and `flash_attn` are
     llama.cpp's -ngl and -fa: checked, then explained in a notice once the backend is known. A context the
-    user chose (`user_ctx`) past the trained length is warned about once the model is loaded."""
+    user chose (`user_ctx`) past the trained length is warned about once the model is loaded. `cache_types`:
+    -ctk / -ctv (kv_cache.py), checked before anything is looked up."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .generate import Model, context_warning
+    from .kv_cache import parse_cache_type
     from .registry import resolve_model
 
     check_gpu_layers(gpu_layers)
+    cache_types = (parse_cache_type(cache_types[0], "--cache-type-k"),
+                   parse_cache_type(cache_types[1], "--cache-type-v"))
     looked_up = time.perf_counter()
     path = resolve_model(model)  # a name: the registry and the cache, and the download on first use
     found = time.perf_counter()
@@ -170,7 +180,7 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total)
 
-        m = Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice)
+        m = Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice, cache_types=cache_types)
     m.lookup = (looked_up, found)
     if not quiet:
         for line in llama_cpp_notices(m.backend.name, gpu_layers, flash_attn):

@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from .cli import (
-    BackendOpt, CtxOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt, GreedyOpt, JsonSchemaOpt,
-    LogprobsOpt, MaxTokensOpt, MinPOpt, ModelArg, ModelOpt, PresencePenaltyOpt, ReasoningEffortOpt, RepeatLastNOpt,
+    BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
+    GreedyOpt, JsonSchemaOpt, LogprobsOpt, MaxTokensOpt, MinPOpt, ModelArg, ModelOpt, PresencePenaltyOpt, ReasoningEffortOpt, RepeatLastNOpt,
     RepeatPenaltyOpt, SeedOpt, TemperatureOpt, ThinkOpt, TopKOpt, TopPOpt,
     command, dim, err, fail, load_model,
 )
@@ -134,6 +134,8 @@ def generate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings or notices on stderr.")] = False,
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
@@ -154,7 +156,8 @@ def generate(
         if not as_json:
             fail("--logprobs needs --json (the log-probabilities are part of the JSON object)")
     spec = read_constraint(json_schema, grammar)
-    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn)
+    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn,
+                   cache_types=(cache_type_k, cache_type_v))
     complete(m, text, params, max_tokens, stop=stop or (), raw=raw, system=system, truncate=truncate,
              as_json=as_json, verbose=verbose, quiet=quiet, think=think, logprobs=logprobs,
              constraint=build_constraint(m, spec))
@@ -264,6 +267,8 @@ def chat(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-reply speed lines or notices on stderr.")] = False,
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
@@ -287,7 +292,8 @@ def chat(
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     spec = read_constraint(json_schema, grammar)
-    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn)
+    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn,
+                   cache_types=(cache_type_k, cache_type_v))
     converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think,
              constraint=build_constraint(m, spec))
 
@@ -332,6 +338,8 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings or notices on stderr.")] = False,
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
 ) -> None:
@@ -340,7 +348,8 @@ def run(
     think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
-    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn)
+    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn,
+                   cache_types=(cache_type_k, cache_type_v))
     if prompt is None:
         converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think)
     else:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import BackendOpt, CtxOpt, FlashAttnOpt, GpuLayersOpt, ModelOpt, command, dim, err, fail, load_model, out
+from .cli import BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, FlashAttnOpt, GpuLayersOpt, ModelOpt, command, dim, err, fail, load_model, out
 from .textio import json_text, printable, read_text
 
 
@@ -169,6 +169,8 @@ def bench(
     kernels: Annotated[bool, typer.Option("--kernels", help="Instead: kernel micro-benchmarks (matvecs, attention prefill vs torch SDPA); no model needed (CUDA).")] = False,
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
 ) -> None:
     """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth.
     --profile breaks one prefill and one decode step down by kernel family; --kernels times single kernels."""
@@ -194,7 +196,8 @@ def bench(
     depths = parse_list(n_depth, "-d") or [0]
     need = max([p for p in prompts] + [n for n in gens] + [p + n for p, n in pairs] + [1]) + max(depths)
     m = load_model(model, backend, ctx or max(need + 1, 512), False, gpu_layers, flash_attn,
-                   user_ctx=ctx is not None)  # bench's own context is not the user's choice
+                   user_ctx=ctx is not None,  # bench's own context is not the user's choice
+                   cache_types=(cache_type_k, cache_type_v))
     if profile:
         prows, spans = run_profile(m, next((p for p in prompts if p), 512))
         print(render_profile(prows, spans, output, m.backend.device_name()))

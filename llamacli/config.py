@@ -81,9 +81,13 @@ class ModelConfig:
         """Query heads per KV head (GQA)."""
         return self.n_head // self.n_head_kv
 
-    def kv_cache_bytes(self, ctx: int, bytes_per_value: int = 2) -> int:
-        """K and V for every layer at `ctx` positions (fp16 by default)."""
-        return 2 * self.n_layer * ctx * self.kv_dim * bytes_per_value
+    def kv_cache_bytes(self, ctx: int, cache_types: tuple[str, str] = ("f16", "f16")) -> int:
+        """K and V for every layer at `ctx` positions, each of its cache type (kv_cache.CACHE_TYPES: fp16 by
+        default; q8_0 rows of whole 32-value blocks per head)."""
+        from .kv_cache import cache_row_bytes
+
+        row = sum(cache_row_bytes(t, self.head_dim) for t in cache_types) * self.n_head_kv
+        return int(self.n_layer * ctx * row)
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod

@@ -22,6 +22,7 @@ from .backends.base import Backend, Progress
 from .config import ModelConfig
 from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
+from .kv_cache import check_cache_types, parse_cache_type
 from .model import prefill
 from .reasoning import prompt_opens_think, reply_format, split_reasoning
 from .sampling import SamplingParams, make_rng, sample
@@ -116,6 +117,7 @@ class Model:
         ctx: int | None = None,
         progress: Progress | None = None,
         notice: Callable[[str], None] | None = None,
+        cache_types: tuple[str, str] = ("f16", "f16"),
     ):
         t0 = self.load_started = time.perf_counter()
         laps = _Laps()
@@ -134,10 +136,13 @@ class Model:
         if ctx is not None and (type(ctx) is not int or ctx <= 0):
             raise UsageError(f"context size must be a positive integer, got {ctx!r}")
         self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
+        self.cache_types = (parse_cache_type(cache_types[0], "--cache-type-k"),
+                            parse_cache_type(cache_types[1], "--cache-type-v"))
+        check_cache_types(self.cfg.head_dim, self.cache_types)
         self.backend = select_backend(backend, notice)
         laps.lap(f"backend start ({self.backend.name})")
         check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
-        self.backend.load(self.gguf, self.cfg, self.ctx, progress)
+        self.backend.load(self.gguf, self.cfg, self.ctx, progress, cache_types=self.cache_types)
         laps.lap("weights, KV cache", self.backend.load_stages)
         # The decode steps' graphs (CUDA) are captured here, so that no generation's timed loop pays for them.
         self.backend.prepare_decode()

@@ -39,6 +39,8 @@ def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False,
         info = _summary(g, cfg)
         if ctx is not None and cfg is not None:
             info["kv_cache_bytes_at_ctx"] = {"ctx": ctx, "bytes": cfg.kv_cache_bytes(ctx)}
+            if cfg.head_dim % 32 == 0:
+                info["kv_cache_bytes_at_ctx"]["bytes_q8_0"] = cfg.kv_cache_bytes(ctx, ("q8_0", "q8_0"))
         if with_tensors:
             info["tensors"] = [
                 {"name": t.name, "type": t.type_name, "shape": list(t.shape), "bytes": t.n_bytes, "offset": t.offset}
@@ -99,6 +101,8 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
             tied_embeddings=cfg.tied_embeddings,
             kv_cache_bytes=cfg.kv_cache_bytes(cfg.context_length),
         )
+        if cfg.head_dim % 32 == 0:  # the 8-bit cache (-ctk/-ctv q8_0) stores whole 32-value blocks
+            info["kv_cache_bytes_q8_0"] = cfg.kv_cache_bytes(cfg.context_length, ("q8_0", "q8_0"))
         if cfg.rope_scaling not in ("none",):
             info["rope_scaling_factor"] = cfg.rope_scaling_factor
             info["rope_original_context"] = cfg.rope_original_context
@@ -184,10 +188,14 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
             rows.append(("active weights", f"{human_bytes(info['active_weights_bytes'])} per token "
                                            f"({info['n_expert_used']} of {info['n_expert']} experts, one "
                                            f"embedding row, all else)"))
-        rows.append((f"KV cache (fp16) @ {info['context_length']}", human_bytes(info["kv_cache_bytes"])))
+        def kv(f16: int, q8: int | None) -> str:
+            return human_bytes(f16) + ("" if q8 is None else f" (q8_0: {human_bytes(q8)})")
+
+        rows.append((f"KV cache (fp16) @ {info['context_length']}",
+                     kv(info["kv_cache_bytes"], info.get("kv_cache_bytes_q8_0"))))
         at = info.get("kv_cache_bytes_at_ctx")
         if at:
-            rows.append((f"KV cache (fp16) @ {at['ctx']}", human_bytes(at["bytes"])))
+            rows.append((f"KV cache (fp16) @ {at['ctx']}", kv(at["bytes"], at.get("bytes_q8_0"))))
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()

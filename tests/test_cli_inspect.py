@@ -35,7 +35,9 @@ def test_smollm2_json(smollm2):
     assert info["file_size"] == 98362432 and info["has_chat_template"] is True
     assert info["bos_token_id"] == 1 and info["eos_token_id"] == 2 and info["rope_type"] == "normal"
     assert 134_000_000 < info["parameters"] < 136_000_000
-    assert info["kv_cache_bytes_at_ctx"] == {"ctx": 2048, "bytes": 2 * 30 * 2048 * 192 * 2}
+    # K and V of 30 layers x 3 KV heads x 64 dims: fp16 2 bytes a value, q8_0 34 bytes a 32-value block
+    assert info["kv_cache_bytes_at_ctx"] == {"ctx": 2048, "bytes": 2 * 30 * 2048 * 192 * 2,
+                                             "bytes_q8_0": 2 * 30 * 2048 * 3 * 2 * 34}
     assert len(info["tensors"]) == 272
     emb = next(t for t in info["tensors"] if t["name"] == "token_embd.weight")
     assert emb == {"name": "token_embd.weight", "type": "Q8_0", "shape": [49152, 576], "bytes": 30081024, "offset": emb["offset"]}

@@ -351,3 +351,12 @@ def test_fused_prefill_chunk_after_cached_prefix(random_model) -> None:
         got = be.to_host(prefill(be, cfg, second, 40))[-1]
         assert rel_l2(got, want) <= 1e-2, attempt
     assert 33 in be.prefill_graph_lengths
+
+
+def test_q8_0_kv_cache_is_refused_on_cuda(random_model) -> None:
+    """The 8-bit cache is the NumPy backend's so far: the CUDA backend says so before allocating anything."""
+    from llamacli.errors import UsageError
+    from llamacli.generate import Model
+
+    with pytest.raises(UsageError, match="no q8_0/f16 KV cache yet"):
+        Model(random_model("small-llama", "Q8_0"), backend="cuda", ctx=64, cache_types=("q8_0", "f16"))

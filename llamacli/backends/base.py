@@ -87,8 +87,10 @@ class Backend(ABC):
 
     # -- lifetime --------------------------------------------------------------------------------------
     @abstractmethod
-    def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None) -> None:
-        """Upload the weights (self.weights), allocate the KV cache [layer, ctx, Hkv, Dh] and scratch.
+    def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
+             cache_types: tuple[str, str] = ("f16", "f16")) -> None:
+        """Upload the weights (self.weights), allocate the KV cache [layer, ctx, Hkv, Dh] of the K and V
+        `cache_types` (kv_cache.CACHE_TYPES, already checked against the head dim) and scratch.
         The tensors were already checked by weights.check_tensors."""
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from .. import rope as rope_tables
 from ..config import ROPE_NEOX, ModelConfig
 from ..errors import HostMemoryError
 from ..gguf_file import GGUFFile
+from ..kv_cache import q8_0_roundtrip
 from ..moe import route
 from ..quants import can_dequantize, gather_rows
 from ..units import human_bytes
@@ -53,9 +54,11 @@ class NumpyBackend(Backend):
     runnable_types = frozenset(t for t in QT if t in GGML_QUANT_SIZES and can_dequantize(t))
 
     @_ieee
-    def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None) -> None:
+    def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
+             cache_types: tuple[str, str] = ("f16", "f16")) -> None:
         check_host_memory(cfg, ctx)  # before anything is allocated: the file's sizes or --ctx may be absurd
         self.cfg, self.ctx = cfg, ctx
+        self.cache_types = cache_types
         f32 = gguf.dequantize
         total = cfg.n_layer + 2
         report = progress or (lambda done, total, what: None)
@@ -124,8 +127,10 @@ class NumpyBackend(Backend):
     @_ieee
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
         cfg, plan = self.cfg, self.cfg.layers[layer]
-        self.k_cache[layer, pos] = k  # [T, Hkv, Dh] at their positions
-        self.v_cache[layer, pos] = v
+        # [T, Hkv, Dh] at their positions; an 8-bit cache keeps what its blocks hold (kv_cache.py)
+        k_type, v_type = getattr(self, "cache_types", ("f16", "f16"))
+        self.k_cache[layer, pos] = q8_0_roundtrip(k) if k_type == "q8_0" else k
+        self.v_cache[layer, pos] = q8_0_roundtrip(v) if v_type == "q8_0" else v
         n = int(pos.max()) + 1
         keys, values = self.k_cache[layer, :n], self.v_cache[layer, :n]  # [S, Hkv, Dh]
         t = q.shape[0]

@@ -16,7 +16,7 @@ import numpy as np
 
 from ... import rope as rope_tables
 from ...config import ModelConfig
-from ...errors import DeviceMemoryError
+from ...errors import DeviceMemoryError, UsageError
 from ...gguf_file import GGUFFile
 from ...memory_fit import not_enough_memory
 from ...weights import layer_tensor_names, model_specs
@@ -57,7 +57,11 @@ class DeviceMixin:
     cp: Any
 
     # -- lifetime ------------------------------------------------------------------------------------------
-    def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None) -> None:
+    def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
+             cache_types: tuple[str, str] = ("f16", "f16")) -> None:
+        if tuple(cache_types) != ("f16", "f16"):  # (kv_cache.py: the 8-bit cache is the NumPy backend's so far)
+            raise UsageError(f"the CUDA backend has no {'/'.join(cache_types)} KV cache yet: use f16, or "
+                             "--backend numpy")
         cp = self.cp
         t0 = time.perf_counter()  # load_stages: kernels, weights, the rest
         self.cfg, self.ctx = cfg, ctx
