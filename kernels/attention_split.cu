@@ -173,8 +173,9 @@ __device__ __forceinline__ void attention_split_body(
         load_tile(it + NST - 1, p + 1);
         if (it + NST < tb) {  // the tile after those in flight on its way to L2 (twice the bytes in flight)
             const long long row0 = (long long)(it + NST) * SP_BK * Hkv + kvh;
+            const int rows = min(SP_BK, p + 1 - (it + NST) * SP_BK);  // keys up to p: none past the cache
             constexpr int LPR = (D + 63) / 64;  // 128-byte lines per row
-            for (int e = threadIdx.x; e < SP_BK * LPR; e += SP_WARPS * 32) {
+            for (int e = threadIdx.x; e < rows * LPR; e += SP_WARPS * 32) {
                 const int j = e / LPR, c = e - j * LPR;
                 const long long off = (row0 + (long long)j * Hkv) * D + c * 64;
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(kc + off));

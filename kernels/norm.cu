@@ -9,8 +9,8 @@
 // q heads take wq [Dh], k heads wk [Dh]. grid (T, Hq + Hkv), block Dh rounded up to 32 (at most 1024). In the
 // captured decode step it may launch as a programmatic dependent of the QKV matvec: it waits for it first.
 // rms_norm_add(x, y, s, w, D, eps): gemma's post-norm before the residual add, x[t, :] += RMSNorm(y[t, :] * s[t])
-// * w (s [T] the GEMM's row scales, or NULL: 1). grid T, block 256. A programmatic dependent in the captured
-// decode step, as head_rms_norm.
+// * w (s [T] the GEMM's row scales, or NULL: 1). grid T, block 256. (The decode step folds it into the next
+// matvec's input instead: kernels/matvec.cu PostIn.)
 // Best measured on H100: not yet tuned (one block per row: D=576..4096 is latency-bound, ~2-3 us).
 
 #include "common.cuh"
@@ -58,8 +58,6 @@ extern "C" __global__ void head_rms_norm(float* x, int stride, int Hq, int Hkv, 
 
 extern "C" __global__ void rms_norm_add(float* x, const float* __restrict__ y, const float* __restrict__ s,
                                         const float* __restrict__ w, int D, float eps) {
-    pdl_wait();  // a programmatic dependent in the captured decode step (x, y: earlier kernels'), whose next
-    pdl_launch_dependents();  // kernel may then start: it waits for this one in its own pdl_wait
     const long long base = (long long)blockIdx.x * D;
     const float sc = s ? s[blockIdx.x] : 1.0f;
     float ss = 0.0f;

@@ -105,16 +105,24 @@ def test_forward_and_greedy_match_numpy(random_model, shape, qtype) -> None:
     assert fused_toks == want_toks
 
 
-def test_fused_decode_logits_match_forward(random_model) -> None:
-    path = random_model("small-qwen2", QT.Q4_K)
+@pytest.mark.parametrize("shape,qtype", [("small-qwen2", QT.Q4_K), ("tiny-gemma3", "Q4_K_M"), (GEMMA3_D128, QT.Q6_K)],
+                         ids=["qwen2", "gemma3-mixed", "gemma3-dh128"])
+def test_fused_decode_logits_match_forward(random_model, shape, qtype) -> None:
+    """The fused step (graph and plain) against the op-by-op forward pass at the same position (gemma: the
+    post-norms folded into the next matvec against rms_norm_add, the q/k norm inside the attention kernel)."""
+    path = random_model(shape, qtype)
     _, cfg, be = loaded(path, CudaBackend())
     prompt = [5, 9, 11, 3]
     forward(be, cfg, be.token_ids(np.asarray(prompt)), be.positions(0, 4))
     a = be.to_host(forward(be, cfg, be.token_ids(np.asarray([7])), be.positions(4, 1)))[-1]
+    # Gemma's residual is x + RMSNorm(blk) * w in both, but the fused input may contract it into one FMA where
+    # the op path rounds the product first: a last-bit difference that the int8 rounding of the next input can
+    # turn into one code step of a few values (a missing or doubled post-norm would be off by O(1)).
+    tol = 2e-3 if any(plan.post_norms for plan in cfg.layers) else 1e-5
     for use_graph in (False, True, True):  # graph capture, then a plain replay, at the same position
         be.use_graph = use_graph
         b = be.to_host(be.decode(7, 4))[-1]
-        assert rel_l2(b, a) <= 1e-5
+        assert rel_l2(b, a) <= tol
 
 
 @pytest.mark.parametrize("shape,qtype", [("small-llama", QT.Q8_0), ("small-qwen2", QT.Q4_K)], ids=["llama", "qwen2"])
@@ -138,19 +146,22 @@ def test_fused_decode_step_over_several_splits(random_model, shape, qtype) -> No
     assert not be.attention_counters.get().any()
 
 
-@pytest.mark.parametrize("shape,qtype", [("small-qwen2", QT.Q4_K), ("small-phi3", QT.Q8_0)], ids=["qwen2", "phi3"])
+@pytest.mark.parametrize("shape,qtype", [("small-qwen2", QT.Q4_K), ("small-phi3", QT.Q8_0), ("tiny-gemma3", "Q4_K_M"),
+                                         (GEMMA3_D128, QT.Q6_K)], ids=["qwen2", "phi3", "gemma3-mixed", "gemma3-dh128"])
 def test_decode_graph_with_programmatic_launches_equals_plain(random_model, shape, qtype) -> None:
     """The captured step launches its matvecs and attention as programmatic dependents (each may start while
     the previous kernel runs, and waits in griddepcontrol.wait before reading its inputs). Same kernels,
     same math: the logits and greedy ids must equal, bit for bit, those of the graph captured without it
-    and of the un-captured launches, step after step, across attention splits."""
+    and of the un-captured launches, step after step, across attention splits (gemma: the post-norms folded
+    into the next matvec's input, the residual moving between two buffers; its Q4_K_M mix: QKV and gate/up
+    of mixed types, several launches sharing that input)."""
     from llamacli.backends.cuda import loader as K
 
     path = random_model(shape, qtype)
     _, cfg, be = loaded(path, CudaBackend(), ctx=1024)
     rng = np.random.default_rng(11)
     forward(be, cfg, be.token_ids(rng.integers(0, cfg.vocab_size, size=250)), be.positions(0, 250))
-    steps = [(int(rng.integers(0, cfg.vocab_size)), 250 + i) for i in range(24)]  # crosses the split at 256
+    steps = [(int(rng.integers(0, cfg.vocab_size)), 250 + i) for i in range(24)]  # crosses a 64-key tile at 256
 
     def run(pdl: bool, use_graph: bool) -> tuple[list[np.ndarray], list[int]]:
         be.drop_graphs()

@@ -230,12 +230,13 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
 def test_mv1_post_norm_input(qtype: QT) -> None:
     """mv1 / mv1_stream with `post` (a gemma block's pending post-norm): the input is x + RMSNorm(blk) * w,
     normalised again by the matvec's own norm; block 0 writes that new residual to out, every block computes
-    it; plain, GeGLU and argmax forms, float, int8 and streaming stagings (K from cols_for; 100 is not a
-    multiple of 8), against float64; out poisoned, x and blk left as they were."""
+    it; plain, GeGLU and argmax forms, float, int8 (one and two passes) and streaming stagings (K from
+    cols_for; 100 is not a multiple of 8), against float64; out poisoned, x and blk left as they were."""
     rng = np.random.default_rng(31 + int(qtype))
     cfg = make_cfg()
     be, _ = bare(cfg, 16)
-    for k in cols_for(qtype)[-2:]:
+    # 8448 columns: the int8 staging's sum of squares in a pass of its own (stage_xq_halves, nh > per)
+    for k in cols_for(qtype)[-2:] + ([8448] if qtype in MV1_ACT8 else []):
         n = 2049
         w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
         u, _bu, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
@@ -636,13 +637,23 @@ def test_attention_split_depths(dh, hkv, group) -> None:
     po = cp.empty((n_split, hq, dh), cp.float32)
     pm = cp.empty((n_split, hq, 2), cp.float32)
     for p in (0, 1, 63, 64, 65, 700, 5000, 19_999):
-        kd, vd = cp.asarray(kc), cp.asarray(vc)
+        q = (rng.standard_normal((1, hq, dh)) * 2).astype(np.float32)
+        # Probe keys: the first and last key of every split (kernels/attention_split.cu's tiles per split), of
+        # the first tiles, and p itself, turned towards their group's queries so that each holds a visible
+        # share of the output: a key dropped or read twice moves it far past the tolerance.
+        tiles = p // 64 + 1
+        per = -(-tiles // n_split)
+        starts = range(0, tiles * 64, per * 64)
+        probes = sorted({k for k in (0, 63, 64, 65, p, *starts, *(s + per * 64 - 1 for s in starts)) if k <= p})
+        qg = q[0].reshape(hkv, group, dh).mean(axis=1)
+        kp = kc.copy()
+        kp[probes] = (4 * qg / np.linalg.norm(qg, axis=1, keepdims=True)).astype(np.float16)  # scores ~8 at G 1
+        kd, vd = cp.asarray(kp), cp.asarray(vc)
         kd[p + 1 :] = cp.nan
         vd[p + 1 :] = cp.nan
-        q = (rng.standard_normal((1, hq, dh)) * 2).astype(np.float32)
         out = poisoned((1, hq * dh))
         be.attend(cp.asarray(q), hq * dh, kd, vd, cp.asarray([p], dtype=cp.int32), 1, out, n_split, 0, po, pm)
-        want = ext_attention_ref(q, kc[: p + 1].astype(np.float32), vc[: p + 1].astype(np.float32),
+        want = ext_attention_ref(q, kp[: p + 1].astype(np.float32), vc[: p + 1].astype(np.float32),
                                  np.array([p]), group, 1 / math.sqrt(dh), 0, 0.0)
         assert_close(out.get(), want, *SPLIT_TOL, f"decode pos {p}")
         assert not be.attention_counters.get().any()  # reset by each merging block
@@ -819,10 +830,14 @@ def test_attention_decode_window_softcap(dh, hkv, group, window, softcap) -> Non
 @pytest.mark.parametrize("dh,group", [(64, 3), (256, 4), (128, 16)])
 @pytest.mark.parametrize("window,softcap,qk_norm", [(0, 0.0, False), (200, 0.0, True), (30, 50.0, False),
                                                     (0, 0.0, True)])
-def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm) -> None:
+@pytest.mark.parametrize("splits", [None, 2], ids=["gpu-splits", "2-splits"])
+def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, splits) -> None:
     """The fused decode step's attention (attention_split_step_neox_d*: the per-head q/k RMSNorm, RoPE with the
     local table, K/V store, the splits of the window only, their merge by the last block) against norm, rope
-    and attention of the reference, at positions on both sides of a tile boundary."""
+    and attention of the reference, at positions on both sides of a tile boundary. With 2 splits each split is
+    several tiles deep: the token's own tile reaches its stage after the store, or (a window of 4 tiles) was
+    requested before it and is patched in a later stage. The token's key is turned towards its first query
+    head, so a row p read as zeros would show."""
     from llamacli.models.base import LayerPlan
 
     rng = np.random.default_rng(dh + group + window)
@@ -833,6 +848,8 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm) -
                                                          qk_norm=True),))
     ctx = 2048
     be, ref = bare(cfg, ctx)
+    if splits is not None:
+        be.decode_splits = lambda ctx: splits  # (the instance attribute shadows the method)
     qn = (1 + 0.3 * rng.standard_normal(dh)).astype(np.float32)
     kn = (1 + 0.3 * rng.standard_normal(dh)).astype(np.float32)
     be.weights = SimpleNamespace(layers=[SimpleNamespace(attn_q_norm=cp.asarray(qn), attn_k_norm=cp.asarray(kn),
@@ -858,6 +875,7 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm) -
 
     for p in (hist, hist + 1, hist + 2):  # 702, 703: tile 10; 704: the first key of tile 11
         qkv = rng.standard_normal((1, cfg.q_dim + 2 * cfg.kv_dim)).astype(np.float32)
+        qkv[0, cfg.q_dim : cfg.q_dim + dh] = 3 * qkv[0, :dh]  # this token's key along query head 0
         q = qkv[:, : cfg.q_dim].reshape(1, cfg.n_head, dh)
         k = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(1, hkv, dh)
         v = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(1, hkv, dh)

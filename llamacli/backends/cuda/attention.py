@@ -1,7 +1,8 @@
 """Attention on the CUDA backend: the launchers of the four kernel families and the sizes they mirror.
 
 - kernels/attention_simt.cu: attention_npl<N> (CUDA cores: short prefill chunks, head dims without a
-  tensor-core kernel, decode where G > 8), attention_combine (merges decode splits), kv_store;
+  tensor-core kernel, decode where attention_split does not fit: G > 16, other head dims, or its shared
+  memory past the GPU's), attention_combine (merges those decode splits), kv_store;
 - kernels/attention_split.cu: attention_split_d<D> (decode on tensor cores, split over the keys) and its
   fused-step form attention_split_step_<mode>_d<D> (q/k norm + RoPE + K/V store + splits + merge), with the
   window, soft-cap and sinks as arguments;
@@ -35,6 +36,7 @@ ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: atten
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
 SPLIT_KEYS = 64  # attention_split: keys per tile (a split takes whole tiles)
 SPLIT_MAX_G = 16  # attention_split: query heads per KV head (the rows of one MMA tile)
+SPLIT_STATIC_SMEM = 1024  # attention_split's static shared memory (592 bytes), rounded up
 
 
 def split_stage_bytes(dh: int) -> int:
@@ -230,7 +232,7 @@ class AttentionMixin:
         and its shared memory within the GPU's per-block limit."""
         cfg = self.cfg
         return (cfg.n_group <= SPLIT_MAX_G and cfg.head_dim in ATT_TC_DIMS
-                and split_smem(cfg.head_dim, cfg.n_group) <= self.smem_block)
+                and split_smem(cfg.head_dim, cfg.n_group) + SPLIT_STATIC_SMEM <= self.smem_block)
 
     def decode_chunk(self, ctx: int) -> int:
         """Keys per split of the CUDA-core decode fallback (attention_npl + attention_combine; head shapes
@@ -246,6 +248,6 @@ class AttentionMixin:
         if not self.split_fits():
             return K.cdiv(ctx, self.decode_chunk(ctx))
         smem = split_smem(cfg.head_dim, cfg.n_group)
-        per_sm = max(1, min(4, self.smem_sm // (smem + 1024)))
+        per_sm = max(1, min(4, self.smem_sm // (smem + SPLIT_STATIC_SMEM + 1024)))  # (+ 1 KB each: the driver's)
         n = K.cdiv(self.n_sms * per_sm, cfg.n_head_kv)
         return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), split_stage_bytes(cfg.head_dim) // (4 * cfg.n_group)))

@@ -69,7 +69,7 @@ class DecodeMixin:
         n_split = self.decode_splits(self.ctx)
         self._part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), f)
         self._part_ml = cp.empty((n_split, cfg.n_head, 2), f)
-        self.attention_counters = cp.zeros(cfg.n_head_kv, cp.uint32)  # attention_step: finished splits per KV head
+        self.attention_counters = cp.zeros(cfg.n_head_kv, cp.uint32)  # attention_split: finished splits per KV head
         self._dev_state: tuple[int, int] | None = None
         # The step decode_greedy / decode_sampled queued ahead: ((token, pos) it computes, its pinned slot, launch
         # count then, its graph's key)
@@ -141,7 +141,7 @@ class DecodeMixin:
         # sum is not computed by a kernel of its own: it stays pending and the next matvec that normalises
         # the residual (the next block's QKV or gate/up, or the LM head) takes it as its input (`post`,
         # kernels/matvec.cu PostIn) and writes the new residual into the other of two buffers (its other
-        # blocks still read the old one); a consumer without that input applies it first (rms_norm_add).
+        # blocks still read the old one). (No architecture has post-norms and experts: check_moe refuses one.)
         res = {"cur": x, "pending": None}
 
         def take() -> tuple[Any, Any]:
@@ -153,15 +153,6 @@ class DecodeMixin:
             out = self._x2 if cur is self._x else self._x
             res["cur"], res["pending"] = out, None
             return cur, self._post_desc(pend[0], pend[1], out)
-
-        def flush() -> Any:
-            """Apply a pending post-norm in place (rms_norm_add) -> the residual buffer."""
-            cur, pend = res["cur"], res["pending"]
-            if pend is not None:
-                res["pending"] = None
-                step.append(("post-norm", 0, False, lambda early, cur=cur, pend=pend: self._post_norm_add(
-                    pend[1], cur, pend[0])))
-            return cur
 
         for i, L in enumerate(w.layers):
             segs, bias = self._qkv_plan[i]
@@ -201,7 +192,7 @@ class DecodeMixin:
             act = cfg.layers[i].activation
             plan = self._ffn_plan[i]
             if cfg.layers[i].moe:  # x += the chosen experts' weighted sum
-                self.moe_step(i, flush(), lambda name, nbytes, launch: step.append((name, nbytes, False, launch)))
+                self.moe_step(i, res["cur"], lambda name, nbytes, launch: step.append((name, nbytes, False, launch)))
                 continue
             src, pd = take()
             if plan is not None:
@@ -241,12 +232,6 @@ class DecodeMixin:
             plain = nbytes >= self.pdl_max_bytes and not streams
             with sec(name), (K.dependent_launches(False) if plain else _NULL):
                 launch(nxt_bytes < self.pdl_early_bytes or nxt_streams)
-
-    def _post_norm_add(self, weight: Any, x: Any, blk: Any) -> None:
-        """x += RMSNorm(blk) * weight (kernels/norm.cu rms_norm_add): a gemma block's output into the residual."""
-        d = self.cfg.n_embd
-        K.launch("norm", "rms_norm_add", (1,), (256,),
-                 (K.ptr(x), K.ptr(blk), K.ptr(None), K.ptr(weight), K.i32(d), K.f32(self.cfg.rms_eps)))
 
     def _post_desc(self, blk: Any, weight: Any, out: Any) -> Any:
         """The device array {blk, weight, out} of pointers a matvec's `post` input reads (made once per triple,

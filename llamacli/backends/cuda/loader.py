@@ -206,7 +206,7 @@ def launch(family: str, name: str, grid: tuple[int, ...], block: tuple[int, ...]
 # pdl_wait() before touching anything an earlier kernel writes may be launched so: these name prefixes.
 # CuPy's launcher cannot set launch attributes, so these go through the driver's cuLaunchKernelEx (ctypes);
 # stream capture records them as programmatic edges of the graph.
-PDL_KERNELS = ("mv1_", "attention_split_step_", "rms_norm_add")
+PDL_KERNELS = ("mv1_", "attention_split_step_")
 _pdl = [False]
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h CUlaunchAttributeID
 
