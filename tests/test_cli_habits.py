@@ -74,7 +74,7 @@ def test_bad_ngl_value_is_one_line_error(tiny):
 
 @pytest.mark.parametrize("args,unknown", [
     (("models", "-ngl", "99"), "-ngl"),  # click read this as -n with the value "gl"
-    (("generate", "-ctk", "q8_0", "-p", "hi"), "-ctk"),  # ... and this as -c (--ctx) "tk"
+    (("generate", "-ctkd", "q8_0", "-p", "hi"), "-ctkd"),  # ... and this as -c (--ctx) "tkd"
     (("generate", "-xyz", "-p", "hi"), "-xyz"),
     (("generate", "-qx", "-p", "hi"), "-qx"),  # -q is a flag, but -x is nothing
     (("tokenize", "-fa"), "-fa"),  # llama.cpp's, not --file "a"
