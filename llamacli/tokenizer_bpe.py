@@ -130,16 +130,21 @@ def build_bpe(md: dict[str, Any], ids: dict[str, int], family: str, ignore_merge
     merges = md.get("tokenizer.ggml.merges")
     if not isinstance(merges, list):
         raise TokenizerError("missing metadata key 'tokenizer.ggml.merges' (a BPE vocabulary needs its merges)")
-    pairs = []
-    for m in merges:
-        cut = m.find(" ", 1) if isinstance(m, str) else -1
-        if cut < 0:
-            raise TokenizerError(f"malformed merge {m!r} in tokenizer.ggml.merges")
-        pairs.append((m[:cut], m[cut + 1 :]))
+    # Each merge is "left right", split at its first space after the first character (a left token may begin
+    # with a space). str.partition splits them all at once where none begins with a space (Llama 3's 280k
+    # merges: 0.06 s against 0.16 s for a loop of find()); otherwise, or for a malformed one, the loop.
+    parts = [m.partition(" ") for m in merges] if all(type(m) is str for m in merges) else None
+    if parts is None or not all(a and sep for a, sep, _ in parts):
+        parts = []
+        for m in merges:
+            cut = m.find(" ", 1) if isinstance(m, str) else -1
+            if cut < 0:
+                raise TokenizerError(f"malformed merge {m!r} in tokenizer.ggml.merges")
+            parts.append((m[:cut], " ", m[cut + 1 :]))
     # A merge of or into a token the vocabulary lacks can never apply (llama.cpp would fall back to bytes),
     # but `tokenizers` refuses to load it, or with a small vocabulary panics in Rust (a BaseException, and a
     # backtrace on stderr): leave such merges out before it sees them.
-    pairs = [(a, b) for a, b in pairs if a in ids and b in ids and a + b in ids]
+    pairs = [(a, b) for a, _, b in parts if a in ids and b in ids and a + b in ids]
     try:
         model = models.BPE(ids, pairs, ignore_merges=ignore_merges, byte_fallback=not byte_level)
         hf = HFTokenizer(model)

@@ -59,6 +59,9 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
+_ONE_BYTE = [bytes([v]) for v in range(128)]  # the varints of 0 .. 127
+
+
 def _field_bytes(number: int, data: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(data)) + data
 
@@ -73,6 +76,7 @@ def _spm_model_proto(tokens: list[str], scores: list[float], types: list[int], u
     everything else NORMAL (llama.cpp merges into user-defined and unused tokens too)."""
     pieces = bytearray()
     pack_score = struct.Struct("<f").pack
+    small = _ONE_BYTE  # varints below 128: nearly every length here (this loop runs once per token: 262k for gemma)
     has_bytes = False
     for i, (text, score, ttype) in enumerate(zip(tokens, scores, types)):
         if i == unk_id:
@@ -83,10 +87,14 @@ def _spm_model_proto(tokens: list[str], scores: list[float], types: list[int], u
             sp_type = CONTROL
         else:
             sp_type = NORMAL
-        body = _field_bytes(1, text.encode("utf-8")) + b"\x15" + pack_score(float(score))  # 0x15: field 2, fixed32
+        raw = text.encode("utf-8")
+        n = len(raw)
+        # field 1 (piece, length-delimited: 0x0a), field 2 (score, fixed32: 0x15), field 3 (type, varint: 0x18)
+        body = b"\x0a" + (small[n] if n < 128 else _varint(n)) + raw + b"\x15" + pack_score(float(score))
         if sp_type != NORMAL:
-            body += _field_int(3, sp_type)
-        pieces += _field_bytes(1, body)
+            body += b"\x18" + small[sp_type]
+        m = len(body)
+        pieces += b"\x0a" + (small[m] if m < 128 else _varint(m)) + body
     if unk_id is None:  # sentencepiece insists on an unknown piece; ours can never be produced from text
         pieces += _field_bytes(1, _field_bytes(1, b"<llamacli-unk>") + _field_int(3, UNKNOWN))
         unk_id = len(tokens)

@@ -399,3 +399,43 @@ def test_token_matcher_is_leftmost_longest() -> None:
             found.append(span)
             pos = span[1]
         assert found == [m.span() for m in pattern.finditer(text)], (tokens, text)
+
+
+def test_spm_proto_equals_the_field_by_field_serialization() -> None:
+    """tokenizer_spm._spm_model_proto writes the pieces with one-byte varints inlined (it runs once per token);
+    the proto must equal the plain field-by-field serialization for pieces of any length (varints past one
+    byte), every token type, scores past float32, with and without an unknown token."""
+    import random
+    import struct
+
+    from llamacli import tokenizer_spm as S
+
+    def reference(tokens, scores, types, unk_id):
+        pieces = b""
+        for i, (text, score, ttype) in enumerate(zip(tokens, scores, types)):
+            if i == unk_id:
+                t = S.UNKNOWN
+            elif ttype == S.BYTE and S.HEX_BYTE.fullmatch(text):
+                t = S.BYTE
+            elif ttype in (S.CONTROL, S.UNKNOWN, S.BYTE):
+                t = S.CONTROL
+            else:
+                t = S.NORMAL
+            body = S._field_bytes(1, text.encode("utf-8")) + b"\x15" + struct.pack("<f", float(score))
+            if t != S.NORMAL:
+                body += S._field_int(3, t)
+            pieces += S._field_bytes(1, body)
+        return pieces
+
+    rng = random.Random(7)
+    for _ in range(40):
+        n = rng.randint(1, 120)
+        tokens = ["".join(chr(rng.choice((rng.randint(32, 126), rng.randint(0xA0, 0xD7FF))))
+                          for _ in range(rng.choice((1, 3, 42, 130, 300)))) for _ in range(n)]
+        tokens[0] = "<0x41>"
+        scores = [rng.uniform(-3e38, 3e38) for _ in range(n)]
+        types = [rng.choice((S.NORMAL, S.UNKNOWN, S.CONTROL, S.USER_DEFINED, S.UNUSED, S.BYTE)) for _ in range(n)]
+        unk = rng.choice((None, 0, n - 1))
+        got = S._spm_model_proto(tokens, scores, types, unk)
+        want = reference(tokens, scores, types, unk)
+        assert got[: len(want)] == want  # (then the unknown piece where there is none, and the unchanged specs)
