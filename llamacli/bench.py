@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .config import ModelConfig
 from .generate import Model
 from .model import prefill as prefill_prompt
 from .units import human_bytes, human_count
@@ -242,11 +243,30 @@ class ProfileRow:
     launches: int
 
 
-def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str, float]]:
+def attention_kv_bytes(cfg: ModelConfig, pos: int) -> list[int]:
+    """Bytes of K and V (fp16) each layer's decode attention reads at position `pos`: the keys 0..pos, or the
+    last `window` of them on a sliding-window layer."""
+    per_key = 2 * cfg.kv_dim * 2
+    return [min(pos + 1, plan.window or pos + 1) * per_key for plan in cfg.layers]
+
+
+def decode_attention_summary(cfg: ModelConfig, pos: int, rows: list[ProfileRow], bandwidth: float) -> dict[str, Any]:
+    """The decode step's attention families (the fused kernel, or the fallback's RoPE/K-V store and attention)
+    against the K/V bytes they read at `pos`: per layer time, GB/s and the share of the copy bandwidth
+    (issue 24's measure of the decode attention)."""
+    ms = sum(r.ms for r in rows if r.phase.startswith("decode") and "attention" in r.family.lower())
+    nbytes = sum(attention_kv_bytes(cfg, pos))
+    gbs = nbytes / (ms / 1e3) / 1e9 if ms > 0 else 0.0
+    return {"position": pos, "layers": cfg.n_layer, "ms": ms, "us_per_layer": ms * 1e3 / cfg.n_layer,
+            "kv_bytes": nbytes, "gb_per_s": gbs, "bandwidth_share": gbs * 1e9 / bandwidth if bandwidth else None}
+
+
+def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str, float], dict[str, Any]]:
     """Break one prefill of n_prompt random tokens (model.forward, op by op) and one greedy decode step at
     position n_prompt (the fused step, launched without its graph) down by kernel family, timed with CUDA
-    events while the work runs back to back behind a spin kernel. -> rows and, per phase, the GPU span
-    (sections plus gaps) and, for decode, the graph-replayed step time for comparison."""
+    events while the work runs back to back behind a spin kernel. -> rows; per phase the GPU span (sections
+    plus gaps) and, for decode, the graph-replayed step time for comparison; and the decode attention's
+    summary (decode_attention_summary)."""
     from .errors import UsageError
 
     be, cfg = model.backend, model.cfg
@@ -286,13 +306,16 @@ def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str
 
     tokens()
     spans["decode step, graph replay"] = be.elapsed(tokens) / k * 1e3
-    return rows, spans
+    return rows, spans, decode_attention_summary(cfg, n_prompt, rows, be.memory_bandwidth())
 
 
-def render_profile(rows: list[ProfileRow], spans: dict[str, float], fmt: str, device: str) -> str:
+def render_profile(rows: list[ProfileRow], spans: dict[str, float], fmt: str, device: str,
+                   attention: dict[str, Any] | None = None) -> str:
     if fmt == "json":
-        return json.dumps({"device": device, "rows": [r.__dict__ for r in rows],
-                           "span_ms": {k: round(v, 4) for k, v in spans.items()}}, indent=2)
+        out = {"device": device, "rows": [r.__dict__ for r in rows], "span_ms": {k: round(v, 4) for k, v in spans.items()}}
+        if attention is not None:
+            out["decode_attention"] = attention
+        return json.dumps(out, indent=2)
     lines = [f"device: {device}; GPU time per kernel family (CUDA events, kernels back to back, no graph)", "",
              "| phase | family | ms | share | launches |", "| --- | --- | ---: | ---: | ---: |"]
     for r in rows:
@@ -300,6 +323,12 @@ def render_profile(rows: list[ProfileRow], spans: dict[str, float], fmt: str, de
     lines.append("")
     for k, v in spans.items():
         lines.append(f"{k}: {v:.3f} ms" + (" on the GPU timeline (families + gaps)" if "replay" not in k else ""))
+    if attention is not None and attention["ms"] > 0:
+        a = attention
+        share = f" = {a['bandwidth_share'] * 100:.1f}% of the copy bandwidth" if a["bandwidth_share"] else ""
+        lines.append(f"decode attention @{a['position']}: {a['us_per_layer']:.2f} us a layer for "
+                     f"{a['kv_bytes'] / a['layers'] / 1e6:.2f} MB of K and V on average, {a['gb_per_s']:.0f} GB/s"
+                     f"{share} (kernels back to back)")
     return "\n".join(lines)
 
 

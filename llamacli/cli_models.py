@@ -199,8 +199,8 @@ def bench(
                    user_ctx=ctx is not None,  # bench's own context is not the user's choice
                    cache_types=(cache_type_k, cache_type_v))
     if profile:
-        prows, spans = run_profile(m, next((p for p in prompts if p), 512))
-        print(render_profile(prows, spans, output, m.backend.device_name()))
+        prows, spans, attention = run_profile(m, next((p for p in prompts if p), 512))
+        print(render_profile(prows, spans, output, m.backend.device_name(), attention))
         return
     rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: dim(f"running {t}"), depths=depths)
     print(render(rows, output, m.backend.device_name(), bandwidth))

@@ -71,6 +71,34 @@ def test_profile_and_kernels_exclude_each_other(tiny: str) -> None:
     assert r.code != 0 and "pick one" in r.one_line_error()
 
 
+def test_decode_attention_summary_counts_the_keys_each_layer_reads(random_model) -> None:
+    """bench --profile's decode attention line: K and V bytes at the position (a sliding-window layer reads
+    only its window), GB/s from the attention families' time, the share of the copy bandwidth."""
+    from llamacli.bench import attention_kv_bytes, decode_attention_summary
+    from llamacli.config import ModelConfig
+    from llamacli.gguf_file import open_gguf
+
+    g = open_gguf(random_model("tiny-gemma3", "F32"))
+    cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
+    windows = [plan.window for plan in cfg.layers]
+    assert any(windows) and not all(windows)  # local and global layers
+    pos = max(windows) + 100
+    per_key = 2 * cfg.n_head_kv * cfg.head_dim * 2
+    assert attention_kv_bytes(cfg, pos) == [(w or pos + 1) * per_key for w in windows]
+    assert attention_kv_bytes(cfg, 3) == [4 * per_key] * cfg.n_layer
+    rows = [ProfileRow(f"decode @{pos}", "RoPE+KV+attention", 0.5, 0.4, cfg.n_layer),
+            ProfileRow(f"decode @{pos}", "norm+QKV", 0.2, 0.2, cfg.n_layer),
+            ProfileRow("prefill 8", "attention", 9.0, 0.5, 1)]  # not the decode step's
+    a = decode_attention_summary(cfg, pos, rows, 2.0e12)
+    total = sum(attention_kv_bytes(cfg, pos))
+    assert a["kv_bytes"] == total and a["ms"] == 0.5 and a["layers"] == cfg.n_layer
+    assert a["gb_per_s"] == pytest.approx(total / 0.5e-3 / 1e9, rel=1e-3)
+    assert a["bandwidth_share"] == pytest.approx(total / 0.5e-3 / 2.0e12, rel=1e-3)
+    text = render_profile(rows, {}, "md", "dev", a)
+    assert f"decode attention @{pos}: {0.5e3 / cfg.n_layer:.2f} us a layer" in text and "% of the copy bandwidth" in text
+    assert json.loads(render_profile(rows, {}, "json", "dev", a))["decode_attention"]["kv_bytes"] == total
+
+
 def test_renderers_without_a_gpu() -> None:
     rows = [ProfileRow("prefill 8", "QKV", 0.5, 0.25, 3), ProfileRow("prefill 8", "FFN", 1.5, 0.75, 6)]
     text = render_profile(rows, {"prefill 8": 2.1}, "md", "dev")
