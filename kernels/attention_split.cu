@@ -19,8 +19,9 @@
 // window are never read.
 // The G = Hq / Hkv query heads of a KV head are the rows of one 16-row MMA tile (G <= 16; rows past G are
 // zeros), so each K/V tile is read once for all of them. Tiles stream through shared memory NST deep
-// (cp.async, 16-byte copies; the tile after those in flight is prefetched into L2); warp w takes keys 16w .. 16w + 15 of each tile: S = Q K^T (mma.sync m16n8k16,
-// fp16 in, f32 accumulate; q pre-multiplied by qscale = log2(e) x the query scale, so the softmax is base 2),
+// (cp.async, 16-byte copies; the tile after those in flight is prefetched into L2); warp w takes keys
+// 16w .. 16w + 15 of each tile: S = Q K^T (mma.sync m16n8k16, fp16 in, f32 accumulate; q pre-multiplied by
+// qscale = log2(e) x the query scale, so the softmax is base 2),
 // the soft-cap (cap2 = c log2(e), gemma2), the window and causal masks, the online softmax, O += P V with P
 // in fp16 straight from the accumulators and l += P 1 by one more MMA (attention_mma.cu's scheme). The four
 // warps merge through shared memory; a split that holds every key writes out itself, else it writes its

@@ -820,21 +820,21 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name(            \
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
         const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am, \
-        int early, const u64* post) {                                                                                         \
+        int early, const u64* post) {                                                                        \
         mv1_body<Q, Q, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am,     \
-                              early, post);                                                                        \
+                              early, post);                                                                  \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name##_swiglu(   \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
-        int lpr, int groups, int early, const u64* post) {                                                                    \
+        int lpr, int groups, int early, const u64* post) {                                                   \
         mv1_body<Q, Q, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr, groups,  \
-                             nullptr, early, post);                                                                \
+                             nullptr, early, post);                                                          \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_##name##_geglu(    \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps,  \
-        int lpr, int groups, int early, const u64* post) {                                                                    \
+        int lpr, int groups, int early, const u64* post) {                                                   \
         mv1_body<Q, Q, true, ACT_GELU>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, lpr,    \
-                                   groups, nullptr, early, post);                                                  \
+                                   groups, nullptr, early, post);                                            \
     }
 
 #ifndef MATVEC_BODIES_ONLY
@@ -846,9 +846,9 @@ FOR_EACH_QTYPE(MV1_KERNELS)
     extern "C" __global__ void __launch_bounds__(256, MV1_MINB8) mv1_mixed_##a##_##b(                        \
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,    \
         const float* bias, const float* resid, const float* norm_w, float eps, int lpr, int groups, u64* am, \
-        int early, const u64* post) {                                                                                         \
+        int early, const u64* post) {                                                                        \
         mv1_body<QA, QB, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, lpr, groups, am,   \
-                                early, post);                                                                      \
+                                early, post);                                                                \
     }
 #ifndef MATVEC_BODIES_ONLY
 MV1_MIXED(q4_k, QQ4_K, q5_k, QQ5_K)
@@ -1028,20 +1028,20 @@ __device__ __forceinline__ void mv1s_body(const u8* __restrict__ w0, const u8* _
 #define MV1S_KERNELS(name, BF)                                                                              \
     extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name(                         \
         const u8* w0, const u8* w1, const u8* w2, int n0, int n1, int N, int K, const float* x, float* y,   \
-        const float* bias, const float* resid, const float* norm_w, float eps, u64* am, int early, const u64* post) {        \
-        mv1s_body<BF, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, am, early, post);          \
+        const float* bias, const float* resid, const float* norm_w, float eps, u64* am, int early, const u64* post) { \
+        mv1s_body<BF, false>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, am, early, post);     \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name##_swiglu(                \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps, \
-        int early, const u64* post) {                                                                                        \
+        int early, const u64* post) {                                                                        \
         mv1s_body<BF, true>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, nullptr,      \
-                            early, post);                                                                         \
+                            early, post);                                                                    \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_##name##_geglu(                 \
         const u8* wg, const u8* wu, int N, int K, const float* x, float* y, const float* norm_w, float eps, \
-        int early, const u64* post) {                                                                                        \
+        int early, const u64* post) {                                                                        \
         mv1s_body<BF, true, ACT_GELU>(wg, wu, nullptr, N, 0, N, K, x, y, nullptr, nullptr, norm_w, eps, nullptr, \
-                                  early, post);                                                                   \
+                                  early, post);                                                              \
     }
 #ifndef MATVEC_BODIES_ONLY
 MV1S_KERNELS(f16, false)

@@ -312,7 +312,8 @@ def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str
 def render_profile(rows: list[ProfileRow], spans: dict[str, float], fmt: str, device: str,
                    attention: dict[str, Any] | None = None) -> str:
     if fmt == "json":
-        out = {"device": device, "rows": [r.__dict__ for r in rows], "span_ms": {k: round(v, 4) for k, v in spans.items()}}
+        out = {"device": device, "rows": [r.__dict__ for r in rows],
+               "span_ms": {k: round(v, 4) for k, v in spans.items()}}
         if attention is not None:
             out["decode_attention"] = attention
         return json.dumps(out, indent=2)

@@ -110,8 +110,9 @@ class DecodeMixin:
         """Launch one decode step reading step_ids[0] and step_pos[0]; logits -> step_logits (`sample`: then the
         device sampler, sampling.SamplingMixin._sample_tail, writes the id and advances pos). Per layer:
         QKV matvec (+ RMSNorm, bias) | attention step (q/k norm + RoPE + K/V store + splits + their merge; where
-        the head shape has no such kernel: head_rms_norm, rope_store, attention splits, combine) | O matvec + residual | gate/up matvec
-        (+ RMSNorm, SwiGLU) | down matvec + residual; then the LM head (+ RMSNorm, argmax)."""
+        the head shape has no such kernel: head_rms_norm, rope_store, attention splits, combine) | O matvec +
+        residual | gate/up matvec (+ RMSNorm, SwiGLU) | down matvec + residual; then the LM head (+ RMSNorm,
+        argmax). A gemma block's post-norm rides on the next matvec's input (see below)."""
         cfg, w = self.cfg, self.weights
         x, qkv, att, ff = self._x, self._qkv, self._att, self._ff
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
