@@ -161,12 +161,11 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .generate import Model, context_warning
-    from .kv_cache import parse_cache_type
+    from .kv_cache import parse_cache_types
     from .registry import resolve_model
 
     check_gpu_layers(gpu_layers)
-    cache_types = (parse_cache_type(cache_types[0], "--cache-type-k"),
-                   parse_cache_type(cache_types[1], "--cache-type-v"))
+    cache_types = parse_cache_types(*cache_types)
     looked_up = time.perf_counter()
     path = resolve_model(model)  # a name: the registry and the cache, and the download on first use
     found = time.perf_counter()

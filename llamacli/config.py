@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import CorruptFileError, MissingMetadataError
+from .kv_cache import DEFAULT as DEFAULT_CACHE
+from .kv_cache import cache_row_bytes
 from .models import ROPE_NEOX, ROPE_NORMAL, LayerPlan, architecture
 
 __all__ = ["ROPE_NEOX", "ROPE_NORMAL", "ModelConfig", "config_from_metadata"]
@@ -81,11 +83,9 @@ class ModelConfig:
         """Query heads per KV head (GQA)."""
         return self.n_head // self.n_head_kv
 
-    def kv_cache_bytes(self, ctx: int, cache_types: tuple[str, str] = ("f16", "f16")) -> int:
+    def kv_cache_bytes(self, ctx: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> int:
         """K and V for every layer at `ctx` positions, each of its cache type (kv_cache.CACHE_TYPES: fp16 by
         default; q8_0 rows of whole 32-value blocks per head)."""
-        from .kv_cache import cache_row_bytes
-
         row = sum(cache_row_bytes(t, self.head_dim) for t in cache_types) * self.n_head_kv
         return int(self.n_layer * ctx * row)
 

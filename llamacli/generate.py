@@ -22,7 +22,8 @@ from .backends.base import Backend, Progress
 from .config import ModelConfig
 from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
-from .kv_cache import check_cache_types, parse_cache_type
+from .kv_cache import DEFAULT as DEFAULT_CACHE
+from .kv_cache import check_cache_types, parse_cache_types
 from .model import prefill
 from .reasoning import prompt_opens_think, reply_format, split_reasoning
 from .sampling import SamplingParams, make_rng, sample
@@ -117,7 +118,7 @@ class Model:
         ctx: int | None = None,
         progress: Progress | None = None,
         notice: Callable[[str], None] | None = None,
-        cache_types: tuple[str, str] = ("f16", "f16"),
+        cache_types: tuple[str, str] = DEFAULT_CACHE,
     ):
         t0 = self.load_started = time.perf_counter()
         laps = _Laps()
@@ -136,8 +137,7 @@ class Model:
         if ctx is not None and (type(ctx) is not int or ctx <= 0):
             raise UsageError(f"context size must be a positive integer, got {ctx!r}")
         self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
-        self.cache_types = (parse_cache_type(cache_types[0], "--cache-type-k"),
-                            parse_cache_type(cache_types[1], "--cache-type-v"))
+        self.cache_types = parse_cache_types(*cache_types)
         check_cache_types(self.cfg.head_dim, self.cache_types)
         self.backend = select_backend(backend, notice)
         laps.lap(f"backend start ({self.backend.name})")

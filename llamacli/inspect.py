@@ -13,6 +13,7 @@ from rich.text import Text
 
 from .config import ModelConfig
 from .errors import GGUFError
+from .kv_cache import cache_type_fits
 from .gguf_file import GGUFFile, open_gguf
 from .models.base import describe
 from .textio import printable
@@ -39,7 +40,7 @@ def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False,
         info = _summary(g, cfg)
         if ctx is not None and cfg is not None:
             info["kv_cache_bytes_at_ctx"] = {"ctx": ctx, "bytes": cfg.kv_cache_bytes(ctx)}
-            if cfg.head_dim % 32 == 0:
+            if cache_type_fits(cfg.head_dim, "q8_0"):
                 info["kv_cache_bytes_at_ctx"]["bytes_q8_0"] = cfg.kv_cache_bytes(ctx, ("q8_0", "q8_0"))
         if with_tensors:
             info["tensors"] = [
@@ -101,7 +102,7 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
             tied_embeddings=cfg.tied_embeddings,
             kv_cache_bytes=cfg.kv_cache_bytes(cfg.context_length),
         )
-        if cfg.head_dim % 32 == 0:  # the 8-bit cache (-ctk/-ctv q8_0) stores whole 32-value blocks
+        if cache_type_fits(cfg.head_dim, "q8_0"):  # the 8-bit cache (-ctk/-ctv q8_0): whole 32-value blocks
             info["kv_cache_bytes_q8_0"] = cfg.kv_cache_bytes(cfg.context_length, ("q8_0", "q8_0"))
         if cfg.rope_scaling not in ("none",):
             info["rope_scaling_factor"] = cfg.rope_scaling_factor

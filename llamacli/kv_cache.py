@@ -30,6 +30,16 @@ def parse_cache_type(value: Any, option: str) -> str:
     return name
 
 
+def parse_cache_types(k: Any, v: Any) -> tuple[str, str]:
+    """-ctk and -ctv -> their canonical names (parse_cache_type)."""
+    return parse_cache_type(k, "--cache-type-k"), parse_cache_type(v, "--cache-type-v")
+
+
+def cache_type_fits(head_dim: int, cache_type: str) -> bool:
+    """Whether rows of `head_dim` values are whole blocks of `cache_type` (q8_0: 32 values)."""
+    return head_dim % CACHE_TYPES[cache_type][0] == 0
+
+
 def cache_row_bytes(cache_type: str, n_values: int) -> float:
     """Bytes of `n_values` cached values of `cache_type` (whole blocks)."""
     per, nbytes = CACHE_TYPES[cache_type]
@@ -39,10 +49,9 @@ def cache_row_bytes(cache_type: str, n_values: int) -> float:
 def check_cache_types(head_dim: int, types: tuple[str, str]) -> None:
     """UsageError unless every type can store rows of `head_dim` values (q8_0: whole 32-value blocks)."""
     for which, t in zip(("K", "V"), types):
-        per = CACHE_TYPES[t][0]
-        if head_dim % per:
-            raise UsageError(f"a {t} {which} cache needs a head dimension that is a multiple of {per}; this model's "
-                             f"is {head_dim}")
+        if not cache_type_fits(head_dim, t):
+            raise UsageError(f"a {t} {which} cache needs a head dimension that is a multiple of "
+                             f"{CACHE_TYPES[t][0]}; this model's is {head_dim}")
 
 
 def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:

@@ -772,6 +772,32 @@ def ext_attention_ref(q, kc, vc, pos, group, scale, window, softcap, sinks=None)
     return out.reshape(t, hq * dh)
 
 
+def check_prefill_chunks(be, cfg, rng, ctx: int, q_scale: float, window: int, softcap: float,
+                         sinks: np.ndarray | None = None) -> None:
+    """Prefill chunks of layer 0 on a random cache, the cache past each chunk's keys NaN and the output
+    poisoned, through the tensor-core (tcx) and CUDA-core (_w) kernels, against float64 (ext_attention_ref)
+    with the layer's window, soft-cap and sinks."""
+    hkv, dh, group = cfg.n_head_kv, cfg.head_dim, cfg.n_group
+    kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    for start, t in ((0, 37), (131, 333), (600, 5), (650, 50)):
+        kp, vp = kc.copy(), vc.copy()
+        kp[start + t :], vp[start + t :] = np.nan, np.nan
+        be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
+        q = (rng.standard_normal((t, cfg.n_head, dh)) * q_scale).astype(np.float32)
+        pos = np.arange(start, start + t, dtype=np.int32)
+        want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, softcap,
+                                 None if sinks is None else sinks.astype(np.float64))
+        for use_tc in (True, False):
+            be.attention_tc = use_tc
+            out = poisoned((t, cfg.q_dim))
+            be.attend(cp.asarray(q), cfg.q_dim, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
+                      None, None, layer=0)
+            tc = use_tc and t >= ATT_TC_MIN_T
+            tol = (6e-3, 1e-2) if tc else (2e-4, 2e-3)
+            assert_close(out.get(), want, *tol, f"tc={tc} t={t} start={start}")
+
+
 @pytest.mark.parametrize("dh", [64, 128, 256])
 @pytest.mark.parametrize("window,softcap", [(0, 50.0), (7, 0.0), (100, 0.0), (5000, 0.0), (64, 20.0)])
 def test_attention_prefill_window_softcap(dh, window, softcap) -> None:
@@ -783,23 +809,7 @@ def test_attention_prefill_window_softcap(dh, window, softcap) -> None:
     scale = 0.3 / math.sqrt(dh) if softcap else 0.0
     cfg = ext_cfg(dh, hkv, group, window, softcap, scale)
     be, _ = bare(cfg, ctx)
-    kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
-    vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
-    for start, t in ((0, 37), (131, 333), (600, 5), (650, 50)):
-        kp, vp = kc.copy(), vc.copy()
-        kp[start + t :], vp[start + t :] = np.nan, np.nan
-        be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
-        q = (rng.standard_normal((t, hkv * group, dh)) * 3).astype(np.float32)
-        pos = np.arange(start, start + t, dtype=np.int32)
-        want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, softcap)
-        for use_tc in (True, False):
-            be.attention_tc = use_tc
-            out = poisoned((t, hkv * group * dh))
-            be.attend(cp.asarray(q), hkv * group * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1,
-                      ctx, None, None, layer=0)
-            tc = use_tc and t >= ATT_TC_MIN_T
-            tol = (6e-3, 1e-2) if tc else (2e-4, 2e-3)
-            assert_close(out.get(), want, *tol, f"tc={tc} t={t} start={start}")
+    check_prefill_chunks(be, cfg, rng, ctx, 3.0, window, softcap)
 
 
 @pytest.mark.parametrize("dh", [64, 256])

@@ -12,7 +12,6 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from llamacli.backends.cuda import cuda_available  # noqa: E402
-from llamacli.backends.cuda.attention import ATT_TC_MIN_T  # noqa: E402
 from llamacli.moe import route  # noqa: E402
 
 _ok, _why = cuda_available()
@@ -20,7 +19,9 @@ if not _ok:
     pytest.skip(_why, allow_module_level=True)
 pytestmark = pytest.mark.gpu
 
-from test_gpu_kernels import assert_close, bare, ext_attention_ref, make_cfg, poisoned  # noqa: E402
+from test_gpu_kernels import (  # noqa: E402
+    assert_close, bare, check_prefill_chunks, ext_attention_ref, make_cfg, poisoned,
+)
 
 
 # -- routing ----------------------------------------------------------------------------------------------
@@ -81,23 +82,7 @@ def test_attention_sinks_prefill(dh, window) -> None:
     be, _ = bare(cfg, ctx)
     sinks = np.concatenate([rng.standard_normal(cfg.n_head - 2) * 2, [9.0, -30.0]]).astype(np.float32)
     be.weights = SimpleNamespace(layers=[SimpleNamespace(attn_sinks=cp.asarray(sinks))])
-    kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
-    vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
-    for start, t in ((0, 37), (131, 333), (600, 5), (650, 50)):
-        kp, vp = kc.copy(), vc.copy()
-        kp[start + t :], vp[start + t :] = np.nan, np.nan
-        be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
-        q = (rng.standard_normal((t, cfg.n_head, dh)) * 0.5).astype(np.float32)
-        pos = np.arange(start, start + t, dtype=np.int32)
-        want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, 0.0, sinks.astype(np.float64))
-        for use_tc in (True, False):
-            be.attention_tc = use_tc
-            out = poisoned((t, cfg.q_dim))
-            be.attend(cp.asarray(q), cfg.q_dim, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
-                      None, None, layer=0)
-            tc = use_tc and t >= ATT_TC_MIN_T
-            tol = (6e-3, 1e-2) if tc else (2e-4, 2e-3)
-            assert_close(out.get(), want, *tol, f"tc={tc} t={t} start={start}")
+    check_prefill_chunks(be, cfg, rng, ctx, 0.5, window, 0.0, sinks)
 
 
 @pytest.mark.parametrize("dh,group", [(64, 8), (64, 3), (128, 4)])

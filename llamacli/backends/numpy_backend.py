@@ -19,6 +19,7 @@ from .. import rope as rope_tables
 from ..config import ROPE_NEOX, ModelConfig
 from ..errors import HostMemoryError
 from ..gguf_file import GGUFFile
+from ..kv_cache import DEFAULT as DEFAULT_CACHE
 from ..kv_cache import q8_0_roundtrip
 from ..moe import route
 from ..quants import can_dequantize, gather_rows
@@ -52,10 +53,11 @@ class QuantTable:
 class NumpyBackend(Backend):
     name = "numpy"
     runnable_types = frozenset(t for t in QT if t in GGML_QUANT_SIZES and can_dequantize(t))
+    cache_types = DEFAULT_CACHE  # (load sets the model's)
 
     @_ieee
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
-             cache_types: tuple[str, str] = ("f16", "f16")) -> None:
+             cache_types: tuple[str, str] = DEFAULT_CACHE) -> None:
         check_host_memory(cfg, ctx)  # before anything is allocated: the file's sizes or --ctx may be absurd
         self.cfg, self.ctx = cfg, ctx
         self.cache_types = cache_types
@@ -128,7 +130,7 @@ class NumpyBackend(Backend):
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
         cfg, plan = self.cfg, self.cfg.layers[layer]
         # [T, Hkv, Dh] at their positions; an 8-bit cache keeps what its blocks hold (kv_cache.py)
-        k_type, v_type = getattr(self, "cache_types", ("f16", "f16"))
+        k_type, v_type = self.cache_types
         self.k_cache[layer, pos] = q8_0_roundtrip(k) if k_type == "q8_0" else k
         self.v_cache[layer, pos] = q8_0_roundtrip(v) if v_type == "q8_0" else v
         n = int(pos.max()) + 1
