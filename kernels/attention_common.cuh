@@ -1,20 +1,10 @@
 // attention_common.cuh: helpers shared by the attention families (attention_*.cu, each inlined by the Python
-// loader): shared-memory addresses and cp.async copies (decode, mma), and the tensor-core prefill's pieces
+// loader; shared-memory addresses and cp.async copies are common.cuh's): the tensor-core prefill's pieces
 // that attention_mma.cu and attention_wgmma.cu share: fp16 packing, the base-2 exponent, the masked online
 // softmax of one score tile, and the Q / output fragment layouts (mma.sync's C and A layouts, which the
 // wgmma accumulators also have per 8 columns).
 #pragma once
 #include "common.cuh"
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     u32 r;

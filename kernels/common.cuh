@@ -50,6 +50,18 @@ __device__ __forceinline__ u16 f2h(float f) {
 
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
+// Shared-memory addresses and 16-byte cp.async copies (zero-filled past src_bytes; the attention families, the
+// tiled matvec).
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
 // Unaligned-tolerant little-endian loads from a byte pointer with a known alignment of 2.
 __device__ __forceinline__ u16 ld16(const u8* p) { return *reinterpret_cast<const u16*>(p); }
 __device__ __forceinline__ u32 ld32_a2(const u8* p) {

@@ -859,6 +859,98 @@ MV1_MIXED(q6_k, QQ6_K, q4_k, QQ4_K)
 MV1_MIXED(q6_k, QQ6_K, q5_k, QQ5_K)
 #endif
 
+// ---- one token, short Q8_0 rows: the tiled form -----------------------------------------------------------------
+// mv1_tile_q8_0(w, N, K, x, y, bias, resid, norm_w, eps, am, early, post): mv1_q8_0's results (one segment,
+// bias, residual, fused RMSNorm, post-norm input, argmax; `early` as mv1's) for many short rows: the LM head of
+// a small model (cuda.linear.mv1_tile_ok). mv1 gives a row's 34-byte blocks to its lanes, one block a lane: a
+// 640-column row (Gemma 3's 262,144-row head) keeps 20 of 32 lanes busy, and a block 2-byte aligned is read as
+// 17 two-byte loads whose addresses 34 bytes apart touch a new sector each, so a warp's load moves ~42 useful
+// bytes: the head ran at ~1.2 TB/s. Here each warp walks tiles of MV1T_ROWS consecutive rows (one contiguous,
+// 16-byte aligned byte range): tile t, t + warps in the grid, ..., copied into the warp's own shared memory by
+// 16-byte cp.async chunks (512 contiguous bytes a warp instruction), MV1T_STAGES tiles in flight per warp, no
+// block barrier in the loop. Lane 8a + b takes row b of the tile and its units a, a + 4, ...: the 8 lanes of a
+// unit read the same float4 of x (a broadcast: x's shared-memory reads were the limit when every lane read
+// its own), a block's 34 bytes come as 9 aligned words and a funnel shift, and a row's 4 lanes meet by two
+// shuffles. Grid: one block of MV1T_WARPS warps per SM at most; the first tiles' copies start before
+// pdl_wait(). A unit's math is unit_dot<QQ8_0>'s (four partial sums where it has one).
+// Measured on the H100 (262,144 x 640, weights past L2, CUDA events): 68.7 us (2.60 TB/s; a 178 MB copy runs
+// at 2.95 TB/s read + write); x read per lane from shared memory (one (row, block) pair a lane, block-wide
+// tiles, partial sums in shared memory): 76-78 us; mv1: ~150 us. Stages and warps (2, 12) 68.7 us, (3, 8) 68.0,
+// (2, 16) 71.4, (2, 20) 74.6, (4, 8) 68.6; at 576 columns (2, 12) 61.6 us, the rest 63-66.
+#define MV1T_ROWS 8
+#define MV1T_STAGES 2
+#define MV1T_WARPS 12
+
+#ifndef MATVEC_BODIES_ONLY
+extern "C" __global__ void __launch_bounds__(32 * MV1T_WARPS, 1) mv1_tile_q8_0(
+    const u8* __restrict__ w, int N, int K, const float* __restrict__ x, float* y, const float* __restrict__ bias,
+    const float* resid, const float* __restrict__ norm_w, float eps, u64* am, int early,
+    const u64* __restrict__ post) {
+    extern __shared__ float4 xs4[];
+    const int units = (K + 31) / 32;
+    const int tile_bytes = MV1T_ROWS * units * QQ8_0::BYTES;  // a multiple of 16 (MV1T_ROWS = 8)
+    const int n_tiles = (N + MV1T_ROWS - 1) / MV1T_ROWS;
+    const long long total = (long long)N * units * QQ8_0::BYTES;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int W = (int)(gridDim.x * (blockDim.x >> 5)), gw = (int)(blockIdx.x * (blockDim.x >> 5)) + warp;
+    // After x (stage_x's slots), this warp's stages.
+    u8* stages = reinterpret_cast<u8*>(xs4) + ((units * 128 + 15) & ~15) + warp * MV1T_STAGES * tile_bytes;
+    auto issue = [&](int t, int s) {  // tile t into stage s; past N zero-filled; always a commit group
+        if (t < n_tiles) {
+            const long long base = (long long)t * tile_bytes;
+            const u32 dst = smem_addr(stages + s * tile_bytes);
+            for (int c = lane; 16 * c < tile_bytes; c += 32) {
+                const long long off = base + 16ll * c;
+                const long long left = total - off;
+                const int bytes = left >= 16 ? 16 : (left > 0 ? (int)left : 0);
+                cp_async16(dst + 16u * c, w + (bytes > 0 ? off : 0ll), bytes);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+#pragma unroll
+    for (int s = 0; s < MV1T_STAGES - 1; ++s) issue(gw + s * W, s);
+    pdl_wait();  // x, resid, y and the argmax cells belong to earlier kernels of the step
+    if (early) pdl_launch_dependents();
+    stage_x<false>(x, K, norm_w, eps, xs4, post_in(post, K, eps));
+
+    u64 key = 0;  // fused argmax, as mv1's
+    int bad = 0;
+    const int rb = lane & 7, ua = lane >> 3;
+    int i = 0;
+    for (int t = gw; t < n_tiles; t += W, ++i) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(MV1T_STAGES - 2) : "memory");
+        __syncwarp();  // tile t is in for every lane; every lane is done with the stage refilled next
+        issue(t + (MV1T_STAGES - 1) * W, (i + MV1T_STAGES - 1) % MV1T_STAGES);
+        const u8* st = stages + (i % MV1T_STAGES) * tile_bytes;
+        float acc = 0.0f;
+        for (int u = ua; u < units; u += 4) {
+            // Block (rb, u): 9 words from the one at or before it; its values start 2 bytes (block 4-byte
+            // aligned) or 4 bytes (2 past: the clamped funnel shift by 32 takes the high word) into them.
+            const int b = (rb * units + u) * QQ8_0::BYTES, sh = (b & 2) ? 32 : 16;
+            const u32* wp = reinterpret_cast<const u32*>(st + (b & ~3));
+            u32 wd[9];
+#pragma unroll
+            for (int k = 0; k < 9; ++k) wd[k] = wp[k];
+            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {  // i8 + 128, as unit_dot
+                const u32 q = __funnelshift_rc(wd[k], wd[k + 1], sh);
+                s[k & 3] = dot_bytes4(q ^ 0x80808080u, xs4[xslot(u, k)], TWO23 + 128.0f, s[k & 3]);
+            }
+            acc += h2f((u16)(wd[0] >> (sh - 16))) * ((s[0] + s[1]) + (s[2] + s[3]));
+        }
+        acc += __shfl_xor_sync(FULL_MASK, acc, 8);
+        acc += __shfl_xor_sync(FULL_MASK, acc, 16);
+        const int n = t * MV1T_ROWS + rb;
+        if (ua == 0 && n < N) mv1_put<false>(acc, 0.0f, n, y, bias, resid, am != nullptr, key, bad);
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    if (!early) pdl_launch_dependents();
+    if (am != nullptr) mv1_argmax(key, bad, am);
+}
+#endif
+
 // ---- one token, 16-bit float rows: the streaming form ---------------------------------------------------------
 // mv1_stream_<t>(w0, w1, w2, n0, n1, N, K, x, y, bias, resid, norm_w, eps, am, early) and
 // mv1_stream_<t>_swiglu(wg, wu, N, K, x, y, norm_w, eps, early), t = f16 / bf16: mv1's results (segments,

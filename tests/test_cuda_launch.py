@@ -245,6 +245,35 @@ def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:
         assert wg_smem(dh) == 1024 + stages * 2 * bc * dh * 2 + ones + 8 + 8 * stages, dh
 
 
+def test_mv1_tile_takes_short_q8_0_rows_and_fits_a_block() -> None:
+    """mv1_tile serves one packed, 16-byte aligned Q8_0 segment of 32768+ rows of at most MV1T_MAX_COLS
+    columns; its constants are the kernel's, its tiles whole multiples of 8 rows (16-byte aligned), its shared
+    memory within an H100 block's 227 KiB at every width it takes, its grid a block per SM at most."""
+    import re
+    from pathlib import Path
+
+    from llamacli.backends.cuda.linear import (
+        MV1T_MAX_COLS, MV1T_ROWS, MV1T_STAGES, MV1T_WARPS, DeviceMatrix, mv1_tile_grid, mv1_tile_ok, mv1_tile_smem,
+    )
+
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
+    for name, value in (("MV1T_ROWS", MV1T_ROWS), ("MV1T_STAGES", MV1T_STAGES), ("MV1T_WARPS", MV1T_WARPS)):
+        assert re.search(rf"^#define {name} (\d+)$", src, re.M).group(1) == str(value), name
+    assert "__launch_bounds__(32 * MV1T_WARPS, 1) mv1_tile_q8_0(" in src
+    assert MV1T_ROWS == 8  # the lane layout (row = lane % 8) and the tiles' 16-byte alignment
+
+    def m(rows: int = 262144, cols: int = 640, ptr: int = 1 << 20, t: QT = QT.Q8_0) -> DeviceMatrix:
+        return DeviceMatrix(ptr, rows, cols, t, cols // 32 * 34)
+
+    assert mv1_tile_ok((m(),)) and mv1_tile_ok((m(32768, 1024),)) and mv1_tile_ok((m(49152, 576, 16),))
+    assert not mv1_tile_ok((m(32767),)) and not mv1_tile_ok((m(cols=MV1T_MAX_COLS + 32),))
+    assert not mv1_tile_ok((m(ptr=8),)) and not mv1_tile_ok((m(), m())) and not mv1_tile_ok((m(t=QT.Q4_0),))
+    assert not mv1_tile_ok((DeviceMatrix(1 << 20, 262144, 640, QT.Q8_0, 688),))  # padded rows
+    assert all(mv1_tile_smem(cols) <= 227 << 10 for cols in range(32, MV1T_MAX_COLS + 1, 32))
+    assert mv1_tile_grid(262144, 132) == 132 and mv1_tile_grid(32768, 132) == 132
+    assert mv1_tile_grid(8 * 12 * 10, 132) == 10 and mv1_tile_grid(1, 132) == 1
+
+
 def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
     """mv1_stream serves one 16-bit float type in rows of whole 16-byte chunks, every segment 16-byte aligned
     (else mv1 does); its grid is at most one wave of the kernel's blocks per SM, with every warp's row count

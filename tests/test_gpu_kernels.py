@@ -274,6 +274,69 @@ def test_mv1_post_norm_input(qtype: QT) -> None:
         assert_close(out.get(), xn, 1e-5, 1e-5, f"residual (geglu) {qtype.name}")
 
 
+@pytest.mark.parametrize("n, k", [(32768, 640), (33001, 576), (40003, 1024), (35005, 96)],
+                         ids=["whole-tiles", "tail-rows", "widest", "short"])
+def test_mv1_tile_short_q8_0_rows(n: int, k: int) -> None:
+    """The tiled one-token matvec (kernels/matvec.cu mv1_tile_q8_0) on LM-head-like Q8_0 matrices: every row
+    (the last 8-row tile partly past N: its bytes zero-filled, its rows not written), against float64, with bias
+    and the residual aliasing y, with the fused RMSNorm and post-norm input, and the argmax (a planted winner
+    in the last tile, twice: the cells reset); a NaN in x reaches every row and the flag. The matrix starts
+    16 bytes into its buffer: the tile copies need no more alignment than that."""
+    rng = np.random.default_rng(n + k)
+    cfg = make_cfg()
+    be, _ = bare(cfg, 16)
+    rows = random_quant_rows(QT.Q8_0, n, k, rng, std=0.05)
+    x = (3 * rng.standard_normal((1, k))).astype(np.float32)
+    win = n - 2
+    raw = np.ascontiguousarray(rows).view(np.uint8).reshape(n, -1).copy()
+    blocks = raw[win].reshape(k // 32, 34)
+    blocks[:, :2] = np.full((k // 32, 1), 0.02, np.float16).view(np.uint8)
+    blocks[:, 2:] = np.where(x[0] > 0, 127, -127).astype(np.int8).reshape(k // 32, 32).view(np.uint8)
+    buf = cp.zeros(raw.size + 16, cp.uint8)
+    buf[16:] = cp.asarray(raw.reshape(-1))
+    w = DeviceMatrix(buf.data.ptr + 16, n, k, QT.Q8_0, raw.shape[1])
+    assert linear.mv1_tile_ok((w,)) and not linear.mv1_tile_ok((dataclasses.replace(w, ptr=w.ptr + 2),))
+    wref = dequantize(raw, QT.Q8_0).reshape(n, k).astype(np.float64)
+    x64 = x.astype(np.float64)
+    scale = np.abs(x64) @ np.abs(wref).T
+    ref = x64 @ wref.T
+    bias = rng.standard_normal(n).astype(np.float32)
+    resid = rng.standard_normal((1, n)).astype(np.float32)
+    y = poisoned((1, n))
+    be.matvec((w,), cp.asarray(x), 1, y)
+    assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"plain {n}x{k}")
+    y = cp.asarray(resid)
+    be.matvec((w,), cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
+    assert_close(y.get(), ref + bias + resid, 1e-5 + 2e-6 * scale, 1e-5, f"bias + resid {n}x{k}")
+    blk = (50 * rng.standard_normal((1, k))).astype(np.float32)
+    pw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
+    b64 = blk.astype(np.float64)
+    xn = x64 + b64 / np.sqrt(np.mean(b64**2) + cfg.rms_eps) * pw
+    h = xn / np.sqrt(np.mean(xn**2) + cfg.rms_eps) * nw
+    bd, pd, out = cp.asarray(blk), cp.asarray(pw), poisoned((1, k))
+    post = cp.asarray(np.asarray([bd.data.ptr, pd.data.ptr, out.data.ptr], np.uint64))
+    for rep in range(2):
+        pos0 = int(be.step_pos.get()[0])
+        y = poisoned((1, n))
+        be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True, post=post)
+        assert_close(out.get(), xn, 1e-5, 1e-5, f"residual {n}x{k}")
+        assert_close(y.get(), h @ wref.T, 1e-5 + 4e-6 * (np.abs(h) @ np.abs(wref).T), 1e-5, f"norm {n}x{k}")
+        got = be.step_ids.get()
+        assert got[0] == int(np.argmax(y.get()[0])) and got[1] == 0, (got, win)
+        assert int(be.step_pos.get()[0]) == pos0 + 1
+    y = poisoned((1, n))
+    be.matvec((w,), cp.asarray(x), 1, y, argmax=True)
+    assert be.step_ids.get()[0] == win == int(np.argmax(y.get()[0]))
+    xb = x.copy()
+    xb[0, k - 7] = np.nan
+    y = poisoned((1, n))
+    be.matvec((w,), cp.asarray(xb), 1, y, argmax=True)
+    assert np.isnan(y.get()).all() and be.step_ids.get()[1] == 1
+    be.matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=True)
+    assert be.step_ids.get()[1] == 0
+
+
 @pytest.mark.parametrize("qtype", sorted(MV1_ACT8), ids=lambda t: t.name)
 def test_mv1_act8_long_rows(qtype: QT) -> None:
     """x longer than one staging pass of the int8 forms (kernels/matvec.cu stage_xq_halves: 16 values per

@@ -1,6 +1,6 @@
 """Linear layers on the CUDA backend: weights in their GGUF block layout on the device (DeviceMatrix), the
 matvec kernels that read those blocks directly (kernels/matvec.cu: up to MATVEC_TMAX tokens; one token through
-mv1 / mv1_stream, with RMSNorm, bias, residual, SwiGLU and the greedy argmax fused in), and prefill's GEMMs:
+mv1 / mv1_stream / mv1_tile, with RMSNorm, bias, residual, SwiGLU and the greedy argmax fused in), and prefill's GEMMs:
 row chunks dequantized to fp16 (kernels/dequant.cu) and multiplied by cuBLAS on tensor cores.
 
 The grid rules of each kernel (rows per block, row groups, one wave of blocks, shared memory) live here next to
@@ -167,6 +167,32 @@ def mv1_stream_grid(rows: int, sms: int) -> int:
     return K.cdiv(rows, MV1_WARPS * per)
 
 
+# Short Q8_0 rows by the many (a small model's LM head: Gemma 3's 262,144 x 640) take the tiled one-token matvec
+# (kernels/matvec.cu mv1_tile_q8_0): each warp streams tiles of MV1T_ROWS rows through MV1T_STAGES buffers of
+# its own shared memory; one block of MV1T_WARPS warps per SM.
+MV1T_ROWS, MV1T_STAGES, MV1T_WARPS = 8, 2, 12  # kernels/matvec.cu
+MV1T_MAX_COLS = 1024  # 12 warps x 2 stages x 8 rows of 1088 bytes, plus x: within an H100 block's 227 KiB
+
+
+def mv1_tile_ok(ws: tuple[Any, ...]) -> bool:
+    """Whether mv1_tile serves these rows: one Q8_0 segment 16-byte aligned, rows packed (34 bytes per 32
+    values), at most MV1T_MAX_COLS columns, 32768 rows or more (the LM head of a small model)."""
+    w = ws[0]
+    return (len(ws) == 1 and w.qtype == QT.Q8_0 and w.cols <= MV1T_MAX_COLS and w.rows >= 32768
+            and w.ptr % 16 == 0 and w.row_bytes == K.cdiv(w.cols, 32) * 34)
+
+
+def mv1_tile_smem(cols: int) -> int:
+    """mv1_tile's dynamic shared memory: x as mv1's float staging (its slots), then each warp's stages."""
+    units = K.cdiv(cols, 32)
+    return units * 128 + MV1T_WARPS * MV1T_STAGES * MV1T_ROWS * units * 34
+
+
+def mv1_tile_grid(rows: int, sms: int) -> int:
+    """mv1_tile's grid: a block per SM, fewer where the tiles do not give every warp one."""
+    return max(1, min(sms, K.cdiv(K.cdiv(rows, MV1T_ROWS), MV1T_WARPS)))
+
+
 def mv1_smem(qtype: QT, cols: int) -> int:
     """mv1's dynamic shared memory: x staged per 32-value unit (kernels/matvec.cu stage_x / stage_xq)."""
     return K.cdiv(cols, 32) * (40 if qtype in MV1_ACT8 else 132)
@@ -287,6 +313,13 @@ class LinearMixin:
                       K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps),
                       K.ptr(self._am if argmax else None), K.i32(early), K.ptr(post)),
                      shared=mv1_smem(w0.qtype, w0.cols))
+            return
+        if t == 1 and mv1_tile_ok(ws):
+            K.launch("matvec", "mv1_tile_q8_0", (mv1_tile_grid(n, self.n_sms),), (32 * MV1T_WARPS,),
+                     (K.ptr(w0.ptr), K.i32(n), K.i32(w0.cols), K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid),
+                      K.ptr(norm), K.f32(self.cfg.rms_eps), K.ptr(self._am if argmax else None), K.i32(early),
+                      K.ptr(post)),
+                     shared=mv1_tile_smem(w0.cols))
             return
         if t == 1:
             groups = mv1_groups(n, w0.cols, w0.qtype, self.n_sms)
