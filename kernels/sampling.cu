@@ -2,6 +2,8 @@
 //
 // llamacli.sampling's chain, one kernel per stage (cuda/sampling.py SamplingMixin.sample launches them for one
 // call of sample(); the captured decode step launches the _step forms, cuda/decode.py):
+//   mask_logits_f32(x [V], words [ceil(V / 32)] u32, V, y [V]): y = x where bit i % 32 of word i / 32 is set,
+//       else -inf (a constraint's allowed ids; cuda/sampling.py sample_allowed).
 //   argmax_f32(x [V], V, out [2] i32 = (id, 1 if NaN/+inf seen), pos_inc i32* or null): one block of 1024 threads; ties go to the
 //       lowest id (each thread scans ascending ids with a strict >, the merge prefers the lower id).
 //       With pos_inc, thread 0 also advances the decode position, so a captured greedy step replays
@@ -56,6 +58,12 @@ struct SampleParams {
     int base;            // the position whose step takes uniform number 0
     int ring;            // uniform numbers in the ring (a power of two)
 };
+
+extern "C" __global__ void mask_logits_f32(const float* __restrict__ x, const u32* __restrict__ words, int V,
+                                           float* __restrict__ y) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < V) y[i] = (words[i >> 5] >> (i & 31)) & 1u ? x[i] : -INFINITY;
+}
 
 extern "C" __global__ void __launch_bounds__(1024) argmax_f32(const float* __restrict__ x, int V, int* out,
                                                              int* pos_inc) {

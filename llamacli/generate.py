@@ -248,8 +248,9 @@ class Model:
         the log-softmax of the model's raw logits (temperature 1, before penalties, top-k/p, min-p and any
         constraint), the distribution OpenAI and llama-server report, not the truncated one sampled from.
         `constraint` (structured.py) masks every step to the ids it allows; once it says the output is
-        complete, generation ends with finish_reason "stop". Either one moves each step's logits to the host;
-        without them decoding runs as before."""
+        complete, generation ends with finish_reason "stop". Logprobs move each step's logits to the host; a
+        constraint alone sends its mask the other way (each step still waits for the id, as the mask of the
+        next depends on it)."""
         laps = _Laps()  # --verbose's stages of this prompt
         params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
         if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
@@ -278,14 +279,17 @@ class Model:
         c.reasoning_format = reply_format(self.tokenizer.decode(ids[-16:]))
         rng = make_rng(params.seed)
         be, cfg = self.backend, self.cfg
-        host_path = logprobs is not None or constraint is not None
+        logits_path = logprobs is not None or constraint is not None  # each step's logits come to pick()
         c.logprobs = [] if logprobs is not None else None
         if constraint is not None:
             constraint.reset()
 
         def pick(step_logits: Any) -> tuple[int, dict[str, Any] | None]:
-            """The next id (and its logprob entry) from one step's logits, on the host. The constraint's mask is
-            computed before the logits are read: on CUDA the step is still running then, so the two overlap."""
+            """The next id (and its logprob entry) from one step's logits. The constraint's mask is computed
+            before the logits are read: on CUDA the step is still running then, so the two overlap. Without
+            logprobs the masked logits stay on the device (Backend.sample_allowed: only the id comes back)."""
+            if logprobs is None and constraint is not None:
+                return be.sample_allowed(step_logits, constraint.allowed_words(), params, rng, history), None
             allowed = None if constraint is None else constraint.allowed()
             raw = be.to_host(step_logits)[-1]
             x = raw if allowed is None else np.where(allowed, raw, np.float32(-np.inf))
@@ -303,7 +307,7 @@ class Model:
         laps.lap(f"prefill ({len(new)} tokens)")
         self.cached = list(ids)  # only once the prefill finished
         history = list(ids)
-        if host_path:
+        if logits_path:
             token, entry = pick(logits)
         else:
             token, entry = be.sample(logits, params, rng, history), None
@@ -314,11 +318,11 @@ class Model:
 
         # The decode loop: the argmax (greedy) or the whole sampler (start_sampling: after the first token,
         # whose uniform number came first) inside the step, so that only ids cross; else the step's logits
-        # go to sample() (top-k 0 or > 1024 on CUDA: on the host), or to the host with logprobs or a
+        # go to sample() (top-k 0 or > 1024 on CUDA: on the host), or to pick() with logprobs or a
         # constraint. Its graph is ready before the clock starts (captured at load; again here if dropped).
         plain_greedy = params.greedy and not params.has_penalties
-        sampled = not host_path and not plain_greedy and be.start_sampling(params, rng, history)
-        kind = "sampled" if sampled else "greedy" if plain_greedy and not host_path else "logits"
+        sampled = not logits_path and not plain_greedy and be.start_sampling(params, rng, history)
+        kind = "sampled" if sampled else "greedy" if plain_greedy and not logits_path else "logits"
         be.prepare_decode((kind,), pos=len(self.cached))
         if _has_own(be, "prepare_decode") or _has_own(be, "start_sampling"):  # (none on NumPy)
             laps.lap("decode set-up")
@@ -359,7 +363,9 @@ class Model:
                 if c.finish_reason is None:
                     # Decode: one token at the next position (a captured graph on CUDA).
                     pos = len(self.cached)
-                    if host_path:
+                    if constraint is not None and logprobs is None:  # the mask computed as the step runs
+                        following = be.decode_allowed(token, pos, constraint.allowed_words, params, rng, history)
+                    elif logits_path:
                         following, entry = pick(be.decode(token, pos))
                     elif plain_greedy:  # the argmax runs inside the step: only the id crosses
                         following = be.decode_greedy(token, pos)

@@ -1,7 +1,12 @@
 """Structured output: constraints that mask sampling to the tokens that keep the output valid.
 
     schema / grammar -> llguidance grammar -> LLMatcher over our vocabulary
-        each step: allowed() -> bool mask [vocab] -> logits of the rest set to -inf -> sample -> advance(id)
+        each step: allowed_words() -> bit mask [vocab / 32] -> logits of the rest set to -inf -> sample
+                   -> advance(id)
+
+The mask is computed on the host while the device runs the step that produces the logits it applies to (the
+step's input token is known then); Backend.sample_allowed applies it: on CUDA the words go to the device and
+the masked logits to the device sampler, so only the id comes back (greedy or sampled).
 
 The grammar engine is llguidance (guidance-ai, MIT, the engine behind llama.cpp's `--llguidance` and
 vLLM/SGLang's structured output), chosen over xgrammar and outlines-core because:
@@ -62,6 +67,11 @@ class Constraint(Protocol):
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens that may come next (end-of-generation ids once the output may end)."""
 
+    def allowed_words(self) -> np.ndarray:
+        """The same set as uint32 [ceil(vocab / 32)] bit words (bit i % 32 of word i // 32 = id i; the bits past
+        the vocabulary clear), the form the masked sampler takes (Backend.sample_allowed). May be a buffer the
+        next call overwrites."""
+
     def advance(self, token_id: int) -> None:
         """Record the token that was chosen."""
 
@@ -91,10 +101,14 @@ class GrammarConstraint:
             self._m = self._matcher()
 
     def allowed(self) -> np.ndarray:
+        return unpack_words(self.allowed_words(), self._vocab)
+
+    def allowed_words(self) -> np.ndarray:
         self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         self._check()
-        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")  # little-endian words: bit i = id i
-        return bits[: self._vocab].astype(bool)
+        if self._vocab % 32:  # llguidance's words cover its own vocabulary size: no id past ours
+            self._words[-1] &= np.uint32((1 << (self._vocab % 32)) - 1)
+        return self._words
 
     def advance(self, token_id: int) -> None:
         self._m.consume_token(int(token_id))
@@ -107,6 +121,12 @@ class GrammarConstraint:
     def _check(self) -> None:
         if self._m.is_error():
             raise ConstraintError(f"the output constraint failed: {_first_line(self._m.get_error())}")
+
+
+def unpack_words(words: np.ndarray, vocab: int) -> np.ndarray:
+    """uint32 bit words (Constraint.allowed_words) -> bool [vocab]."""
+    bits = np.unpackbits(np.ascontiguousarray(words, dtype="<u4").view(np.uint8), bitorder="little")
+    return bits[:vocab].astype(bool)
 
 
 def require_llguidance() -> Any:

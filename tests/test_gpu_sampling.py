@@ -200,3 +200,68 @@ def test_smollm2_sampled_64_tokens_equal_host_sampling() -> None:
         ids = m.prompt_ids(prompt)
         for settings in _sampled_settings():
             assert _device(m, ids, 64, settings) == _host(m, ids, 64, settings), (prompt, settings)
+
+
+@pytest.mark.parametrize("vocab", [1000, 4133])
+def test_sample_allowed_on_the_device_equals_the_host(vocab: int) -> None:
+    """CudaBackend.sample_allowed (the mask words to the device, mask_logits_f32, the device sampler) picks
+    the ids Backend.sample_allowed picks on the host (np.where over the unpacked words, then sampling.py), for
+    every setting and seed, with NaN / +inf in masked-out slots (masked away, not flagged), a mask that allows
+    one id, and a vocabulary not a multiple of 32; the logits are left as they were."""
+    from llamacli.backends.base import Backend
+    from llamacli.backends.numpy_backend import NumpyBackend
+
+    be = CudaBackend(use_graph=False)
+    be.cfg, be.ctx = make_cfg(vocab), 64
+    be.alloc_step_io()
+    ref = NumpyBackend()
+    rng = np.random.default_rng(vocab)
+    n_words = -(-vocab // 32)
+    for trial, params in enumerate(SETTINGS + [S.SamplingParams(temperature=0.0), S.SamplingParams(top_k=0, seed=9)]):
+        x = rng.normal(0.0, 3.0, (1, vocab)).astype(np.float32)
+        bits = rng.random(vocab) < (0.02 if trial % 2 else 0.3)
+        if trial == 3:
+            bits[:] = False
+            bits[vocab - 2] = True  # one allowed id
+        x[0, np.flatnonzero(~bits)[:3]] = [np.nan, np.inf, np.nan]
+        words = np.packbits(np.concatenate([bits, np.zeros(32 * n_words - vocab, bool)]), bitorder="little")
+        words = words.view("<u4").astype(np.uint32)
+        recent = rng.integers(0, vocab, 20).tolist()
+        xd = cp.asarray(x)
+        for seed in range(3):
+            got = be.sample_allowed(xd, words, params, np.random.default_rng(seed), recent)
+            want = Backend.sample_allowed(ref, x, words, params, np.random.default_rng(seed), recent)
+            assert got == want and bits[got], (trial, seed, got, want)
+        assert np.array_equal(xd.get(), x, equal_nan=True)
+    with pytest.raises(Exception, match="mask words"):
+        be.sample_allowed(cp.asarray(x), words[:-1].copy(), SETTINGS[0], rng, [])
+
+
+def test_constrained_generation_on_the_device_equals_the_host_path(random_model) -> None:
+    """A constraint without logprobs masks on the device (decode_allowed: greedy takes the masked argmax into
+    the step's ids and queues the next step; other settings sample_allowed): the ids the host path gives
+    (logprobs=0 takes it: the logits to the host, np.where, sampling.py), with graphs and without; a plain
+    greedy generation afterwards does not take the queued step."""
+    pytest.importorskip("llguidance")
+    from llamacli.structured import json_schema_constraint
+
+    m = load(random_model("small-llama", QT.Q8_0), backend="cuda", ctx=512)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy", "zzz"]},
+              "c": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 6}},
+              "required": ["a", "b", "c"], "x-guidance": {"whitespace_flexible": False}}
+    constraint = json_schema_constraint(m, schema)
+    prompt = [1, 30, 31, 32]
+    for settings in (dict(temperature=0.0), dict(temperature=0.0, repeat_penalty=1.3),
+                     dict(temperature=0.9, seed=4), dict(temperature=1.5, top_k=0, seed=5)):
+        m.cached = []
+        want = m.complete(prompt, max_tokens=48, constraint=constraint, logprobs=0, **settings)
+        for graph in (True, False):
+            m.backend.use_graph = graph
+            m.cached = []
+            got = m.complete(prompt, max_tokens=48, constraint=constraint, **settings)
+            assert got.tokens == want.tokens and got.finish_reason == want.finish_reason, (settings, graph)
+        m.backend.use_graph = True
+    m.tokenizer.eog_ids = frozenset()
+    plain = _host(m, prompt, 32, dict(temperature=0.0))
+    m.complete(prompt, max_tokens=8, temperature=0.0, constraint=constraint)  # leaves a step queued
+    assert _device(m, prompt, 32, dict(temperature=0.0)) == plain

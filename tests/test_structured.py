@@ -155,6 +155,47 @@ def test_real_model_greedy_and_sampled(model):
         jsonschema.validate(json.loads(c.text), REAL)
 
 
+def test_allowed_words_are_the_allowed_set(model):
+    """allowed_words() is allowed() as bit words (bit i % 32 of word i // 32), no bit past the vocabulary."""
+    from llamacli.structured import unpack_words
+
+    constraint = json_schema_constraint(model, {**REAL, "x-guidance": COMPACT})
+    constraint.reset()
+    for text in ('{"color":"', 'red","count":'):
+        words = constraint.allowed_words().copy()
+        assert words.dtype == np.uint32 and words.size == -(-model.cfg.vocab_size // 32)
+        assert np.array_equal(unpack_words(words, model.cfg.vocab_size), constraint.allowed())
+        assert 0 < int(np.unpackbits(words.view(np.uint8)).sum()) < model.cfg.vocab_size
+        for t in model.tokenizer.encode(text, add_bos=False):
+            constraint.advance(t)
+
+
+def test_sample_allowed_masks_then_samples():
+    """Backend.sample_allowed is sample() over the logits with the ids outside the words at -inf, for a
+    vocabulary not a multiple of 32 (the last word's high bits ignored)."""
+    from llamacli.backends.numpy_backend import NumpyBackend
+    from llamacli.sampling import SamplingParams, sample
+
+    be, rng = NumpyBackend(), np.random.default_rng(5)
+    x = rng.normal(0, 3, (1, 100)).astype(np.float32)
+    bits = rng.random(100) < 0.2
+    words = np.packbits(np.concatenate([bits, np.ones(28, bool)]), bitorder="little").view("<u4").astype(np.uint32)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)):
+        for seed in range(5):
+            got = be.sample_allowed(x, words, params, np.random.default_rng(seed), [])
+            want = sample(np.where(bits, x[0], -np.inf), params, np.random.default_rng(seed), [])
+            assert got == want and bits[got]
+
+
+def test_constrained_ids_equal_with_and_without_logprobs(model):
+    """The two ways a constrained step is picked (sample_allowed; the host path logprobs take) agree."""
+    constraint = json_schema_constraint(model, {**REAL, "x-guidance": COMPACT})
+    for params in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 3}):
+        a = model.complete(PROMPTS[0], max_tokens=16, constraint=constraint, **params)
+        b = model.complete(PROMPTS[0], max_tokens=16, constraint=constraint, logprobs=0, **params)
+        assert a.tokens == b.tokens and a.text == b.text, (a.text, b.text)
+
+
 def test_unconstrained_greedy_is_unchanged(model):
     """The host path (taken for logprobs) picks the same tokens as the greedy fast path."""
     fast = model.complete("The capital of France is", raw=True, max_tokens=6, temperature=0.0)

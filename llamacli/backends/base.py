@@ -188,6 +188,14 @@ class Backend(ABC):
 
         return greedy(self.to_host(self.decode(token, pos))[-1])
 
+    def decode_allowed(self, token: int, pos: int, words: Callable[[], np.ndarray], params: "SamplingParams",
+                       rng: np.random.Generator, recent: list[int]) -> int:
+        """A decode step whose logits are masked to a constraint's ids, then sampled: sample_allowed(decode(
+        token, pos), words(), ...). `words` (Constraint.allowed_words) is called after the step is launched, so
+        the mask is computed while the device runs it; a GPU backend may also queue the following step."""
+        logits = self.decode(token, pos)
+        return self.sample_allowed(logits, words(), params, rng, recent)
+
     def prepare_decode(self, kinds: tuple[str, ...] = ("greedy", "sampled"), pos: int = 0) -> None:
         """Get the decode steps of `kinds` ready ("greedy", "sampled", "logits": a GPU backend captures its
         graphs) so that no timed step pays for it; a warm-up may write position `pos`'s K/V."""
@@ -232,3 +240,13 @@ class Backend(ABC):
         from ..sampling import sample
 
         return sample(self.to_host(logits)[-1], params, rng, recent)
+
+    def sample_allowed(self, logits: Any, words: np.ndarray, params: "SamplingParams", rng: np.random.Generator,
+                       recent: list[int]) -> int:
+        """sample() over logits [1, V] with every id whose bit is clear in `words` (uint32 [ceil(V / 32)], bit
+        i % 32 of word i // 32 for id i: structured.Constraint.allowed_words) set to -inf first."""
+        from ..sampling import sample
+        from ..structured import unpack_words
+
+        x = self.to_host(logits)[-1]
+        return sample(np.where(unpack_words(words, x.shape[-1]), x, np.float32(-np.inf)), params, rng, recent)

@@ -367,6 +367,43 @@ class DecodeMixin:
             self._ahead = ((tok, self._cur_pos + 1), nxt, K.launch_count(), kind)
         return tok
 
+    def decode_allowed(self, token: int, pos: int, words: Any, params: Any, rng: Any, recent: list[int]) -> int:
+        """Backend.decode_allowed: the "logits" step, words() while it runs, then sample_allowed. Greedy without
+        penalties takes the masked argmax into step_ids (advancing step_pos, as the fused argmax) and, with
+        graphs, queues the following step before the id is read, so the GPU runs it while the host records
+        the id with the constraint and computes the next mask; the next call for (that id, pos + 1) takes it,
+        anything else recomputes (the queued step wrote pos + 1's K/V only)."""
+        ahead, self._ahead = self._ahead, None
+        if not (ahead is not None and ahead[0] == (int(token), int(pos)) and ahead[2] == K.launch_count()
+                and ahead[3] == "allowed"):
+            self._set_inputs(token, pos)
+            self._run_step("logits")
+        self._cur_token, self._cur_pos = int(token), int(pos)
+        mask = words()
+        if not params.greedy or params.has_penalties:
+            self._dev_state = None
+            return self.sample_allowed(self.step_logits, mask, params, rng, recent)
+        v = self.cfg.vocab_size
+        self._mask_kernel(self.step_logits, mask)
+        K.launch("sampling", "argmax_f32", (1,), (1024,),
+                 (K.ptr(self._masked), K.i32(v), K.ptr(self.step_ids), K.ptr(self.step_pos)))
+        slot = self._copy_ids()
+        queued = self.use_graph and pos + 1 < self.ctx and "logits" in self._graphs
+        if queued:
+            self._run_step("logits")  # reads (id, pos + 1) from the device
+        ids, event = self._ids_out[slot]
+        event.synchronize()
+        tok, flag = int(ids[0]), int(ids[1])
+        if flag:
+            self._dev_state = None
+            check_flag(flag, v)
+        if queued:
+            self._dev_state = None
+            self._ahead = ((tok, int(pos) + 1), None, K.launch_count(), "allowed")
+        else:
+            self._dev_state = (tok, int(pos) + 1)
+        return tok
+
     @property
     def queued_ahead(self) -> tuple[int, int] | None:
         """The (token, pos) of the step decode_greedy / decode_sampled queued ahead and has not handed out yet,

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...errors import NumericalError
+from ...errors import BackendError, NumericalError
 from ...sampling import SamplingParams
 from . import loader as K
 from .profile import profiled
@@ -123,6 +123,12 @@ class SamplingMixin:
         mem = cp.cuda.alloc_pinned_memory(UNIFORM_RING * 8)
         self._uniform_stage = np.frombuffer(mem, np.float64, UNIFORM_RING)
         self._uniform_events = [cp.cuda.Event(disable_timing=True) for _ in range(2)]
+        # A constraint's mask words (sample_allowed): pinned staging, the device copy, the masked logits.
+        n_words = -(-self.cfg.vocab_size // 32)
+        self._mask_stage = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n_words), np.uint32, n_words)
+        self._mask_words = cp.empty(n_words, cp.uint32)
+        self._mask_event = cp.cuda.Event(disable_timing=True)
+        self._masked = cp.empty((1, self.cfg.vocab_size), cp.float32)
 
     # -- one call ------------------------------------------------------------------------------------------
     @profiled("sampling")
@@ -163,6 +169,25 @@ class SamplingMixin:
         token, flag = (int(a) for a in out.get())
         check_flag(flag, v)
         return token
+
+    def sample_allowed(self, logits: Any, words: np.ndarray, params: Any, rng: np.random.Generator,
+                       recent: list[int]) -> int:
+        """Backend.sample_allowed on the device: the masked logits (_mask_kernel) to sample()."""
+        self._mask_kernel(logits, words)
+        return self.sample(self._masked, params, rng, recent)
+
+    def _mask_kernel(self, logits: Any, words: np.ndarray) -> None:
+        """_masked = logits [1, V] with the ids outside `words` at -inf (mask_logits_f32). The words go through
+        pinned memory, reused once the copy from it before has run."""
+        v = self.cfg.vocab_size
+        if words.shape != self._mask_stage.shape:
+            raise BackendError(f"sample_allowed: {words.size} mask words for a vocabulary of {v}")
+        self._mask_event.synchronize()
+        np.copyto(self._mask_stage, words, casting="no")
+        self._mask_words.data.copy_from_host_async(self._mask_stage.ctypes.data, self._mask_stage.nbytes)
+        self._mask_event.record()
+        K.launch("sampling", "mask_logits_f32", (K.cdiv(v, 256),), (256,),
+                 (K.ptr(self._f32(logits[-1])), K.ptr(self._mask_words), K.i32(v), K.ptr(self._masked)))
 
     # -- inside the decode step ----------------------------------------------------------------------------
     def start_sampling(self, params: Any, rng: np.random.Generator, recent: Sequence[int]) -> bool:
