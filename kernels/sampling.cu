@@ -4,7 +4,7 @@
 // call of sample(); the captured decode step launches the _step forms, cuda/decode.py):
 //   mask_logits_f32(x [V], words [ceil(V / 32)] u32, V, y [V]): y = x where bit i % 32 of word i / 32 is set,
 //       else -inf (a constraint's allowed ids; cuda/sampling.py sample_allowed).
-//   argmax_f32(x [V], V, out [2] i32 = (id, 1 if NaN/+inf seen), pos_inc i32* or null): one block of 1024 threads; ties go to the
+//   argmax_f32(x [V], V, out [2] i32 = (id, flag: 1 NaN/+inf seen, 2 all -inf), pos_inc i32* or null): one block of 1024 threads; ties go to the
 //       lowest id (each thread scans ascending ids with a strict >, the merge prefers the lower id).
 //       With pos_inc, thread 0 also advances the decode position, so a captured greedy step replays
 //       itself: embed reads out[0], every kernel reads pos, argmax writes both for the next replay.
@@ -97,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_f32(const float* __res
         }
         if (lane == 0) {
             out[0] = bi;
-            out[1] = bad;
+            out[1] = bad ? 1 : (best == -INFINITY ? 2 : 0);  // 2: every logit -inf (a mask that left none)
             if (pos_inc) pos_inc[0] += 1;
         }
     }

@@ -282,14 +282,17 @@ class Model:
         logits_path = logprobs is not None or constraint is not None  # each step's logits come to pick()
         c.logprobs = [] if logprobs is not None else None
         if constraint is not None:
+            from .structured import mask_words
+
             constraint.reset()
+            words = mask_words(constraint)
 
         def pick(step_logits: Any) -> tuple[int, dict[str, Any] | None]:
             """The next id (and its logprob entry) from one step's logits. The constraint's mask is computed
             before the logits are read: on CUDA the step is still running then, so the two overlap. Without
             logprobs the masked logits stay on the device (Backend.sample_allowed: only the id comes back)."""
             if logprobs is None and constraint is not None:
-                return be.sample_allowed(step_logits, constraint.allowed_words(), params, rng, history), None
+                return be.sample_allowed(step_logits, words(), params, rng, history), None
             allowed = None if constraint is None else constraint.allowed()
             raw = be.to_host(step_logits)[-1]
             x = raw if allowed is None else np.where(allowed, raw, np.float32(-np.inf))
@@ -364,7 +367,7 @@ class Model:
                     # Decode: one token at the next position (a captured graph on CUDA).
                     pos = len(self.cached)
                     if constraint is not None and logprobs is None:  # the mask computed as the step runs
-                        following = be.decode_allowed(token, pos, constraint.allowed_words, params, rng, history)
+                        following = be.decode_allowed(token, pos, words, params, rng, history)
                     elif logits_path:
                         following, entry = pick(be.decode(token, pos))
                     elif plain_greedy:  # the argmax runs inside the step: only the id crosses

@@ -27,11 +27,11 @@ constraint can serve successive runs, one at a time.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import LlamacliError, UsageError
+from .errors import BackendError, LlamacliError, UsageError
 
 if TYPE_CHECKING:
     from .generate import Model
@@ -70,7 +70,7 @@ class Constraint(Protocol):
     def allowed_words(self) -> np.ndarray:
         """The same set as uint32 [ceil(vocab / 32)] bit words (bit i % 32 of word i // 32 = id i; the bits past
         the vocabulary clear), the form the masked sampler takes (Backend.sample_allowed). May be a buffer the
-        next call overwrites."""
+        next call overwrites. Optional: the engine packs allowed() where a constraint lacks it (mask_words)."""
 
     def advance(self, token_id: int) -> None:
         """Record the token that was chosen."""
@@ -123,10 +123,30 @@ class GrammarConstraint:
             raise ConstraintError(f"the output constraint failed: {_first_line(self._m.get_error())}")
 
 
+def check_words(words: Any, vocab: int) -> np.ndarray:
+    """A constraint's mask words for a vocabulary of `vocab` ids (uint32 [ceil(vocab / 32)]), or BackendError."""
+    if not isinstance(words, np.ndarray) or words.dtype != np.uint32 or words.shape != (-(-vocab // 32),):
+        what = f"{words.dtype} {words.shape}" if isinstance(words, np.ndarray) else type(words).__name__
+        raise BackendError(f"a constraint mask must be uint32 [{-(-vocab // 32)}] bit words, got {what}")
+    return words
+
+
 def unpack_words(words: np.ndarray, vocab: int) -> np.ndarray:
     """uint32 bit words (Constraint.allowed_words) -> bool [vocab]."""
-    bits = np.unpackbits(np.ascontiguousarray(words, dtype="<u4").view(np.uint8), bitorder="little")
+    bits = np.unpackbits(np.ascontiguousarray(check_words(words, vocab)).view(np.uint8), bitorder="little")
     return bits[:vocab].astype(bool)
+
+
+def pack_words(allowed: np.ndarray) -> np.ndarray:
+    """bool [vocab] -> uint32 bit words (bit i % 32 of word i // 32 = id i)."""
+    pad = np.zeros(-len(allowed) % 32, dtype=bool)
+    return np.packbits(np.concatenate([np.asarray(allowed, bool), pad]), bitorder="little").view("<u4").astype(np.uint32)
+
+
+def mask_words(constraint: Constraint) -> Callable[[], np.ndarray]:
+    """The constraint's allowed_words, or, for a Constraint written before that method, its allowed() packed."""
+    words = getattr(constraint, "allowed_words", None)
+    return words if callable(words) else (lambda: pack_words(constraint.allowed()))
 
 
 def require_llguidance() -> Any:

@@ -247,13 +247,14 @@ def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:
 
 def test_mv1_tile_takes_short_q8_0_rows_and_fits_a_block() -> None:
     """mv1_tile serves one packed, 16-byte aligned Q8_0 segment of 32768+ rows of at most MV1T_MAX_COLS
-    columns; its constants are the kernel's, its tiles whole multiples of 8 rows (16-byte aligned), its shared
-    memory within an H100 block's 227 KiB at every width it takes, its grid a block per SM at most."""
+    columns whose shared memory fits the device's per-block limit; its constants are the kernel's, its tiles
+    whole multiples of 8 rows (16-byte aligned), its grid a block per SM at most."""
     import re
     from pathlib import Path
 
     from llamacli.backends.cuda.linear import (
-        MV1T_MAX_COLS, MV1T_ROWS, MV1T_STAGES, MV1T_WARPS, DeviceMatrix, mv1_tile_grid, mv1_tile_ok, mv1_tile_smem,
+        MV1T_MAX_COLS, MV1T_ROWS, MV1T_STAGES, MV1T_STATIC_SMEM, MV1T_WARPS, DeviceMatrix, mv1_tile_grid, mv1_tile_ok,
+        mv1_tile_smem,
     )
 
     src = (Path(__file__).resolve().parents[1] / "kernels" / "matvec.cu").read_text()
@@ -265,11 +266,21 @@ def test_mv1_tile_takes_short_q8_0_rows_and_fits_a_block() -> None:
     def m(rows: int = 262144, cols: int = 640, ptr: int = 1 << 20, t: QT = QT.Q8_0) -> DeviceMatrix:
         return DeviceMatrix(ptr, rows, cols, t, cols // 32 * 34)
 
-    assert mv1_tile_ok((m(),)) and mv1_tile_ok((m(32768, 1024),)) and mv1_tile_ok((m(49152, 576, 16),))
-    assert not mv1_tile_ok((m(32767),)) and not mv1_tile_ok((m(cols=MV1T_MAX_COLS + 32),))
-    assert not mv1_tile_ok((m(ptr=8),)) and not mv1_tile_ok((m(), m())) and not mv1_tile_ok((m(t=QT.Q4_0),))
-    assert not mv1_tile_ok((DeviceMatrix(1 << 20, 262144, 640, QT.Q8_0, 688),))  # padded rows
-    assert all(mv1_tile_smem(cols) <= 227 << 10 for cols in range(32, MV1T_MAX_COLS + 1, 32))
+    h100, a100, small = 227 << 10, 163 << 10, 99 << 10  # per-block opt-in shared memory
+    assert mv1_tile_ok((m(),), h100) and mv1_tile_ok((m(32768, 1024),), h100)
+    assert mv1_tile_ok((m(49152, 576, 16),), h100)
+    assert not mv1_tile_ok((m(32767),), h100) and not mv1_tile_ok((m(cols=MV1T_MAX_COLS + 32),), h100)
+    assert not mv1_tile_ok((m(ptr=8),), h100) and not mv1_tile_ok((m(), m()), h100)
+    assert not mv1_tile_ok((m(t=QT.Q4_0),), h100)
+    assert not mv1_tile_ok((DeviceMatrix(1 << 20, 262144, 640, QT.Q8_0, 688),), h100)  # padded rows
+    # The device's limit decides (with the static shared memory): an A100 takes 768 columns, not 896 (Qwen2.5-
+    # 0.5B's head); a 99 KiB GPU 480, not SmolLM2's 576 or Gemma 3's 640: those go through mv1.
+    assert mv1_tile_ok((m(cols=768),), a100) and not mv1_tile_ok((m(cols=896),), a100)
+    assert mv1_tile_ok((m(cols=480),), small) and not mv1_tile_ok((m(cols=576),), small)
+    assert all(mv1_tile_ok((m(cols=cols),), h100) for cols in range(32, MV1T_MAX_COLS + 1, 32))
+    for cols in range(32, MV1T_MAX_COLS + 1, 32):
+        for limit in (h100, a100, small):
+            assert mv1_tile_ok((m(cols=cols),), limit) == (mv1_tile_smem(cols) + MV1T_STATIC_SMEM <= limit)
     assert mv1_tile_grid(262144, 132) == 132 and mv1_tile_grid(32768, 132) == 132
     assert mv1_tile_grid(8 * 12 * 10, 132) == 10 and mv1_tile_grid(1, 132) == 1
 

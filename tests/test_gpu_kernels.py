@@ -295,16 +295,18 @@ def test_mv1_tile_short_q8_0_rows(n: int, k: int) -> None:
     buf = cp.zeros(raw.size + 16, cp.uint8)
     buf[16:] = cp.asarray(raw.reshape(-1))
     w = DeviceMatrix(buf.data.ptr + 16, n, k, QT.Q8_0, raw.shape[1])
-    assert linear.mv1_tile_ok((w,)) and not linear.mv1_tile_ok((dataclasses.replace(w, ptr=w.ptr + 2),))
+    assert linear.mv1_tile_ok((w,), be.smem_block)
+    assert not linear.mv1_tile_ok((dataclasses.replace(w, ptr=w.ptr + 2),), be.smem_block)
     wref = dequantize(raw, QT.Q8_0).reshape(n, k).astype(np.float64)
     x64 = x.astype(np.float64)
     scale = np.abs(x64) @ np.abs(wref).T
     ref = x64 @ wref.T
     bias = rng.standard_normal(n).astype(np.float32)
     resid = rng.standard_normal((1, n)).astype(np.float32)
-    y = poisoned((1, n))
-    be.matvec((w,), cp.asarray(x), 1, y)
-    assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"plain {n}x{k}")
+    yy = poisoned((1, n + 8))  # 8 more: rows past N are never written
+    be.matvec((w,), cp.asarray(x), 1, yy[:, :n])
+    assert_close(yy[:, :n].get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"plain {n}x{k}")
+    assert np.isnan(yy[:, n:].get()).all()
     y = cp.asarray(resid)
     be.matvec((w,), cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
     assert_close(y.get(), ref + bias + resid, 1e-5 + 2e-6 * scale, 1e-5, f"bias + resid {n}x{k}")
@@ -788,8 +790,9 @@ def test_device_sampling_matches_sampling_py(seed) -> None:
     y = np.full(v, -np.inf, np.float32)
     y[seed * 7] = 1.0
     assert be.sample(cp.asarray(y[None]), S.SamplingParams(top_k=40), np.random.default_rng(0), []) == seed * 7
-    with pytest.raises(NumericalError):
-        be.sample(cp.asarray(np.full((1, v), -np.inf, np.float32)), S.SamplingParams(top_k=40), np.random.default_rng(0), [])
+    for params in (S.SamplingParams(top_k=40), S.SamplingParams(temperature=0.0)):  # greedy: argmax_f32's flag 2
+        with pytest.raises(NumericalError):
+            be.sample(cp.asarray(np.full((1, v), -np.inf, np.float32)), params, np.random.default_rng(0), [])
 
 
 def test_debug_logging_names_each_launch(caplog) -> None:

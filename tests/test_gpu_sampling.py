@@ -17,7 +17,7 @@ from llamacli import sampling as S  # noqa: E402
 from llamacli.backends.cuda import CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.cuda.sampling import TOPK_MAX, UNIFORM_RING, check_flag  # noqa: E402
 from llamacli.config import ROPE_NORMAL, ModelConfig  # noqa: E402
-from llamacli.errors import NumericalError  # noqa: E402
+from llamacli.errors import BackendError, NumericalError  # noqa: E402
 from llamacli.generate import load  # noqa: E402
 
 from test_gpu_backend import _smollm2_path  # noqa: E402  (the real test model, or a skip)
@@ -233,7 +233,7 @@ def test_sample_allowed_on_the_device_equals_the_host(vocab: int) -> None:
             want = Backend.sample_allowed(ref, x, words, params, np.random.default_rng(seed), recent)
             assert got == want and bits[got], (trial, seed, got, want)
         assert np.array_equal(xd.get(), x, equal_nan=True)
-    with pytest.raises(Exception, match="mask words"):
+    with pytest.raises(BackendError, match="bit words"):
         be.sample_allowed(cp.asarray(x), words[:-1].copy(), SETTINGS[0], rng, [])
 
 
@@ -265,3 +265,53 @@ def test_constrained_generation_on_the_device_equals_the_host_path(random_model)
     plain = _host(m, prompt, 32, dict(temperature=0.0))
     m.complete(prompt, max_tokens=8, temperature=0.0, constraint=constraint)  # leaves a step queued
     assert _device(m, prompt, 32, dict(temperature=0.0)) == plain
+
+
+def test_decode_allowed_queued_step_is_taken_only_when_it_matches(random_model) -> None:
+    """decode_allowed (greedy) queues the following logits step for (its id, pos + 1): decode_allowed for
+    that pair takes it; decode_allowed for another token, decode_greedy and decode at that pair recompute; each
+    result equals the host's (the step's logits brought back and masked on the host). A mask that leaves no id
+    is the NumericalError the host raises (argmax_f32's flag 2), with and without graphs."""
+    from llamacli.model import prefill
+    from llamacli.structured import pack_words
+
+    m = load(random_model("small-llama", QT.Q8_0), backend="cuda", ctx=256)
+    be, v = m.backend, m.cfg.vocab_size
+    bits = np.random.default_rng(0).random(v) < 0.5
+    words = pack_words(bits)
+    greedy = S.SamplingParams(temperature=0.0)
+    prompt = [1, 30, 31, 32]
+    p = len(prompt)
+
+    def start() -> int:
+        logits = be.to_host(prefill(be, m.cfg, prompt, 0))[-1]
+        return int(np.argmax(np.where(bits, logits, -np.inf)))
+
+    def host(token: int, pos: int, masked: bool) -> int:
+        x = be.to_host(be.decode(token, pos))[-1]
+        return int(np.argmax(np.where(bits, x, -np.inf) if masked else x))
+
+    t0 = start()
+    t1 = host(t0, p, True)
+    want_masked, want_plain = host(t1, p + 1, True), host(t1, p + 1, False)
+    other = (t1 + 1) % v
+    want_other = host(other, p + 1, True)
+    for follow in ("allowed", "other", "greedy", "logits"):
+        start()
+        assert be.decode_allowed(t0, p, lambda: words, greedy, None, []) == t1
+        assert be.queued_ahead == (t1, p + 1)
+        if follow == "allowed":
+            assert be.decode_allowed(t1, p + 1, lambda: words, greedy, None, []) == want_masked
+        elif follow == "other":
+            assert be.decode_allowed(other, p + 1, lambda: words, greedy, None, []) == want_other
+        elif follow == "greedy":
+            assert be.decode_greedy(t1, p + 1) == want_plain
+        else:
+            assert int(np.argmax(be.to_host(be.decode(t1, p + 1))[-1])) == want_plain
+    none = np.zeros_like(words)
+    for graph in (True, False):
+        be.use_graph = graph
+        start()
+        with pytest.raises(NumericalError, match="-inf"):
+            be.decode_allowed(t0, p, lambda: none, greedy, None, [])
+    be.use_graph = True

@@ -187,6 +187,29 @@ def test_sample_allowed_masks_then_samples():
             assert got == want and bits[got]
 
 
+def test_mask_words_are_checked_and_packed():
+    """A mask of the wrong type or length is a BackendError on the host path too (not a silent cast);
+    pack_words is unpack_words' inverse; a Constraint without allowed_words gets its allowed() packed."""
+    from llamacli.backends.numpy_backend import NumpyBackend
+    from llamacli.errors import BackendError
+    from llamacli.sampling import SamplingParams
+    from llamacli.structured import mask_words, pack_words, unpack_words
+
+    bits = np.random.default_rng(1).random(70) < 0.5
+    words = pack_words(bits)
+    assert words.dtype == np.uint32 and words.shape == (3,) and np.array_equal(unpack_words(words, 70), bits)
+    x = np.zeros((1, 70), np.float32)
+    for bad in (bits, words[:2], words.astype(np.int64), list(words)):
+        with pytest.raises(BackendError, match="bit words"):
+            NumpyBackend().sample_allowed(x, bad, SamplingParams(temperature=0.0), np.random.default_rng(0), [])
+
+    class Old:  # a Constraint from before allowed_words
+        def allowed(self):
+            return bits
+
+    assert np.array_equal(mask_words(Old())(), words)
+
+
 def test_constrained_ids_equal_with_and_without_logprobs(model):
     """The two ways a constrained step is picked (sample_allowed; the host path logprobs take) agree."""
     constraint = json_schema_constraint(model, {**REAL, "x-guidance": COMPACT})

@@ -397,17 +397,15 @@ class DecodeMixin:
         if flag:
             self._dev_state = None
             check_flag(flag, v)
+        self._dev_state = (tok, int(pos) + 1)  # a logits step leaves step_ids and step_pos as they are
         if queued:
-            self._dev_state = None
-            self._ahead = ((tok, int(pos) + 1), None, K.launch_count(), "allowed")
-        else:
-            self._dev_state = (tok, int(pos) + 1)
+            self._ahead = ((tok, int(pos) + 1), -1, K.launch_count(), "allowed")  # (no ids slot: logits)
         return tok
 
     @property
     def queued_ahead(self) -> tuple[int, int] | None:
-        """The (token, pos) of the step decode_greedy / decode_sampled queued ahead and has not handed out yet,
-        or None."""
+        """The (token, pos) of the step decode_greedy / decode_sampled / decode_allowed queued ahead and has not
+        handed out yet, or None."""
         return None if self._ahead is None else self._ahead[0]
 
     def _copy_ids(self) -> int:

@@ -172,14 +172,18 @@ def mv1_stream_grid(rows: int, sms: int) -> int:
 # its own shared memory; one block of MV1T_WARPS warps per SM.
 MV1T_ROWS, MV1T_STAGES, MV1T_WARPS = 8, 2, 12  # kernels/matvec.cu
 MV1T_MAX_COLS = 1024  # 12 warps x 2 stages x 8 rows of 1088 bytes, plus x: within an H100 block's 227 KiB
+MV1T_STATIC_SMEM = 1024  # its static shared memory (mv1_argmax's keys, block_sum's partials), with a margin
 
 
-def mv1_tile_ok(ws: tuple[Any, ...]) -> bool:
+def mv1_tile_ok(ws: tuple[Any, ...], smem_block: int) -> bool:
     """Whether mv1_tile serves these rows: one Q8_0 segment 16-byte aligned, rows packed (34 bytes per 32
-    values), at most MV1T_MAX_COLS columns, 32768 rows or more (the LM head of a small model)."""
+    values), at most MV1T_MAX_COLS columns, 32768 rows or more (the LM head of a small model), and its shared
+    memory within the device's per-block limit `smem_block` (an A100's 163 KiB takes up to 768 columns, a
+    99 KiB GPU up to 480; the rest go through mv1)."""
     w = ws[0]
     return (len(ws) == 1 and w.qtype == QT.Q8_0 and w.cols <= MV1T_MAX_COLS and w.rows >= 32768
-            and w.ptr % 16 == 0 and w.row_bytes == K.cdiv(w.cols, 32) * 34)
+            and w.ptr % 16 == 0 and w.row_bytes == K.cdiv(w.cols, 32) * 34
+            and mv1_tile_smem(w.cols) + MV1T_STATIC_SMEM <= smem_block)
 
 
 def mv1_tile_smem(cols: int) -> int:
@@ -314,7 +318,7 @@ class LinearMixin:
                       K.ptr(self._am if argmax else None), K.i32(early), K.ptr(post)),
                      shared=mv1_smem(w0.qtype, w0.cols))
             return
-        if t == 1 and mv1_tile_ok(ws):
+        if t == 1 and mv1_tile_ok(ws, self.smem_block):
             K.launch("matvec", "mv1_tile_q8_0", (mv1_tile_grid(n, self.n_sms),), (32 * MV1T_WARPS,),
                      (K.ptr(w0.ptr), K.i32(n), K.i32(w0.cols), K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid),
                       K.ptr(norm), K.f32(self.cfg.rms_eps), K.ptr(self._am if argmax else None), K.i32(early),

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...errors import BackendError, NumericalError
+from ...errors import NumericalError
 from ...sampling import SamplingParams
 from . import loader as K
 from .profile import profiled
@@ -179,9 +179,10 @@ class SamplingMixin:
     def _mask_kernel(self, logits: Any, words: np.ndarray) -> None:
         """_masked = logits [1, V] with the ids outside `words` at -inf (mask_logits_f32). The words go through
         pinned memory, reused once the copy from it before has run."""
+        from ...structured import check_words
+
         v = self.cfg.vocab_size
-        if words.shape != self._mask_stage.shape:
-            raise BackendError(f"sample_allowed: {words.size} mask words for a vocabulary of {v}")
+        words = check_words(words, v)
         self._mask_event.synchronize()
         np.copyto(self._mask_stage, words, casting="no")
         self._mask_words.data.copy_from_host_async(self._mask_stage.ctypes.data, self._mask_stage.nbytes)
