@@ -139,8 +139,8 @@ def unpack_words(words: np.ndarray, vocab: int) -> np.ndarray:
 
 def pack_words(allowed: np.ndarray) -> np.ndarray:
     """bool [vocab] -> uint32 bit words (bit i % 32 of word i // 32 = id i)."""
-    pad = np.zeros(-len(allowed) % 32, dtype=bool)
-    return np.packbits(np.concatenate([np.asarray(allowed, bool), pad]), bitorder="little").view("<u4").astype(np.uint32)
+    bits = np.concatenate([np.asarray(allowed, bool), np.zeros(-len(allowed) % 32, dtype=bool)])
+    return np.packbits(bits, bitorder="little").view("<u4").astype(np.uint32)
 
 
 def mask_words(constraint: Constraint) -> Callable[[], np.ndarray]:
