@@ -210,6 +210,7 @@ def test_sample_allowed_on_the_device_equals_the_host(vocab: int) -> None:
     one id, and a vocabulary not a multiple of 32; the logits are left as they were."""
     from llamacli.backends.base import Backend
     from llamacli.backends.numpy_backend import NumpyBackend
+    from llamacli.structured import pack_words
 
     be = CudaBackend(use_graph=False)
     be.cfg, be.ctx = make_cfg(vocab), 64
@@ -224,8 +225,8 @@ def test_sample_allowed_on_the_device_equals_the_host(vocab: int) -> None:
             bits[:] = False
             bits[vocab - 2] = True  # one allowed id
         x[0, np.flatnonzero(~bits)[:3]] = [np.nan, np.inf, np.nan]
-        words = np.packbits(np.concatenate([bits, np.zeros(32 * n_words - vocab, bool)]), bitorder="little")
-        words = words.view("<u4").astype(np.uint32)
+        words = pack_words(bits)
+        assert words.size == n_words
         recent = rng.integers(0, vocab, 20).tolist()
         xd = cp.asarray(x)
         for seed in range(3):

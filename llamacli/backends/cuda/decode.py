@@ -339,27 +339,20 @@ class DecodeMixin:
     def _decode_id(self, token: int, pos: int, kind: str) -> int:
         """decode_greedy / decode_sampled: a step of `kind` that writes its id into step_ids, the next one
         queued ahead."""
-        ahead, self._ahead = self._ahead, None
-        if (ahead is not None and ahead[0] == (int(token), int(pos)) and ahead[2] == K.launch_count()
-                and ahead[3] == kind):
+        ahead = self._take_ahead(token, pos, kind)
+        if ahead is not None:
             slot = ahead[1]
-            self._cur_token, self._cur_pos = int(token), int(pos)
         else:
             self._set_inputs(token, pos)
             self._run_step(kind)
             slot = self._copy_ids()
         nxt = None
-        if self.use_graph and pos + 1 < self.ctx and kind in self._graphs:
+        if self._can_queue(pos, kind):
             if kind == "sampled":
                 self._feed_uniforms(pos + 1)
             self._run_step(kind)  # reads (id, pos + 1) from the device
             nxt = self._copy_ids()
-        ids, event = self._ids_out[slot]
-        event.synchronize()
-        tok, flag = int(ids[0]), int(ids[1])
-        if flag:
-            self._dev_state = None
-            check_flag(flag, self.cfg.vocab_size)
+        tok = self._read_id(slot)
         if nxt is None:
             self._dev_state = (tok, self._cur_pos + 1)
         else:
@@ -373,33 +366,47 @@ class DecodeMixin:
         graphs, queues the following step before the id is read, so the GPU runs it while the host records
         the id with the constraint and computes the next mask; the next call for (that id, pos + 1) takes it,
         anything else recomputes (the queued step wrote pos + 1's K/V only)."""
-        ahead, self._ahead = self._ahead, None
-        if not (ahead is not None and ahead[0] == (int(token), int(pos)) and ahead[2] == K.launch_count()
-                and ahead[3] == "allowed"):
+        if self._take_ahead(token, pos, "allowed") is None:
             self._set_inputs(token, pos)
             self._run_step("logits")
-        self._cur_token, self._cur_pos = int(token), int(pos)
         mask = words()
         if not params.greedy or params.has_penalties:
             self._dev_state = None
             return self.sample_allowed(self.step_logits, mask, params, rng, recent)
-        v = self.cfg.vocab_size
         self._mask_kernel(self.step_logits, mask)
         K.launch("sampling", "argmax_f32", (1,), (1024,),
-                 (K.ptr(self._masked), K.i32(v), K.ptr(self.step_ids), K.ptr(self.step_pos)))
+                 (K.ptr(self._masked), K.i32(self.cfg.vocab_size), K.ptr(self.step_ids), K.ptr(self.step_pos)))
         slot = self._copy_ids()
-        queued = self.use_graph and pos + 1 < self.ctx and "logits" in self._graphs
+        queued = self._can_queue(pos, "logits")
         if queued:
             self._run_step("logits")  # reads (id, pos + 1) from the device
+        tok = self._read_id(slot)
+        self._dev_state = (tok, int(pos) + 1)  # a logits step leaves step_ids and step_pos as they are
+        if queued:
+            self._ahead = ((tok, int(pos) + 1), -1, K.launch_count(), "allowed")  # (no ids slot: logits)
+        return tok
+
+    def _take_ahead(self, token: int, pos: int, kind: str) -> tuple[tuple[int, int], int, int, str] | None:
+        """The step of `kind` queued ahead for (token, pos), if it is that one and nothing launched since (then
+        (token, pos) is the current step); None else. Either way nothing stays queued."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[0] != (int(token), int(pos)) or ahead[2] != K.launch_count() or ahead[3] != kind:
+            return None
+        self._cur_token, self._cur_pos = int(token), int(pos)
+        return ahead
+
+    def _can_queue(self, pos: int, kind: str) -> bool:
+        """Whether the step after position pos can be queued ahead: graphs on, room in the cache, `kind` captured."""
+        return self.use_graph and pos + 1 < self.ctx and kind in self._graphs
+
+    def _read_id(self, slot: int) -> int:
+        """The id in pinned slot `slot` once its copy has landed; a flag (NaN/+inf, no candidate) raises."""
         ids, event = self._ids_out[slot]
         event.synchronize()
         tok, flag = int(ids[0]), int(ids[1])
         if flag:
             self._dev_state = None
-            check_flag(flag, v)
-        self._dev_state = (tok, int(pos) + 1)  # a logits step leaves step_ids and step_pos as they are
-        if queued:
-            self._ahead = ((tok, int(pos) + 1), -1, K.launch_count(), "allowed")  # (no ids slot: logits)
+            check_flag(flag, self.cfg.vocab_size)
         return tok
 
     @property
