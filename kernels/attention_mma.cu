@@ -19,8 +19,10 @@
 // O / l is a convex combination of V rows even with fp16 weights (fp16 output cannot overflow).
 // Dynamic shared memory: stages x (K + V) x 64 x (D + 8) x 2 bytes + 16 (D = 64: 55.3 KB, 128: 69.6 KB),
 // and for D = 256 the warps' Q rows, 4 x 16 x (D + 8) x 2 more (169.0 KB).
-// attention_tcx*_d<D>(..., out_stride, window, cap2, sinks): the same with gemma's sliding window and
-// attention soft-cap (see EXT below) and gpt-oss's attention sinks ([Hq] or null).
+// attention_tcx*_d<D>(..., out_stride, window, cap2, sinks, ring): the same with gemma's sliding window and
+// attention soft-cap (see EXT below) and gpt-oss's attention sinks ([Hq] or null), over caches of `ring` rows:
+// position k at row k mod ring (ctx for a full cache; a sliding-window layer's ring is a multiple of 64,
+// llamacli/kv_cache.py, so a tile's rows are contiguous).
 // attention_tc16_d<D>: the same, output stored as fp16 (the fused prefill's O-projection GEMM input).
 // Accuracy vs the fp32 reference: fp16 Q and P, |err| ~ 1e-3 at unit-variance inputs (tests: atol 4e-3,
 // rtol 1e-2). The CUDA-core kernels (attention_simt.cu) serve short chunks and
@@ -44,7 +46,8 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
                                                   const u16* __restrict__ kc, const u16* __restrict__ vc,
                                                   const int* __restrict__ pos, int T, int Hq, int Hkv,
                                                   void* __restrict__ out, int out_stride, int window = 0,
-                                                  float cap2 = 0.0f, const float* __restrict__ sinks = nullptr) {
+                                                  float cap2 = 0.0f, const float* __restrict__ sinks = nullptr,
+                                                  int ring = 0) {
     constexpr int NST = TC_STAGES(D);  // K/V tiles in flight
     constexpr int KS = D / 16;       // k16 steps over the head dim (S = Q K^T)
     constexpr int NO = D / 8;        // n8 tiles of the output row
@@ -132,13 +135,13 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
 
     const int n_tiles = (kend + TC_BC - 1) / TC_BC;
     auto load_tile = [&](int tile) {  // one cp.async group per call, empty past the last tile
-        const int k0 = tile * TC_BC, buf = tile % NST;
+        const int k0 = tile * TC_BC, buf = tile % NST, r0 = EXT ? k0 % ring : k0;  // r0: key k0's cache row
         u16* kd = ks + buf * TC_BC * RS;
         u16* vd = vs + buf * TC_BC * RS;
         for (int e = threadIdx.x; tile < n_tiles && e < TC_BC * CPR; e += TC_WARPS * 32) {
             const int j = e / CPR, c = e - j * CPR, key = k0 + j;
             const bool ok = key < kend;
-            const long long off = ((long long)(ok ? key : 0) * Hkv + kvh) * D + c * 8;
+            const long long off = ((long long)(ok ? r0 + j : 0) * Hkv + kvh) * D + c * 8;
             cp_async16(smem_addr(kd + j * RS + c * 8), kc + off, ok ? 16 : 0);
             cp_async16(smem_addr(vd + j * RS + c * 8), vc + off, ok ? 16 : 0);
         }
@@ -241,15 +244,15 @@ __device__ __forceinline__ void attention_tc_body(const u16* __restrict__ q, int
 #define ATTENTION_TCX_KERNEL(D)                                                                               \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tcx_d##D(                           \
         const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
-        float* out, int out_stride, int window, float cap2, const float* sinks) {                             \
+        float* out, int out_stride, int window, float cap2, const float* sinks, int ring) {                   \
         attention_tc_body<D, false, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride, window, cap2,  \
-                                          sinks);                                                             \
+                                          sinks, ring);                                                             \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) attention_tcx16_d##D(                         \
         const u16* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,     \
-        u16* out, int out_stride, int window, float cap2, const float* sinks) {                               \
+        u16* out, int out_stride, int window, float cap2, const float* sinks, int ring) {                     \
         attention_tc_body<D, true, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, out, out_stride, window, cap2,   \
-                                         sinks);                                                              \
+                                         sinks, ring);                                                              \
     }
 ATTENTION_TC_KERNEL(64)
 ATTENTION_TC_KERNEL(80)

@@ -16,10 +16,13 @@
 //   writes partial (o, m, l) for attention_combine (flash-decoding: decode has one query row per head, so
 //   the keys are what must spread over the SMs). Dynamic shared memory: 32*Dh*4 + 32*(Dh/2+1)*4 + 32*Dh*2.
 // attention_combine: grid T*Hq, block Dh rounded up to 32: merges the ceil((pos[t]+1)/chunk) partials.
-// attention_w_npl<N>(..., n_split, window, softcap, sinks) and attention_combine_w(..., window, sinks): the
-// same with a sliding window (keys k > pos - window; 0: all) and soft-capped scores (gemma; see EXT below),
-// and attention sinks (gpt-oss: sinks [Hq] or null, exp(sinks[h]) added to each softmax denominator).
-// kv_store: k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows pos[t] as fp16.
+// attention_w_npl<N>(..., n_split, window, softcap, sinks, ring) and attention_combine_w(..., window, sinks):
+// the same with a sliding window (keys k > pos - window; 0: all) and soft-capped scores (gemma; see EXT
+// below), attention sinks (gpt-oss: sinks [Hq] or null, exp(sinks[h]) added to each softmax denominator),
+// over caches of `ring` rows [ring, Hkv, Dh]: position k at row k mod ring (ctx for a full cache; a
+// sliding-window layer's ring is a multiple of 32, llamacli/kv_cache.py, so a tile's rows are contiguous).
+// kv_store(..., kc, vc, ring): k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows
+// pos[t] mod ring as fp16.
 // The other families: attention_mma.cu (prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128}, tensor
 // cores), attention_wgmma.cu (the same on a Hopper GPU with D 64 or 128, built for sm_90a) and
 // attention_split.cu (decode with G <= 16 and those head dims or 256, and the fused decode step's attention).
@@ -34,14 +37,14 @@
 #define ATT_TILE 32
 
 // EXT (attention_w_npl<N>): keys k > pos - window only (window 0: all) and scores soft-capped,
-// s -> softcap tanh(s / softcap) after the scale (0: none); a row skips the tiles before its window.
+// s -> softcap tanh(s / softcap) after the scale (0: none); the block reads no tile before its rows' windows.
 template <int NPL, bool EXT = false>
 __device__ __forceinline__ void attention_body(const float* __restrict__ q, int q_stride, const u16* __restrict__ kc,
                                                const u16* __restrict__ vc, const int* __restrict__ pos, int T,
                                                int Hq, int Hkv, int Dh, float scale, int chunk, float* out,
                                                int out_stride, float* part_o, float* part_ml, int n_split,
                                                int window = 0, float softcap = 0.0f,
-                                               const float* __restrict__ sinks = nullptr) {
+                                               const float* __restrict__ sinks = nullptr, int ring = 0) {
     extern __shared__ float smem[];
     const int G = Hq / Hkv;
     const int kvh = blockIdx.y, split = blockIdx.z;
@@ -50,21 +53,24 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
     float* qs = smem;                                                  // [ROWS][Dh]
     u32* ks = reinterpret_cast<u32*>(qs + ATT_ROWS * Dh);              // [TILE][kw]
     u16* vs = reinterpret_cast<u16*>(ks + ATT_TILE * kw);              // [TILE][Dh]
-    __shared__ int s_kend;
+    __shared__ int s_kend, s_pmin;
 
-    // Find the last key any of this block's rows may see; leave at once if this split holds none of them
-    // (decode launches a fixed grid of splits, most of them past the current position), then stage the
-    // query rows (pre-scaled).
-    if (threadIdx.x == 0) s_kend = 0;
+    // Find the last key any of this block's rows may see (EXT: and the lowest row position); leave at once if
+    // this split holds none of them (decode launches a fixed grid of splits, most of them past the current
+    // position), then stage the query rows (pre-scaled).
+    if (threadIdx.x == 0) s_kend = 0, s_pmin = 0x7fffffff;
     __syncthreads();
     if (threadIdx.x < ATT_ROWS) {
         const int t = (blockIdx.x * ATT_ROWS + threadIdx.x) / G;
         if (t < T) atomicMax(&s_kend, pos[t] + 1);
+        if (EXT && t < T) atomicMin(&s_pmin, pos[t]);
     }
     __syncthreads();
     const int begin = split * chunk;
     const int end = min(begin + chunk, s_kend);
     if (begin >= end) return;  // whole block uniform: nothing to do for this split
+    // EXT with a window: the first 32-key tile of the split holding a key some row sees (>= end: none)
+    const int first = EXT && window > 0 ? max(begin, max(0, s_pmin - window + 1) / ATT_TILE * ATT_TILE) : begin;
     for (int e = threadIdx.x; e < ATT_ROWS * Dh; e += blockDim.x) {
         const int r = e / Dh, d = e - r * Dh;
         const int gr = blockIdx.x * ATT_ROWS + r, t = gr / G, h = kvh * G + gr % G;
@@ -84,13 +90,14 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
         for (int i = 0; i < NPL; ++i) acc[rr][i] = 0.0f;
     }
 
-    for (int kt = begin; kt < end; kt += ATT_TILE) {
+    for (int kt = first; kt < end; kt += ATT_TILE) {
         // K and V tile: 32 keys x Dh fp16, 32-bit words; keys past `end` are zero (masked below anyway).
+        const int r0 = EXT ? kt % ring : kt;  // key kt's cache row
         for (int e = threadIdx.x; e < ATT_TILE * half; e += blockDim.x) {
             const int j = e / half, d2 = e - j * half, key = kt + j;
             u32 kv = 0, vv = 0;
             if (key < end) {
-                const long long off = ((long long)key * Hkv + kvh) * Dh + 2 * d2;
+                const long long off = ((long long)(r0 + j) * Hkv + kvh) * Dh + 2 * d2;
                 kv = *reinterpret_cast<const u32*>(kc + off);
                 vv = *reinterpret_cast<const u32*>(vc + off);
             }
@@ -179,9 +186,9 @@ ATTENTION_KERNEL(8)
     extern "C" __global__ void __launch_bounds__(256) attention_w_npl##N(                                   \
         const float* q, int q_stride, const u16* kc, const u16* vc, const int* pos, int T, int Hq, int Hkv,   \
         int Dh, float scale, int chunk, float* out, int out_stride, float* part_o, float* part_ml,            \
-        int n_split, int window, float softcap, const float* sinks) {                                        \
+        int n_split, int window, float softcap, const float* sinks, int ring) {                              \
         attention_body<N, true>(q, q_stride, kc, vc, pos, T, Hq, Hkv, Dh, scale, chunk, out, out_stride,      \
-                                part_o, part_ml, n_split, window, softcap, sinks);                           \
+                                part_o, part_ml, n_split, window, softcap, sinks, ring);                     \
     }
 ATTENTION_W_KERNEL(1)
 ATTENTION_W_KERNEL(2)
@@ -228,12 +235,12 @@ extern "C" __global__ void attention_combine_w(const float* __restrict__ part_o,
 }
 
 extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v, int v_stride, int T, int Hkv,
-                                    int Dh, const int* pos, u16* kc, u16* vc) {
+                                    int Dh, const int* pos, u16* kc, u16* vc, int ring) {
     const long long n = (long long)T * Hkv * Dh;
     for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
         const int t = (int)(e / (Hkv * Dh));
         const int rest = (int)(e - (long long)t * Hkv * Dh);
-        const long long dst = (long long)pos[t] * Hkv * Dh + rest;
+        const long long dst = (long long)(pos[t] % ring) * Hkv * Dh + rest;
         kc[dst] = f2h(k[(long long)t * k_stride + rest]);
         vc[dst] = f2h(v[(long long)t * v_stride + rest]);
     }

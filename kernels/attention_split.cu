@@ -1,8 +1,10 @@
 // attention_split.cu: decode attention (one query token) on tensor cores, split over the keys (flash-decoding)
 // in as many splits as the GPU holds blocks, so that it runs at memory speed at any depth.
 //
-// attention_split_d<D>(q, kc, vc, pos, Hq, Hkv, qscale, window, cap2, sinks, part_o, part_ml, counters, out)
-//   q [Hq * D] f32 (already rotated), the caches [ctx, Hkv, D] fp16 -> out [Hq * D] f32.
+// attention_split_d<D>(q, kc, vc, ring, pos, Hq, Hkv, qscale, window, cap2, sinks, part_o, part_ml, counters,
+//   out): q [Hq * D] f32 (already rotated), the caches [ring, Hkv, D] fp16 -> out [Hq * D] f32. Position k is
+//   cache row k mod ring: ring = ctx for a full cache, else a sliding-window layer's ring (llamacli/kv_cache.py:
+//   a multiple of 64, so a 64-key tile's rows are contiguous; at least the window).
 // attention_split_step_<mode>_d<D>(..., rope_dim, inv_freq, attn, qn, kn, eps, early): the fused decode step's
 //   form: q is the QKV matvec's raw output [Hq*D | Hkv*D K | Hkv*D V]; each block normalises its query heads
 //   per head (qn, kn: qwen3's and gemma3's q/k RMSNorm weights [D], or null) and rotates them itself, and the
@@ -43,7 +45,7 @@
 
 template <int D, bool STEP, bool NEOX>
 __device__ __forceinline__ void attention_split_body(
-    const float* __restrict__ q, u16* kc, u16* vc, const int* __restrict__ pos, int Hq, int Hkv, float qscale,
+    const float* __restrict__ q, u16* kc, u16* vc, int ring, const int* __restrict__ pos, int Hq, int Hkv, float qscale,
     int window, float cap2, const float* __restrict__ sinks, float* part_o, float* part_ml, unsigned int* counters,
     float* __restrict__ out, int rope_dim, const double* __restrict__ inv_freq, float attn,
     const float* __restrict__ qn, const float* __restrict__ kn, float eps, int early) {
@@ -74,13 +76,13 @@ __device__ __forceinline__ void attention_split_body(
     const bool holder = STEP && tb == t_hi + 1;  // the split holding p stores p's K and V
 
     auto load_tile = [&](int tile, int kmax) {  // keys [lo, kmax) of tile (zeros elsewhere); one cp.async group
-        const int buf = (tile - ta) % NST, k0 = tile * SP_BK;
+        const int buf = (tile - ta) % NST, k0 = tile * SP_BK, r0 = tile < tb ? k0 % ring : 0;  // r0: key k0's row
         u16* kd = ks + buf * SP_BK * RS;
         u16* vd = vs + buf * SP_BK * RS;
         for (int e = threadIdx.x; tile < tb && e < SP_BK * CPR; e += SP_WARPS * 32) {
             const int j = e / CPR, c = e - j * CPR, key = k0 + j;
             const bool ok = key < kmax && key >= lo;
-            const long long off = ((long long)(ok ? key : 0) * Hkv + kvh) * D + c * 8;
+            const long long off = ((long long)(ok ? r0 + j : 0) * Hkv + kvh) * D + c * 8;
             cp_async16(smem_addr(kd + j * RS + c * 8), kc + off, ok ? 16 : 0);
             cp_async16(smem_addr(vd + j * RS + c * 8), vc + off, ok ? 16 : 0);
         }
@@ -127,7 +129,7 @@ __device__ __forceinline__ void attention_split_body(
             qd[2 * i + 1] = f2h(qf[r * D + 2 * i + 1] * qscale);
         }
     }
-    const long long at = ((long long)p * Hkv + kvh) * D;  // row p of this KV head in the caches
+    const long long at = ((long long)(p % ring) * Hkv + kvh) * D;  // position p of this KV head in the caches
     if (holder) {  // this token's K (rotated) and V into the cache
         const float* v = q + (Hq + Hkv + kvh) * D;
         for (int i = threadIdx.x; i < HALF; i += SP_WARPS * 32) {
@@ -173,7 +175,7 @@ __device__ __forceinline__ void attention_split_body(
         __syncthreads();  // tile it landed for every thread; every warp is done with the buffer refilled next
         load_tile(it + NST - 1, p + 1);
         if (it + NST < tb) {  // the tile after those in flight on its way to L2 (twice the bytes in flight)
-            const long long row0 = (long long)(it + NST) * SP_BK * Hkv + kvh;
+            const long long row0 = (long long)((it + NST) * SP_BK % ring) * Hkv + kvh;
             const int rows = min(SP_BK, p + 1 - (it + NST) * SP_BK);  // keys up to p: none past the cache
             constexpr int LPR = (D + 63) / 64;  // 128-byte lines per row
             for (int e = threadIdx.x; e < rows * LPR; e += SP_WARPS * 32) {
@@ -320,19 +322,19 @@ __device__ __forceinline__ void attention_split_body(
 
 #define ATTENTION_SPLIT_STEP(D, MODE, NEOX)                                                                    \
     extern "C" __global__ void __launch_bounds__(SP_WARPS * 32) attention_split_step_##MODE##_d##D(           \
-        const float* qkv, u16* kc, u16* vc, const int* pos, int Hq, int Hkv, float qscale, int window,         \
-        float cap2, const float* sinks, float* part_o, float* part_ml, unsigned int* counters, float* out,     \
-        int rope_dim, const double* inv_freq, float attn, const float* qn, const float* kn, float eps,         \
-        int early) {                                                                                           \
-        attention_split_body<D, true, NEOX>(qkv, kc, vc, pos, Hq, Hkv, qscale, window, cap2, sinks, part_o,    \
+        const float* qkv, u16* kc, u16* vc, int ring, const int* pos, int Hq, int Hkv, float qscale,           \
+        int window, float cap2, const float* sinks, float* part_o, float* part_ml, unsigned int* counters,     \
+        float* out, int rope_dim, const double* inv_freq, float attn, const float* qn, const float* kn,        \
+        float eps, int early) {                                                                                \
+        attention_split_body<D, true, NEOX>(qkv, kc, vc, ring, pos, Hq, Hkv, qscale, window, cap2, sinks, part_o,    \
                                             part_ml, counters, out, rope_dim, inv_freq, attn, qn, kn, eps,     \
                                             early);                                                            \
     }
 #define ATTENTION_SPLIT(D)                                                                                     \
     extern "C" __global__ void __launch_bounds__(SP_WARPS * 32) attention_split_d##D(                          \
-        const float* q, u16* kc, u16* vc, const int* pos, int Hq, int Hkv, float qscale, int window,           \
+        const float* q, u16* kc, u16* vc, int ring, const int* pos, int Hq, int Hkv, float qscale, int window, \
         float cap2, const float* sinks, float* part_o, float* part_ml, unsigned int* counters, float* out) {   \
-        attention_split_body<D, false, false>(q, kc, vc, pos, Hq, Hkv, qscale, window, cap2, sinks, part_o,    \
+        attention_split_body<D, false, false>(q, kc, vc, ring, pos, Hq, Hkv, qscale, window, cap2, sinks, part_o,    \
                                               part_ml, counters, out, 0, nullptr, 1.0f, nullptr, nullptr,      \
                                               0.0f, 0);                                                        \
     }                                                                                                          \

@@ -9,11 +9,12 @@
 // Shapes: x [T, H, Dh] f32 rows `stride` floats apart per token; pos [T] i32 (device memory).
 //   rope_<mode>(x, stride, H, Dh, rope_dim, pos, inv_freq, attn_factor)
 //       grid (T, H), block Dh/2 rounded up to 32: one thread per pair.
-//   rope_store_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn_factor, kcache, vcache)
+//   rope_store_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn_factor, kcache, vcache, ring)
 //       qkv [T, (Hq+2Hkv)*Dh] as the fused QKV matvec writes it; rotates q and k in place and writes k, v
-//       as fp16 into the layer's cache [ctx, Hkv, Dh] at row pos[t]. grid (T, Hq + 2*Hkv), block as above.
-//   rope_store_pf_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, scale, bias,
-//                        q16, q16_stride, qscale)
+//       as fp16 into the layer's cache [ring, Hkv, Dh] at row pos[t] mod ring (ring: ctx, or a sliding-window
+//       layer's ring, llamacli/kv_cache.py). grid (T, Hq + 2*Hkv), block as above.
+//   rope_store_pf_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, ring, scale,
+//                        bias, q16, q16_stride, qscale)
 //       the fused prefill's QKV epilogue: first qkv[t, :] = qkv[t, :] * scale[t] + bias (the GEMM's row
 //       scale, kernels/norm.cu rms_norm_f16; bias [(Hq+2Hkv)*Dh] or NULL), then as rope_store_<mode>, except
 //       that the rotated q goes to q16 [T, Hq*Dh] (token stride q16_stride) as fp16(q * qscale), the form
@@ -43,10 +44,10 @@ __device__ __forceinline__ void rope_body(float* x, int stride, int H, int Dh, i
 template <bool NEOX>
 __device__ __forceinline__ void rope_store_body(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
                                                 const int* pos, const double* inv_freq, float attn, u16* kcache,
-                                                u16* vcache, u16* q16 = nullptr, int q16_stride = 0,
+                                                u16* vcache, int ring, u16* q16 = nullptr, int q16_stride = 0,
                                                 float qscale = 1.0f) {
     const int t = blockIdx.x, hd = blockIdx.y, i = threadIdx.x;
-    const int p = pos[t];
+    const int p = pos[t], row = p % ring;  // p's row in the caches
     float* h = qkv + (long long)t * stride + hd * Dh;
     int da = 2 * i, db = 2 * i + 1;
     float oa = 0.0f, ob = 0.0f;
@@ -64,12 +65,12 @@ __device__ __forceinline__ void rope_store_body(float* qkv, int stride, int Hq, 
         h[da] = oa;
         h[db] = ob;
         if (hd >= Hq) {
-            u16* k = kcache + ((long long)p * Hkv + (hd - Hq)) * Dh;
+            u16* k = kcache + ((long long)row * Hkv + (hd - Hq)) * Dh;
             k[da] = f2h(oa);
             k[db] = f2h(ob);
         }
     } else if (on) {
-        u16* v = vcache + ((long long)p * Hkv + (hd - Hq - Hkv)) * Dh;
+        u16* v = vcache + ((long long)row * Hkv + (hd - Hq - Hkv)) * Dh;
         v[da] = f2h(h[da]);
         v[db] = f2h(h[db]);
     }
@@ -81,7 +82,7 @@ __device__ __forceinline__ void rope_store_body(float* qkv, int stride, int Hq, 
 template <bool NEOX, bool QKN>
 __device__ __forceinline__ void rope_store_pf_body(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
                                                    const int* pos, const double* inv_freq, float attn, u16* kcache,
-                                                   u16* vcache, const float* __restrict__ scale,
+                                                   u16* vcache, int ring, const float* __restrict__ scale,
                                                    const float* __restrict__ bias, u16* q16, int q16_stride,
                                                    float qscale, const float* __restrict__ qn = nullptr,
                                                    const float* __restrict__ kn = nullptr, float eps = 0.0f) {
@@ -107,40 +108,30 @@ __device__ __forceinline__ void rope_store_pf_body(float* qkv, int stride, int H
         h[1] = b;
     }
     __syncthreads();
-    rope_store_body<NEOX>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, q16, q16_stride,
-                          qscale);
+    rope_store_body<NEOX>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, ring, q16,
+                          q16_stride, qscale);
 }
 
-extern "C" __global__ void rope_store_pf_normal(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
-                                                const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
-                                                const float* scale, const float* bias, u16* q16, int q16_stride,
-                                                float qscale) {
-    rope_store_pf_body<false, false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
-                                     q16_stride, qscale);
-}
-extern "C" __global__ void rope_store_pf_neox(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
-                                              const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
-                                              const float* scale, const float* bias, u16* q16, int q16_stride,
-                                              float qscale) {
-    rope_store_pf_body<true, false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
-                                    q16_stride, qscale);
-}
-extern "C" __global__ void rope_store_pf_qkn_normal(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
-                                                    const int* pos, const double* inv_freq, float attn, u16* kc,
-                                                    u16* vc, const float* scale, const float* bias, u16* q16,
-                                                    int q16_stride, float qscale, const float* qn, const float* kn,
-                                                    float eps) {
-    rope_store_pf_body<false, true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
-                                    q16_stride, qscale, qn, kn, eps);
-}
-extern "C" __global__ void rope_store_pf_qkn_neox(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
-                                                  const int* pos, const double* inv_freq, float attn, u16* kc,
-                                                  u16* vc, const float* scale, const float* bias, u16* q16,
-                                                  int q16_stride, float qscale, const float* qn, const float* kn,
-                                                  float eps) {
-    rope_store_pf_body<true, true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, scale, bias, q16,
-                                   q16_stride, qscale, qn, kn, eps);
-}
+#define ROPE_STORE_PF(MODE, NEOX)                                                                                      \
+    extern "C" __global__ void rope_store_pf_##MODE(                                                                   \
+        float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim, const int* pos, const double* inv_freq,         \
+        float attn, u16* kc, u16* vc, int ring, const float* scale, const float* bias, u16* q16, int q16_stride,       \
+        float qscale) {                                                                                                \
+        rope_store_pf_body<NEOX, false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, ring, scale,  \
+                                        bias, q16, q16_stride, qscale);                                                \
+    }
+#define ROPE_STORE_PF_QKN(MODE, NEOX)                                                                                  \
+    extern "C" __global__ void rope_store_pf_qkn_##MODE(                                                               \
+        float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim, const int* pos, const double* inv_freq,         \
+        float attn, u16* kc, u16* vc, int ring, const float* scale, const float* bias, u16* q16, int q16_stride,       \
+        float qscale, const float* qn, const float* kn, float eps) {                                                   \
+        rope_store_pf_body<NEOX, true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, ring, scale,   \
+                                       bias, q16, q16_stride, qscale, qn, kn, eps);                                    \
+    }
+ROPE_STORE_PF(normal, false)
+ROPE_STORE_PF(neox, true)
+ROPE_STORE_PF_QKN(normal, false)
+ROPE_STORE_PF_QKN(neox, true)
 
 extern "C" __global__ void rope_normal(float* x, int stride, int H, int Dh, int rope_dim, const int* pos,
                                        const double* inv_freq, float attn) {
@@ -151,10 +142,12 @@ extern "C" __global__ void rope_neox(float* x, int stride, int H, int Dh, int ro
     rope_body<true>(x, stride, H, Dh, rope_dim, pos, inv_freq, attn);
 }
 extern "C" __global__ void rope_store_normal(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
-                                             const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc) {
-    rope_store_body<false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc);
+                                             const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
+                                             int ring) {
+    rope_store_body<false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, ring);
 }
 extern "C" __global__ void rope_store_neox(float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim,
-                                           const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc) {
-    rope_store_body<true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc);
+                                           const int* pos, const double* inv_freq, float attn, u16* kc, u16* vc,
+                                           int ring) {
+    rope_store_body<true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, ring);
 }

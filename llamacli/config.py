@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .errors import CorruptFileError, MissingMetadataError
 from .kv_cache import DEFAULT as DEFAULT_CACHE
-from .kv_cache import cache_row_bytes
+from .kv_cache import cache_row_bytes, ring_rows
 from .models import ROPE_NEOX, ROPE_NORMAL, LayerPlan, architecture
 
 __all__ = ["ROPE_NEOX", "ROPE_NORMAL", "ModelConfig", "config_from_metadata"]
@@ -83,11 +83,16 @@ class ModelConfig:
         """Query heads per KV head (GQA)."""
         return self.n_head // self.n_head_kv
 
+    def cache_rows(self, ctx: int) -> list[int]:
+        """Rows of each layer's K/V cache at `ctx` positions: ctx, or a ring on a sliding-window layer
+        (kv_cache.ring_rows)."""
+        return [ring_rows(plan.window, ctx) for plan in self.layers]
+
     def kv_cache_bytes(self, ctx: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> int:
-        """K and V for every layer at `ctx` positions, each of its cache type (kv_cache.CACHE_TYPES: fp16 by
-        default; q8_0 rows of whole 32-value blocks per head)."""
+        """K and V of every layer at `ctx` positions (sliding-window layers: their rings), each of its cache
+        type (kv_cache.CACHE_TYPES: fp16 by default; q8_0 rows of whole 32-value blocks per head)."""
         row = sum(cache_row_bytes(t, self.head_dim) for t in cache_types) * self.n_head_kv
-        return int(self.n_layer * ctx * row)
+        return int(sum(self.cache_rows(ctx)) * row)
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod

@@ -5,7 +5,9 @@ streaming, timings. And the Python API: `llamacli.load(path)` -> Model with .gen
            -> stop? (end-of-generation id, stop string, -n, full context) -> stream text -> decode(id) -> ...
 
 The KV cache remembers which ids it holds (`Model.cached`): a new prompt that starts with them prefills
-only the rest, which is what makes a chat turn cheap.
+only the rest, which is what makes a chat turn cheap. Sliding-window layers keep rings (kv_cache.py) that
+forget: a prefix is reused only while every ring still holds its last window (kv_cache.ring_keeps, from the
+highest position written since the cache was last filled from 0), else the prompt is prefilled whole.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .config import ModelConfig
 from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
 from .kv_cache import DEFAULT as DEFAULT_CACHE
-from .kv_cache import check_cache_types, parse_cache_types
+from .kv_cache import check_cache_types, parse_cache_types, ring_keeps
 from .model import prefill
 from .reasoning import prompt_opens_think, reply_format, split_reasoning
 from .sampling import SamplingParams, make_rng, sample
@@ -153,6 +155,9 @@ class Model:
         # time.perf_counter() seconds, for --verbose's start-up line; None outside the CLI.
         self.lookup: tuple[float, float] | None = None
         self.cached: list[int] = []  # the ids whose K/V the cache holds, positions 0..len-1
+        self.written = -1  # the highest position whose K/V may have been written since a prefill from 0
+        # (window, cache rows) per layer, as the backend allocated them: rings on sliding-window layers
+        self.cache_rows = list(zip((plan.window for plan in self.cfg.layers), self.cfg.cache_rows(self.ctx)))
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self._chat = None
 
@@ -301,9 +306,12 @@ class Model:
 
         # Prefill what the cache does not hold yet (at least the last token, whose logits we need).
         keep = _common_prefix(self.cached, ids, len(ids) - 1)
+        if not ring_keeps(keep, self.written, self.cache_rows, self.ctx):
+            keep = 0  # a ring no longer holds the window before the first new position
         t0 = time.perf_counter()
         self.cached = self.cached[:keep]
         new = ids[keep:]
+        self.written = max(self.written if keep else -1, len(ids) - 1)  # (before: a failed prefill wrote some)
         laps.lap("prompt to ids")
         logits = prefill(be, cfg, new, keep)
         be.synchronize()  # (the first token's sampling would wait here anyway): prefill and sampling timed apart
@@ -326,6 +334,7 @@ class Model:
         plain_greedy = params.greedy and not params.has_penalties
         sampled = not logits_path and not plain_greedy and be.start_sampling(params, rng, history)
         kind = "sampled" if sampled else "greedy" if plain_greedy and not logits_path else "logits"
+        self.written = max(self.written, len(self.cached))  # (a capture's warm-up step writes there)
         be.prepare_decode((kind,), pos=len(self.cached))
         if _has_own(be, "prepare_decode") or _has_own(be, "start_sampling"):  # (none on NumPy)
             laps.lap("decode set-up")
@@ -364,8 +373,10 @@ class Model:
                 if c.finish_reason is None and (len(c.tokens) >= max_tokens or len(self.cached) >= self.ctx):
                     c.finish_reason = "length"
                 if c.finish_reason is None:
-                    # Decode: one token at the next position (a captured graph on CUDA).
+                    # Decode: one token at the next position (a captured graph on CUDA), and perhaps the
+                    # following one queued ahead.
                     pos = len(self.cached)
+                    self.written = max(self.written, pos + 1)
                     if constraint is not None and logprobs is None:  # the mask computed as the step runs
                         following = be.decode_allowed(token, pos, words, params, rng, history)
                     elif logits_path:

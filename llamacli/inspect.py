@@ -104,6 +104,9 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
         )
         if cache_type_fits(cfg.head_dim, "q8_0"):  # the 8-bit cache (-ctk/-ctv q8_0): whole 32-value blocks
             info["kv_cache_bytes_q8_0"] = cfg.kv_cache_bytes(cfg.context_length, ("q8_0", "q8_0"))
+        rings = [(i, n) for i, n in enumerate(cfg.cache_rows(cfg.context_length)) if n < cfg.context_length]
+        if rings:  # sliding-window layers keep a ring of positions (kv_cache.py), not the whole context
+            info["kv_cache_rings"] = {"layers": len(rings), "rows": sorted({n for _, n in rings})}
         if cfg.rope_scaling not in ("none",):
             info["rope_scaling_factor"] = cfg.rope_scaling_factor
             info["rope_original_context"] = cfg.rope_original_context
@@ -194,6 +197,10 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
 
         rows.append((f"KV cache (fp16) @ {info['context_length']}",
                      kv(info["kv_cache_bytes"], info.get("kv_cache_bytes_q8_0"))))
+        if "kv_cache_rings" in info:
+            r = info["kv_cache_rings"]
+            rows.append(("KV cache rings", f"{r['layers']} sliding-window layers hold "
+                                           f"{' / '.join(str(n) for n in r['rows'])} positions each"))
         at = info.get("kv_cache_bytes_at_ctx")
         if at:
             rows.append((f"KV cache (fp16) @ {at['ctx']}", kv(at["bytes"], at.get("bytes_q8_0"))))

@@ -7,6 +7,15 @@
   memory. The NumPy backend stores the rows as they come back from those blocks (gguf.quants quantizes and
   dequantizes them, the reference rounding), so every read sees what an 8-bit cache holds. The CUDA backend
   does not have it yet (CudaBackend.load refuses it).
+
+Sliding-window layers keep a ring instead of a row per position (llama.cpp's SWA cache): a layer whose query
+at p sees only keys p - window < k <= p needs `window` past rows, so it holds ring_rows(window, ctx) rows and
+stores position p at row p mod rows. The ring also takes a whole pass of new positions (RING_CHUNK, the CUDA
+backend's prefill chunk) without overwriting a key its own first query still needs: rows >= window +
+RING_CHUNK - 1, rounded up to 128 so that no 32- or 64-key tile of the attention kernels wraps. A global layer
+(or a ring no smaller than ctx) keeps ctx rows, where p mod ctx = p. Gemma 3 270M at 32k positions: 15 of its
+18 layers hold 1,024 rows instead of 32,768 (604 MB -> 116 MB). A ring forgets: a cache rewound to an
+earlier prefix (ring_keeps) must still hold that prefix's last window.
 """
 
 from __future__ import annotations
@@ -20,6 +29,33 @@ from .errors import UsageError
 # type -> (values per block, bytes per block)
 CACHE_TYPES: dict[str, tuple[int, int]] = {"f16": (1, 2), "q8_0": (32, 34)}
 DEFAULT = ("f16", "f16")
+RING_CHUNK = 512  # the most new positions one attention pass writes into a ring (CUDA: PREFILL_CHUNK)
+RING_ALIGN = 128  # ring rows are a multiple of this (whole 32- and 64-key tiles)
+
+
+def ring_rows(window: int, ctx: int) -> int:
+    """Rows of a layer's K/V cache at a context of `ctx` positions: a ring of window + RING_CHUNK - 1 rows
+    (rounded up to RING_ALIGN) for a sliding-window layer where that is smaller than ctx, else ctx."""
+    if window <= 0:
+        return ctx
+    rows = -(-(window + RING_CHUNK - 1) // RING_ALIGN) * RING_ALIGN
+    return rows if rows < ctx else ctx
+
+
+def ring_span(window: int, rows: int, ctx: int) -> int:
+    """The most consecutive new positions one attention pass may write into a cache of `rows` rows (a ring
+    when rows < ctx) before its queries read it: rows - window + 1 keeps every key the pass's first query
+    sees; a full cache (rows == ctx) takes any number."""
+    return rows - window + 1 if rows < ctx else ctx
+
+
+def ring_keeps(keep: int, high: int, layers: list[tuple[int, int]], ctx: int) -> bool:
+    """Whether a cache whose highest written position is `high` still holds what a pass from position `keep`
+    needs: on every ring (layers: (window, rows) per layer), the keys keep - window + 1 .. keep - 1, i.e. no
+    later position of their rows (p + rows) was written. keep 0 needs nothing."""
+    if keep <= 0:
+        return True
+    return all(rows >= ctx or max(0, keep - window + 1) > high - rows for window, rows in layers)
 
 
 def parse_cache_type(value: Any, option: str) -> str:

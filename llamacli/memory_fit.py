@@ -22,8 +22,8 @@ def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scra
                       n_params: int | None = None) -> str:
     """The message for a model that needs weights + kv + scratch bytes at `ctx` and finds `free` of `total`.
 
-    The KV cache grows linearly with the context (cfg.kv_cache_bytes), so the largest context that fits is
-    the room left after the weights and scratch over the bytes per position. `n_params` defaults to the count
+    The largest context that fits is the one whose KV cache (cfg.kv_cache_bytes) fits the room left after
+    the weights and scratch. `n_params` defaults to the count
     the config implies (the matrices of every layer and the embeddings)."""
     need = weights + kv + scratch
     head = (f"not enough GPU memory: the model needs {human_bytes(need)} at --ctx {ctx} (weights "
@@ -43,11 +43,14 @@ def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scra
 
 
 def largest_ctx(cfg: ModelConfig, room: int) -> int:
-    """The largest multiple of CTX_STEP positions whose KV cache fits in `room` bytes (0 when none does)."""
-    per_position = cfg.kv_cache_bytes(1)
-    if room <= 0 or per_position <= 0:
-        return 0
-    return min(room // per_position, cfg.context_length) // CTX_STEP * CTX_STEP
+    """The largest multiple of CTX_STEP positions (up to the trained length) whose KV cache fits in `room`
+    bytes, 0 when none does. The cache grows with the context, linearly until sliding-window layers reach
+    their rings' size (config.kv_cache_bytes), so a bisection over the steps."""
+    lo, hi = 0, cfg.context_length // CTX_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cfg.kv_cache_bytes(mid * CTX_STEP) <= room else (lo, mid - 1)
+    return lo * CTX_STEP
 
 
 def smaller_quant(cfg: ModelConfig, ctx: int, weights: int, kv: int, scratch: int, free: int, n_params: int) -> str:

@@ -135,3 +135,20 @@ def test_real_process(smollm2):
     assert r.code == 0 and json.loads(r.out)["n_layer"] == 30
     r = run_subprocess("inspect", "/nonexistent/model.gguf")
     assert r.code == 2 and r.one_line_error().startswith("error: no such file")
+
+
+def test_sliding_window_layers_count_their_rings(tmp_path):
+    """A gemma3 file with a 32k context: its five window-8 layers hold rings of 640 positions (kv_cache.py), the
+    sixth the whole context, in the memory figure and the text."""
+    from llamacli.testing import write_model
+
+    path = write_model(tmp_path / "g.gguf", "tiny-gemma3", "F32", metadata={"gemma3.context_length": 32768})
+    r = run("inspect", str(path), "--json", "--ctx", "4096")
+    assert r.code == 0, r.err
+    info = json.loads(r.out)
+    per_row = 2 * 1 * 256 * 2  # K and V, one KV head of 256 dims, fp16
+    assert info["kv_cache_rings"] == {"layers": 5, "rows": [640]}
+    assert info["kv_cache_bytes"] == (32768 + 5 * 640) * per_row
+    assert info["kv_cache_bytes_at_ctx"]["bytes"] == (4096 + 5 * 640) * per_row
+    r = run("inspect", str(path))
+    assert "5 sliding-window layers hold 640 positions each" in r.out

@@ -104,7 +104,7 @@ def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
     be, cfg = _numpy_backend(path, 160)
     ids = rng.integers(0, cfg.vocab_size, size=150)
     whole = be.to_host(model_mod.forward(be, cfg, be.token_ids(ids), be.positions(0, ids.size)))
-    k_whole, v_whole = be.k_cache.copy(), be.v_cache.copy()
+    k_whole, v_whole = np.array(be.k_cache), np.array(be.v_cache)  # [layer, ctx, Hkv, Dh] (no window: no ring)
 
     for chunk, att_scratch in ((16, numpy_backend.ATT_SCRATCH), (37, 300), (150, 1), (None, 5000)):
         be, cfg = _numpy_backend(path, 160)
@@ -119,7 +119,7 @@ def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
         assert lengths == [min(n, ids.size - s) for s in range(0, ids.size, n)]
         scale = float(np.abs(whole).max())
         np.testing.assert_allclose(got, whole, rtol=0, atol=2e-5 * scale)
-        for a, b in ((be.k_cache, k_whole), (be.v_cache, v_whole)):
+        for a, b in ((np.array(be.k_cache), k_whole), (np.array(be.v_cache), v_whole)):
             np.testing.assert_allclose(a[:, : ids.size], b[:, : ids.size], rtol=0, atol=2e-5 * float(np.abs(b).max()))
 
 

@@ -308,7 +308,6 @@ def test_gemma3_270m_greedy_64_tokens_match_numpy() -> None:
     NEAR_TIE of a tie between the two tokens (int8 activations in the K-quant matvecs, as llama.cpp's MMVQ,
     against float32: measured on "The capital of France is", step 11, a margin of 0.014)."""
     from llamacli.generate import load
-    from llamacli.model import prefill
 
     path = os.environ.get("LLAMACLI_TEST_GEMMA")
     if not path:
@@ -316,16 +315,49 @@ def test_gemma3_270m_greedy_64_tokens_match_numpy() -> None:
     ref = load(path, backend="numpy", ctx=512)
     gpu = load(path, backend="cuda", ctx=512)
     for prompt in smollm2_reference()["replies"]:  # (the prompt set; the replies are SmolLM2's)
-        want = ref.complete(prompt, max_tokens=64, temperature=0.0, raw=True).tokens
-        got = gpu.complete(prompt, max_tokens=64, temperature=0.0, raw=True).tokens
-        n = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-        if n is None:
-            assert len(got) == len(want), prompt
-            continue
-        ids = ref.tokenize(prompt) + want[:n]
-        ref.cached = []
-        logits = ref.backend.to_host(prefill(ref.backend, ref.cfg, ids, 0))[-1]
-        assert logits[want[n]] - logits[got[n]] < NEAR_TIE, (prompt, n, logits[want[n]] - logits[got[n]])
+        greedy_matches_up_to_near_ties(ref, gpu, prompt, 64)
+
+
+def greedy_matches_up_to_near_ties(ref, gpu, prompt, n_tokens: int) -> None:
+    """Greedy n_tokens of `prompt` on both models: equal, or parting only where the reference's logits are
+    within NEAR_TIE of a tie between the two ids."""
+    from llamacli.model import prefill
+
+    want = ref.complete(prompt, max_tokens=n_tokens, temperature=0.0, raw=True).tokens
+    got = gpu.complete(prompt, max_tokens=n_tokens, temperature=0.0, raw=True).tokens
+    n = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if n is None:
+        assert len(got) == len(want), prompt
+        return
+    ids = ref.tokenize(prompt) + want[:n]
+    ref.cached = []
+    logits = ref.backend.to_host(prefill(ref.backend, ref.cfg, ids, 0))[-1]
+    assert logits[want[n]] - logits[got[n]] < NEAR_TIE, (prompt, n, logits[want[n]] - logits[got[n]])
+
+
+def test_gemma3_270m_long_prompt_through_the_rings_matches_numpy() -> None:
+    """The real Gemma 3 270M at ctx 4096: its 15 sliding-window layers keep rings of 1,024 rows (kv_cache.py);
+    a prompt of about 1,700 tokens (the README's opening) wraps them during the prefill and 32 greedy
+    steps read across the wrap, as NumPy's rings do; and a second prompt sharing the first 1,000 tokens
+    is prefilled whole (the rings no longer hold the window before them: kv_cache.ring_keeps)."""
+    from llamacli.generate import load
+
+    path = os.environ.get("LLAMACLI_TEST_GEMMA")
+    if not path:
+        pytest.skip("LLAMACLI_TEST_GEMMA is not set")
+    ref = load(path, backend="numpy", ctx=4096)
+    gpu = load(path, backend="cuda", ctx=4096)
+    assert sorted({k.shape[0] for k in gpu.backend.k_cache}) == [1024, 4096]
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")[:5000]
+    assert 1100 < len(gpu.tokenize(text)) < 3000
+    greedy_matches_up_to_near_ties(ref, gpu, text, 32)
+    ids = gpu.tokenize(text)[:1000] + gpu.tokenize(" And now something else entirely:")
+    for m in (ref, gpu):
+        c = m.complete(ids, max_tokens=1, temperature=0.0)
+        assert c.timings.prompt_tokens == len(ids)
+    greedy_matches_up_to_near_ties(ref, gpu, text[: len(text) // 3], 16)
 
 
 def test_long_prefill_of_a_1b_shape_model_is_finite_and_matches_decode(tmp_path) -> None:
@@ -383,6 +415,31 @@ def test_fused_prefill_matches_numpy(random_model, shape, qtype) -> None:
         step = be.to_host(be.decode(tok, t))[-1]
         assert rel_l2(step, step_ref) <= 1e-2, t
     assert be.prefill_graph_lengths >= {16, 77, 512}
+
+
+@pytest.mark.parametrize("shape,qtype", [("tiny-gemma3", "Q4_K_M"), ("tiny-gemma2", QT.Q8_0), (GPTOSS_D64, "MXFP4_MOE")],
+                         ids=["gemma3", "gemma2", "gpt-oss-dh64"])
+def test_greedy_through_the_ring_wrap_matches_numpy(random_model, shape, qtype) -> None:
+    """At ctx 1024 the sliding-window layers keep rings of 640 rows (kv_cache.py): a 700-token prompt (fused
+    chunks of 512 and 188, the second wrapping the ring), 48 greedy steps of the captured decode step past the
+    wrap, then the logits of one more step: the NumPy reference's ids and logits (which keeps the same rings)."""
+    from llamacli.model import prefill
+
+    path = random_model(shape, qtype)
+    _, cfg, ref = loaded(path, NumpyBackend(), ctx=1024)
+    _, _, be = loaded(path, CudaBackend(), ctx=1024)
+    assert {k.shape[0] for k, p in zip(be.k_cache, cfg.layers) if p.window} == {640}
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, size=700)
+    want_first, got_first = ref.to_host(prefill(ref, cfg, ids, 0))[-1], be.to_host(prefill(be, cfg, ids, 0))[-1]
+    assert rel_l2(got_first, want_first) <= 1e-2
+    want, got = [int(np.argmax(want_first))], [int(np.argmax(want_first))]
+    for pos in range(700, 748):
+        want.append(int(np.argmax(ref.to_host(forward(ref, cfg, ref.token_ids(np.asarray([want[-1]])),
+                                                      ref.positions(pos, 1)))[-1])))
+        got.append(be.decode_greedy(got[-1], pos))
+    assert got == want
+    step_ref = ref.to_host(forward(ref, cfg, ref.token_ids(np.asarray([want[-1]])), ref.positions(748, 1)))[-1]
+    assert rel_l2(be.to_host(be.decode(got[-1], 748))[-1], step_ref) <= 1e-2
 
 
 def test_fused_prefill_chunk_after_cached_prefix(random_model) -> None:

@@ -49,8 +49,11 @@ def bare(cfg: ModelConfig, ctx: int) -> tuple[CudaBackend, NumpyBackend]:
     be = CudaBackend(use_graph=False)
     be.cfg, be.ctx = cfg, ctx
     be.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, None, ctx).astype(np.float64))
+    # The caches as CudaBackend.load makes them (a sliding-window layer's a ring: kv_cache.py), the reference's
+    # a row per position.
+    be.k_cache = [cp.zeros((n, cfg.n_head_kv, cfg.head_dim), cp.float16) for n in cfg.cache_rows(ctx)]
+    be.v_cache = [cp.zeros_like(k) for k in be.k_cache]
     shape = (cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim)
-    be.k_cache, be.v_cache = cp.zeros(shape, cp.float16), cp.zeros(shape, cp.float16)
     be.alloc_step_io()  # step_ids, step_pos, the fused argmax's cells, the sampler's buffers
     ref = NumpyBackend()
     ref.cfg, ref.ctx = cfg, ctx
@@ -58,6 +61,14 @@ def bare(cfg: ModelConfig, ctx: int) -> tuple[CudaBackend, NumpyBackend]:
     ref.k_cache = np.zeros(shape, np.float32)
     ref.v_cache = np.zeros(shape, np.float32)
     return be, ref
+
+
+def put_positions(cache, start: int, values: np.ndarray) -> None:
+    """values [n, Hkv, Dh] at positions start.. into one layer's CUDA cache, row = position mod rows (of a ring
+    only the last `rows` positions stay, as the backend's writers leave it)."""
+    rows = cache.shape[0]
+    pos = np.arange(start, start + len(values))[-rows:]
+    cache[cp.asarray(pos % rows)] = cp.asarray(values[-rows:])
 
 
 def upload(rows: np.ndarray, qtype: QT, n_cols: int) -> tuple[DeviceMatrix, cp.ndarray, np.ndarray]:
@@ -842,14 +853,27 @@ def check_prefill_chunks(be, cfg, rng, ctx: int, q_scale: float, window: int, so
                          sinks: np.ndarray | None = None) -> None:
     """Prefill chunks of layer 0 on a random cache, the cache past each chunk's keys NaN and the output
     poisoned, through the tensor-core (tcx) and CUDA-core (_w) kernels, against float64 (ext_attention_ref)
-    with the layer's window, soft-cap and sinks."""
+    with the layer's window, soft-cap and sinks. A sliding-window layer whose ring is smaller than ctx
+    (kv_cache.py) holds the last `rows` positions up to the chunk's, at their rows mod rows (the last chunk
+    wraps), and the rows of keys before every query's window and its first tile NaN: never read."""
     hkv, dh, group = cfg.n_head_kv, cfg.head_dim, cfg.n_group
     kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
+    rows = cfg.cache_rows(ctx)[0]
     for start, t in ((0, 37), (131, 333), (600, 5), (650, 50)):
-        kp, vp = kc.copy(), vc.copy()
-        kp[start + t :], vp[start + t :] = np.nan, np.nan
-        be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
+        if rows < ctx:
+            kr = rng.standard_normal((rows, hkv, dh)).astype(np.float16)  # rows of no position yet: finite
+            vr = rng.standard_normal((rows, hkv, dh)).astype(np.float16)
+            held = np.arange(max(0, start + t - rows), start + t)
+            kr[held % rows], vr[held % rows] = kc[held], vc[held]
+            unread = held[held < max(0, start - window + 1) // 64 * 64]
+            kr[unread % rows], vr[unread % rows] = np.nan, np.nan
+            kr[start + t :], vr[start + t :] = np.nan, np.nan  # (rows of no position yet, if any)
+            be.k_cache[0], be.v_cache[0] = cp.asarray(kr), cp.asarray(vr)
+        else:
+            kp, vp = kc.copy(), vc.copy()
+            kp[start + t :], vp[start + t :] = np.nan, np.nan
+            be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
         q = (rng.standard_normal((t, cfg.n_head, dh)) * q_scale).astype(np.float32)
         pos = np.arange(start, start + t, dtype=np.int32)
         want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, softcap,
@@ -884,12 +908,14 @@ def test_attention_prefill_window_softcap(dh, window, softcap) -> None:
 def test_attention_decode_window_softcap(dh, hkv, group, window, softcap) -> None:
     """Decode (attention_split; group 17: the CUDA-core splits, attention_w_npl* + attention_combine_w)
     against the NumPy reference after prefill chunks, positions past several splits and windows that start
-    inside a tile."""
+    inside a tile. The window layers keep rings (896 and 640 rows) that the positions wrap; the 700-token chunk
+    goes into them in two passes (kv_cache.ring_span)."""
     rng = np.random.default_rng(dh * 7 + group + window)
     cfg = ext_cfg(dh, hkv, group, window, softcap)
     be, ref = bare(cfg, 4096)
+    assert be.k_cache[0].shape[0] == {0: 4096, 300: 896, 40: 640}[window]
     hq, start = cfg.n_head, 0
-    for t in (300, 1, 1, 400, 1, 1):
+    for t in (300, 1, 1, 400, 1, 1, 700, 1, 1):
         q = rng.standard_normal((t, hq, dh)).astype(np.float32)
         k = rng.standard_normal((t, hkv, dh)).astype(np.float32)
         v = rng.standard_normal((t, hkv, dh)).astype(np.float32)
@@ -938,10 +964,14 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, s
     be.attention_counters = cp.zeros(hkv, cp.uint32)
     hist = 702  # the cache before the step: filled through both backends' op path
     k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
-    be.k_cache[0, :hist] = cp.asarray(k0.astype(np.float16))
-    be.v_cache[0, :hist] = cp.asarray(k0[::-1].astype(np.float16))
-    be.k_cache[0, hist:] = cp.nan  # the step writes its row before any block reads it
-    be.v_cache[0, hist:] = cp.nan
+    put_positions(be.k_cache[0], 0, k0.astype(np.float16))
+    put_positions(be.v_cache[0], 0, k0[::-1].astype(np.float16))
+    rows = be.k_cache[0].shape[0]  # a ring on the window layers (768 and 640 rows: the 702 positions wrap)
+    # NaN where the step writes its rows before any block reads them, and (a ring) on the rows of positions
+    # before every step's window and its first tile: never read.
+    n_nan = ctx - hist if rows == ctx else rows - window - 64
+    for c in (be.k_cache[0], be.v_cache[0]):
+        c[cp.asarray(np.arange(hist, hist + n_nan) % rows)] = cp.nan
     ref.k_cache[0, :hist] = k0.astype(np.float16)
     ref.v_cache[0, :hist] = k0[::-1].astype(np.float16)
 
@@ -964,7 +994,7 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, s
         att = poisoned((1, cfg.q_dim))
         be.attend_step(0, cp.asarray(qkv), att, False)
         assert_close(att.get(), want, *SPLIT_TOL, f"step p={p}")
-        assert_close(be.k_cache[0, p].get(), kr[0], 1e-3, 1e-3, f"stored k p={p}")
+        assert_close(be.k_cache[0][p % rows].get(), kr[0], 1e-3, 1e-3, f"stored k p={p}")
         assert int(be.attention_counters.sum()) == 0  # reset by the merging block
 
 

@@ -20,7 +20,7 @@ if not _ok:
 pytestmark = pytest.mark.gpu
 
 from test_gpu_kernels import (  # noqa: E402
-    assert_close, bare, check_prefill_chunks, ext_attention_ref, make_cfg, poisoned,
+    assert_close, bare, check_prefill_chunks, ext_attention_ref, make_cfg, poisoned, put_positions,
 )
 
 
@@ -99,7 +99,8 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
     hist = 700
     k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float16)
     v0 = rng.standard_normal((hist, hkv, dh)).astype(np.float16)
-    be.k_cache[0, :hist], be.v_cache[0, :hist] = cp.asarray(k0), cp.asarray(v0)
+    put_positions(be.k_cache[0], 0, k0)
+    put_positions(be.v_cache[0], 0, v0)
     kc, vc = k0.astype(np.float32), v0.astype(np.float32)
     # The op path: one query at position hist - 1 over the cache (its own K/V rewritten as they are).
     q = rng.standard_normal((1, cfg.n_head, dh)).astype(np.float32)

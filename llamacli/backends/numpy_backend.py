@@ -1,8 +1,9 @@
 """The NumPy backend: the readable reference every CUDA kernel is tested against.
 
 Weights are dequantized to float32 once at load (layer by layer; experts as [E, rows, cols] arrays); the
-embedding table stays quantized and only the rows asked for are dequantized. The KV cache is float32
-[layer, ctx, Hkv, Dh].
+embedding table stays quantized and only the rows asked for are dequantized. The KV cache is float32,
+one [rows, Hkv, Dh] array per layer: ctx rows, or on a sliding-window layer a ring (kv_cache.py: position p at
+row p mod rows), as the CUDA backend keeps it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..config import ROPE_NEOX, ModelConfig
 from ..errors import HostMemoryError
 from ..gguf_file import GGUFFile
 from ..kv_cache import DEFAULT as DEFAULT_CACHE
-from ..kv_cache import q8_0_roundtrip
+from ..kv_cache import q8_0_roundtrip, ring_span
 from ..moe import route
 from ..quants import can_dequantize, gather_rows
 from ..units import human_bytes
@@ -80,8 +81,9 @@ class NumpyBackend(Backend):
 
         self.theta = rope_tables.inv_freq(cfg, gguf, ctx)  # [rope_dim/2]
         self.theta_local = rope_tables.inv_freq(cfg, gguf, ctx, local=True)
-        self.k_cache = np.zeros((cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim), dtype=np.float32)
-        self.v_cache = np.zeros_like(self.k_cache)
+        rows = cfg.cache_rows(ctx)
+        self.k_cache = [np.zeros((n, cfg.n_head_kv, cfg.head_dim), dtype=np.float32) for n in rows]
+        self.v_cache = [np.zeros_like(k) for k in self.k_cache]
 
     # -- host <-> backend --------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> np.ndarray:
@@ -128,14 +130,28 @@ class NumpyBackend(Backend):
 
     @_ieee
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        cfg, plan = self.cfg, self.cfg.layers[layer]
-        # [T, Hkv, Dh] at their positions; an 8-bit cache keeps what its blocks hold (kv_cache.py)
-        k_type, v_type = self.cache_types
-        self.k_cache[layer, pos] = q8_0_roundtrip(k) if k_type == "q8_0" else k
-        self.v_cache[layer, pos] = q8_0_roundtrip(v) if v_type == "q8_0" else v
-        n = int(pos.max()) + 1
-        keys, values = self.k_cache[layer, :n], self.v_cache[layer, :n]  # [S, Hkv, Dh]
+        """q [T, q_dim], k and v [T, Hkv, Dh] at consecutive positions pos [T] -> [T, q_dim]. K and V go into
+        the layer's cache first (a ring takes at most kv_cache.ring_span positions per pass, so a long chunk
+        goes in several)."""
+        plan = self.cfg.layers[layer]
+        span = ring_span(plan.window, self.k_cache[layer].shape[0], self.ctx)
         t = q.shape[0]
+        if t <= span:
+            return self._attend(layer, q, k, v, pos)
+        return np.concatenate([self._attend(layer, q[s : s + span], k[s : s + span], v[s : s + span],
+                                            pos[s : s + span]) for s in range(0, t, span)])
+
+    def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        cfg, plan = self.cfg, self.cfg.layers[layer]
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        # [T, Hkv, Dh] at their rows (position mod rows); an 8-bit cache keeps what its blocks hold (kv_cache.py)
+        k_type, v_type = self.cache_types
+        kc[pos % kc.shape[0]] = q8_0_roundtrip(k) if k_type == "q8_0" else k
+        vc[pos % vc.shape[0]] = q8_0_roundtrip(v) if v_type == "q8_0" else v
+        lo = max(0, int(pos.min()) - plan.window + 1) if plan.window else 0  # the first key any query sees
+        key_pos = np.arange(lo, int(pos.max()) + 1)
+        keys, values = kc[key_pos % kc.shape[0]], vc[key_pos % vc.shape[0]]  # [S, Hkv, Dh]
+        t, n = q.shape[0], key_pos.size
         qg = q.reshape(t, cfg.n_head_kv, cfg.n_group, cfg.head_dim)  # query heads grouped by their KV head
         out = np.empty((t, cfg.n_head_kv, cfg.n_group, cfg.head_dim), dtype=np.float32)
         rows = attention_rows(cfg, t, n)  # query rows per pass: the score arrays stay within ATT_SCRATCH
@@ -144,9 +160,9 @@ class NumpyBackend(Backend):
             scores = np.einsum("thgd,shd->hgts", qr, keys) * cfg.query_scale  # [Hkv, G, rows, S]
             if plan.attn_softcap:  # gemma2: c tanh(s / c)
                 scores = plan.attn_softcap * np.tanh(scores / plan.attn_softcap)
-            hidden = np.arange(n)[None, :] > pr[:, None]  # [rows, S]: key after the query's position
+            hidden = key_pos[None, :] > pr[:, None]  # [rows, S]: key after the query's position
             if plan.window:  # sliding window: keys at or before p - window are out of reach
-                hidden |= np.arange(n)[None, :] <= pr[:, None] - plan.window
+                hidden |= key_pos[None, :] <= pr[:, None] - plan.window
             scores = np.where(hidden, -np.inf, scores)
             top = scores.max(axis=-1, keepdims=True)  # [Hkv, G, rows, 1]
             if plan.sinks:  # gpt-oss: the head's sink logit joins the denominator (and the max), no value row
@@ -242,12 +258,12 @@ def scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int | None = None) -> int:
 
 def host_bytes(cfg: ModelConfig, ctx: int) -> tuple[int, int]:
     """(weights, KV cache) bytes this backend allocates: every tensor but the embedding table as float32 (the
-    LM head too, a copy when tied; experts, all E of them, [E, rows, cols]), and K and V float32
-    [layer, ctx, Hkv, Dh]."""
+    LM head too, a copy when tied; experts, all E of them, [E, rows, cols]), and K and V float32 [rows, Hkv,
+    Dh] per layer (config.cache_rows)."""
     weights = sum(4 * math.prod(s.shape) for s in model_specs(cfg) if s.name != "token_embd.weight")
     if cfg.tied_embeddings:
         weights += 4 * cfg.vocab_size * cfg.n_embd
-    return weights, 2 * 4 * cfg.n_layer * ctx * cfg.kv_dim
+    return weights, 2 * 4 * sum(cfg.cache_rows(ctx)) * cfg.kv_dim
 
 
 def available_host_memory() -> int | None:
@@ -291,10 +307,9 @@ def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None) 
     chunk = NumpyBackend.prefill_chunk  # None: a prompt of up to ctx tokens in one pass
     weights, kv = host_bytes(cfg, ctx)
     scratch = scratch_bytes(cfg, ctx, chunk)
-    kv_per_token = kv // ctx
 
     def need(c: int) -> int:  # the weights do not depend on the context
-        return weights + kv_per_token * c + scratch_bytes(cfg, c, chunk)
+        return weights + host_bytes(cfg, c)[1] + scratch_bytes(cfg, c, chunk)
 
     free = available_host_memory() if available is None else available
     if free is None or weights + kv + scratch <= free:

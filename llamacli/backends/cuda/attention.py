@@ -12,6 +12,10 @@
   layers whose plan has one of them (LayerPlan.window, attn_softcap, sinks);
 - kernels/attention_wgmma.cu: attention_wg*_d<D> (prefill on Hopper's wgmma; built for sm_90a).
 
+Every kernel that reads or writes a cache takes `ring`, its rows (cache_rows): position k lives at row k mod
+ring, ctx rows for a full cache and fewer for a sliding-window layer's ring (kv_cache.py; those layers always
+take the _w / tcx / split kernels, never attention_wg or the plain npl/tc forms).
+
 Decode splits the keys (flash-decoding) over a grid fixed when the step is captured, so one graph serves every
 position: attention_split takes as many splits as the GPU holds blocks of it (decode_splits) and computes
 each split's key range from the position; the CUDA-core fallback (head shapes attention_split lacks) takes
@@ -26,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ...config import ROPE_NEOX
+from ...kv_cache import ring_span
 from . import loader as K
 from .profile import profiled
 
@@ -78,6 +83,11 @@ def layer_ext(plan: Any) -> bool:
     return bool(plan.window or plan.attn_softcap or plan.sinks)
 
 
+def cache_rows(kc: Any, kv_dim: int) -> int:
+    """Rows of a layer's cache kc ([rows, Hkv, Dh] or any shape of rows x kv_dim): the kernels' `ring`."""
+    return kc.size // kv_dim
+
+
 def values_per_lane(dh: int) -> int:
     """N of attention_npl<N>: output dims per lane, the smallest of 1, 2, 3, 4, 8 with 32 N >= dh."""
     return next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
@@ -97,10 +107,15 @@ class AttentionMixin:
         t = q.shape[0]
         hkv, dh = cfg.n_head_kv, cfg.head_dim
         kc, vc = self.k_cache[layer], self.v_cache[layer]
+        ring = cache_rows(kc, cfg.kv_dim)
+        span = ring_span(cfg.layers[layer].window, ring, self.ctx)
+        if t > span:  # a ring takes a long chunk in passes of at most `span` positions (kv_cache.py)
+            return cp.concatenate([self.attention(layer, q[s : s + span], k[s : s + span], v[s : s + span],
+                                                  pos[s : s + span]) for s in range(0, t, span)])
         n = t * hkv * dh
         K.launch("attention_simt", "kv_store", (min(K.cdiv(n, 256), 4096),), (256,),
                  (K.ptr(k), K.i32(hkv * dh), K.ptr(v), K.i32(hkv * dh), K.i32(t), K.i32(hkv), K.i32(dh), K.ptr(pos),
-                  K.ptr(kc), K.ptr(vc)))
+                  K.ptr(kc), K.ptr(vc), K.i32(ring)))
         out = cp.empty((t, cfg.q_dim), dtype=cp.float32)
         if t == 1:
             n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)  # (chunk: CUDA-core form)
@@ -123,7 +138,7 @@ class AttentionMixin:
         plan = cfg.layers[layer] if layer is not None else None
         ext = plan is not None and layer_ext(plan)
         wx = (K.i32(plan.window), K.f32(plan.attn_softcap)) if ext else ()  # the _w kernels' extra arguments
-        sinks = (K.ptr(self.sinks(layer)),) if ext else ()  # gpt-oss's, or null
+        sinks = (K.ptr(self.sinks(layer)), K.i32(cache_rows(kc, cfg.kv_dim))) if ext else ()  # (+ the ring)
         w_ = "_w" if ext else ""
         if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
             # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e) x the query scale), as
@@ -145,7 +160,7 @@ class AttentionMixin:
         if n_split > 1:
             K.launch("attention_simt", f"attention_combine{w_}", (t * hq,), (max(32, K.cdiv(dh, 32) * 32),),
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(dh), K.i32(n_split),
-                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1], *sinks))
+                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1], *sinks[:1]))
 
     def sinks(self, layer: int | None) -> Any:
         """Layer `layer`'s attention sinks [Hq] (gpt-oss), or None (also for kernel tests without weights)."""
@@ -165,7 +180,8 @@ class AttentionMixin:
         if plan is not None and layer_ext(plan):  # the soft-cap in the kernel's base-2 units: c log2(e)
             args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq),
                     K.i32(hkv), K.ptr(out), K.i32(cfg.q_dim), K.i32(plan.window),
-                    K.f32(plan.attn_softcap * math.log2(math.e)), K.ptr(self.sinks(layer)))
+                    K.f32(plan.attn_softcap * math.log2(math.e)), K.ptr(self.sinks(layer)),
+                    K.i32(cache_rows(kc, cfg.kv_dim)))
             K.launch("attention_mma", f"attention_tcx{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv),
                      (128,), args, shared=tc_smem(dh))
             return
@@ -193,9 +209,9 @@ class AttentionMixin:
         cap2 = plan.attn_softcap * math.log2(math.e) if plan is not None else 0.0
         if getattr(self, "attention_counters", None) is None:
             self.attention_counters = self.cp.zeros(cfg.n_head_kv, self.cp.uint32)
-        return (K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(cfg.n_head), K.i32(cfg.n_head_kv),
-                K.f32(tc_qscale(cfg.head_dim, cfg.attn_scale)), K.i32(window), K.f32(cap2), K.ptr(self.sinks(layer)),
-                K.ptr(part_o), K.ptr(part_ml), K.ptr(self.attention_counters))
+        return (K.ptr(kc), K.ptr(vc), K.i32(cache_rows(kc, cfg.kv_dim)), K.ptr(pos), K.i32(cfg.n_head),
+                K.i32(cfg.n_head_kv), K.f32(tc_qscale(cfg.head_dim, cfg.attn_scale)), K.i32(window), K.f32(cap2),
+                K.ptr(self.sinks(layer)), K.ptr(part_o), K.ptr(part_ml), K.ptr(self.attention_counters))
 
     def attend_split(self, layer: int | None, q: Any, kc: Any, vc: Any, pos: Any, out: Any, n_split: int,
                      part_o: Any, part_ml: Any) -> None:

@@ -129,9 +129,9 @@ class DeviceMixin:
         self.inv_freq_local = None  # the local table (gemma's sliding-window layers: rope_table)
         if any(plan.rope_local for plan in cfg.layers):
             self.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx, local=True).astype(np.float64))
-        shape = (cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim)
-        self.k_cache = cp.zeros(shape, dtype=cp.float16)
-        self.v_cache = cp.zeros(shape, dtype=cp.float16)
+        # One [rows, Hkv, Dh] fp16 cache per layer: ctx rows, or a ring on a sliding-window layer (kv_cache.py).
+        self.k_cache = [cp.zeros((n, cfg.n_head_kv, cfg.head_dim), dtype=cp.float16) for n in cfg.cache_rows(ctx)]
+        self.v_cache = [cp.zeros_like(k) for k in self.k_cache]
         self._alloc_step_buffers()
         self._graphs.clear()
         self._pf = None

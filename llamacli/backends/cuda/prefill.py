@@ -26,6 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ...config import ROPE_NEOX
+from ...kv_cache import RING_CHUNK
 from . import loader as K
 from .attention import ATT_TC_DIMS, ATT_TC_MIN_T, tc_qscale
 from .linear import DEQUANT_CHUNK, MATVEC_TMAX, DeviceMatrix, merge_rows, qname
@@ -33,7 +34,8 @@ from .moe import dense_ff, moe_family_needed
 
 log = logging.getLogger("llamacli.cuda")
 
-PREFILL_CHUNK = 512  # prompt tokens per prefill pass (forward_prompt's buffers; llama.cpp's micro-batch)
+PREFILL_CHUNK = RING_CHUNK  # prompt tokens per prefill pass (forward_prompt's buffers; llama.cpp's micro-batch;
+# the most a sliding-window ring takes in one pass, kv_cache.py): 512
 PREFILL_GRAPHS = 8  # captured prefill passes kept, by length (least recently used dropped)
 
 
@@ -176,8 +178,8 @@ class PrefillMixin:
                 table, attn = self.rope_table(i)
                 args = (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(self.rope_dims[i]),
                         K.ptr(b.pos), K.ptr(table), K.f32(attn), K.ptr(self.k_cache[i]),
-                        K.ptr(self.v_cache[i]), K.ptr(sc), K.ptr(bias), K.ptr(h16 if tc else None),
-                        K.i32(cfg.q_dim), K.f32(tc_qscale(dh, cfg.attn_scale)))
+                        K.ptr(self.v_cache[i]), K.i32(self.k_cache[i].shape[0]), K.ptr(sc), K.ptr(bias),
+                        K.ptr(h16 if tc else None), K.i32(cfg.q_dim), K.f32(tc_qscale(dh, cfg.attn_scale)))
                 if plan.qk_norm:
                     kernel, args = f"rope_store_pf_qkn_{mode}", (*args, K.ptr(L.attn_q_norm), K.ptr(L.attn_k_norm), K.f32(eps))
                 else:
