@@ -4,7 +4,8 @@
 // Math: for query row (t, h), kv head g = h / G (G = Hq/Hkv), keys 0..pos[t]:
 //   o = sum_j softmax_j(q . k_j / sqrt(Dh)) v_j,   running max m, running sum l, rescale by exp(m_old - m).
 // Shapes: q rows [T, Hq, Dh] f32 with token stride q_stride floats; kc, vc = one layer's cache
-//   [ctx, Hkv, Dh] fp16; pos [T] i32 in device memory (so one captured graph serves every position).
+//   [ctx, Hkv, Dh] fp16 (the _w forms: [ring, Hkv, Dh], see below); pos [T] i32 in device memory (so one
+//   captured graph serves every position).
 //
 // attention_npl<N>(...): grid (ceil(T*G / 32), Hkv, n_split), block 256 = 8 warps, 32 query rows per block
 //   (row r -> (t, h) = divmod(blockIdx.x*32 + r, G) within kv head blockIdx.y): the 32 rows share every

@@ -270,6 +270,7 @@ def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str
     summary (decode_attention_summary)."""
     from .errors import UsageError
 
+    model.cached = []  # random ids go into the KV cache (as Bench's)
     be, cfg = model.backend, model.cfg
     if not hasattr(be, "profile"):
         raise UsageError(f"--profile needs the CUDA backend (this run uses {be.name}): pass --backend cuda on a machine with a GPU")

@@ -12,7 +12,10 @@ exactly those ids when the template writes the finished assistant turn as the mo
 fed back, so the cache does not hold it), and only `<|im_end|>\n<|im_start|>user ...` is prefilled. Where a
 template renders the reply differently (it trims it, or the text re-tokenizes with other merges, or a stop
 cut the last token), Model.run keeps the longest common prefix and prefills from the first difference;
-`Turn.held` vs `Turn.reused` shows how much of the cache a turn could not use.
+`Turn.held` vs `Turn.reused` shows how much of the cache a turn could not use. A model with sliding-window
+layers keeps rings there (kv_cache.py): where the first difference lies further back than a ring holds (a
+harmony reply whose analysis the next turn drops, longer than about 500 tokens on gpt-oss), the whole
+prompt is prefilled again, unless the model was loaded with --swa-full.
 
 Trimming. A turn needs its prompt plus room for the reply: `reserve` = min(max_tokens, ctx / 2) tokens.
 When the rendered conversation does not fit in ctx - reserve, the oldest exchanges (a user message and the
@@ -116,7 +119,7 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation, keep the system prompt. The cache stays: the next prompt reuses its
-        common prefix (the rendered system prompt)."""
+        common prefix (the rendered system prompt), where the rings of a sliding-window model still hold it."""
         self.history, self.first = [], 0
 
     def set_system(self, text: str | None) -> None:

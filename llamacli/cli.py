@@ -106,6 +106,10 @@ CacheTypeKOpt = Annotated[str, typer.Option(
          "the NumPy backend only so far).")]
 CacheTypeVOpt = Annotated[str, typer.Option(
     "--cache-type-v", "-ctv", metavar="TYPE", help="KV cache type of V: f16 (default) or q8_0, as -ctk.")]
+SwaFullOpt = Annotated[bool, typer.Option(
+    "--swa-full", help="Sliding-window layers (Gemma, gpt-oss) keep every position, as llama.cpp's --swa-full: more "
+                       "memory, and a chat or server can reuse any cached prefix (by default they keep a ring of "
+                       "their window, and a prompt that departs from the cache far back is prefilled whole).")]
 # llama.cpp's options that have nothing to choose here: accepted, with a notice saying why.
 GpuLayersOpt = Annotated[Optional[str], typer.Option(
     "--n-gpu-layers", "-ngl", "--gpu-layers", metavar="N",
@@ -153,11 +157,12 @@ ReasoningEffortOpt = Annotated[
 
 
 def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gpu_layers: str | None = None,
-               flash_attn: bool = False, user_ctx: bool = True, cache_types: tuple[str, str] = ("f16", "f16")):
+               flash_attn: bool = False, user_ctx: bool = True, cache_types: tuple[str, str] = ("f16", "f16"),
+               swa_full: bool = False):
     """Resolve, open and upload a model, with a progress bar on stderr. `gpu_layers` and `flash_attn` are
     llama.cpp's -ngl and -fa: checked, then explained in a notice once the backend is known. A context the
     user chose (`user_ctx`) past the trained length is warned about once the model is loaded. `cache_types`:
-    -ctk / -ctv (kv_cache.py), checked before anything is looked up."""
+    -ctk / -ctv (kv_cache.py), checked before anything is looked up; `swa_full`: --swa-full."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .generate import Model, context_warning
@@ -179,7 +184,8 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total)
 
-        m = Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice, cache_types=cache_types)
+        m = Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice, cache_types=cache_types,
+                  swa_full=swa_full)
     m.lookup = (looked_up, found)
     if not quiet:
         for line in llama_cpp_notices(m.backend.name, gpu_layers, flash_attn):

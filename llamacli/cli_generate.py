@@ -11,7 +11,7 @@ import typer
 from .cli import (
     BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
     GreedyOpt, JsonSchemaOpt, LogprobsOpt, MaxTokensOpt, MinPOpt, ModelArg, ModelOpt, PresencePenaltyOpt, ReasoningEffortOpt, RepeatLastNOpt,
-    RepeatPenaltyOpt, SeedOpt, TemperatureOpt, ThinkOpt, TopKOpt, TopPOpt,
+    RepeatPenaltyOpt, SeedOpt, SwaFullOpt, TemperatureOpt, ThinkOpt, TopKOpt, TopPOpt,
     command, dim, err, fail, load_model,
 )
 from .errors import Interrupted
@@ -136,6 +136,7 @@ def generate(
     flash_attn: FlashAttnOpt = False,
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
+    swa_full: SwaFullOpt = False,
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
@@ -157,7 +158,7 @@ def generate(
             fail("--logprobs needs --json (the log-probabilities are part of the JSON object)")
     spec = read_constraint(json_schema, grammar)
     m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn,
-                   cache_types=(cache_type_k, cache_type_v))
+                   cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
     complete(m, text, params, max_tokens, stop=stop or (), raw=raw, system=system, truncate=truncate,
              as_json=as_json, verbose=verbose, quiet=quiet, think=think, logprobs=logprobs,
              constraint=build_constraint(m, spec))
@@ -269,6 +270,7 @@ def chat(
     flash_attn: FlashAttnOpt = False,
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
+    swa_full: SwaFullOpt = False,
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
@@ -293,7 +295,7 @@ def chat(
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     spec = read_constraint(json_schema, grammar)
     m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn,
-                   cache_types=(cache_type_k, cache_type_v))
+                   cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
     converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think,
              constraint=build_constraint(m, spec))
 
@@ -340,6 +342,7 @@ def run(
     flash_attn: FlashAttnOpt = False,
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
+    swa_full: SwaFullOpt = False,
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
 ) -> None:
@@ -349,7 +352,7 @@ def run(
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn,
-                   cache_types=(cache_type_k, cache_type_v))
+                   cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
     if prompt is None:
         converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think)
     else:

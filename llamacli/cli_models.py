@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, FlashAttnOpt, GpuLayersOpt, ModelOpt, command, dim, err, fail, load_model, out
+from .cli import BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, FlashAttnOpt, GpuLayersOpt, ModelOpt, SwaFullOpt, command, dim, err, fail, load_model, out
 from .textio import json_text, printable, read_text
 
 
@@ -171,6 +171,7 @@ def bench(
     flash_attn: FlashAttnOpt = False,
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
+    swa_full: SwaFullOpt = False,
 ) -> None:
     """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth.
     --profile breaks one prefill and one decode step down by kernel family; --kernels times single kernels."""
@@ -197,7 +198,7 @@ def bench(
     need = max([p for p in prompts] + [n for n in gens] + [p + n for p, n in pairs] + [1]) + max(depths)
     m = load_model(model, backend, ctx or max(need + 1, 512), False, gpu_layers, flash_attn,
                    user_ctx=ctx is not None,  # bench's own context is not the user's choice
-                   cache_types=(cache_type_k, cache_type_v))
+                   cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
     if profile:
         prows, spans, attention = run_profile(m, next((p for p in prompts if p), 512))
         print(render_profile(prows, spans, output, m.backend.device_name(), attention))

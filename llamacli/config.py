@@ -58,6 +58,9 @@ class ModelConfig:
     n_expert_used: int = 0  # experts chosen per token,
     n_ff_exp: int = 0  # an expert's FFN width,
     expert_weights_norm: bool = False  # "softmax" gating: the chosen weights renormalised to sum 1
+    # Not from the file: a row per position on sliding-window layers too (--swa-full, as llama.cpp's), so that
+    # any cached prefix can be reused; else rings (kv_cache.py)
+    swa_full: bool = False
 
     @property
     def query_scale(self) -> float:
@@ -85,8 +88,8 @@ class ModelConfig:
 
     def cache_rows(self, ctx: int) -> list[int]:
         """Rows of each layer's K/V cache at `ctx` positions: ctx, or a ring on a sliding-window layer
-        (kv_cache.ring_rows)."""
-        return [ring_rows(plan.window, ctx) for plan in self.layers]
+        (kv_cache.ring_rows) unless swa_full."""
+        return [ctx if self.swa_full else ring_rows(plan.window, ctx) for plan in self.layers]
 
     def kv_cache_bytes(self, ctx: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> int:
         """K and V of every layer at `ctx` positions (sliding-window layers: their rings), each of its cache

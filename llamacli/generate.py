@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .backends import select_backend
+from .backends import select_backend, start_early
 from .backends.base import Backend, Progress
 from .config import ModelConfig
 from .errors import ContextOverflowError, ShapeMismatchError, UsageError
@@ -121,6 +121,7 @@ class Model:
         progress: Progress | None = None,
         notice: Callable[[str], None] | None = None,
         cache_types: tuple[str, str] = DEFAULT_CACHE,
+        swa_full: bool = False,
     ):
         t0 = self.load_started = time.perf_counter()
         laps = _Laps()
@@ -128,7 +129,10 @@ class Model:
         self.gguf = open_gguf(self.path)
         md = self.gguf.metadata
         self.cfg = ModelConfig.from_gguf(md, set(self.gguf.tensors))
+        if swa_full:  # every position on sliding-window layers too (no rings: kv_cache.py)
+            self.cfg = replace(self.cfg, swa_full=True)
         laps.lap("open + metadata")
+        early = start_early(backend)  # the GPU starts on a thread of its own while the tokenizer is built
         self.tokenizer = Tokenizer.from_metadata(md)
         laps.lap("tokenizer")
         if self.tokenizer.vocab_size != self.cfg.vocab_size:  # llama.cpp refuses these too
@@ -141,7 +145,7 @@ class Model:
         self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
         self.cache_types = parse_cache_types(*cache_types)
         check_cache_types(self.cfg.head_dim, self.cache_types)
-        self.backend = select_backend(backend, notice)
+        self.backend = select_backend(backend, notice, early)
         laps.lap(f"backend start ({self.backend.name})")
         check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
         self.backend.load(self.gguf, self.cfg, self.ctx, progress, cache_types=self.cache_types)
@@ -205,14 +209,14 @@ class Model:
                    think: bool | str | None = None) -> list[int]:
         """The ids for a prompt: through the chat template (when the file has one, or `system` is given),
         or as plain text with `raw`."""
-        from .chat import chat_messages
-
         if raw:
             if system is not None:
                 raise UsageError("--system needs the chat template; it cannot be combined with --raw")
             return self.tokenize(prompt)
         if self.gguf.metadata.get("tokenizer.chat_template") is None and system is None:
             return self.tokenize(prompt)  # a base model: plain completion
+        from .chat import chat_messages
+
         return self.chat_ids(chat_messages(prompt, system), think=think)
 
     # -- generation -------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, ModelArg, ModelOpt, command, dim, fail, load_model
+from .cli import BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, ModelArg, ModelOpt, SwaFullOpt, command, dim, fail, load_model
 from .cli_generate import pick_model
 from .errors import LlamacliError
 from .textio import printable
@@ -64,6 +64,7 @@ def serve(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices or request log on stderr.")] = False,
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
+    swa_full: SwaFullOpt = False,
 ) -> None:
     """Serve the model over the OpenAI HTTP API: POST /v1/chat/completions and /v1/completions (streamed
     with "stream": true), GET /v1/models and /health. One model; requests run one at a time, in arrival
@@ -78,7 +79,7 @@ def serve(
     _need_extra()
     sock = listen(host, port)
     try:
-        m = load_model(model, backend, ctx, quiet, cache_types=(cache_type_k, cache_type_v))
+        m = load_model(model, backend, ctx, quiet, cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
         from .serve_app import stderr_log
 
         server = make_server(m, m.path.stem, sock, api_key, None if quiet else stderr_log)

@@ -966,7 +966,7 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, s
     k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
     put_positions(be.k_cache[0], 0, k0.astype(np.float16))
     put_positions(be.v_cache[0], 0, k0[::-1].astype(np.float16))
-    rows = be.k_cache[0].shape[0]  # a ring on the window layers (768 and 640 rows: the 702 positions wrap)
+    rows = be.k_cache[0].shape[0]  # a ring on the window layers: 768 rows (200), 640 (30: the 702 positions wrap)
     # NaN where the step writes its rows before any block reads them, and (a ring) on the rows of positions
     # before every step's window and its first tile: never read.
     n_nan = ctx - hist if rows == ctx else rows - window - 64

@@ -199,3 +199,38 @@ def test_generate_reuses_a_prefix_only_while_the_rings_hold_it(random_model, mon
     c = m.complete(b, max_tokens=6, temperature=0, logprobs=5)
     assert c.timings.prompt_tokens == len(b) - 100
     assert not np.allclose(top(c), want, rtol=0, atol=1e-4)
+
+
+def test_generate_reuses_a_prefix_after_the_ring_wrapped_and_swa_full_keeps_all(random_model, monkeypatch):
+    """A chat's common case: the cache holds 300 + 4 positions (the 128-row rings wrapped twice) and the next
+    prompt extends them: only the new tokens are prefilled, with the logprobs of a fresh model. --swa-full
+    (Model(swa_full=True)) keeps a row per position on the window layers, so a prefix that departs far back
+    is still reused there, where the rings prefill the prompt whole."""
+    path = random_model("tiny-gemma3", "F32")
+    rng = np.random.default_rng(12)
+    a = [int(x) for x in rng.integers(3, 200, size=300)]
+
+    def top(c):
+        return [[x["logprob"] for x in e["top_logprobs"]] for e in c.logprobs]
+
+    m = _ring_model(path, monkeypatch, True)
+    first = m.complete(a, max_tokens=4, temperature=0)
+    b = a + first.tokens + [int(x) for x in rng.integers(3, 200, size=9)]
+    held = len(m.cached)
+    assert held > 2 * 128 and b[:held] == m.cached
+    c = m.complete(b, max_tokens=5, temperature=0, logprobs=5)
+    assert c.timings.prompt_tokens == len(b) - held
+    fresh = _ring_model(path, monkeypatch, True).complete(b, max_tokens=5, temperature=0, logprobs=5)
+    np.testing.assert_allclose(top(c), top(fresh), rtol=0, atol=1e-4)
+
+    from llamacli import kv_cache
+
+    monkeypatch.setattr(kv_cache, "RING_CHUNK", 16)
+    full = Model(path, backend="numpy", ctx=512, swa_full=True)
+    monkeypatch.undo()
+    assert {k.shape[0] for k in full.backend.k_cache} == {512}
+    full.complete(a, max_tokens=4, temperature=0)
+    c = full.complete(a[:100] + [5, 6, 7], max_tokens=5, temperature=0, logprobs=5)
+    assert c.timings.prompt_tokens == 3  # the rings would have prefilled 103
+    np.testing.assert_allclose(top(c), top(_ring_model(path, monkeypatch, True).complete(
+        a[:100] + [5, 6, 7], max_tokens=5, temperature=0, logprobs=5)), rtol=0, atol=1e-4)

@@ -89,8 +89,9 @@ class Backend(ABC):
     @abstractmethod
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
              cache_types: tuple[str, str] = ("f16", "f16")) -> None:
-        """Upload the weights (self.weights), allocate the KV cache [layer, ctx, Hkv, Dh] of the K and V
-        `cache_types` (kv_cache.CACHE_TYPES, already checked against the head dim) and scratch.
+        """Upload the weights (self.weights), allocate the KV cache (a [rows, Hkv, Dh] array per layer, rows
+        as cfg.cache_rows(ctx) says: ctx, or a sliding-window layer's ring) of the K and V `cache_types`
+        (kv_cache.CACHE_TYPES, already checked against the head dim) and scratch.
         The tensors were already checked by weights.check_tensors."""
 
     def close(self) -> None:

@@ -150,7 +150,7 @@ class NumpyBackend(Backend):
         vc[pos % vc.shape[0]] = q8_0_roundtrip(v) if v_type == "q8_0" else v
         lo = max(0, int(pos.min()) - plan.window + 1) if plan.window else 0  # the first key any query sees
         key_pos = np.arange(lo, int(pos.max()) + 1)
-        keys, values = kc[key_pos % kc.shape[0]], vc[key_pos % vc.shape[0]]  # [S, Hkv, Dh]
+        keys, values = _rows(kc, lo, key_pos.size), _rows(vc, lo, key_pos.size)  # [S, Hkv, Dh]
         t, n = q.shape[0], key_pos.size
         qg = q.reshape(t, cfg.n_head_kv, cfg.n_group, cfg.head_dim)  # query heads grouped by their KV head
         out = np.empty((t, cfg.n_head_kv, cfg.n_group, cfg.head_dim), dtype=np.float32)
@@ -235,6 +235,16 @@ class NumpyBackend(Backend):
 
 
 ATT_SCRATCH = 1 << 22  # attention scores per pass (float64 under NumPy 2: 32 MiB); longer spans take fewer rows
+
+
+def _rows(cache: np.ndarray, start: int, n: int) -> np.ndarray:
+    """Positions start .. start + n - 1 of a layer's cache (row = position mod rows): a view, or two pieces
+    joined where a ring wraps."""
+    rows = cache.shape[0]
+    a = start % rows
+    if a + n <= rows:
+        return cache[a : a + n]
+    return np.concatenate([cache[a:], cache[: a + n - rows]])
 
 
 def attention_rows(cfg: ModelConfig, t: int, span: int) -> int:

@@ -3,8 +3,8 @@ the KV cache), the memory check before any upload, host <-> device transfers, gr
 figures bench reads (device name, copy bandwidth).
 
 Weights stay in their GGUF block layout on the device: one arena for the matrices, uploaded straight from
-the memory map in chunks; the 1-D tensors (norms, biases) as float32 arrays. The KV cache is fp16
-[layer, ctx, Hkv, Dh].
+the memory map in chunks; the 1-D tensors (norms, biases) as float32 arrays. The KV cache is fp16, one
+[rows, Hkv, Dh] array per layer: ctx rows, or a sliding-window layer's ring (kv_cache.py).
 """
 
 from __future__ import annotations
@@ -16,20 +16,24 @@ import numpy as np
 
 from ... import rope as rope_tables
 from ...config import ModelConfig
-from ...errors import DeviceMemoryError, UsageError
+from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...gguf_file import GGUFFile
+from ...kv_cache import ring_span
 from ...memory_fit import not_enough_memory
 from ...weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights, Progress
 from . import loader as K
 from .linear import DEQUANT_CHUNK, DeviceMatrix
 from .moe import check_moe, dense_ff, moe_family_needed, moe_scratch_bytes
+from .prefill import PREFILL_CHUNK
 
 _ALIGN = 256
 
 
-def cuda_available() -> tuple[bool, str]:
-    """(True, device name) if CuPy imports and sees a GPU, else (False, what is missing and how to fix it)."""
+def cuda_available(context: bool = False) -> tuple[bool, str]:
+    """(True, device name) if CuPy imports and sees a GPU, else (False, what is missing and how to fix it).
+    `context`: also create the device's primary context (cudaFree(0)), which any thread's later CUDA calls
+    share."""
     try:
         import cupy as cp
     except Exception as exc:  # ImportError, or a CuPy built for another CUDA
@@ -46,6 +50,8 @@ def cuda_available() -> tuple[bool, str]:
     try:
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        if context:
+            cp.cuda.runtime.free(0)
     except Exception as exc:
         return False, f"the GPU is not usable ({exc})"
     return True, name
@@ -129,8 +135,13 @@ class DeviceMixin:
         self.inv_freq_local = None  # the local table (gemma's sliding-window layers: rope_table)
         if any(plan.rope_local for plan in cfg.layers):
             self.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx, local=True).astype(np.float64))
-        # One [rows, Hkv, Dh] fp16 cache per layer: ctx rows, or a ring on a sliding-window layer (kv_cache.py).
-        self.k_cache = [cp.zeros((n, cfg.n_head_kv, cfg.head_dim), dtype=cp.float16) for n in cfg.cache_rows(ctx)]
+        # One [rows, Hkv, Dh] fp16 cache per layer: ctx rows, or a ring on a sliding-window layer (kv_cache.py),
+        # which the fused prefill fills a whole chunk at a time and the kernels read in 64-key tiles.
+        rows = cfg.cache_rows(ctx)
+        for plan, n in zip(cfg.layers, rows):
+            if n < ctx and (n % 64 or ring_span(plan.window, n, ctx) < min(ctx, PREFILL_CHUNK)):
+                raise BackendError(f"internal: a ring of {n} rows cannot serve window {plan.window}")
+        self.k_cache = [cp.zeros((n, cfg.n_head_kv, cfg.head_dim), dtype=cp.float16) for n in rows]
         self.v_cache = [cp.zeros_like(k) for k in self.k_cache]
         self._alloc_step_buffers()
         self._graphs.clear()
