@@ -36,7 +36,14 @@
 //   penalties_step_f32(x, hist [ctx] i32, pos*, ids*, V, cnt, p): hist[pos] = ids[0] (the step's input token:
 //       hist holds the sequence by position), then penalties_f32 over positions [pos + 1 - p->window, pos]
 //       (every position 0..pos when window = -1; nothing when 0).
-//   topk_step_f32(x, V, p, vals, ids): topk_f32 with k = p->top_k.
+//   topk_part_step_f32(x, V, p, cvals, cids): grid ceil(V / TOPK_PART): where p->top_k <= TOPK_PART_K, each block
+//       takes the top k of its TOPK_PART logits (the same radix select on a shared-memory copy, ties to the
+//       lowest ids) into cvals/cids [block * k ..), in ascending id order, padded with -inf where its slice
+//       holds fewer than k; else nothing.
+//   topk_step_f32(x, V, p, vals, ids, cvals, cids, n_part): topk_f32 with k = p->top_k over those n_part * k
+//       candidates (their order is the ids' order, so ties keep the lowest ids as before), or over x where
+//       top_k > TOPK_PART_K. One block reading all V logits four times took ~50 us for a 49,152 vocabulary
+//       (H200, un-captured), most of the sampled step's cost over the greedy one.
 //   sample_step_f32(vals, ids, p, uniforms [p->ring] f64, pos*, out [2] i32): sample_topk_f32 with the
 //       uniform number of this position, uniforms[(pos - p->base) mod ring] (the host fills the ring ahead
 //       from its seeded generator, in draw order: cuda/sampling.py UniformFeed); out = step_ids (id, flag)
@@ -46,6 +53,8 @@
 #include "common.cuh"
 
 #define SAMPLING_FLT_MAX 3.402823466e+38f
+#define TOPK_PART 4096   // logits per block of topk_part_step_f32 (4 a thread)
+#define TOPK_PART_K 64   // top_k up to which the step's top-k goes through those blocks' candidates
 
 // The sampler's settings for the captured step. cuda/sampling.py STEP_PARAMS mirrors this layout (56 bytes).
 struct SampleParams {
@@ -149,10 +158,12 @@ __device__ __forceinline__ u32 order_key(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-__device__ __forceinline__ void topk_block(const float* __restrict__ x, int V, int k, float* vals, int* ids) {
+// The k-th largest order key of x[0..V) by the 4-pass radix select (one block; x in global or shared memory):
+// kth, need_eq = how many keys equal to it the top k take, n_eq = how many there are.
+__device__ __forceinline__ void radix_kth(const float* x, int V, int k, u32& kth, u32& need_eq, u32& n_eq) {
     __shared__ u32 hist[256];
-    __shared__ u32 s_prefix, s_mask, s_need, s_gt, s_eq;
-    if (threadIdx.x == 0) { s_prefix = 0; s_mask = 0; s_need = (u32)min(k, V); s_gt = 0; s_eq = 0; }
+    __shared__ u32 s_prefix, s_mask, s_need, s_eq;
+    if (threadIdx.x == 0) { s_prefix = 0; s_mask = 0; s_need = (u32)min(k, V); s_eq = 0; }
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
         __syncthreads();
@@ -204,15 +215,27 @@ __device__ __forceinline__ void topk_block(const float* __restrict__ x, int V, i
         }
         __syncthreads();
     }
-    const u32 kth = s_prefix, need_eq = s_need;
+    kth = s_prefix, need_eq = s_need, n_eq = s_eq;
+    __syncthreads();  // (the shared words are read before any thread may call this again)
+}
+
+// The k largest of x[0..V) into vals/ids (unordered; ties at the k-th value keep the lowest positions), ids the
+// positions, or in_ids[position] where given (candidates listed in ascending id order: topk_part_step_f32's).
+__device__ __forceinline__ void topk_block(const float* __restrict__ x, int V, int k, float* vals, int* ids,
+                                           const int* __restrict__ in_ids = nullptr) {
+    u32 kth, need_eq, n_eq;
+    radix_kth(x, V, k, kth, need_eq, n_eq);
+    __shared__ u32 s_gt;
+    if (threadIdx.x == 0) s_gt = 0;
+    __syncthreads();
     const u32 n_gt = (u32)min(k, V) - need_eq;
-    if (s_eq == need_eq) {  // every key equal to the k-th is taken: no order needed, one pass without barriers
+    if (n_eq == need_eq) {  // every key equal to the k-th is taken: no order needed, one pass without barriers
         for (int i = threadIdx.x; i < V; i += blockDim.x) {
             const float v = x[i];
             if (order_key(v) >= kth) {
                 const u32 slot = atomicAdd(&s_gt, 1u);
                 vals[slot] = v;
-                ids[slot] = i;
+                ids[slot] = in_ids ? in_ids[i] : i;
             }
         }
         return;
@@ -231,7 +254,7 @@ __device__ __forceinline__ void topk_block(const float* __restrict__ x, int V, i
         if (gt) {
             const u32 slot = atomicAdd(&s_gt, 1u);
             vals[slot] = v;
-            ids[slot] = i;
+            ids[slot] = in_ids ? in_ids[i] : i;
         }
         const u32 ballot = __ballot_sync(FULL_MASK, eq);
         if (lane == 0) warp_ties[warp] = __popc(ballot);
@@ -241,7 +264,7 @@ __device__ __forceinline__ void topk_block(const float* __restrict__ x, int V, i
         before += __popc(ballot & ((1u << lane) - 1u));
         if (eq && before < need_eq) {
             vals[n_gt + before] = v;
-            ids[n_gt + before] = i;
+            ids[n_gt + before] = in_ids ? in_ids[i] : i;
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -258,10 +281,84 @@ extern "C" __global__ void __launch_bounds__(1024) topk_f32(const float* __restr
     topk_block(x, V, k, vals, ids);
 }
 
+// The exclusive prefix sum of v over the block's threads in thread order (blockDim.x a multiple of 32).
+__device__ __forceinline__ int block_exclusive_sum(int v) {
+    __shared__ int s_warp[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(FULL_MASK, inc, o);
+        if (lane >= o) inc += u;
+    }
+    if (lane == 31) s_warp[warp] = inc;
+    __syncthreads();
+    int before = 0;
+    for (int w = 0; w < warp; ++w) before += s_warp[w];
+    __syncthreads();  // (s_warp is free for the next call)
+    return before + inc - v;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) topk_part_step_f32(const float* __restrict__ x, int V,
+                                                                     const SampleParams* __restrict__ p,
+                                                                     float* cvals, int* cids) {
+    const int k = p->top_k;
+    if (k > TOPK_PART_K) return;  // topk_step_f32 reads the logits itself
+    __shared__ float xs[TOPK_PART];
+    const int i0 = blockIdx.x * TOPK_PART, n = min(TOPK_PART, V - i0);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) xs[i] = x[i0 + i];
+    __syncthreads();
+    u32 kth, need_eq, n_eq;
+    radix_kth(xs, n, k, kth, need_eq, n_eq);
+    // Thread t holds positions 4t .. 4t + 3: the keys above the k-th, then the first need_eq equal to it by
+    // position, written in position order (two block scans).
+    constexpr int PER = TOPK_PART / 1024;
+    u32 key[PER];
+    int n_eq_own = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = PER * threadIdx.x + j;
+        key[j] = i < n ? order_key(xs[i]) : 0u;
+        n_eq_own += i < n && key[j] == kth;
+    }
+    int eq_rank = block_exclusive_sum(n_eq_own);
+    bool take[PER];
+    int n_take = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = PER * threadIdx.x + j;
+        const bool eq = i < n && key[j] == kth;
+        take[j] = (i < n && key[j] > kth) || (eq && (u32)eq_rank < need_eq);
+        eq_rank += eq;
+        n_take += take[j];
+    }
+    int slot = block_exclusive_sum(n_take);
+    float* cv = cvals + (long long)blockIdx.x * k;
+    int* ci = cids + (long long)blockIdx.x * k;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        if (!take[j]) continue;
+        const int i = PER * threadIdx.x + j;
+        cv[slot] = xs[i];
+        ci[slot] = i0 + i;
+        ++slot;
+    }
+    for (int s = min(k, n) + threadIdx.x; s < k; s += blockDim.x) {  // a slice shorter than k: -inf, never drawn
+        cv[s] = -INFINITY;
+        ci[s] = 0x7fffffff;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(1024) topk_step_f32(const float* __restrict__ x, int V,
                                                                 const SampleParams* __restrict__ p, float* vals,
-                                                                int* ids) {
-    topk_block(x, V, p->top_k, vals, ids);
+                                                                int* ids, const float* __restrict__ cvals,
+                                                                const int* __restrict__ cids, int n_part) {
+    const int k = p->top_k;
+    if (k <= TOPK_PART_K) {
+        topk_block(cvals, n_part * k, k, vals, ids, cids);  // the blocks' candidates, in ascending id order
+    } else {
+        topk_block(x, V, k, vals, ids);
+    }
 }
 
 __device__ __forceinline__ void sample_block(const float* __restrict__ vals, const int* __restrict__ ids, int k,

@@ -80,12 +80,14 @@ def random_logits(rng: np.random.Generator, v: int) -> np.ndarray:
     return x
 
 
+@pytest.mark.parametrize("v", [3001, 20001])
 @pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
-def test_step_sampler_matches_sampling_py_step_by_step(params) -> None:
+def test_step_sampler_matches_sampling_py_step_by_step(params, v) -> None:
     """The step's kernels (penalties over the history by position, top-k, the draw with the ring's uniform
     number of that position) pick what llamacli.sampling.sample picks with the same generator and history,
-    for more steps than the ring holds (so it is refilled while the generation runs)."""
-    v, ctx = 3001, 4096
+    for more steps than the ring holds (so it is refilled while the generation runs). A 20,001-token
+    vocabulary takes top_k <= 64 through five blocks' candidates (topk_part_step_f32; the last one short)."""
+    ctx = 4096
     be, run = step_tail(v, ctx)
     rng = np.random.default_rng(11)
     history = [int(t) for t in rng.integers(0, v, size=300)]
@@ -99,6 +101,30 @@ def test_step_sampler_matches_sampling_py_step_by_step(params) -> None:
         got, flag = run(token, pos, x)
         assert flag == 0 and got == want, (pos, params)
         token = got if pos % 3 else int(rng.integers(0, v))  # repeats, and tokens the sampler did not choose
+
+
+@pytest.mark.parametrize("k", [1, 40, 64, 65])
+def test_step_top_k_ties_across_blocks_keep_the_lowest_ids(k) -> None:
+    """Logits equal at the cut in every 4096-logit block, and more of them than the top k take (all equal; a
+    few above them in the last block; NaN-free, -inf elsewhere): the candidates are the lowest ids, as
+    sampling.py's ranking keeps them, so the draws match it; a NaN in the last block is flagged."""
+    v = 3 * 4096 + 500
+    be, run = step_tail(v, 256)
+    params = S.SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0, seed=4)
+    host, dev = np.random.default_rng(4), np.random.default_rng(4)
+    assert be.start_sampling(params, dev, [])
+    cases = [np.zeros(v, np.float32), np.full(v, -np.inf, np.float32), np.zeros(v, np.float32)]
+    cases[1][np.arange(5, v, 97)] = 2.5  # ties spread over every block
+    cases[2][v - 3 :] = 1.0  # the best three in the short last block, then ties at 0 from id 0
+    history: list[int] = []
+    for pos, x in enumerate(cases * 3):
+        history.append(7)
+        want = S.sample(x, params, host, history)
+        got, flag = run(7, pos, x)
+        assert flag == 0 and got == want, (pos, k)
+    x = np.zeros(v, np.float32)
+    x[v - 1] = np.nan
+    assert run(7, 9, x)[1] == 1
 
 
 def test_step_sampler_flags_broken_logits() -> None:

@@ -20,8 +20,12 @@ def start_early(name: str) -> EarlyStatus | None:
     if name not in ("auto", "cuda"):
         return None
     result: list = []
-    thread = threading.Thread(target=lambda: result.append(cuda_status(context=True)), name="llamacli-cuda-start",
-                              daemon=True)
+
+    def run() -> None:
+        _driver_context()
+        result.append(cuda_status(context=True))
+
+    thread = threading.Thread(target=run, name="llamacli-cuda-start", daemon=True)
     thread.start()
 
     def status() -> tuple[bool, str]:
@@ -29,6 +33,22 @@ def start_early(name: str) -> EarlyStatus | None:
         return result[0] if result else cuda_status()  # (no result: the thread died; ask again here)
 
     return status
+
+
+def _driver_context() -> None:
+    """The CUDA driver's start and GPU 0's primary context (the one CuPy's runtime then uses) through libcuda
+    directly: ctypes releases the GIL for each call, so the ~0.2-0.3 s they take overlap the Python work of the
+    other thread, where CuPy's import would hold the GIL. Anything missing (no driver, no GPU) is left for
+    cuda_status to report."""
+    import ctypes
+
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+        if cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0:
+            cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    except (OSError, AttributeError):
+        pass
 
 
 def select_backend(name: str, notice: Callable[[str], None] | None = None, early: EarlyStatus | None = None,

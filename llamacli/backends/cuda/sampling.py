@@ -36,6 +36,7 @@ from . import loader as K
 from .profile import profiled
 
 TOPK_MAX = 1024  # device top-k candidates
+TOPK_PART, TOPK_PART_K = 4096, 64  # kernels/sampling.cu: logits per block of topk_part_step_f32, its top_k limit
 UNIFORM_RING = 1024  # uniform numbers the device holds ahead (a power of two); refilled by halves
 
 # kernels/sampling.cu SampleParams, field for field (C layout: 56 bytes).
@@ -109,6 +110,10 @@ class SamplingMixin:
         cp = self.cp
         self._topk_vals = cp.empty(TOPK_MAX, cp.float32)
         self._topk_ids = cp.empty(TOPK_MAX, cp.int32)
+        # topk_part_step_f32's candidates: up to TOPK_PART_K from each slice of TOPK_PART logits
+        n_part = K.cdiv(self.cfg.vocab_size, TOPK_PART)
+        self._part_vals = cp.empty(n_part * TOPK_PART_K, cp.float32)
+        self._part_ids = cp.empty(n_part * TOPK_PART_K, cp.int32)
         self._sample_out = cp.zeros(2, cp.int32)  # (token id, flag) from sample_topk_f32
         self._pen_counts = cp.zeros(self.cfg.vocab_size, cp.int32)  # the penalty kernels' counts: zero between them
         # The captured step's sampler: its settings, the token of every position, the uniform ring.
@@ -244,9 +249,14 @@ class SamplingMixin:
             "sampling", "penalties_step_f32", (1,), (1024,),
             (K.ptr(x), K.ptr(self._hist), K.ptr(self.step_pos), K.ptr(self.step_ids), K.i32(V),
              K.ptr(self._pen_counts), K.ptr(self._step_params)))))
+        n_part = K.cdiv(V, TOPK_PART)
+        step.append(("sampling", 0, False, lambda early: K.launch(
+            "sampling", "topk_part_step_f32", (n_part,), (1024,),
+            (K.ptr(x), K.i32(V), K.ptr(self._step_params), K.ptr(self._part_vals), K.ptr(self._part_ids)))))
         step.append(("sampling", 0, False, lambda early: K.launch(
             "sampling", "topk_step_f32", (1,), (1024,),
-            (K.ptr(x), K.i32(V), K.ptr(self._step_params), K.ptr(self._topk_vals), K.ptr(self._topk_ids)))))
+            (K.ptr(x), K.i32(V), K.ptr(self._step_params), K.ptr(self._topk_vals), K.ptr(self._topk_ids),
+             K.ptr(self._part_vals), K.ptr(self._part_ids), K.i32(n_part)))))
         step.append(("sampling", 0, False, lambda early: K.launch(
             "sampling", "sample_step_f32", (1,), (1024,),
             (K.ptr(self._topk_vals), K.ptr(self._topk_ids), K.ptr(self._step_params), K.ptr(self._uniforms),
