@@ -37,8 +37,8 @@
 //     finish writes out[0] = id, out[1] = NaN/+inf seen, advances *pos_inc and resets its cells, so no
 //     separate argmax kernel runs (argmax_f32's semantics).
 //     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 dot their units with float x without int -> float conversions (unit_dot
-//     below); Q4_K, Q5_K and Q6_K dot them with x rounded to int8 per 32 values (act8, stage_xq, unit_dot8:
-//     __dp4a, llama.cpp's MMVQ numerics).
+//     below); Q4_K, Q5_K, Q6_K and MXFP4 dot them with x rounded to int8 per 32 values (act8, stage_xq,
+//     unit_dot8: __dp4a, llama.cpp's MMVQ numerics).
 //   Launch: block 256 (8 warps), dynamic shared memory units*132 bytes (x slots + per-unit sums of x; the
 //   int8 forms units*40), grid ceil(N / (groups * 8 * 32/lpr)): a block serves `groups` groups of rows with
 //   one staging of x (2 or 4 where staging x per 8 rows costs as much as the rows; cuda.linear.mv1_groups).
@@ -433,6 +433,7 @@ template <class Q> struct act8 { static constexpr bool value = false; };
 template <> struct act8<QQ4_K> { static constexpr bool value = true; };
 template <> struct act8<QQ5_K> { static constexpr bool value = true; };
 template <> struct act8<QQ6_K> { static constexpr bool value = true; };
+template <> struct act8<QMXFP4> { static constexpr bool value = true; };
 
 // uint4 slot of half h (values 16h .. 16h+15) of unit u: the halves swap every 4 units, so the 8 lanes of a
 // quarter-warp reading 8 consecutive units' same half hit 8 different bank groups.
@@ -626,6 +627,42 @@ __device__ __forceinline__ float unit_dot8<QQ6_K>(const u8* row, int u, const ui
             s1 = __dp4a(w, xw[k], s1);
     }
     return ldh(p + 208) * xd[u] * (float)((int)(i8)p[192 + 2 * j] * s0 + (int)(i8)p[192 + 2 * j + 1] * s1);
+}
+
+// 8 MXFP4 nibbles (one word of the block: byte i holds value i in its low nibble, value i + 16 in its high
+// one) -> (the four low values, the four high values) as int8, twice E2M1 (0, 1, 2, 3, 4, 6, 8, 12 and their
+// negatives): two byte permutes choose each nibble's entry among the table's lower and upper 8 bytes, a third
+// picks by its bit 3, two more part the even and odd nibbles (llama.cpp's get_int_from_table_16).
+__device__ __forceinline__ void mxfp4_int8(u32 q, int& lo, int& hi) {
+    constexpr u32 T0 = 0x03020100u, T1 = 0x0C080604u, T2 = 0xFDFEFF00u, T3 = 0xF4F8FAFCu;
+    const u32 pick = 0x32103210u | ((q & 0x88888888u) >> 1);
+    u32 t[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const u32 s = (q >> (16 * i)) & 0x7777u;
+        t[i] = __byte_perm(__byte_perm(T0, T1, s), __byte_perm(T2, T3, s), pick >> (16 * i));
+    }
+    lo = (int)__byte_perm(t[0], t[1], 0x6420);
+    hi = (int)__byte_perm(t[0], t[1], 0x7531);
+}
+
+template <>
+__device__ __forceinline__ float unit_dot8<QMXFP4>(const u8* row, int u, const uint4* __restrict__ xq4,
+                                                   const float* __restrict__ xd, const float* __restrict__) {
+    const u8* p = row + u * QMXFP4::BYTES;
+    u32 q[4];
+    load_words<1, 4>(p + 1, q);
+    int xw[8];
+    x8_words(xq4, u, xw);
+    int s = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        int lo, hi;
+        mxfp4_int8(q[k], lo, hi);
+        s = __dp4a(lo, xw[k], s);      // values 4k .. 4k + 3
+        s = __dp4a(hi, xw[k + 4], s);  // values 16 + 4k ..
+    }
+    return e8m0_half(__ldg(p)) * xd[u] * (float)s;
 }
 
 __device__ __forceinline__ u32 order_key_f(float f) {

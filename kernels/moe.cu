@@ -23,6 +23,9 @@
 //       t = p / k, or pair p itself when x_per_pair: the down projection's input) -> y rows p [P, N]; biases
 //       [E, N] taken at row e. Grid (row blocks as matvec_<t>, max_items); blocks past n_items return.
 //   mv1_moe_<t>(w, expert_bytes, ids, N, K, x [k, K], y [k, N], bias, lpr, groups, early)
+//   mv1_moe_<t>_sum(w, expert_bytes, ids, N, K, x [k, K], y [k, N], bias, lpr, groups, early, wts [k], out [N],
+//                   cnt): mv1_moe_<t>, then the last block of each row range adds out += sum_j wts[j] y[j]
+//                   (moe_combine_f32 for one token; cnt: a zeroed counter per row range, reset by it)
 //   mv1_moe_<t>_swiglu / _oai(wg, wu, expert_bytes, ids, N, K, x [K], y [k, N], norm_w, eps, lpr, groups,
 //                             bg, bu, early)
 //       one token (the decode step): mv1_<t>'s body for slot j = blockIdx.y, expert ids[j]; the gate/up form
@@ -230,6 +233,34 @@ __device__ __forceinline__ void mv1_moe_glu(const u8* wg, const u8* wu, long lon
                               eps, lpr, groups, nullptr, early);
 }
 
+// The decode step's down projection with the weighted sum: slot j = blockIdx.y's rows as mv1_moe_<t>, into
+// y [k, N]; the last of the k blocks of a row range to finish (cnt [gridDim.x], zero between steps, reset by
+// it) adds x[n] += sum_j wts[j] y[j, n] for its rows, in slot order: moe_combine_f32's sums, one launch fewer.
+template <class Q>
+__device__ __forceinline__ void mv1_moe_sum(const u8* w, long long eb, const int* ids, int N, int K, const float* x,
+                                            float* y, const float* bias, int lpr, int groups, int early,
+                                            const float* wts, float* out, unsigned int* cnt) {
+    pdl_wait();
+    const int j = blockIdx.y, e = ids[j];
+    mv1_body<Q, Q, false>(w + e * eb, nullptr, nullptr, N, 0, N, K, x + (long long)j * K, y + (long long)j * N,
+                          bias ? bias + (long long)e * N : nullptr, nullptr, nullptr, 0.0f, lpr, groups, nullptr,
+                          early);
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(cnt + blockIdx.x, 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    const int rows = groups * (int)(blockDim.x >> 5) * (32 / lpr), n0 = (int)blockIdx.x * rows;
+    for (int n = n0 + (int)threadIdx.x; n < min(N, n0 + rows); n += blockDim.x) {
+        float s = 0.0f;
+        for (int i = 0; i < (int)gridDim.y; ++i) s = fmaf(wts[i], __ldcg(y + (long long)i * N + n), s);
+        out[n] += s;
+    }
+    if (threadIdx.x == 0) cnt[blockIdx.x] = 0u;
+}
+
 #define MOE_KERNELS(name, Q)                                                                                 \
     extern "C" __global__ void __launch_bounds__(128) matvec_moe_##name(                                    \
         const u8* w, long long eb, const int* list, const int* items, const int* n_items, int k, int N, int K, \
@@ -254,6 +285,11 @@ __device__ __forceinline__ void mv1_moe_glu(const u8* wg, const u8* wu, long lon
         mv1_body<Q, Q, false>(w + e * eb, nullptr, nullptr, N, 0, N, K, x + (long long)j * K,                \
                               y + (long long)j * N, bias ? bias + (long long)e * N : nullptr, nullptr, nullptr, \
                               0.0f, lpr, groups, nullptr, early);                                            \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_moe_##name##_sum(    \
+        const u8* w, long long eb, const int* ids, int N, int K, const float* x, float* y, const float* bias, \
+        int lpr, int groups, int early, const float* wts, float* out, unsigned int* cnt) {                   \
+        mv1_moe_sum<Q>(w, eb, ids, N, K, x, y, bias, lpr, groups, early, wts, out, cnt);                    \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_moe_##name##_swiglu( \
         const u8* wg, const u8* wu, long long eb, const int* ids, int N, int K, const float* x, float* y,    \

@@ -166,7 +166,7 @@ def test_mv1_kernel_names_mixed_qkv_launches() -> None:
     import re
     from pathlib import Path
 
-    from llamacli.backends.cuda.linear import MV1_ACT8, DeviceMatrix, mv1_kernel, qname
+    from llamacli.backends.cuda.linear import MV1_ACT8, MV1_MIXED, DeviceMatrix, mv1_kernel, qname
 
     def m(t: QT) -> DeviceMatrix:
         return DeviceMatrix(0, 32, 256, t, 0)
@@ -175,10 +175,12 @@ def test_mv1_kernel_names_mixed_qkv_launches() -> None:
     defined = set(re.findall(r"^MV1_MIXED\((\w+), \w+, (\w+), \w+\)$", src, re.M))
     assert mv1_kernel((m(QT.Q8_0), m(QT.Q8_0), m(QT.Q8_0))) == "mv1_q8_0"
     assert mv1_kernel((m(QT.Q4_K),)) == "mv1_q4_k"
-    for a, b in itertools.permutations(sorted(MV1_ACT8), 2):
+    assert MV1_MIXED <= MV1_ACT8
+    for a, b in itertools.permutations(sorted(MV1_MIXED), 2):
         assert mv1_kernel((m(a), m(a), m(b))) == f"mv1_mixed_{qname(a)}_{qname(b)}"
         assert (qname(a), qname(b)) in defined
     assert len(defined) == 6
+    assert mv1_kernel((m(QT.Q4_K), m(QT.Q4_K), m(QT.MXFP4))) is None  # MXFP4 dots int8 x, but pairs with none
     for ws in [(m(QT.Q4_K), m(QT.Q6_K), m(QT.Q6_K)), (m(QT.Q4_K), m(QT.Q4_K), m(QT.Q8_0)),
                (m(QT.Q4_0), m(QT.Q4_0), m(QT.Q6_K)), (m(QT.Q4_K), m(QT.Q6_K))]:
         assert mv1_kernel(ws) is None, ws

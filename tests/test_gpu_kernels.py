@@ -21,7 +21,7 @@ from llamacli.backends.cuda import RUNNABLE, CudaBackend, DeviceMatrix, cuda_ava
 from llamacli.backends.cuda import linear  # noqa: E402
 from llamacli.backends.cuda import loader as K  # noqa: E402
 from llamacli.backends.cuda.attention import ATT_TC_DIMS, ATT_TC_MIN_T  # noqa: E402
-from llamacli.backends.cuda.linear import MV1_ACT8  # noqa: E402
+from llamacli.backends.cuda.linear import MV1_ACT8, MV1_MIXED  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig  # noqa: E402
 from llamacli.quants import dequantize  # noqa: E402
@@ -147,7 +147,7 @@ def test_matvec_segments_bias_resid_swiglu(qtype: QT) -> None:
     assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-4, 1e-4, "swiglu")
 
 
-@pytest.mark.parametrize("pair", list(itertools.permutations(sorted(MV1_ACT8), 2)), ids=lambda p: f"{p[0].name}+{p[1].name}")
+@pytest.mark.parametrize("pair", list(itertools.permutations(sorted(MV1_MIXED), 2)), ids=lambda p: f"{p[0].name}+{p[1].name}")
 def test_mv1_mixed_qkv_segments(pair) -> None:
     """Q and K rows of one int8-activation type with V rows of another (Q4_K_M's Q6_K V layers) in one launch
     (mv1_mixed_<a>_<b>), with bias and residual or with the norm: against the int8 emulation and the fp64

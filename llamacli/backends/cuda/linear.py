@@ -108,7 +108,8 @@ def merge_rows(mats: list[DeviceMatrix]) -> list[DeviceMatrix]:
 
 # Weight types whose mv1 dots int8 activations (kernels/matvec.cu act8<>): x staged as int8 units (32 bytes)
 # plus a scale and a sum per unit; the others stage x as floats (128 bytes) plus a sum.
-MV1_ACT8 = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
+MV1_ACT8 = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4})
+MV1_MIXED = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})  # kernels/matvec.cu mv1_mixed_<a>_<b>: pairs of these
 MV1_ACT8_BLOCKS_PER_SM = 4  # kernels/matvec.cu MV1_MINB8: the int8 forms' __launch_bounds__ minimum
 
 
@@ -118,7 +119,7 @@ def mv1_kernel(ws: tuple[Any, ...]) -> str | None:
     a, b = ws[0].qtype, ws[-1].qtype
     if all(w.qtype == a for w in ws):
         return f"mv1_{qname(a)}"
-    if len(ws) == 3 and ws[1].qtype == a and a in MV1_ACT8 and b in MV1_ACT8:
+    if len(ws) == 3 and ws[1].qtype == a and a in MV1_MIXED and b in MV1_MIXED:
         return f"mv1_mixed_{qname(a)}_{qname(b)}"
     return None
 
