@@ -12,6 +12,7 @@ highest position written since the cache was last filled from 0), else the promp
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -133,18 +134,22 @@ class Model:
             self.cfg = replace(self.cfg, swa_full=True)
         laps.lap("open + metadata")
         early = start_early(backend)  # the GPU starts on a thread of its own while the tokenizer is built
-        self.tokenizer = Tokenizer.from_metadata(md)
-        laps.lap("tokenizer")
-        if self.tokenizer.vocab_size != self.cfg.vocab_size:  # llama.cpp refuses these too
-            raise ShapeMismatchError(
-                f"the vocabulary has {self.tokenizer.vocab_size} tokens but the model has {self.cfg.vocab_size} "
-                "embedding rows"
-            )
-        if ctx is not None and (type(ctx) is not int or ctx <= 0):
-            raise UsageError(f"context size must be a positive integer, got {ctx!r}")
-        self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
-        self.cache_types = parse_cache_types(*cache_types)
-        check_cache_types(self.cfg.head_dim, self.cache_types)
+        try:
+            self.tokenizer = Tokenizer.from_metadata(md)
+            laps.lap("tokenizer")
+            if self.tokenizer.vocab_size != self.cfg.vocab_size:  # llama.cpp refuses these too
+                raise ShapeMismatchError(f"the vocabulary has {self.tokenizer.vocab_size} tokens but the model "
+                                         f"has {self.cfg.vocab_size} embedding rows")
+            if ctx is not None and (type(ctx) is not int or ctx <= 0):
+                raise UsageError(f"context size must be a positive integer, got {ctx!r}")
+            self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
+            self.cache_types = parse_cache_types(*cache_types)
+            check_cache_types(self.cfg.head_dim, self.cache_types)
+        except BaseException:
+            if early is not None:  # the thread leaves the driver before the process may exit
+                with contextlib.suppress(BaseException):
+                    early()
+            raise
         self.backend = select_backend(backend, notice, early)
         laps.lap(f"backend start ({self.backend.name})")
         check_tensors(self.gguf, self.cfg, self.backend.runnable_types)

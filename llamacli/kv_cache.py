@@ -8,7 +8,8 @@
   dequantizes them, the reference rounding), so every read sees what an 8-bit cache holds. The CUDA backend
   does not have it yet (CudaBackend.load refuses it).
 
-Sliding-window layers keep a ring instead of a row per position (llama.cpp's SWA cache): a layer whose query
+Sliding-window layers keep a ring instead of a row per position (llama.cpp's SWA cache; --swa-full, as
+llama.cpp's option, keeps every position there too: ModelConfig.swa_full): a layer whose query
 at p sees only keys p - window < k <= p needs `window` past rows, so it holds ring_rows(window, ctx) rows and
 stores position p at row p mod rows. The ring also takes a whole pass of new positions (RING_CHUNK, the CUDA
 backend's prefill chunk) without overwriting a key its own first query still needs: rows >= window +

@@ -70,8 +70,8 @@ GEMMA3_D128 = variant("tiny-gemma3", head_dim=128, name="gemma3-dh128")  # gemma
 # window past a prefill chunk; qwen3moe with more experts and slots than the tiny one.
 GPTOSS_D64 = variant("tiny-gpt-oss", n_embd=128, head_dim=64, window=100, name="gpt-oss-dh64")
 QWEN3MOE_WIDE = variant("tiny-qwen3moe", n_expert=40, n_expert_used=8, name="qwen3moe-40x8")
-# ... and wide enough that the decode step's down projection spans many row ranges (mv1_moe_<t>_sum's last
-# block per range adds the weighted sum)
+# ... and wide enough that the decode step's down projection spans two row ranges of 256 rows
+# (mv1_moe_<t>_sum's last block of each adds the weighted sum)
 QWEN3MOE_D512 = variant("tiny-qwen3moe", n_embd=512, n_ff_exp=256, name="qwen3moe-d512")
 ARCH_CASES = [("tiny-qwen3", QT.F32), ("tiny-qwen3", "Q4_K_M"), (QWEN3_D64, QT.Q8_0), (QWEN3_YARN, QT.Q6_K),
               ("tiny-smollm3", QT.Q8_0), (PHI3_PARTIAL, QT.Q4_K), ("tiny-gemma3", QT.F32), ("tiny-gemma3", QT.Q8_0),

@@ -13,42 +13,77 @@ EarlyStatus = Callable[[], "tuple[bool, str]"]
 
 
 def start_early(name: str) -> EarlyStatus | None:
-    """Begin the CUDA start-up (CuPy's import, the driver, the GPU's context: ~0.3-0.4 s) on a thread of its
-    own when `name` may take the CUDA backend, so that it runs while the model file is opened and its
-    tokenizer built. -> the function select_backend calls for its cuda_status() (it waits for the thread);
-    None for the NumPy backend."""
+    """Begin the CUDA start-up (the driver, the GPU's context, CuPy's import: ~0.3-0.5 s) on a thread of its
+    own when `name` may take the CUDA backend, so that it overlaps the tokenizer's build. -> the function
+    select_backend calls for its cuda_status() (it waits for the thread, and raises what the thread raised);
+    None for the NumPy backend. Call it, once started, on every way out (Model does), so that the process
+    never exits with the thread inside the driver."""
     if name not in ("auto", "cuda"):
         return None
     result: list = []
 
     def run() -> None:
-        _driver_context()
-        result.append(cuda_status(context=True))
+        try:
+            _driver_context()
+            result.append(cuda_status(context=True))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by status()
+            result.append(exc)
 
     thread = threading.Thread(target=run, name="llamacli-cuda-start", daemon=True)
     thread.start()
 
     def status() -> tuple[bool, str]:
         thread.join()
-        return result[0] if result else cuda_status()  # (no result: the thread died; ask again here)
+        if not result:  # (the thread cannot end without a result; ask again here all the same)
+            return cuda_status()
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        ok, reason = result[0]
+        if not ok:
+            _driver_release()
+        return ok, reason
 
     return status
+
+
+_driver = {"retained": False}  # GPU 0's primary context retained by _driver_context (once per process)
 
 
 def _driver_context() -> None:
     """The CUDA driver's start and GPU 0's primary context (the one CuPy's runtime then uses) through libcuda
     directly: ctypes releases the GIL for each call, so the ~0.2-0.3 s they take overlap the Python work of the
-    other thread, where CuPy's import would hold the GIL. Anything missing (no driver, no GPU) is left for
-    cuda_status to report."""
+    other thread, where CuPy's import would hold the GIL. Only where CuPy is installed (else the CUDA backend
+    cannot run and no context should be made), and once per process; anything missing (no driver, no GPU)
+    is left for cuda_status to report, and _driver_release lets the context go where the CUDA backend is not
+    taken after all."""
     import ctypes
+    import importlib.util
 
+    if _driver["retained"] or importlib.util.find_spec("cupy") is None:
+        return
     try:
         cu = ctypes.CDLL("libcuda.so.1")
         dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
         if cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0:
-            cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+            _driver["retained"] = cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
     except (OSError, AttributeError):
         pass
+
+
+def _driver_release() -> None:
+    """Release the primary context _driver_context retained (the NumPy backend runs after all)."""
+    import ctypes
+
+    if not _driver["retained"]:
+        return
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev = ctypes.c_int(0)
+        if cu.cuDeviceGet(ctypes.byref(dev), 0) == 0:
+            cu.cuDevicePrimaryCtxRelease(dev)
+    except (OSError, AttributeError):
+        pass
+    _driver["retained"] = False
 
 
 def select_backend(name: str, notice: Callable[[str], None] | None = None, early: EarlyStatus | None = None,
