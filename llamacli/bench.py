@@ -86,10 +86,11 @@ class BenchRow:
 def decode_bytes_per_token(model: Model, kv_positions: float) -> float:
     """Bytes one decode step reads: the weights (embedding: one row unless it is the LM head; experts: the
     n_expert_used of n_expert a token runs) and the fp16 K/V of `kv_positions` cached positions (CUDA keeps
-    the cache in fp16)."""
+    the cache in fp16), of at most the window's on a sliding-window layer."""
     cfg = model.cfg
     total = sum(t.n_bytes * active_share(cfg, t.name) for t in model.gguf.tensors.values())
-    return total + cfg.kv_cache_bytes(1) * kv_positions
+    per_layer = cfg.kv_cache_bytes(1) / cfg.n_layer
+    return total + sum(per_layer * min(kv_positions, plan.window or kv_positions) for plan in cfg.layers)
 
 
 class Bench:

@@ -427,6 +427,9 @@ def test_bench_counts_only_the_active_experts(tiny_moe):
     emb_row = g.tensors["token_embd.weight"].row_bytes
     assert decode_bytes_per_token(model, 0) == pytest.approx(others + emb_row + experts * 2 / 8)
     assert decode_bytes_per_token(model, 10) - decode_bytes_per_token(model, 0) == pytest.approx(10 * cfg.kv_cache_bytes(1))
+    oss = Model(tiny_moe["gpt-oss"], backend="numpy", ctx=64)  # two of its four layers see a window of 8
+    assert decode_bytes_per_token(oss, 10) - decode_bytes_per_token(oss, 0) == pytest.approx(
+        (2 * 8 + 2 * 10) * oss.cfg.kv_cache_bytes(1) / 4)
 
 
 # -- the real shapes ----------------------------------------------------------------------------------------------
