@@ -166,7 +166,7 @@ class Model:
         self.cached: list[int] = []  # the ids whose K/V the cache holds, positions 0..len-1
         self.written = -1  # the highest position whose K/V may have been written since a prefill from 0
         # (window, cache rows) per layer, as the backend allocated them: rings on sliding-window layers
-        self.cache_rows = list(zip((plan.window for plan in self.cfg.layers), self.cfg.cache_rows(self.ctx)))
+        self.windows_rows = list(zip((plan.window for plan in self.cfg.layers), self.cfg.cache_rows(self.ctx)))
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self._chat = None
 
@@ -315,7 +315,7 @@ class Model:
 
         # Prefill what the cache does not hold yet (at least the last token, whose logits we need).
         keep = _common_prefix(self.cached, ids, len(ids) - 1)
-        if not ring_keeps(keep, self.written, self.cache_rows, self.ctx):
+        if not ring_keeps(keep, self.written, self.windows_rows, self.ctx):
             keep = 0  # a ring no longer holds the window before the first new position
         t0 = time.perf_counter()
         self.cached = self.cached[:keep]
