@@ -22,14 +22,14 @@
 //       matvec_<t>'s body for one item per blockIdx.y: expert e's rows times the x rows of its pairs (token
 //       t = p / k, or pair p itself when x_per_pair: the down projection's input) -> y rows p [P, N]; biases
 //       [E, N] taken at row e. Grid (row blocks as matvec_<t>, max_items); blocks past n_items return.
-//   mv1_moe_<t>(w, expert_bytes, ids, N, K, x [k, K], y [k, N], bias, lpr, groups, early)
 //   mv1_moe_<t>_sum(w, expert_bytes, ids, N, K, x [k, K], y [k, N], bias, lpr, groups, early, wts [k], out [N],
-//                   cnt): mv1_moe_<t>, then the last block of each row range adds out += sum_j wts[j] y[j]
-//                   (moe_combine_f32 for one token; cnt: a zeroed counter per row range, reset by it)
+//                   cnt): the down projection of one token: mv1_<t>'s body for slot j = blockIdx.y, expert
+//                   ids[j], x row j -> y row j; then the last block of each row range adds out += sum_j wts[j]
+//                   y[j] (moe_combine_f32 for one token; cnt: a zeroed counter per row range, reset by it)
 //   mv1_moe_<t>_swiglu / _oai(wg, wu, expert_bytes, ids, N, K, x [K], y [k, N], norm_w, eps, lpr, groups,
 //                             bg, bu, early)
-//       one token (the decode step): mv1_<t>'s body for slot j = blockIdx.y, expert ids[j]; the gate/up form
-//       normalises x with norm_w first as mv1 does; the plain form reads x row j (the slot's activation).
+//       one token (the decode step's gate/up): mv1_<t>'s body for slot j = blockIdx.y, expert ids[j], x
+//       normalised with norm_w first as mv1 does.
 //   moe_gemm_<t>(w, expert_bytes, list, items, n_items, k, N, K, x16, xsc, x_per_pair, y, bias)
 //   moe_gemm_<t>_swiglu / _oai(wg, wu, expert_bytes, list, items, n_items, k, N, K, x16, xsc, y, bg, bu)
 //       many tokens (prefill): matvec_moe's results on tensor cores (mma.sync m16n8k16, fp16 in, fp32 sums)
@@ -276,15 +276,6 @@ __device__ __forceinline__ void mv1_moe_sum(const u8* w, long long eb, const int
         const u8* wg, const u8* wu, long long eb, const int* list, const int* items, const int* n_items,     \
         int k, int N, int K, const float* x, float* y, const float* bg, const float* bu, int lpr) {          \
         matvec_moe_glu<Q, ACT_OAI>(wg, wu, eb, list, items, n_items, k, N, K, x, y, bg, bu, lpr);                 \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_moe_##name(        \
-        const u8* w, long long eb, const int* ids, int N, int K, const float* x, float* y, const float* bias, \
-        int lpr, int groups, int early) {                                                                    \
-        pdl_wait();                                                                                          \
-        const int j = blockIdx.y, e = ids[j];                                                                \
-        mv1_body<Q, Q, false>(w + e * eb, nullptr, nullptr, N, 0, N, K, x + (long long)j * K,                \
-                              y + (long long)j * N, bias ? bias + (long long)e * N : nullptr, nullptr, nullptr, \
-                              0.0f, lpr, groups, nullptr, early);                                            \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_moe_##name##_sum(    \
         const u8* w, long long eb, const int* ids, int N, int K, const float* x, float* y, const float* bias, \

@@ -89,8 +89,7 @@ def decode_bytes_per_token(model: Model, kv_positions: float) -> float:
     the cache in fp16), of at most the window's on a sliding-window layer."""
     cfg = model.cfg
     total = sum(t.n_bytes * active_share(cfg, t.name) for t in model.gguf.tensors.values())
-    per_layer = cfg.kv_cache_bytes(1) / cfg.n_layer
-    return total + sum(per_layer * min(kv_positions, plan.window or kv_positions) for plan in cfg.layers)
+    return total + sum(kv_read_bytes(cfg, kv_positions))
 
 
 class Bench:
@@ -248,8 +247,14 @@ class ProfileRow:
 def attention_kv_bytes(cfg: ModelConfig, pos: int) -> list[int]:
     """Bytes of K and V (fp16) each layer's decode attention reads at position `pos`: the keys 0..pos, or the
     last `window` of them on a sliding-window layer."""
+    return kv_read_bytes(cfg, pos + 1)
+
+
+def kv_read_bytes(cfg: ModelConfig, keys: float) -> list:
+    """Bytes of K and V (fp16) each layer reads over `keys` cached positions: at most the last `window` of
+    them on a sliding-window layer."""
     per_key = 2 * cfg.kv_dim * 2
-    return [min(pos + 1, plan.window or pos + 1) * per_key for plan in cfg.layers]
+    return [min(keys, plan.window or keys) * per_key for plan in cfg.layers]
 
 
 def decode_attention_summary(cfg: ModelConfig, pos: int, rows: list[ProfileRow], bandwidth: float) -> dict[str, Any]:

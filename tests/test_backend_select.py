@@ -36,7 +36,7 @@ class FakeCuda:
 def fake_driver(monkeypatch):
     fake = FakeCuda()
     monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
-    monkeypatch.setitem(backends._driver, "retained", False)
+    monkeypatch.setitem(backends._driver, "retained", None)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "cupy" else real(n, *a))
     return fake
@@ -61,10 +61,10 @@ def test_context_retained_once_and_released_when_cuda_is_not_taken(monkeypatch, 
     monkeypatch.setattr(backends, "cuda_status", lambda context=False: (True, "GPU"))
     assert backends.start_early("auto")() == (True, "GPU")
     assert backends.start_early("cuda")() == (True, "GPU")
-    assert fake_driver.calls.count("cuDevicePrimaryCtxRetain") == 1 and backends._driver["retained"]
+    assert fake_driver.calls.count("cuDevicePrimaryCtxRetain") == 1 and backends._driver["retained"] is not None
     monkeypatch.setattr(backends, "cuda_status", lambda context=False: (False, "no GPU"))
     assert backends.start_early("auto")() == (False, "no GPU")
-    assert fake_driver.calls.count("cuDevicePrimaryCtxRelease") == 1 and not backends._driver["retained"]
+    assert fake_driver.calls.count("cuDevicePrimaryCtxRelease") == 1 and backends._driver["retained"] is None
     fake_driver.init = 100  # cuInit fails (no device): nothing retained, nothing to release
     assert backends.start_early("auto")() == (False, "no GPU")
     assert fake_driver.calls.count("cuDevicePrimaryCtxRetain") == 1

@@ -46,7 +46,7 @@ def start_early(name: str) -> EarlyStatus | None:
     return status
 
 
-_driver = {"retained": False}  # GPU 0's primary context retained by _driver_context (once per process)
+_driver: dict = {"retained": None}  # (libcuda, device) whose primary context _driver_context retained, or None
 
 
 def _driver_context() -> None:
@@ -59,31 +59,24 @@ def _driver_context() -> None:
     import ctypes
     import importlib.util
 
-    if _driver["retained"] or importlib.util.find_spec("cupy") is None:
+    if _driver["retained"] is not None or importlib.util.find_spec("cupy") is None:
         return
     try:
         cu = ctypes.CDLL("libcuda.so.1")
         dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
-        if cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0:
-            _driver["retained"] = cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+        if (cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+                and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0):
+            _driver["retained"] = (cu, dev)
     except (OSError, AttributeError):
         pass
 
 
 def _driver_release() -> None:
     """Release the primary context _driver_context retained (the NumPy backend runs after all)."""
-    import ctypes
-
-    if not _driver["retained"]:
-        return
-    try:
-        cu = ctypes.CDLL("libcuda.so.1")
-        dev = ctypes.c_int(0)
-        if cu.cuDeviceGet(ctypes.byref(dev), 0) == 0:
-            cu.cuDevicePrimaryCtxRelease(dev)
-    except (OSError, AttributeError):
-        pass
-    _driver["retained"] = False
+    retained, _driver["retained"] = _driver["retained"], None
+    if retained is not None:
+        cu, dev = retained
+        cu.cuDevicePrimaryCtxRelease(dev)
 
 
 def select_backend(name: str, notice: Callable[[str], None] | None = None, early: EarlyStatus | None = None,

@@ -12,7 +12,7 @@
   layers whose plan has one of them (LayerPlan.window, attn_softcap, sinks);
 - kernels/attention_wgmma.cu: attention_wg*_d<D> (prefill on Hopper's wgmma; built for sm_90a).
 
-Every kernel that reads or writes a cache takes `ring`, its rows (cache_rows): position k lives at row k mod
+Every kernel that reads or writes a cache [rows, Hkv, Dh] takes `ring`, its rows: position k lives at row k mod
 ring, ctx rows for a full cache and fewer for a sliding-window layer's ring (kv_cache.py; those layers always
 take the _w / tcx / split kernels, never attention_wg or the plain npl/tc forms).
 
@@ -83,11 +83,6 @@ def layer_ext(plan: Any) -> bool:
     return bool(plan.window or plan.attn_softcap or plan.sinks)
 
 
-def cache_rows(kc: Any, kv_dim: int) -> int:
-    """Rows of a layer's cache kc ([rows, Hkv, Dh] or any shape of rows x kv_dim): the kernels' `ring`."""
-    return kc.size // kv_dim
-
-
 def values_per_lane(dh: int) -> int:
     """N of attention_npl<N>: output dims per lane, the smallest of 1, 2, 3, 4, 8 with 32 N >= dh."""
     return next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
@@ -107,7 +102,7 @@ class AttentionMixin:
         t = q.shape[0]
         hkv, dh = cfg.n_head_kv, cfg.head_dim
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        ring = cache_rows(kc, cfg.kv_dim)
+        ring = kc.shape[0]
         span = ring_span(cfg.layers[layer].window, ring, self.ctx)
         if t > span:  # a ring takes a long chunk in passes of at most `span` positions (kv_cache.py)
             return cp.concatenate([self.attention(layer, q[s : s + span], k[s : s + span], v[s : s + span],
@@ -138,7 +133,7 @@ class AttentionMixin:
         plan = cfg.layers[layer] if layer is not None else None
         ext = plan is not None and layer_ext(plan)
         wx = (K.i32(plan.window), K.f32(plan.attn_softcap)) if ext else ()  # the _w kernels' extra arguments
-        sinks = (K.ptr(self.sinks(layer)), K.i32(cache_rows(kc, cfg.kv_dim))) if ext else ()  # (+ the ring)
+        sinks = (K.ptr(self.sinks(layer)), K.i32(kc.shape[0])) if ext else ()  # (+ the ring)
         w_ = "_w" if ext else ""
         if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
             # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e) x the query scale), as
@@ -181,7 +176,7 @@ class AttentionMixin:
             args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq),
                     K.i32(hkv), K.ptr(out), K.i32(cfg.q_dim), K.i32(plan.window),
                     K.f32(plan.attn_softcap * math.log2(math.e)), K.ptr(self.sinks(layer)),
-                    K.i32(cache_rows(kc, cfg.kv_dim)))
+                    K.i32(kc.shape[0]))
             K.launch("attention_mma", f"attention_tcx{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv),
                      (128,), args, shared=tc_smem(dh))
             return
@@ -209,7 +204,7 @@ class AttentionMixin:
         cap2 = plan.attn_softcap * math.log2(math.e) if plan is not None else 0.0
         if getattr(self, "attention_counters", None) is None:
             self.attention_counters = self.cp.zeros(cfg.n_head_kv, self.cp.uint32)
-        return (K.ptr(kc), K.ptr(vc), K.i32(cache_rows(kc, cfg.kv_dim)), K.ptr(pos), K.i32(cfg.n_head),
+        return (K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0]), K.ptr(pos), K.i32(cfg.n_head),
                 K.i32(cfg.n_head_kv), K.f32(tc_qscale(cfg.head_dim, cfg.attn_scale)), K.i32(window), K.f32(cap2),
                 K.ptr(self.sinks(layer)), K.ptr(part_o), K.ptr(part_ml), K.ptr(self.attention_counters))
 
