@@ -12,6 +12,25 @@ __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     return r;
 }
 
+// Eight q8_0 codes (bytes of int8) times their block's fp16 scale s16 -> eight fp16 values (16 bytes): each byte
+// offset by 128 becomes the low bits of the fp16 1024 + 128 + code (exponent byte 0x64 by a byte permute), minus
+// 1152 is the code exactly, times the scale one fp16 rounding of d x code (the same value as rounding the f32
+// product, which is exact).
+__device__ __forceinline__ uint4 dequant8_q8(uint2 c, u16 s16) {
+    const u32 s2 = (u32)s16 * 0x10001u, off = 0x64806480u;  // (s, s); (1152, 1152)
+    const u32 w[2] = {c.x ^ 0x80808080u, c.y ^ 0x80808080u};
+    uint4 r;
+    u32* o = &r.x;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        u32 h = __byte_perm(w[k >> 1], 0x64646464u, (k & 1) ? 0x7362 : 0x5140);
+        asm("sub.rn.f16x2 %0, %0, %1;" : "+r"(h) : "r"(off));
+        asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(h) : "r"(s2));
+        o[k] = h;
+    }
+    return r;
+}
+
 // mma.sync m16n8k16 (fp16 in, fp32 accumulate) and its ldmatrix loads (attention_mma.cu, moe.cu).
 __device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "

@@ -24,13 +24,18 @@
 // sliding-window layer's ring is a multiple of 32, llamacli/kv_cache.py, so a tile's rows are contiguous).
 // kv_store(..., kc, vc, ring): k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows
 // pos[t] mod ring as fp16.
+// kv_store_q8(...): the same into an 8-bit cache (-ctk/-ctv q8_0: codes [ring, Hkv, Dh] then scales [Hkv, ring,
+// Dh/32], attention_split.cu's layout), a warp per 32-value block (common.cuh quantize_q8_lane).
+// kv_dequant_q8(kc, vc, ring, Hkv, Dh, pos, T, k16, v16): an 8-bit cache's rows up to the highest position in
+// pos[0..T) (every row once that passes the ring) -> fp16 [ring, Hkv, Dh], the form the prefill kernels and
+// this family read (cuda/attention.py readable).
 // The other families: attention_mma.cu (prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128}, tensor
 // cores), attention_wgmma.cu (the same on a Hopper GPU with D 64 or 128, built for sm_90a) and
 // attention_split.cu (decode with G <= 16 and those head dims or 256, and the fused decode step's attention).
 // Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal): this kernel (f32 q and out) ~2,100 us, the
 // tensor-core prefill kernels 67 us (attention_wg16_d64) and 103-105 us (attention_tc16_d64).
 
-#include "common.cuh"
+#include "attention_common.cuh"
 
 #define ATT_WARPS 8
 #define ATT_RPW 4
@@ -244,5 +249,44 @@ extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v
         const long long dst = (long long)(pos[t] % ring) * Hkv * Dh + rest;
         kc[dst] = f2h(k[(long long)t * k_stride + rest]);
         vc[dst] = f2h(v[(long long)t * v_stride + rest]);
+    }
+}
+
+extern "C" __global__ void kv_store_q8(const float* k, int k_stride, const float* v, int v_stride, int T, int Hkv,
+                                       int Dh, const int* pos, u8* kc, u8* vc, int ring) {
+    const int nsc = Dh / 32, lane = threadIdx.x & 31;
+    const long long blocks = (long long)T * Hkv * nsc;  // 32-value blocks per cache
+    const long long nw = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long w = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; w < 2 * blocks; w += nw) {
+        const bool isv = w >= blocks;
+        const long long b = isv ? w - blocks : w;
+        const int t = (int)(b / (Hkv * nsc)), rest = (int)(b - (long long)t * Hkv * nsc);
+        const int h = rest / nsc, c = rest - h * nsc, row = pos[t] % ring;
+        const float x = isv ? v[(long long)t * v_stride + h * Dh + c * 32 + lane]
+                            : k[(long long)t * k_stride + h * Dh + c * 32 + lane];
+        u8 code;
+        u16 d;
+        quantize_q8_lane(x, code, d);
+        u8* cache = isv ? vc : kc;
+        cache[((long long)row * Hkv + h) * Dh + c * 32 + lane] = code;
+        if (lane == 0) reinterpret_cast<u16*>(cache + (long long)ring * Hkv * Dh)[((long long)h * ring + row) * nsc + c] = d;
+    }
+}
+
+extern "C" __global__ void kv_dequant_q8(const u8* kc, const u8* vc, int ring, int Hkv, int Dh, const int* pos, int T,
+                                         u16* k16, u16* v16) {
+    float hi = -1.0f;
+    for (int i = threadIdx.x; i < T; i += blockDim.x) hi = fmaxf(hi, (float)pos[i]);
+    const long long n = min((long long)ring, (long long)block_max(hi) + 1);  // rows to convert
+    const int nsc = Dh / 32;
+    const long long units = n * Hkv * Dh / 8, row_len = (long long)Hkv * Dh;
+    const u16* ks = reinterpret_cast<const u16*>(kc + (long long)ring * row_len);
+    const u16* vs = reinterpret_cast<const u16*>(vc + (long long)ring * row_len);
+    for (long long u = blockIdx.x * (long long)blockDim.x + threadIdx.x; u < units; u += (long long)gridDim.x * blockDim.x) {
+        const long long e = u * 8, row = e / row_len;
+        const int rest = (int)(e - row * row_len), h = rest / Dh, c = rest - h * Dh;
+        const long long si = ((long long)h * ring + row) * nsc + c / 32;
+        *reinterpret_cast<uint4*>(k16 + e) = dequant8_q8(*reinterpret_cast<const uint2*>(kc + e), ks[si]);
+        *reinterpret_cast<uint4*>(v16 + e) = dequant8_q8(*reinterpret_cast<const uint2*>(vc + e), vs[si]);
     }
 }

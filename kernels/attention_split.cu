@@ -34,6 +34,17 @@
 // Dynamic shared memory: 2 x NST x 64 x (D + 8) x 2 (K and V stages) + 16 x (D + 8) x 2 (q rows, fp16) +
 // (G + 1) x D x 4 (q and k rows, f32, while normalised and rotated) bytes (cuda/attention.py split_smem).
 // Accuracy: fp16 q and P as the tensor-core prefill (tests: atol 4e-3, rtol 1e-2 against float64).
+//
+// The _q8 forms (attention_split_q8_d<D>, attention_split_step_q8_<mode>_d<D>; D a multiple of 32) read an
+// 8-bit cache (-ctk/-ctv q8_0, llamacli/kv_cache.py): each layer's cache one byte buffer, int8 codes [ring, Hkv, D]
+// then fp16 scales [Hkv, ring, D/32] (one per 32 values, GGUF's Q8_0 block: x = d * code), ring a multiple of
+// 64, so that a tile's scales for one KV head are 4 D contiguous bytes. Codes and scales stream through the
+// NST stages by cp.async as above (half the bytes of fp16); each tile is then converted to fp16 (d * code,
+// zero outside the keys seen) into one K and one V tile, which the MMAs read as in the fp16 form. The holder
+// quantizes this token's K and V itself (a warp per 32-value block: d = max|x| / 127, code = round(x / d)
+// half away from zero, ggml's quantize_row_q8_0; a block with a non-finite value gets a NaN scale).
+// Shared memory: the converted K and V tiles 2 x 64 x (D + 8) x 2, the stages 2 x NST x 64 x (D + D/16), then
+// the q rows as above (cuda/attention.py split_stage_bytes).
 
 #include "attention_common.cuh"
 #include "rope.cuh"
@@ -43,7 +54,7 @@
 #define SP_STAGES(D) ((D) > 128 ? 2 : 3)  // D = 128 at three stages still fits two blocks per SM (G <= 8)
 #define SP_LOG2E 1.4426950408889634f
 
-template <int D, bool STEP, bool NEOX>
+template <int D, bool STEP, bool NEOX, bool Q8>
 __device__ __forceinline__ void attention_split_body(
     const float* __restrict__ q, u16* kc, u16* vc, int ring, const int* __restrict__ pos, int Hq, int Hkv, float qscale,
     int window, float cap2, const float* __restrict__ sinks, float* part_o, float* part_ml, unsigned int* counters,
@@ -56,10 +67,21 @@ __device__ __forceinline__ void attention_split_body(
     constexpr int CPR = D / 8;  // 16-byte chunks per key row
     constexpr bool QREG = D <= 128;  // q fragments in registers (D 256: from shared memory per k step)
     constexpr u32 ONES = 0x3c003c00u;
+    constexpr int NSC = D / 32;  // Q8: scales per key row
     extern __shared__ __align__(16) u16 sp_smem[];
-    u16* ks = sp_smem;                                     // [NST][64][RS]
-    u16* vs = ks + NST * SP_BK * RS;                       // [NST][64][RS]
-    u16* qsm = vs + NST * SP_BK * RS;                      // [16][RS] q rows, fp16, scaled and rotated
+    // fp16: K and V stages [NST][64][RS]. Q8: one converted K and V tile [64][RS] each, then the stages of codes
+    // [NST][64][D] bytes (K, then V) and of scales [NST][64][NSC] halves (K, then V).
+    u16* ks = sp_smem;
+    u16* vs = ks + (Q8 ? 1 : NST) * SP_BK * RS;
+    u8* kr = reinterpret_cast<u8*>(vs + (Q8 ? 1 : NST) * SP_BK * RS);
+    u8* vr = kr + (Q8 ? NST * SP_BK * D : 0);
+    u16* ksc = reinterpret_cast<u16*>(vr + (Q8 ? NST * SP_BK * D : 0));
+    u16* vsc = ksc + (Q8 ? NST * SP_BK * NSC : 0);
+    u16* qsm = vsc + (Q8 ? NST * SP_BK * NSC : 0);         // [16][RS] q rows, fp16, scaled and rotated
+    const u8* kb = reinterpret_cast<const u8*>(kc);       // Q8: codes [ring, Hkv, D], then scales [Hkv, ring, NSC]
+    const u8* vb = reinterpret_cast<const u8*>(vc);
+    const u16* kscale = reinterpret_cast<const u16*>(kb + (long long)ring * Hkv * D);
+    const u16* vscale = reinterpret_cast<const u16*>(vb + (long long)ring * Hkv * D);
     float* qf = reinterpret_cast<float*>(qsm + 16 * RS);   // [G + 1][D] q rows (and k) while prepared
     __shared__ float s_ml[SP_WARPS][16][2];
     __shared__ float s_inv[16];
@@ -77,14 +99,32 @@ __device__ __forceinline__ void attention_split_body(
 
     auto load_tile = [&](int tile, int kmax) {  // keys [lo, kmax) of tile (zeros elsewhere); one cp.async group
         const int buf = (tile - ta) % NST, k0 = tile * SP_BK, r0 = tile < tb ? k0 % ring : 0;  // r0: key k0's row
-        u16* kd = ks + buf * SP_BK * RS;
-        u16* vd = vs + buf * SP_BK * RS;
-        for (int e = threadIdx.x; tile < tb && e < SP_BK * CPR; e += SP_WARPS * 32) {
-            const int j = e / CPR, c = e - j * CPR, key = k0 + j;
-            const bool ok = key < kmax && key >= lo;
-            const long long off = ((long long)(ok ? r0 + j : 0) * Hkv + kvh) * D + c * 8;
-            cp_async16(smem_addr(kd + j * RS + c * 8), kc + off, ok ? 16 : 0);
-            cp_async16(smem_addr(vd + j * RS + c * 8), vc + off, ok ? 16 : 0);
+        if constexpr (Q8) {  // codes (16 bytes = 16 values a copy), then the tile's scales (contiguous per KV head)
+            constexpr int CC = D / 16;
+            u8* kd = kr + buf * SP_BK * D;
+            u8* vd = vr + buf * SP_BK * D;
+            for (int e = threadIdx.x; tile < tb && e < SP_BK * CC; e += SP_WARPS * 32) {
+                const int j = e / CC, c = e - j * CC, key = k0 + j;
+                const bool ok = key < kmax && key >= lo;
+                const long long off = ((long long)(ok ? r0 + j : 0) * Hkv + kvh) * D + c * 16;
+                cp_async16(smem_addr(kd + j * D + c * 16), kb + off, ok ? 16 : 0);
+                cp_async16(smem_addr(vd + j * D + c * 16), vb + off, ok ? 16 : 0);
+            }
+            const long long s0 = ((long long)kvh * ring + r0) * NSC;
+            for (int e = threadIdx.x; tile < tb && e < SP_BK * NSC / 8; e += SP_WARPS * 32) {
+                cp_async16(smem_addr(ksc + buf * SP_BK * NSC + e * 8), kscale + s0 + e * 8, 16);
+                cp_async16(smem_addr(vsc + buf * SP_BK * NSC + e * 8), vscale + s0 + e * 8, 16);
+            }
+        } else {
+            u16* kd = ks + buf * SP_BK * RS;
+            u16* vd = vs + buf * SP_BK * RS;
+            for (int e = threadIdx.x; tile < tb && e < SP_BK * CPR; e += SP_WARPS * 32) {
+                const int j = e / CPR, c = e - j * CPR, key = k0 + j;
+                const bool ok = key < kmax && key >= lo;
+                const long long off = ((long long)(ok ? r0 + j : 0) * Hkv + kvh) * D + c * 8;
+                cp_async16(smem_addr(kd + j * RS + c * 8), kc + off, ok ? 16 : 0);
+                cp_async16(smem_addr(vd + j * RS + c * 8), vc + off, ok ? 16 : 0);
+            }
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -130,7 +170,7 @@ __device__ __forceinline__ void attention_split_body(
         }
     }
     const long long at = ((long long)(p % ring) * Hkv + kvh) * D;  // position p of this KV head in the caches
-    if (holder) {  // this token's K (rotated) and V into the cache
+    if (holder && !Q8) {  // this token's K (rotated) and V into the cache
         const float* v = q + (Hq + Hkv + kvh) * D;
         for (int i = threadIdx.x; i < HALF; i += SP_WARPS * 32) {
             int da, db;
@@ -148,6 +188,39 @@ __device__ __forceinline__ void attention_split_body(
             for (int d = threadIdx.x; d < D; d += SP_WARPS * 32) {
                 ks[(buf * SP_BK + j) * RS + d] = kc[at + d];
                 vs[(buf * SP_BK + j) * RS + d] = vc[at + d];
+            }
+        }
+    } else if (holder) {  // Q8: K rotated in place (each thread its own pair), then a warp per 32-value block
+        for (int i = threadIdx.x; i < HALF; i += SP_WARPS * 32) {
+            int da, db;
+            float oa, ob;
+            rope_pair<NEOX>(qf + G * D, i, D, rope_dim, p, inv_freq, attn, da, db, oa, ob);
+            qf[G * D + da] = oa;
+            qf[G * D + db] = ob;
+        }
+        __syncthreads();
+        const float* v = q + (Hq + Hkv + kvh) * D;
+        const long long srow = (long long)kvh * ring + p % ring;  // row p's scales
+        for (int b = warp; b < 2 * NSC; b += SP_WARPS) {
+            const bool isv = b >= NSC;
+            const int c = (isv ? b - NSC : b) * 32 + lane;
+            u8 code;
+            u16 d;
+            quantize_q8_lane(isv ? v[c] : qf[G * D + c], code, d);
+            const_cast<u8*>(isv ? vb : kb)[at + c] = code;
+            if (lane == 0) const_cast<u16*>(isv ? vscale : kscale)[srow * NSC + c / 32] = d;
+        }
+        if (t_hi - ta < NST - 1) {  // p's tile went out before the store: patch row p's codes and scales
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+            __syncthreads();
+            const int buf = (t_hi - ta) % NST, j = p - t_hi * SP_BK;
+            for (int d = threadIdx.x; d < D; d += SP_WARPS * 32) {
+                kr[(buf * SP_BK + j) * D + d] = kb[at + d];
+                vr[(buf * SP_BK + j) * D + d] = vb[at + d];
+            }
+            for (int c = threadIdx.x; c < NSC; c += SP_WARPS * 32) {
+                ksc[(buf * SP_BK + j) * NSC + c] = kscale[srow * NSC + c];
+                vsc[(buf * SP_BK + j) * NSC + c] = vscale[srow * NSC + c];
             }
         }
     }
@@ -177,18 +250,41 @@ __device__ __forceinline__ void attention_split_body(
         if (it + NST < tb) {  // the tile after those in flight on its way to L2 (twice the bytes in flight)
             const long long row0 = (long long)((it + NST) * SP_BK % ring) * Hkv + kvh;
             const int rows = min(SP_BK, p + 1 - (it + NST) * SP_BK);  // keys up to p: none past the cache
-            constexpr int LPR = (D + 63) / 64;  // 128-byte lines per row
+            constexpr int RB = Q8 ? D : 2 * D;  // bytes per key row
+            constexpr int LPR = (RB + 127) / 128;  // 128-byte lines per row
+            const u8* kp = reinterpret_cast<const u8*>(kc);
+            const u8* vp = reinterpret_cast<const u8*>(vc);
             for (int e = threadIdx.x; e < rows * LPR; e += SP_WARPS * 32) {
                 const int j = e / LPR, c = e - j * LPR;
-                const long long off = (row0 + (long long)j * Hkv) * D + c * 64;
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(kc + off));
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(vc + off));
+                const long long off = (row0 + (long long)j * Hkv) * RB + c * 128;
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(kp + off));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(vp + off));
             }
+            if (Q8 && threadIdx.x < (SP_BK * NSC * 2 + 127) / 128) {  // the tile's scales
+                const long long s0 = ((long long)kvh * ring + (it + NST) * SP_BK % ring) * NSC + threadIdx.x * 64;
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(kscale + s0));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(vscale + s0));
+            }
+        }
+        if constexpr (Q8) {  // codes x scales -> the fp16 K and V tiles (zeros outside the keys seen)
+            const u8* kq = kr + buf * SP_BK * D;
+            const u8* vq = vr + buf * SP_BK * D;
+            const u16* kd = ksc + buf * SP_BK * NSC;
+            const u16* vd = vsc + buf * SP_BK * NSC;
+            for (int e = threadIdx.x; e < SP_BK * D / 8; e += SP_WARPS * 32) {
+                const int j = e / (D / 8), c = (e - j * (D / 8)) * 8, key = it * SP_BK + j;
+                const bool ok = key >= lo && key <= p;
+                const u16 sk = ok ? kd[j * NSC + c / 32] : (u16)0;
+                const u16 sv = ok ? vd[j * NSC + c / 32] : (u16)0;
+                *reinterpret_cast<uint4*>(ks + j * RS + c) = dequant8_q8(*reinterpret_cast<const uint2*>(kq + j * D + c), sk);
+                *reinterpret_cast<uint4*>(vs + j * RS + c) = dequant8_q8(*reinterpret_cast<const uint2*>(vq + j * D + c), sv);
+            }
+            __syncthreads();  // the converted tiles complete
         }
         const int k0 = it * SP_BK + 16 * warp;  // this warp's first key
         if (k0 > p || k0 + 15 < lo) continue;  // warp-uniform: none of its keys is seen
-        const u32 kt = smem_addr(ks + buf * SP_BK * RS + koff);
-        const u32 vt = smem_addr(vs + buf * SP_BK * RS + voff);
+        const u32 kt = smem_addr(ks + (Q8 ? 0 : buf) * SP_BK * RS + koff);
+        const u32 vt = smem_addr(vs + (Q8 ? 0 : buf) * SP_BK * RS + voff);
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
         for (int k = 0; k < KS; ++k) {
@@ -320,26 +416,28 @@ __device__ __forceinline__ void attention_split_body(
     if (threadIdx.x == 0) counters[kvh] = 0u;
 }
 
-#define ATTENTION_SPLIT_STEP(D, MODE, NEOX)                                                                    \
-    extern "C" __global__ void __launch_bounds__(SP_WARPS * 32) attention_split_step_##MODE##_d##D(           \
+#define ATTENTION_SPLIT_STEP(D, MODE, NEOX, Q8, SFX)                                                           \
+    extern "C" __global__ void __launch_bounds__(SP_WARPS * 32) attention_split_step##SFX##_##MODE##_d##D(    \
         const float* qkv, u16* kc, u16* vc, int ring, const int* pos, int Hq, int Hkv, float qscale,           \
         int window, float cap2, const float* sinks, float* part_o, float* part_ml, unsigned int* counters,     \
         float* out, int rope_dim, const double* inv_freq, float attn, const float* qn, const float* kn,        \
         float eps, int early) {                                                                                \
-        attention_split_body<D, true, NEOX>(qkv, kc, vc, ring, pos, Hq, Hkv, qscale, window, cap2, sinks, part_o,    \
-                                            part_ml, counters, out, rope_dim, inv_freq, attn, qn, kn, eps,     \
-                                            early);                                                            \
+        attention_split_body<D, true, NEOX, Q8>(qkv, kc, vc, ring, pos, Hq, Hkv, qscale, window, cap2, sinks,  \
+                                                part_o, part_ml, counters, out, rope_dim, inv_freq, attn, qn,  \
+                                                kn, eps, early);                                               \
     }
-#define ATTENTION_SPLIT(D)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(SP_WARPS * 32) attention_split_d##D(                          \
+#define ATTENTION_SPLIT_FORMS(D, Q8, SFX)                                                                      \
+    extern "C" __global__ void __launch_bounds__(SP_WARPS * 32) attention_split##SFX##_d##D(                   \
         const float* q, u16* kc, u16* vc, int ring, const int* pos, int Hq, int Hkv, float qscale, int window, \
         float cap2, const float* sinks, float* part_o, float* part_ml, unsigned int* counters, float* out) {   \
-        attention_split_body<D, false, false>(q, kc, vc, ring, pos, Hq, Hkv, qscale, window, cap2, sinks, part_o,    \
-                                              part_ml, counters, out, 0, nullptr, 1.0f, nullptr, nullptr,      \
-                                              0.0f, 0);                                                        \
+        attention_split_body<D, false, false, Q8>(q, kc, vc, ring, pos, Hq, Hkv, qscale, window, cap2, sinks,  \
+                                                  part_o, part_ml, counters, out, 0, nullptr, 1.0f, nullptr,   \
+                                                  nullptr, 0.0f, 0);                                           \
     }                                                                                                          \
-    ATTENTION_SPLIT_STEP(D, normal, false)                                                                     \
-    ATTENTION_SPLIT_STEP(D, neox, true)
+    ATTENTION_SPLIT_STEP(D, normal, false, Q8, SFX)                                                            \
+    ATTENTION_SPLIT_STEP(D, neox, true, Q8, SFX)
+#define ATTENTION_SPLIT(D) ATTENTION_SPLIT_FORMS(D, false, )
+#define ATTENTION_SPLIT_Q8(D) ATTENTION_SPLIT_FORMS(D, true, _q8)
 
 ATTENTION_SPLIT(64)
 ATTENTION_SPLIT(80)
@@ -347,3 +445,7 @@ ATTENTION_SPLIT(96)
 ATTENTION_SPLIT(112)
 ATTENTION_SPLIT(128)
 ATTENTION_SPLIT(256)
+ATTENTION_SPLIT_Q8(64)
+ATTENTION_SPLIT_Q8(96)
+ATTENTION_SPLIT_Q8(128)
+ATTENTION_SPLIT_Q8(256)

@@ -106,6 +106,17 @@ __device__ __forceinline__ float block_max(float v) {
     return warp_max(v);
 }
 
+// q8_0 (the 8-bit KV cache; ggml's quantize_row_q8_0): a whole warp holds one 32-value block, a value per lane ->
+// the lane's code (int8 as a byte) and the block's fp16 scale d = max|x| / 127 (code = round(x / d), half away
+// from zero); a block holding a non-finite value gets a NaN scale (and codes 0), so the NaN reaches the output.
+__device__ __forceinline__ void quantize_q8_lane(float x, u8& code, u16& d16) {
+    const bool bad = __any_sync(FULL_MASK, !isfinite(x));
+    const float d = warp_max(fabsf(x)) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    code = bad ? (u8)0 : (u8)(i8)(int)roundf(x * id);
+    d16 = f2h(bad ? __int_as_float(0x7fc00000) : d);
+}
+
 // The prefill GEMM's fp16 input scale for a row whose largest |value| is m: 1, or the power of two
 // 2^ceil(log2(m / F16_SAFE)) that brings it under F16_SAFE (fp16's max is 65504; an exact power of two, so
 // scaling rounds nothing). An infinite m keeps 1, so inf/NaN still reach the output and the NaN checks.

@@ -33,6 +33,8 @@ import numpy as np
 
 from .config import ModelConfig
 from .generate import Model
+from .kv_cache import DEFAULT as DEFAULT_CACHE
+from .kv_cache import cache_row_bytes
 from .model import prefill as prefill_prompt
 from .units import human_bytes, human_count
 from .weights import active_share
@@ -85,11 +87,11 @@ class BenchRow:
 
 def decode_bytes_per_token(model: Model, kv_positions: float) -> float:
     """Bytes one decode step reads: the weights (embedding: one row unless it is the LM head; experts: the
-    n_expert_used of n_expert a token runs) and the fp16 K/V of `kv_positions` cached positions (CUDA keeps
-    the cache in fp16), of at most the window's on a sliding-window layer."""
+    n_expert_used of n_expert a token runs) and the K/V of `kv_positions` cached positions in the model's
+    cache types, of at most the window's on a sliding-window layer."""
     cfg = model.cfg
     total = sum(t.n_bytes * active_share(cfg, t.name) for t in model.gguf.tensors.values())
-    return total + sum(kv_read_bytes(cfg, kv_positions))
+    return total + sum(kv_read_bytes(cfg, kv_positions, model.cache_types))
 
 
 class Bench:
@@ -244,25 +246,26 @@ class ProfileRow:
     launches: int
 
 
-def attention_kv_bytes(cfg: ModelConfig, pos: int) -> list[int]:
-    """Bytes of K and V (fp16) each layer's decode attention reads at position `pos`: the keys 0..pos, or the
-    last `window` of them on a sliding-window layer."""
-    return kv_read_bytes(cfg, pos + 1)
+def attention_kv_bytes(cfg: ModelConfig, pos: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> list[int]:
+    """Bytes of K and V each layer's decode attention reads at position `pos`: the keys 0..pos, or the last
+    `window` of them on a sliding-window layer."""
+    return kv_read_bytes(cfg, pos + 1, cache_types)
 
 
-def kv_read_bytes(cfg: ModelConfig, keys: float) -> list:
-    """Bytes of K and V (fp16) each layer reads over `keys` cached positions: at most the last `window` of
-    them on a sliding-window layer."""
-    per_key = 2 * cfg.kv_dim * 2
+def kv_read_bytes(cfg: ModelConfig, keys: float, cache_types: tuple[str, str] = DEFAULT_CACHE) -> list:
+    """Bytes of K and V (of `cache_types`: fp16, or q8_0's 34 bytes per 32 values) each layer reads over
+    `keys` cached positions: at most the last `window` of them on a sliding-window layer."""
+    per_key = sum(cache_row_bytes(t, cfg.kv_dim) for t in cache_types)
     return [min(keys, plan.window or keys) * per_key for plan in cfg.layers]
 
 
-def decode_attention_summary(cfg: ModelConfig, pos: int, rows: list[ProfileRow], bandwidth: float) -> dict[str, Any]:
+def decode_attention_summary(cfg: ModelConfig, pos: int, rows: list[ProfileRow], bandwidth: float,
+                             cache_types: tuple[str, str] = DEFAULT_CACHE) -> dict[str, Any]:
     """The decode step's attention families (the fused kernel, or the fallback's RoPE/K-V store and attention)
     against the K/V bytes they read at `pos`: per layer time, GB/s and the share of the copy bandwidth
     (issue 24's measure of the decode attention)."""
     ms = sum(r.ms for r in rows if r.phase.startswith("decode") and "attention" in r.family.lower())
-    nbytes = sum(attention_kv_bytes(cfg, pos))
+    nbytes = sum(attention_kv_bytes(cfg, pos, cache_types))
     gbs = nbytes / (ms / 1e3) / 1e9 if ms > 0 else 0.0
     return {"position": pos, "layers": cfg.n_layer, "ms": ms, "us_per_layer": ms * 1e3 / cfg.n_layer,
             "kv_bytes": nbytes, "gb_per_s": gbs, "bandwidth_share": gbs * 1e9 / bandwidth if bandwidth else None}
@@ -314,7 +317,7 @@ def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str
 
     tokens()
     spans["decode step, graph replay"] = be.elapsed(tokens) / k * 1e3
-    return rows, spans, decode_attention_summary(cfg, n_prompt, rows, be.memory_bandwidth())
+    return rows, spans, decode_attention_summary(cfg, n_prompt, rows, be.memory_bandwidth(), model.cache_types)
 
 
 def render_profile(rows: list[ProfileRow], spans: dict[str, float], fmt: str, device: str,

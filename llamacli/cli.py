@@ -103,7 +103,7 @@ CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", "--ctx-size", help
 CacheTypeKOpt = Annotated[str, typer.Option(
     "--cache-type-k", "-ctk", metavar="TYPE",
     help="KV cache type of K, as llama.cpp's: f16 (default) or q8_0 (8-bit: 1.9x the context in the same memory; "
-         "the NumPy backend only so far).")]
+         "on CUDA, K and V of one type).")]
 CacheTypeVOpt = Annotated[str, typer.Option(
     "--cache-type-v", "-ctv", metavar="TYPE", help="KV cache type of V: f16 (default) or q8_0, as -ctk.")]
 SwaFullOpt = Annotated[bool, typer.Option(

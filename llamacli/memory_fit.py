@@ -7,6 +7,8 @@ raises DeviceMemoryError(not_enough_memory(...)).
 from __future__ import annotations
 
 from .config import ModelConfig
+from .kv_cache import DEFAULT as DEFAULT_CACHE
+from .kv_cache import cache_type_fits
 from .units import human_bytes
 
 # Bits per weight of llama.cpp's common quantizations, best quality first: the file sizes its quantize tool
@@ -19,21 +21,27 @@ MULTI_GPU = ("llamacli runs a model on one GPU; llama.cpp (`llama-server -m FILE
 
 
 def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scratch: int, free: int, total: int,
-                      n_params: int | None = None) -> str:
+                      n_params: int | None = None, cache_types: tuple[str, str] = DEFAULT_CACHE) -> str:
     """The message for a model that needs weights + kv + scratch bytes at `ctx` and finds `free` of `total`.
 
-    The largest context that fits is the one whose KV cache (cfg.kv_cache_bytes) fits the room left after
-    the weights and scratch. `n_params` defaults to the count
-    the config implies (the matrices of every layer and the embeddings)."""
+    The largest context that fits is the one whose KV cache (cfg.kv_cache_bytes of `cache_types`) fits the
+    room left after the weights and scratch; with an fp16 cache, the 8-bit one (-ctk/-ctv q8_0) where it
+    would hold `ctx` (its fp16 pair of one layer's rows counted: CUDA's alloc_kv_cache). `n_params` defaults
+    to the count the config implies (the matrices of every layer and the embeddings)."""
     need = weights + kv + scratch
     head = (f"not enough GPU memory: the model needs {human_bytes(need)} at --ctx {ctx} (weights "
             f"{human_bytes(weights)}, KV cache {human_bytes(kv)}, scratch {human_bytes(scratch)}); the GPU has "
             f"{human_bytes(free)} free of {human_bytes(total)}")
     hints = []
-    fit = largest_ctx(cfg, free - weights - scratch)
+    q8 = ("q8_0", "q8_0")
+    if cache_types != q8 and cache_type_fits(cfg.head_dim, "q8_0"):
+        kv8 = cfg.kv_cache_bytes(ctx, q8)
+        if weights + scratch + kv8 + 4 * max(cfg.cache_rows(ctx)) * cfg.kv_dim <= free:
+            hints.append(f"`-ctk q8_0 -ctv q8_0` fits --ctx {ctx} (KV cache {human_bytes(kv8)})")
+    fit = largest_ctx(cfg, free - weights - scratch, cache_types)
     if fit:
-        hints.append(f"--ctx {fit} fits (KV cache {human_bytes(cfg.kv_cache_bytes(fit))})")
-    quant = smaller_quant(cfg, ctx, weights, kv, scratch, free, n_params or parameter_count(cfg))
+        hints.append(f"--ctx {fit} fits (KV cache {human_bytes(cfg.kv_cache_bytes(fit, cache_types))})")
+    quant = smaller_quant(cfg, ctx, weights, kv, scratch, free, n_params or parameter_count(cfg), cache_types)
     if quant:
         hints.append(quant)
     if weights + scratch > total or not hints:
@@ -42,18 +50,19 @@ def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scra
     return head + "; " + "; ".join(hints)
 
 
-def largest_ctx(cfg: ModelConfig, room: int) -> int:
-    """The largest multiple of CTX_STEP positions (up to the trained length) whose KV cache fits in `room`
-    bytes, 0 when none does. The cache grows with the context, linearly until sliding-window layers reach
-    their rings' size (config.kv_cache_bytes), so a bisection over the steps."""
+def largest_ctx(cfg: ModelConfig, room: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> int:
+    """The largest multiple of CTX_STEP positions (up to the trained length) whose KV cache of `cache_types`
+    fits in `room` bytes, 0 when none does. The cache grows with the context, linearly until sliding-window
+    layers reach their rings' size (config.kv_cache_bytes), so a bisection over the steps."""
     lo, hi = 0, cfg.context_length // CTX_STEP
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if cfg.kv_cache_bytes(mid * CTX_STEP) <= room else (lo, mid - 1)
+        lo, hi = (mid, hi) if cfg.kv_cache_bytes(mid * CTX_STEP, cache_types) <= room else (lo, mid - 1)
     return lo * CTX_STEP
 
 
-def smaller_quant(cfg: ModelConfig, ctx: int, weights: int, kv: int, scratch: int, free: int, n_params: int) -> str:
+def smaller_quant(cfg: ModelConfig, ctx: int, weights: int, kv: int, scratch: int, free: int, n_params: int,
+                  cache_types: tuple[str, str] = DEFAULT_CACHE) -> str:
     """The best-quality common quantization smaller than this file's that fits, at `ctx` if it can, else at
     the largest context it leaves room for; "" when none is smaller or none fits."""
     if n_params <= 0:
@@ -64,7 +73,7 @@ def smaller_quant(cfg: ModelConfig, ctx: int, weights: int, kv: int, scratch: in
         if size + kv + scratch <= free:
             return f"a {name} file (weights about {human_bytes(size)}) fits at --ctx {ctx}"
     for name, size in smaller:
-        fit = largest_ctx(cfg, free - size - scratch)
+        fit = largest_ctx(cfg, free - size - scratch, cache_types)
         if fit:
             return f"a {name} file (weights about {human_bytes(size)}) fits at --ctx {fit}"
     return ""

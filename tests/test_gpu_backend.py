@@ -26,11 +26,11 @@ if not _ok:
 pytestmark = pytest.mark.gpu
 
 
-def loaded(path, backend, ctx=256):
+def loaded(path, backend, ctx=256, cache_types=("f16", "f16")):
     g = open_gguf(path)
     cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
     check_tensors(g, cfg, backend.runnable_types)
-    backend.load(g, cfg, ctx)
+    backend.load(g, cfg, ctx, cache_types=cache_types)
     return g, cfg, backend
 
 
@@ -464,10 +464,48 @@ def test_fused_prefill_chunk_after_cached_prefix(random_model) -> None:
     assert 33 in be.prefill_graph_lengths
 
 
-def test_q8_0_kv_cache_is_refused_on_cuda(random_model) -> None:
-    """The 8-bit cache is the NumPy backend's so far: the CUDA backend says so before allocating anything."""
+def test_mixed_kv_cache_types_are_refused_on_cuda(random_model) -> None:
+    """K and V caches of two types: the CUDA backend says so before allocating anything (as llama.cpp's CUDA
+    flash attention, it takes one type for both)."""
     from llamacli.errors import UsageError
     from llamacli.generate import Model
 
-    with pytest.raises(UsageError, match="no q8_0/f16 KV cache yet"):
+    with pytest.raises(UsageError, match="K and V caches of one type"):
         Model(random_model("small-llama", "Q8_0"), backend="cuda", ctx=64, cache_types=("q8_0", "f16"))
+
+
+# An 8-bit cache on the paths a model takes: head dim 64 (small-llama), q/k norms at 128 (tiny-qwen3), rings of
+# sliding-window layers at 256 (tiny-gemma3), and head dim 32 (tiny-gpt-oss: sinks, windows, no attention_split
+# kernel: the CUDA-core decode on the fp16 conversion).
+Q8_CASES = [("small-llama", QT.Q4_K), ("tiny-qwen3", "Q4_K_M"), ("tiny-gemma3", QT.Q8_0), ("tiny-gpt-oss", "MXFP4_MOE")]
+
+
+@pytest.mark.parametrize("shape,qtype", Q8_CASES, ids=lambda c: c if isinstance(c, str) else c.name)
+def test_q8_0_kv_cache_matches_numpy(random_model, shape, qtype) -> None:
+    """-ctk/-ctv q8_0 on the CUDA backend against the NumPy backend's q8_0 cache: the fused prefill of a
+    40-token prompt (K and V quantized from the rotated f32 rows, the prefill attention on the fp16
+    conversion), then a 13-token chunk on top of it (the CUDA-core prefill attention), then 24 greedy tokens through the fused graph step; the
+    logits within 1e-2 and the tokens identical."""
+    from llamacli.model import prefill
+
+    q8 = ("q8_0", "q8_0")
+    path = random_model(shape, qtype)
+    _, cfg, ref = loaded(path, NumpyBackend(), ctx=512, cache_types=q8)
+    _, _, be = loaded(path, CudaBackend(), ctx=512, cache_types=q8)
+    assert be.k_cache[0].dtype == cp.uint8 and be.kv16 is not None
+    rng = np.random.default_rng(4)
+    first, second = rng.integers(0, cfg.vocab_size, size=40), rng.integers(0, cfg.vocab_size, size=13)
+    for ids, start in ((first, 0), (second, 40)):
+        want = ref.to_host(prefill(ref, cfg, ids, start))[-1]
+        got = be.to_host(prefill(be, cfg, ids, start))[-1]
+        assert rel_l2(got, want) <= 1e-2, start
+    tok, want_toks, got_toks = int(np.argmax(want)), [], []
+    cur = tok
+    for pos in range(53, 53 + 24):
+        cur = int(np.argmax(ref.to_host(forward(ref, cfg, ref.token_ids(np.asarray([cur])), ref.positions(pos, 1)))[-1]))
+        want_toks.append(cur)
+    cur = tok
+    for pos in range(53, 53 + 24):
+        cur = be.decode_greedy(cur, pos)
+        got_toks.append(cur)
+    assert got_toks == want_toks

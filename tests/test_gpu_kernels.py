@@ -44,19 +44,21 @@ def make_cfg(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def bare(cfg: ModelConfig, ctx: int) -> tuple[CudaBackend, NumpyBackend]:
-    """A CUDA backend and the NumPy reference set up for op tests without a model file."""
+def bare(cfg: ModelConfig, ctx: int, q8: bool = False) -> tuple[CudaBackend, NumpyBackend]:
+    """A CUDA backend and the NumPy reference set up for op tests without a model file (`q8`: both with the
+    8-bit cache, -ctk/-ctv q8_0)."""
     be = CudaBackend(use_graph=False)
     be.cfg, be.ctx = cfg, ctx
     be.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, None, ctx).astype(np.float64))
     # The caches as CudaBackend.load makes them (a sliding-window layer's a ring: kv_cache.py), the reference's
     # a row per position.
-    be.k_cache = [cp.zeros((n, cfg.n_head_kv, cfg.head_dim), cp.float16) for n in cfg.cache_rows(ctx)]
-    be.v_cache = [cp.zeros_like(k) for k in be.k_cache]
+    be.alloc_kv_cache(cfg, ctx, q8)
     shape = (cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim)
     be.alloc_step_io()  # step_ids, step_pos, the fused argmax's cells, the sampler's buffers
     ref = NumpyBackend()
     ref.cfg, ref.ctx = cfg, ctx
+    if q8:
+        ref.cache_types = ("q8_0", "q8_0")
     ref.theta = rope_tables.inv_freq(cfg, None, ctx)
     ref.k_cache = np.zeros(shape, np.float32)
     ref.v_cache = np.zeros(shape, np.float32)
@@ -694,6 +696,22 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
 SPLIT_TOL = (4e-3, 1e-2)  # attention_split: fp16 q and P on tensor cores, as the prefill's (atol, rtol)
 
 
+def with_probes(kc: np.ndarray, q: np.ndarray, p: int, n_split: int, group: int) -> np.ndarray:
+    """A copy of the cache kc [rows, Hkv, D] whose probe keys (the first and last key of every split,
+    kernels/attention_split.cu's tiles per split, of the first tiles, and p itself) are turned towards their
+    group's queries q [1, Hq, D] (scores ~8 at group 1), so that each holds a visible share of the output: a
+    key dropped or read twice moves it far past the tolerance."""
+    hkv, dh = kc.shape[1], kc.shape[2]
+    tiles = p // 64 + 1
+    per = -(-tiles // n_split)
+    starts = range(0, tiles * 64, per * 64)
+    probes = sorted({k for k in (0, 63, 64, 65, p, *starts, *(s + per * 64 - 1 for s in starts)) if k <= p})
+    qg = q[0].reshape(hkv, group, dh).mean(axis=1)
+    kp = kc.copy()
+    kp[probes] = (4 * qg / np.linalg.norm(qg, axis=1, keepdims=True)).astype(kc.dtype)
+    return kp
+
+
 @pytest.mark.parametrize("dh,hkv,group", [(64, 3, 3), (128, 1, 8), (96, 2, 7), (64, 2, 1), (256, 1, 4), (80, 4, 5),
                                           (112, 1, 16), (128, 8, 4), (256, 4, 2)])
 def test_attention_split_depths(dh, hkv, group) -> None:
@@ -714,16 +732,7 @@ def test_attention_split_depths(dh, hkv, group) -> None:
     pm = cp.empty((n_split, hq, 2), cp.float32)
     for p in (0, 1, 63, 64, 65, 700, 5000, 19_999):
         q = (rng.standard_normal((1, hq, dh)) * 2).astype(np.float32)
-        # Probe keys: the first and last key of every split (kernels/attention_split.cu's tiles per split), of
-        # the first tiles, and p itself, turned towards their group's queries so that each holds a visible
-        # share of the output: a key dropped or read twice moves it far past the tolerance.
-        tiles = p // 64 + 1
-        per = -(-tiles // n_split)
-        starts = range(0, tiles * 64, per * 64)
-        probes = sorted({k for k in (0, 63, 64, 65, p, *starts, *(s + per * 64 - 1 for s in starts)) if k <= p})
-        qg = q[0].reshape(hkv, group, dh).mean(axis=1)
-        kp = kc.copy()
-        kp[probes] = (4 * qg / np.linalg.norm(qg, axis=1, keepdims=True)).astype(np.float16)  # scores ~8 at G 1
+        kp = with_probes(kc, q, p, n_split, group)
         kd, vd = cp.asarray(kp), cp.asarray(vc)
         kd[p + 1 :] = cp.nan
         vd[p + 1 :] = cp.nan
@@ -929,6 +938,26 @@ def test_attention_decode_window_softcap(dh, hkv, group, window, softcap) -> Non
         start += t
 
 
+def step_backends(cfg, ctx: int, splits, rng, q8: bool = False):
+    """bare() set up for the fused step's attention of layer 0 (attend_step): random q/k norm weights, the local
+    RoPE table, the split buffers; `splits` overrides the GPU's split count. -> (be, ref, qn, kn)."""
+    be, ref = bare(cfg, ctx, q8)
+    if splits is not None:
+        be.decode_splits = lambda ctx: splits  # (the instance attribute shadows the method)
+    dh = cfg.head_dim
+    qn = (1 + 0.3 * rng.standard_normal(dh)).astype(np.float32)
+    kn = (1 + 0.3 * rng.standard_normal(dh)).astype(np.float32)
+    be.weights = SimpleNamespace(layers=[SimpleNamespace(attn_q_norm=cp.asarray(qn), attn_k_norm=cp.asarray(kn),
+                                                         attn_sinks=None)])
+    be.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, None, ctx, local=True).astype(np.float64))
+    ref.theta_local = rope_tables.inv_freq(cfg, None, ctx, local=True)
+    n_split = be.decode_splits(ctx)
+    be._part_o = cp.empty((n_split, cfg.n_head, dh), cp.float32)
+    be._part_ml = cp.empty((n_split, cfg.n_head, 2), cp.float32)
+    be.attention_counters = cp.zeros(cfg.n_head_kv, cp.uint32)
+    return be, ref, qn, kn
+
+
 @pytest.mark.parametrize("dh,group", [(64, 3), (256, 4), (128, 16)])
 @pytest.mark.parametrize("window,softcap,qk_norm", [(0, 0.0, False), (200, 0.0, True), (30, 50.0, False),
                                                     (0, 0.0, True)])
@@ -949,19 +978,7 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, s
         cfg = dataclasses.replace(cfg, layers=(LayerPlan(window=window, attn_softcap=softcap, rope_local=True,
                                                          qk_norm=True),))
     ctx = 2048
-    be, ref = bare(cfg, ctx)
-    if splits is not None:
-        be.decode_splits = lambda ctx: splits  # (the instance attribute shadows the method)
-    qn = (1 + 0.3 * rng.standard_normal(dh)).astype(np.float32)
-    kn = (1 + 0.3 * rng.standard_normal(dh)).astype(np.float32)
-    be.weights = SimpleNamespace(layers=[SimpleNamespace(attn_q_norm=cp.asarray(qn), attn_k_norm=cp.asarray(kn),
-                                                         attn_sinks=None)])
-    be.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, None, ctx, local=True).astype(np.float64))
-    ref.theta_local = rope_tables.inv_freq(cfg, None, ctx, local=True)
-    n_split = be.decode_splits(ctx)
-    be._part_o = cp.empty((n_split, cfg.n_head, dh), cp.float32)
-    be._part_ml = cp.empty((n_split, cfg.n_head, 2), cp.float32)
-    be.attention_counters = cp.zeros(hkv, cp.uint32)
+    be, ref, qn, kn = step_backends(cfg, ctx, splits, rng)
     hist = 702  # the cache before the step: filled through both backends' op path
     k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
     put_positions(be.k_cache[0], 0, k0.astype(np.float16))
@@ -1109,3 +1126,183 @@ def test_lm_head_262k_vocabulary_argmax() -> None:
         assert_close(yh[:, sub], ref, 1e-5 + 2e-6 * (np.abs(h) @ np.abs(wref).T) + q8, 1e-5, f"rows {sub[0]}..")
     capped = be.softcap(y, 30.0).get()
     assert np.isfinite(capped).all() and int(np.argmax(capped)) == win
+
+
+# -- the 8-bit KV cache (-ctk/-ctv q8_0): kv_store_q8, attention_split's _q8 forms, the fp16 conversion ---------
+
+
+def ggml_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., D] f32 -> (int8 codes [..., D], fp16 scales [..., D/32]) as gguf.quants (ggml's rounding) makes
+    Q8_0 blocks."""
+    from gguf import quants
+
+    raw = quants.quantize(np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1]), QT.Q8_0).reshape(-1, 34)
+    d = raw[:, :2].copy().view(np.float16).reshape(*x.shape[:-1], x.shape[-1] // 32)
+    return raw[:, 2:].copy().view(np.int8).reshape(x.shape), d
+
+
+def q8_cache_get(buf) -> tuple[np.ndarray, np.ndarray]:
+    """One 8-bit cache (device.alloc_kv_cache) -> (codes [rows, Hkv, D] int8, scales [rows, Hkv, D/32] fp16)."""
+    rows, hkv, w = buf.shape
+    dh = w * 16 // 17
+    b = buf.get().reshape(-1)
+    n = rows * hkv * dh
+    sc = b[n:].view(np.float16).reshape(hkv, rows, dh // 32).transpose(1, 0, 2)
+    return b[:n].view(np.int8).reshape(rows, hkv, dh), sc
+
+
+def q8_cache_set(buf, codes: np.ndarray, scales: np.ndarray) -> None:
+    rows, hkv, dh = codes.shape
+    b = np.concatenate([codes.astype(np.int8).reshape(-1).view(np.uint8),
+                        np.ascontiguousarray(scales.astype(np.float16).transpose(1, 0, 2)).reshape(-1).view(np.uint8)])
+    buf.set(b.reshape(buf.shape))
+
+
+def q8_values(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Dequantized float64 [rows, Hkv, D]."""
+    d = np.repeat(scales.astype(np.float64), 32, axis=-1)
+    return codes.astype(np.float64) * d
+
+
+@pytest.mark.parametrize("dh", [64, 96, 128, 256])
+def test_kv_store_q8_matches_ggml(dh) -> None:
+    """kv_store_q8: the codes and fp16 scales of every 32-value block exactly as gguf.quants rounds them
+    (values of several magnitudes, an all-zero block, exact halves), at rows pos mod ring of a ring; a block
+    holding NaN or inf stores a NaN scale; rows of other positions untouched."""
+    rng = np.random.default_rng(dh)
+    hkv, t, start = 2, 37, 620  # positions 620..656 wrap the ring of 640 rows
+    cfg = ext_cfg(dh, hkv, 2, 100, 0.0)
+    be, _ = bare(cfg, 4096, q8=True)
+    rows = be.k_cache[0].shape[0]
+    assert rows < 4096 and rows % 64 == 0
+    k = (rng.standard_normal((t, hkv, dh)) * rng.choice([1e-3, 1.0, 300.0], size=(t, hkv, 1))).astype(np.float32)
+    v = rng.standard_normal((t, hkv, dh)).astype(np.float32)
+    k[3, 1, :32] = 0.0
+    k[4, 0, :32] = np.arange(32) - 12.7  # max 19.3 -> many codes land near .5
+    v[5, 0, 32:64] = np.nan
+    v[6, 1, :32] = np.inf
+    pos = np.arange(start, start + t, dtype=np.int32)
+    q = rng.standard_normal((t, cfg.q_dim)).astype(np.float32)
+    be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+    for cache, x in ((be.k_cache[0], k), (be.v_cache[0], v)):
+        codes, sc = q8_cache_get(cache)
+        want_c, want_s = ggml_q8_0(x)
+        at = pos % rows
+        finite = np.isfinite(x.reshape(t, hkv, dh // 32, 32)).all(axis=-1)
+        np.testing.assert_array_equal(sc[at][finite], want_s[finite])
+        got_c = codes[at].reshape(t, hkv, dh // 32, 32)
+        np.testing.assert_array_equal(got_c[finite], want_c.reshape(t, hkv, dh // 32, 32)[finite])
+        assert np.isnan(sc[at][~finite].astype(np.float32)).all()
+        other = np.setdiff1d(np.arange(rows), at)
+        assert not codes[other].any() and not sc[other].astype(np.float32).any()
+
+
+@pytest.mark.parametrize("dh", [64, 96, 128, 256])
+@pytest.mark.parametrize("hkv,group", [(2, 1), (1, 8), (2, 7)])
+def test_attention_q8_prefill_then_decode(dh, hkv, group) -> None:
+    """An 8-bit cache through the attention op against the NumPy backend's q8_0 cache: prefill chunks on
+    tensor cores (the cache converted to fp16 first: readable), decode through attention_split_q8_d*, a short
+    chunk on the CUDA cores, each on top of the cache before."""
+    rng = np.random.default_rng(dh * 10 + group + 5)
+    cfg = make_cfg(n_head=hkv * group, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hkv * group * dh)
+    be, ref = bare(cfg, 4096, q8=True)
+    hq, start = cfg.n_head, 0
+    for t in (37, 1, 200, 1, 5, 1):
+        q = rng.standard_normal((t, hq, dh)).astype(np.float32)
+        k = rng.standard_normal((t, hkv, dh)).astype(np.float32)
+        v = rng.standard_normal((t, hkv, dh)).astype(np.float32)
+        pos = np.arange(start, start + t, dtype=np.int32)
+        got = be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+        want = ref.attention(0, q, k, v, pos)
+        # fp16 q and P on tensor cores (prefill, decode); the CUDA cores read the fp16 conversion of d x code
+        tol = SPLIT_TOL if t >= ATT_TC_MIN_T or t == 1 else (1e-3, 4e-3)
+        assert_close(got.get(), want, *tol, f"q8 attention t={t} start={start}")
+        start += t
+
+
+@pytest.mark.parametrize("dh,hkv,group", [(64, 3, 3), (128, 8, 4), (96, 2, 7), (256, 1, 4), (128, 1, 16)])
+def test_attention_split_q8_depths(dh, hkv, group) -> None:
+    """attention_split_q8_d*: one query over up to 20,000 keys of an 8-bit cache, positions on and around tile
+    and split boundaries, probe keys at every split's ends; the rows past the position hold NaN scales (never
+    read); float64 reference on the dequantized cache."""
+    rng = np.random.default_rng(91 + dh + group)
+    hq, ctx = hkv * group, 20_000
+    cfg = make_cfg(n_head=hq, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hq * dh)
+    be, _ = bare(cfg, ctx, q8=True)
+    assert be.split_fits()
+    n_split = be.decode_splits(ctx)
+    assert 1 < n_split
+    rows = be.k_cache[0].shape[0]
+    kc = rng.standard_normal((rows, hkv, dh)).astype(np.float32)
+    vcodes, vsc = ggml_q8_0(rng.standard_normal((rows, hkv, dh)).astype(np.float32))
+    po = cp.empty((n_split, hq, dh), cp.float32)
+    pm = cp.empty((n_split, hq, 2), cp.float32)
+    for p in (0, 63, 64, 65, 5000, 19_999):
+        q = (rng.standard_normal((1, hq, dh)) * 2).astype(np.float32)
+        kp = with_probes(kc, q, p, n_split, group)
+        kcodes, ksc = ggml_q8_0(kp)
+        ks, vs = ksc.copy(), vsc.copy()
+        ks[p + 1 :], vs[p + 1 :] = np.nan, np.nan
+        q8_cache_set(be.k_cache[0], kcodes, ks)
+        q8_cache_set(be.v_cache[0], vcodes, vs)
+        out = poisoned((1, hq * dh))
+        be.attend(cp.asarray(q), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray([p], dtype=cp.int32), 1, out,
+                  n_split, 0, po, pm)
+        want = ext_attention_ref(q, q8_values(kcodes, ksc)[: p + 1], q8_values(vcodes, vsc)[: p + 1], np.array([p]),
+                                 group, 1 / math.sqrt(dh), 0, 0.0)
+        assert_close(out.get(), want, *SPLIT_TOL, f"q8 decode pos {p}")
+        assert not be.attention_counters.get().any()
+
+
+@pytest.mark.parametrize("dh,group", [(64, 3), (128, 4), (256, 2)])
+@pytest.mark.parametrize("window,qk_norm", [(0, False), (200, True)])
+@pytest.mark.parametrize("splits", [None, 2], ids=["gpu-splits", "2-splits"])
+def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
+    """The fused step's attention on an 8-bit cache (attention_split_step_q8_neox_d*): the q/k norm, RoPE,
+    this token's K and V quantized into the cache by the holder block (a warp per block; patched into its
+    stage when its tile was requested before the store), the splits and their merge, against norm, rope and
+    the reference's q8_0 cache; the history written through kv_store_q8 (the op path), a window's ring
+    wrapped."""
+    from llamacli.kv_cache import q8_0_roundtrip
+    from llamacli.models.base import LayerPlan
+
+    rng = np.random.default_rng(dh + group + window + 3)
+    hkv, ctx = 1, 2048
+    cfg = ext_cfg(dh, hkv, group, window, 0.0)
+    cfg = dataclasses.replace(cfg, layers=(LayerPlan(window=window, rope_local=True, qk_norm=qk_norm),))
+    be, ref, qn, kn = step_backends(cfg, ctx, splits, rng, q8=True)
+    hist = 702
+    q0 = rng.standard_normal((hist, cfg.q_dim)).astype(np.float32)
+    k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
+    v0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
+    p0 = np.arange(hist, dtype=np.int32)
+    be.attention(0, cp.asarray(q0), cp.asarray(k0), cp.asarray(v0), cp.asarray(p0))
+    ref.attention(0, q0, k0, v0, p0)
+    rows = be.k_cache[0].shape[0]
+
+    def head_norm(x, w):
+        x = x.astype(np.float64)
+        return (x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + cfg.rms_eps) * w).astype(np.float32)
+
+    for p in (hist, hist + 1, hist + 2):
+        qkv = rng.standard_normal((1, cfg.q_dim + 2 * cfg.kv_dim)).astype(np.float32)
+        qkv[0, cfg.q_dim : cfg.q_dim + dh] = 3 * qkv[0, :dh]
+        q = qkv[:, : cfg.q_dim].reshape(1, cfg.n_head, dh)
+        k = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(1, hkv, dh)
+        v = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(1, hkv, dh)
+        if qk_norm:
+            q, k = head_norm(q, qn), head_norm(k, kn)
+        pos = np.array([p], np.int32)
+        kr = ref.rope(k, pos, local=True)
+        want = ref.attention(0, ref.rope(q, pos, local=True), kr, v, pos)
+        be.step_pos.set(pos)
+        att = poisoned((1, cfg.q_dim))
+        be.attend_step(0, cp.asarray(qkv), att, False)
+        assert_close(att.get(), want, *SPLIT_TOL, f"q8 step p={p}")
+        codes, sc = q8_cache_get(be.k_cache[0])
+        got_k = q8_values(codes[p % rows], sc[p % rows])
+        step = np.repeat(np.abs(kr[0]).reshape(hkv, -1, 32).max(axis=-1) / 127, 32, axis=-1)
+        assert (np.abs(got_k - q8_0_roundtrip(kr)[0]) <= 1.01 * step + 1e-6).all(), f"stored k p={p}"
+        vc, vs = q8_cache_get(be.v_cache[0])
+        np.testing.assert_array_equal(q8_values(vc[p % rows], vs[p % rows]), q8_0_roundtrip(v)[0].astype(np.float64))
+        assert int(be.attention_counters.sum()) == 0

@@ -99,10 +99,11 @@ def test_attention_has_hopper_code_only_for_sm90a() -> None:
 
 
 ATTENTION_KERNELS = {  # the kernels of the four attention families, as the Python launchers name them
-    "attention_simt": {"kv_store", "attention_combine", "attention_combine_w"}
+    "attention_simt": {"kv_store", "kv_store_q8", "kv_dequant_q8", "attention_combine", "attention_combine_w"}
     | {f"attention{w}_npl{n}" for w in ("", "_w") for n in (1, 2, 3, 4, 8)},
     "attention_split": {f"attention_split{s}_d{d}" for s in ("", "_step_normal", "_step_neox")
-                        for d in (64, 80, 96, 112, 128, 256)},
+                        for d in (64, 80, 96, 112, 128, 256)}
+    | {f"attention_split{s}_d{d}" for s in ("_q8", "_step_q8_normal", "_step_q8_neox") for d in (64, 96, 128, 256)},
     "attention_mma": {f"attention_tc{x}{o}_d{d}" for x in ("", "x") for o in ("", "16")
                       for d in (64, 80, 96, 112, 128, 256)},
     "attention_wgmma": {f"attention_wg{o}_d{d}" for o in ("", "16") for d in (64, 128)},

@@ -82,3 +82,19 @@ def test_a_70b_model_on_one_80gb_gpu():
     assert "a Q8_0 file (weights about 69.8" in msg and "fits at --ctx 8192" in msg
     assert "the weights alone are larger than this GPU" in msg
     assert "llama-server -m FILE -sm layer" in msg and "--tensor-parallel-size" in msg
+
+
+def test_the_8bit_cache_is_suggested_and_counted():
+    """An fp16 cache that does not fit where the 8-bit one (-ctk/-ctv q8_0: 68 KiB a position for Llama-3-8B,
+    plus CUDA's fp16 pair of one layer, 32 KiB a position) would: the message says so; with the 8-bit cache
+    chosen, the --ctx that fits counts its bytes."""
+    weights = int(parameter_count(L8B) * 8.5 / 8)
+    msg = not_enough_memory(L8B, 8192, weights=weights, kv=L8B.kv_cache_bytes(8192), scratch=GiB // 2,
+                            free=int(9.2 * GiB), total=12 * GiB)
+    assert "`-ctk q8_0 -ctv q8_0` fits --ctx 8192 (KV cache 544.00 MiB)" in msg
+    q8 = ("q8_0", "q8_0")
+    msg = not_enough_memory(L8B, 8192, weights=weights, kv=L8B.kv_cache_bytes(8192, q8), scratch=GiB // 2,
+                            free=int(8.75 * GiB), total=12 * GiB, cache_types=q8)
+    assert "q8_0" not in msg and "KV cache 544.00 MiB" in msg
+    assert "--ctx 4608 fits" in msg  # 0.30 GiB / 68 KiB = 4626 positions
+    assert largest_ctx(L8B, 1000 * L8B.kv_cache_bytes(1, q8), q8) == 768

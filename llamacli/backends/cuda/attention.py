@@ -16,6 +16,9 @@ Every kernel that reads or writes a cache [rows, Hkv, Dh] takes `ring`, its rows
 ring, ctx rows for a full cache and fewer for a sliding-window layer's ring (kv_cache.py; those layers always
 take the _w / tcx / split kernels, never attention_wg or the plain npl/tc forms).
 
+An 8-bit cache (-ctk/-ctv q8_0; device.alloc_kv_cache) is written by kv_store_q8 (and the fused step's _q8
+form), read by attention_split's _q8 forms in decode, and converted to fp16 for every other reader (readable).
+
 Decode splits the keys (flash-decoding) over a grid fixed when the step is captured, so one graph serves every
 position: attention_split takes as many splits as the GPU holds blocks of it (decode_splits) and computes
 each split's key range from the position; the CUDA-core fallback (head shapes attention_split lacks) takes
@@ -44,16 +47,20 @@ SPLIT_MAX_G = 16  # attention_split: query heads per KV head (the rows of one MM
 SPLIT_STATIC_SMEM = 1024  # attention_split's static shared memory (592 bytes), rounded up
 
 
-def split_stage_bytes(dh: int) -> int:
-    """attention_split_d<dh>'s K and V stages: SP_STAGES(dh) (2 past head dim 128, else 3) x 64 keys x
-    (dh + 8) halves each."""
-    return 2 * (2 if dh > 128 else 3) * SPLIT_KEYS * (dh + 8) * 2
+def split_stage_bytes(dh: int, q8: bool = False) -> int:
+    """attention_split*_d<dh>'s K and V stages: SP_STAGES(dh) (2 past head dim 128, else 3) x 64 keys x
+    (dh + 8) halves each; the _q8 forms': one converted fp16 K and V tile, then the stages of codes (dh bytes
+    a key) and scales (dh / 32 halves a key)."""
+    stages = 2 if dh > 128 else 3
+    if q8:
+        return 2 * SPLIT_KEYS * (dh + 8) * 2 + 2 * stages * SPLIT_KEYS * (dh + dh // 16)
+    return 2 * stages * SPLIT_KEYS * (dh + 8) * 2
 
 
-def split_smem(dh: int, group: int) -> int:
-    """attention_split*_d<dh>'s dynamic shared memory at `group` query heads per KV head: the K/V stages, 16
-    fp16 q rows and group + 1 f32 rows."""
-    return split_stage_bytes(dh) + 16 * (dh + 8) * 2 + (group + 1) * dh * 4
+def split_smem(dh: int, group: int, q8: bool = False) -> int:
+    """attention_split*_d<dh>'s dynamic shared memory at `group` query heads per KV head: the K/V stages (of an
+    8-bit cache: `q8`), 16 fp16 q rows and group + 1 f32 rows."""
+    return split_stage_bytes(dh, q8) + 16 * (dh + 8) * 2 + (group + 1) * dh * 4
 
 
 def tc_smem(dh: int) -> int:
@@ -107,8 +114,8 @@ class AttentionMixin:
         if t > span:  # a ring takes a long chunk in passes of at most `span` positions (kv_cache.py)
             return cp.concatenate([self.attention(layer, q[s : s + span], k[s : s + span], v[s : s + span],
                                                   pos[s : s + span]) for s in range(0, t, span)])
-        n = t * hkv * dh
-        K.launch("attention_simt", "kv_store", (min(K.cdiv(n, 256), 4096),), (256,),
+        n = t * hkv * dh  # (kv_store_q8: a warp per 32 values)
+        K.launch("attention_simt", "kv_store_q8" if kc.dtype == self.cp.uint8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,),
                  (K.ptr(k), K.i32(hkv * dh), K.ptr(v), K.i32(hkv * dh), K.i32(t), K.i32(hkv), K.i32(dh), K.ptr(pos),
                   K.ptr(kc), K.ptr(vc), K.i32(ring)))
         out = cp.empty((t, cfg.q_dim), dtype=cp.float32)
@@ -145,6 +152,7 @@ class AttentionMixin:
         if t == 1 and self.split_fits():  # decode on tensor cores, n_split splits from the position
             self.attend_split(layer, q, kc, vc, pos, out, n_split, part_o, part_ml)
             return
+        kc, vc = self.readable(kc, vc, pos, t)
         npl = values_per_lane(dh)
         smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
         grid = (K.cdiv(t * cfg.n_group, ATT_ROWS), hkv, n_split)
@@ -170,6 +178,7 @@ class AttentionMixin:
         layer (`layer`) with a sliding window or soft-cap: attention_tcx*_d* (mma.sync)."""
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        kc, vc = self.readable(kc, vc, pos, t)
         f16 = "16" if out.dtype == self.cp.float16 else ""
         plan = cfg.layers[layer] if layer is not None else None
         if plan is not None and layer_ext(plan):  # the soft-cap in the kernel's base-2 units: c log2(e)
@@ -214,9 +223,10 @@ class AttentionMixin:
         stored) in n_split splits (attention_split_d<D>, partials in part_o [n_split, Hq, D] and part_ml
         [n_split, Hq, 2]) -> out [1, q_dim] f32."""
         cfg = self.cfg
-        K.launch("attention_split", f"attention_split_d{cfg.head_dim}", (cfg.n_head_kv, n_split), (128,),
-                 (K.ptr(q), *self.split_args(layer, pos, n_split, part_o, part_ml, kc, vc), K.ptr(out)),
-                 shared=split_smem(cfg.head_dim, cfg.n_group))
+        q8 = kc.dtype == self.cp.uint8  # an 8-bit cache (device.alloc_kv_cache)
+        K.launch("attention_split", f"attention_split{'_q8' if q8 else ''}_d{cfg.head_dim}", (cfg.n_head_kv, n_split),
+                 (128,), (K.ptr(q), *self.split_args(layer, pos, n_split, part_o, part_ml, kc, vc), K.ptr(out)),
+                 shared=split_smem(cfg.head_dim, cfg.n_group, q8))
 
     def attend_step(self, layer: int, qkv: Any, att: Any, early: bool) -> None:
         """The fused decode step's attention of layer `layer` (attention_split_step_<mode>_d<D>): the q/k norm
@@ -230,20 +240,21 @@ class AttentionMixin:
         inv_freq, attn = self.rope_table(layer)
         L = self.weights.layers[layer] if plan.qk_norm else None
         qn, kn = (L.attn_q_norm, L.attn_k_norm) if L is not None else (None, None)
-        K.launch("attention_split", f"attention_split_step_{mode}_d{cfg.head_dim}", (cfg.n_head_kv, n_split),
-                 (128,),
+        q8 = self.k_cache[layer].dtype == self.cp.uint8
+        K.launch("attention_split", f"attention_split_step{'_q8' if q8 else ''}_{mode}_d{cfg.head_dim}",
+                 (cfg.n_head_kv, n_split), (128,),
                  (K.ptr(qkv), *self.split_args(layer, self.step_pos, n_split, self._part_o, self._part_ml,
                                                self.k_cache[layer], self.v_cache[layer]),
                   K.ptr(att), K.i32(self.rope_dims[layer]), K.ptr(inv_freq), K.f32(attn), K.ptr(qn), K.ptr(kn),
                   K.f32(cfg.rms_eps), K.i32(early)),
-                 shared=split_smem(cfg.head_dim, cfg.n_group))
+                 shared=split_smem(cfg.head_dim, cfg.n_group, q8))
 
     def split_fits(self) -> bool:
         """attention_split serves the head shape: up to 16 query heads per KV head, a head dim with a kernel,
         and its shared memory within the GPU's per-block limit."""
         cfg = self.cfg
         return (cfg.n_group <= SPLIT_MAX_G and cfg.head_dim in ATT_TC_DIMS
-                and split_smem(cfg.head_dim, cfg.n_group) + SPLIT_STATIC_SMEM <= self.smem_block)
+                and split_smem(cfg.head_dim, cfg.n_group, self.kv_q8) + SPLIT_STATIC_SMEM <= self.smem_block)
 
     def decode_chunk(self, ctx: int) -> int:
         """Keys per split of the CUDA-core decode fallback (attention_npl + attention_combine; head shapes
@@ -258,7 +269,44 @@ class AttentionMixin:
         cfg = self.cfg
         if not self.split_fits():
             return K.cdiv(ctx, self.decode_chunk(ctx))
-        smem = split_smem(cfg.head_dim, cfg.n_group)
+        smem = split_smem(cfg.head_dim, cfg.n_group, self.kv_q8)
         per_sm = max(1, min(4, self.smem_sm // (smem + SPLIT_STATIC_SMEM + 1024)))  # (+ 1 KB each: the driver's)
         n = K.cdiv(self.n_sms * per_sm, cfg.n_head_kv)
-        return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), split_stage_bytes(cfg.head_dim) // (4 * cfg.n_group)))
+        return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), split_stage_bytes(cfg.head_dim, self.kv_q8) // (4 * cfg.n_group)))
+
+    def rope_store_caches(self, layer: int) -> tuple[Any, Any]:
+        """The K and V arrays the fp16 writers (rope_store*, which also leave the rotated K and V in f32 in their
+        qkv rows) write into: the layer's cache, or an 8-bit cache's fp16 pair (scratch: readable overwrites
+        it), the 8-bit cache then filled from those rows by store_q8."""
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        if kc.dtype != self.cp.uint8:
+            return kc, vc
+        return self.kv16[0][: kc.shape[0]], self.kv16[1][: kc.shape[0]]
+
+    def store_q8(self, layer: int, qkv: Any, stride: int, pos: Any, t: int) -> None:
+        """An 8-bit cache's rows of the t positions `pos` from the rotated K and V in qkv's rows (`stride` floats
+        apart: [q | K | V] as the QKV matvec or GEMM writes them); nothing for an fp16 cache."""
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        if kc.dtype != self.cp.uint8:
+            return
+        cfg = self.cfg
+        blocks = 2 * t * cfg.kv_dim // 32  # a warp each
+        K.launch("attention_simt", "kv_store_q8", (min(K.cdiv(blocks, 8), 4096),), (256,),
+                 (K.ptr(qkv.data.ptr + 4 * cfg.q_dim), K.i32(stride), K.ptr(qkv.data.ptr + 4 * (cfg.q_dim + cfg.kv_dim)),
+                  K.i32(stride), K.i32(t), K.i32(cfg.n_head_kv), K.i32(cfg.head_dim), K.ptr(pos), K.ptr(kc), K.ptr(vc),
+                  K.i32(kc.shape[0])))
+
+    def readable(self, kc: Any, vc: Any, pos: Any, t: int) -> tuple[Any, Any]:
+        """A layer's cache as the fp16 readers take it: itself, or (an 8-bit cache, alloc_kv_cache) its rows up to
+        the highest of the t positions `pos` converted into the fp16 pair kv16 (kv_dequant_q8). attention_split
+        reads the 8-bit cache itself (its _q8 forms): decode, where the bytes read are the cost; a prefill
+        chunk's attention does far more work per key than the conversion."""
+        if kc.dtype != self.cp.uint8:
+            return kc, vc
+        cfg = self.cfg
+        ring, hkv, dh = kc.shape[0], cfg.n_head_kv, cfg.head_dim
+        k16, v16 = (x[:ring] for x in self.kv16)
+        K.launch("attention_simt", "kv_dequant_q8", (min(K.cdiv(ring * hkv * dh // 8, 256), 2048),), (256,),
+                 (K.ptr(kc), K.ptr(vc), K.i32(ring), K.i32(hkv), K.i32(dh), K.ptr(pos), K.i32(t), K.ptr(k16),
+                  K.ptr(v16)))
+        return k16, v16

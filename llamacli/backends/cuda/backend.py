@@ -62,6 +62,7 @@ class CudaBackend(DeviceMixin, LinearMixin, OpsMixin, AttentionMixin, MoEMixin, 
         # Shared memory a block may opt into and an SM holds (attention_split's fit and its splits).
         self.smem_block = int(attrs["MaxSharedMemoryPerBlockOptin"])
         self.smem_sm = int(attrs["MaxSharedMemoryPerMultiprocessor"])
+        self.kv_q8, self.kv16 = False, None  # an 8-bit KV cache and its fp16 pair (device.alloc_kv_cache)
         # The captured decode step launches its matvecs and attention as programmatic dependents (sm_90+):
         # set before the first decode (the graph keeps it).
         self.pdl = True

@@ -176,11 +176,13 @@ class DecodeMixin:
                         (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.ptr(L.attn_q_norm),
                          K.ptr(L.attn_k_norm), K.f32(cfg.rms_eps)))))
                 table, attn = self.rope_table(i)
-                step.append(("RoPE+KV", 0, False, lambda early, i=i, table=table, attn=attn: K.launch(
+                kc, vc = self.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
+                step.append(("RoPE+KV", 0, False, lambda early, i=i, table=table, attn=attn, kc=kc, vc=vc: K.launch(
                     "rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
                     (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(self.rope_dims[i]),
-                     K.ptr(self.step_pos), K.ptr(table), K.f32(attn),
-                     K.ptr(self.k_cache[i]), K.ptr(self.v_cache[i]), K.i32(self.k_cache[i].shape[0])))))
+                     K.ptr(self.step_pos), K.ptr(table), K.f32(attn), K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0])))))
+                step.append(("RoPE+KV", 0, False, lambda early, i=i: self.store_q8(i, qkv, qkv.shape[1],
+                                                                                  self.step_pos, 1)))
                 step.append(("attention", 0, False, lambda early, i=i: self.attend(
                     qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split, chunk,
                     self._part_o, self._part_ml, layer=i)))

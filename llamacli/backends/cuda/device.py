@@ -4,7 +4,8 @@ figures bench reads (device name, copy bandwidth).
 
 Weights stay in their GGUF block layout on the device: one arena for the matrices, uploaded straight from
 the memory map in chunks; the 1-D tensors (norms, biases) as float32 arrays. The KV cache is fp16, one
-[rows, Hkv, Dh] array per layer: ctx rows, or a sliding-window layer's ring (kv_cache.py).
+[rows, Hkv, Dh] array per layer: ctx rows, or a sliding-window layer's ring (kv_cache.py); or 8-bit
+(alloc_kv_cache).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ class DeviceMixin:
     # -- lifetime ------------------------------------------------------------------------------------------
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
              cache_types: tuple[str, str] = ("f16", "f16")) -> None:
-        if tuple(cache_types) != ("f16", "f16"):  # (kv_cache.py: the 8-bit cache is the NumPy backend's so far)
-            raise UsageError(f"the CUDA backend has no {'/'.join(cache_types)} KV cache yet: use f16, or "
-                             "--backend numpy")
+        if tuple(cache_types) not in (("f16", "f16"), ("q8_0", "q8_0")):  # as llama.cpp's CUDA flash attention
+            raise UsageError(f"the CUDA backend takes K and V caches of one type (f16 or q8_0), not "
+                             f"{'/'.join(cache_types)}; the NumPy backend (--backend numpy) takes any pair")
         cp = self.cp
         t0 = time.perf_counter()  # load_stages: kernels, weights, the rest
         self.cfg, self.ctx = cfg, ctx
@@ -88,7 +89,7 @@ class DeviceMixin:
             offsets[info.name] = total
             total += -(-info.n_bytes // _ALIGN) * _ALIGN
         vec_bytes = sum(4 * info.n_elements for info in vecs)
-        self._check_memory(cfg, ctx, total + vec_bytes)
+        self._check_memory(cfg, ctx, total + vec_bytes, cache_types)
 
         # Upload: one arena for the matrices, copied from the memory map in chunks (progress per chunk).
         self._arena = cp.empty(max(total, 1), dtype=cp.uint8)
@@ -135,14 +136,10 @@ class DeviceMixin:
         self.inv_freq_local = None  # the local table (gemma's sliding-window layers: rope_table)
         if any(plan.rope_local for plan in cfg.layers):
             self.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx, local=True).astype(np.float64))
-        # One [rows, Hkv, Dh] fp16 cache per layer: ctx rows, or a ring on a sliding-window layer (kv_cache.py),
-        # which the fused prefill fills a whole chunk at a time and the kernels read in 64-key tiles.
-        rows = cfg.cache_rows(ctx)
-        for plan, n in zip(cfg.layers, rows):
+        for plan, n in zip(cfg.layers, cfg.cache_rows(ctx)):  # the fused prefill fills a ring a chunk at a time
             if n < ctx and (n % 64 or ring_span(plan.window, n, ctx) < min(ctx, PREFILL_CHUNK)):
                 raise BackendError(f"internal: a ring of {n} rows cannot serve window {plan.window}")
-        self.k_cache = [cp.zeros((n, cfg.n_head_kv, cfg.head_dim), dtype=cp.float16) for n in rows]
-        self.v_cache = [cp.zeros_like(k) for k in self.k_cache]
+        self.alloc_kv_cache(cfg, ctx, cache_types[0] == "q8_0")
         self._alloc_step_buffers()
         self._graphs.clear()
         self._pf = None
@@ -152,6 +149,22 @@ class DeviceMixin:
         self.load_stages = (("kernels", (t_kernels - t0) * 1e3),
                             ("weights upload", (t_weights - t_kernels) * 1e3),
                             ("KV cache, buffers", (t_end - t_weights) * 1e3))
+
+    def alloc_kv_cache(self, cfg: ModelConfig, ctx: int, q8: bool) -> None:
+        """The KV cache, one K and one V array per layer of cfg.cache_rows(ctx) rows (ctx, or a sliding-window
+        layer's ring: kv_cache.py), which every kernel takes with its row count (the ring, kc.shape[0]):
+        fp16 [rows, Hkv, Dh]; or (`q8`, -ctk/-ctv q8_0) one byte buffer [rows, Hkv, Dh + Dh/16] per cache, rows
+        rounded up to 64, holding int8 codes [rows, Hkv, Dh] and then fp16 scales [Hkv, rows, Dh/32]
+        (kernels/attention_split.cu), with an fp16 [rows, Hkv, Dh] pair of the largest rows (kv16) that the
+        prefill's writers and readers take instead (readable)."""
+        cp = self.cp
+        hkv, dh = cfg.n_head_kv, cfg.head_dim
+        rows = [-(-n // 64) * 64 for n in cfg.cache_rows(ctx)] if q8 else cfg.cache_rows(ctx)
+        shape = (hkv, dh + dh // 16) if q8 else (hkv, dh)
+        self.kv_q8 = q8
+        self.k_cache = [cp.zeros((n, *shape), dtype=cp.uint8 if q8 else cp.float16) for n in rows]
+        self.v_cache = [cp.zeros_like(k) for k in self.k_cache]
+        self.kv16 = tuple(cp.zeros((max(rows), hkv, dh), cp.float16) for _ in "kv") if q8 else None
 
     def _scratch_bytes(self, cfg: ModelConfig, ctx: int) -> int:
         """Decode buffers plus a prefill working set (a 512-token chunk and one fp16 weight chunk)."""
@@ -164,17 +177,21 @@ class DeviceMixin:
         step += split * cfg.n_head * (cfg.head_dim + 2) * 4
         return act + step + moe_scratch_bytes(cfg, t) + 2 * DEQUANT_CHUNK + (64 << 20)  # + CuPy/cuBLAS margin
 
-    def _check_memory(self, cfg: ModelConfig, ctx: int, weight_bytes: int) -> None:
+    def _check_memory(self, cfg: ModelConfig, ctx: int, weight_bytes: int,
+                      cache_types: tuple[str, str] = ("f16", "f16")) -> None:
         """DeviceMemoryError saying what the model needs, what the GPU has and what would fit
-        (memory_fit.not_enough_memory), before anything is allocated."""
+        (memory_fit.not_enough_memory), before anything is allocated. An 8-bit cache also takes its fp16 pair
+        of one layer's rows (alloc_kv_cache)."""
         cp = self.cp
         free, total = cp.cuda.runtime.memGetInfo()
         free += cp.get_default_memory_pool().free_bytes()
-        kv, scratch = cfg.kv_cache_bytes(ctx), self._scratch_bytes(cfg, ctx)
+        kv, scratch = cfg.kv_cache_bytes(ctx, cache_types), self._scratch_bytes(cfg, ctx)
+        if cache_types[0] == "q8_0":
+            scratch += 2 * 2 * max(cfg.cache_rows(ctx)) * cfg.kv_dim
         if weight_bytes + kv + scratch <= free:
             return
         raise DeviceMemoryError(not_enough_memory(cfg, ctx, weights=weight_bytes, kv=kv, scratch=scratch,
-                                                  free=free, total=total))
+                                                  free=free, total=total, cache_types=tuple(cache_types)))
 
     def close(self) -> None:
         self._graphs.clear()
@@ -182,7 +199,7 @@ class DeviceMixin:
         self._pf = None
         self._arena = None
         self.weights = None  # type: ignore[assignment]
-        self.k_cache = self.v_cache = None
+        self.k_cache = self.v_cache = self.kv16 = None
         self.cp.get_default_memory_pool().free_all_blocks()
 
     # -- measuring (bench) ---------------------------------------------------------------------------------

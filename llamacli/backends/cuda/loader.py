@@ -190,8 +190,10 @@ def launch(family: str, name: str, grid: tuple[int, ...], block: tuple[int, ...]
     _launches[0] += 1
     if log.isEnabledFor(logging.DEBUG):
         log.debug("launch %s grid=%s block=%s shared=%d", name, grid, block, shared)
-    if shared > 48 * 1024 and _smem_limit.get((family, name), 0) < shared:
-        fn.max_dynamic_shared_size_bytes = shared  # above 48 KiB only once raised (cudaFuncSetAttribute)
+    if shared and _smem_limit.get((family, name), 0) < shared:
+        # Dynamic plus static shared memory above 48 KiB only once raised (cudaFuncSetAttribute; once per kernel
+        # and size): set for any dynamic size, since a kernel's static part is not known here.
+        fn.max_dynamic_shared_size_bytes = shared
         _smem_limit[(family, name)] = shared
     if _pdl[0] and name.startswith(PDL_KERNELS):
         launch_dependent(fn, grid, block, args, shared)

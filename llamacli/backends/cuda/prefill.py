@@ -176,15 +176,17 @@ class PrefillMixin:
                 self._gemm_weights(h16, t, qkv_w, qkv.data.ptr, nqkv)
             with sec("RoPE"):  # + the bias, and q/k norms where the plan has them; no rotation on NoPE layers
                 table, attn = self.rope_table(i)
+                kc, vc = self.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
                 args = (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(self.rope_dims[i]),
-                        K.ptr(b.pos), K.ptr(table), K.f32(attn), K.ptr(self.k_cache[i]),
-                        K.ptr(self.v_cache[i]), K.i32(self.k_cache[i].shape[0]), K.ptr(sc), K.ptr(bias),
-                        K.ptr(h16 if tc else None), K.i32(cfg.q_dim), K.f32(tc_qscale(dh, cfg.attn_scale)))
+                        K.ptr(b.pos), K.ptr(table), K.f32(attn), K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0]),
+                        K.ptr(sc), K.ptr(bias), K.ptr(h16 if tc else None), K.i32(cfg.q_dim),
+                        K.f32(tc_qscale(dh, cfg.attn_scale)))
                 if plan.qk_norm:
                     kernel, args = f"rope_store_pf_qkn_{mode}", (*args, K.ptr(L.attn_q_norm), K.ptr(L.attn_k_norm), K.f32(eps))
                 else:
                     kernel = f"rope_store_pf_{mode}"
                 K.launch("rope", kernel, (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),), args)
+                self.store_q8(i, qkv, nqkv, b.pos, t)
             with sec("attention"):
                 if tc:  # q16 in h16 (the QKV GEMM is done with it), written by rope_store_pf
                     self.attend_tc(b.h16, cfg.q_dim, self.k_cache[i], self.v_cache[i], b.pos, t, b.att16, i)
