@@ -276,8 +276,10 @@ __device__ __forceinline__ void attention_split_body(
                 const bool ok = key >= lo && key <= p;
                 const u16 sk = ok ? kd[j * NSC + c / 32] : (u16)0;
                 const u16 sv = ok ? vd[j * NSC + c / 32] : (u16)0;
-                *reinterpret_cast<uint4*>(ks + j * RS + c) = dequant8_q8(*reinterpret_cast<const uint2*>(kq + j * D + c), sk);
-                *reinterpret_cast<uint4*>(vs + j * RS + c) = dequant8_q8(*reinterpret_cast<const uint2*>(vq + j * D + c), sv);
+                const uint2 kw = *reinterpret_cast<const uint2*>(kq + j * D + c);
+                const uint2 vw = *reinterpret_cast<const uint2*>(vq + j * D + c);
+                *reinterpret_cast<uint4*>(ks + j * RS + c) = dequant8_q8(kw, sk);
+                *reinterpret_cast<uint4*>(vs + j * RS + c) = dequant8_q8(vw, sv);
             }
             __syncthreads();  // the converted tiles complete
         }

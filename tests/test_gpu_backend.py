@@ -420,17 +420,19 @@ def test_fused_prefill_matches_numpy(random_model, shape, qtype) -> None:
     assert be.prefill_graph_lengths >= {16, 77, 512}
 
 
+@pytest.mark.parametrize("cache", ["f16", "q8_0"])
 @pytest.mark.parametrize("shape,qtype", [("tiny-gemma3", "Q4_K_M"), ("tiny-gemma2", QT.Q8_0), (GPTOSS_D64, "MXFP4_MOE")],
                          ids=["gemma3", "gemma2", "gpt-oss-dh64"])
-def test_greedy_through_the_ring_wrap_matches_numpy(random_model, shape, qtype) -> None:
+def test_greedy_through_the_ring_wrap_matches_numpy(random_model, shape, qtype, cache) -> None:
     """At ctx 1024 the sliding-window layers keep rings of 640 rows (kv_cache.py): a 700-token prompt (fused
     chunks of 512 and 188, the second wrapping the ring), 48 greedy steps of the captured decode step past the
-    wrap, then the logits of one more step: the NumPy reference's ids and logits (which keeps the same rings)."""
+    wrap, then the logits of one more step: the NumPy reference's ids and logits (which keeps the same rings);
+    with fp16 caches and with 8-bit ones on both backends (-ctk/-ctv q8_0)."""
     from llamacli.model import prefill
 
     path = random_model(shape, qtype)
-    _, cfg, ref = loaded(path, NumpyBackend(), ctx=1024)
-    _, _, be = loaded(path, CudaBackend(), ctx=1024)
+    _, cfg, ref = loaded(path, NumpyBackend(), ctx=1024, cache_types=(cache, cache))
+    _, _, be = loaded(path, CudaBackend(), ctx=1024, cache_types=(cache, cache))
     assert {k.shape[0] for k, p in zip(be.k_cache, cfg.layers) if p.window} == {640}
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, size=700)
     want_first, got_first = ref.to_host(prefill(ref, cfg, ids, 0))[-1], be.to_host(prefill(be, cfg, ids, 0))[-1]
@@ -474,9 +476,10 @@ def test_mixed_kv_cache_types_are_refused_on_cuda(random_model) -> None:
         Model(random_model("small-llama", "Q8_0"), backend="cuda", ctx=64, cache_types=("q8_0", "f16"))
 
 
-# An 8-bit cache on the paths a model takes: head dim 64 (small-llama), q/k norms at 128 (tiny-qwen3), rings of
-# sliding-window layers at 256 (tiny-gemma3), and head dim 32 (tiny-gpt-oss: sinks, windows, no attention_split
-# kernel: the CUDA-core decode on the fp16 conversion).
+# An 8-bit cache on the paths a model takes: head dim 64 (small-llama), q/k norms at 128 (tiny-qwen3), sliding
+# windows at 256 (tiny-gemma3), and head dim 32 (tiny-gpt-oss: sinks, windows, no attention_split kernel: the
+# CUDA-core decode on the fp16 conversion). At ctx 512 no layer keeps a ring; the rings wrap in
+# test_greedy_through_the_ring_wrap_matches_numpy.
 Q8_CASES = [("small-llama", QT.Q4_K), ("tiny-qwen3", "Q4_K_M"), ("tiny-gemma3", QT.Q8_0), ("tiny-gpt-oss", "MXFP4_MOE")]
 
 
@@ -484,8 +487,8 @@ Q8_CASES = [("small-llama", QT.Q4_K), ("tiny-qwen3", "Q4_K_M"), ("tiny-gemma3", 
 def test_q8_0_kv_cache_matches_numpy(random_model, shape, qtype) -> None:
     """-ctk/-ctv q8_0 on the CUDA backend against the NumPy backend's q8_0 cache: the fused prefill of a
     40-token prompt (K and V quantized from the rotated f32 rows, the prefill attention on the fp16
-    conversion), then a 13-token chunk on top of it (the CUDA-core prefill attention), then 24 greedy tokens through the fused graph step; the
-    logits within 1e-2 and the tokens identical."""
+    conversion), then a 13-token chunk on top of it (the CUDA-core prefill attention), then 24 greedy tokens
+    through the fused graph step; the logits within 1e-2 and the tokens identical."""
     from llamacli.model import prefill
 
     q8 = ("q8_0", "q8_0")
@@ -502,7 +505,8 @@ def test_q8_0_kv_cache_matches_numpy(random_model, shape, qtype) -> None:
     tok, want_toks, got_toks = int(np.argmax(want)), [], []
     cur = tok
     for pos in range(53, 53 + 24):
-        cur = int(np.argmax(ref.to_host(forward(ref, cfg, ref.token_ids(np.asarray([cur])), ref.positions(pos, 1)))[-1]))
+        logits = ref.to_host(forward(ref, cfg, ref.token_ids(np.asarray([cur])), ref.positions(pos, 1)))
+        cur = int(np.argmax(logits[-1]))
         want_toks.append(cur)
     cur = tok
     for pos in range(53, 53 + 24):

@@ -1261,17 +1261,18 @@ def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
     """The fused step's attention on an 8-bit cache (attention_split_step_q8_neox_d*): the q/k norm, RoPE,
     this token's K and V quantized into the cache by the holder block (a warp per block; patched into its
     stage when its tile was requested before the store), the splits and their merge, against norm, rope and
-    the reference's q8_0 cache; the history written through kv_store_q8 (the op path), a window's ring
-    wrapped."""
+    the reference's q8_0 cache; two KV heads; the history written through kv_store_q8 (the op path), past a
+    window's ring (768 rows: 830 positions wrap it), the scales of the positions before the first step's
+    window NaN (in the ring, some in the first tile read: the conversion must mask them)."""
     from llamacli.kv_cache import q8_0_roundtrip
     from llamacli.models.base import LayerPlan
 
     rng = np.random.default_rng(dh + group + window + 3)
-    hkv, ctx = 1, 2048
+    hkv, ctx = 2, 2048
     cfg = ext_cfg(dh, hkv, group, window, 0.0)
     cfg = dataclasses.replace(cfg, layers=(LayerPlan(window=window, rope_local=True, qk_norm=qk_norm),))
     be, ref, qn, kn = step_backends(cfg, ctx, splits, rng, q8=True)
-    hist = 702
+    hist = 830  # 830, 831: tile 12; 832: the first key of tile 13
     q0 = rng.standard_normal((hist, cfg.q_dim)).astype(np.float32)
     k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
     v0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
@@ -1279,6 +1280,13 @@ def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
     be.attention(0, cp.asarray(q0), cp.asarray(k0), cp.asarray(v0), cp.asarray(p0))
     ref.attention(0, q0, k0, v0, p0)
     rows = be.k_cache[0].shape[0]
+    assert rows == (768 if window else 2048)
+    if window:
+        old = np.arange(hist - rows, hist - window + 1)  # held, before the first step's window
+        for c in (be.k_cache[0], be.v_cache[0]):
+            codes, sc = q8_cache_get(c)
+            sc[old % rows] = np.nan
+            q8_cache_set(c, codes, sc)
 
     def head_norm(x, w):
         x = x.astype(np.float64)

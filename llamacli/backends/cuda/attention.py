@@ -44,6 +44,7 @@ ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: atten
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
 SPLIT_KEYS = 64  # attention_split: keys per tile (a split takes whole tiles)
 SPLIT_MAX_G = 16  # attention_split: query heads per KV head (the rows of one MMA tile)
+SPLIT_Q8_DIMS = (64, 96, 128, 256)  # head dims with an attention_split_q8 kernel (an 8-bit cache)
 SPLIT_STATIC_SMEM = 1024  # attention_split's static shared memory (592 bytes), rounded up
 
 
@@ -114,8 +115,9 @@ class AttentionMixin:
         if t > span:  # a ring takes a long chunk in passes of at most `span` positions (kv_cache.py)
             return cp.concatenate([self.attention(layer, q[s : s + span], k[s : s + span], v[s : s + span],
                                                   pos[s : s + span]) for s in range(0, t, span)])
-        n = t * hkv * dh  # (kv_store_q8: a warp per 32 values)
-        K.launch("attention_simt", "kv_store_q8" if kc.dtype == self.cp.uint8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,),
+        q8 = kc.dtype == self.cp.uint8
+        n = 2 * t * hkv * dh // 32 * 32 if q8 else t * hkv * dh  # threads: kv_store_q8 takes a warp per block
+        K.launch("attention_simt", "kv_store_q8" if q8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,),
                  (K.ptr(k), K.i32(hkv * dh), K.ptr(v), K.i32(hkv * dh), K.i32(t), K.i32(hkv), K.i32(dh), K.ptr(pos),
                   K.ptr(kc), K.ptr(vc), K.i32(ring)))
         out = cp.empty((t, cfg.q_dim), dtype=cp.float32)
@@ -253,7 +255,8 @@ class AttentionMixin:
         """attention_split serves the head shape: up to 16 query heads per KV head, a head dim with a kernel,
         and its shared memory within the GPU's per-block limit."""
         cfg = self.cfg
-        return (cfg.n_group <= SPLIT_MAX_G and cfg.head_dim in ATT_TC_DIMS
+        dims = SPLIT_Q8_DIMS if self.kv_q8 else ATT_TC_DIMS
+        return (cfg.n_group <= SPLIT_MAX_G and cfg.head_dim in dims
                 and split_smem(cfg.head_dim, cfg.n_group, self.kv_q8) + SPLIT_STATIC_SMEM <= self.smem_block)
 
     def decode_chunk(self, ctx: int) -> int:
@@ -291,10 +294,10 @@ class AttentionMixin:
             return
         cfg = self.cfg
         blocks = 2 * t * cfg.kv_dim // 32  # a warp each
+        k_rows, v_rows = qkv.data.ptr + 4 * cfg.q_dim, qkv.data.ptr + 4 * (cfg.q_dim + cfg.kv_dim)
         K.launch("attention_simt", "kv_store_q8", (min(K.cdiv(blocks, 8), 4096),), (256,),
-                 (K.ptr(qkv.data.ptr + 4 * cfg.q_dim), K.i32(stride), K.ptr(qkv.data.ptr + 4 * (cfg.q_dim + cfg.kv_dim)),
-                  K.i32(stride), K.i32(t), K.i32(cfg.n_head_kv), K.i32(cfg.head_dim), K.ptr(pos), K.ptr(kc), K.ptr(vc),
-                  K.i32(kc.shape[0])))
+                 (K.ptr(k_rows), K.i32(stride), K.ptr(v_rows), K.i32(stride), K.i32(t), K.i32(cfg.n_head_kv),
+                  K.i32(cfg.head_dim), K.ptr(pos), K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0])))
 
     def readable(self, kc: Any, vc: Any, pos: Any, t: int) -> tuple[Any, Any]:
         """A layer's cache as the fp16 readers take it: itself, or (an 8-bit cache, alloc_kv_cache) its rows up to

@@ -19,7 +19,7 @@ from ... import rope as rope_tables
 from ...config import ModelConfig
 from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...gguf_file import GGUFFile
-from ...kv_cache import ring_span
+from ...kv_cache import check_cache_types, ring_span
 from ...memory_fit import not_enough_memory
 from ...weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights, Progress
@@ -69,6 +69,7 @@ class DeviceMixin:
         if tuple(cache_types) not in (("f16", "f16"), ("q8_0", "q8_0")):  # as llama.cpp's CUDA flash attention
             raise UsageError(f"the CUDA backend takes K and V caches of one type (f16 or q8_0), not "
                              f"{'/'.join(cache_types)}; the NumPy backend (--backend numpy) takes any pair")
+        check_cache_types(cfg.head_dim, cache_types)
         cp = self.cp
         t0 = time.perf_counter()  # load_stages: kernels, weights, the rest
         self.cfg, self.ctx = cfg, ctx
