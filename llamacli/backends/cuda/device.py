@@ -70,6 +70,7 @@ class DeviceMixin:
             raise UsageError(f"the CUDA backend takes K and V caches of one type (f16 or q8_0), not "
                              f"{'/'.join(cache_types)}; the NumPy backend (--backend numpy) takes any pair")
         check_cache_types(cfg.head_dim, cache_types)
+        self.kv_q8 = cache_types[0] == "q8_0"  # (the memory check's decode splits depend on it)
         cp = self.cp
         t0 = time.perf_counter()  # load_stages: kernels, weights, the rest
         self.cfg, self.ctx = cfg, ctx
@@ -140,7 +141,7 @@ class DeviceMixin:
         for plan, n in zip(cfg.layers, cfg.cache_rows(ctx)):  # the fused prefill fills a ring a chunk at a time
             if n < ctx and (n % 64 or ring_span(plan.window, n, ctx) < min(ctx, PREFILL_CHUNK)):
                 raise BackendError(f"internal: a ring of {n} rows cannot serve window {plan.window}")
-        self.alloc_kv_cache(cfg, ctx, cache_types[0] == "q8_0")
+        self.alloc_kv_cache(cfg, ctx, self.kv_q8)
         self._alloc_step_buffers()
         self._graphs.clear()
         self._pf = None
