@@ -36,7 +36,7 @@ def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scra
     q8 = ("q8_0", "q8_0")
     if cache_types != q8 and cache_type_fits(cfg.head_dim, "q8_0"):
         kv8 = cfg.kv_cache_bytes(ctx, q8)
-        if weights + scratch + kv8 + 4 * max(cfg.cache_rows(ctx)) * cfg.kv_dim <= free:
+        if weights + scratch + kv8 + q8_pair_bytes(cfg, ctx) <= free:
             hints.append(f"`-ctk q8_0 -ctv q8_0` fits --ctx {ctx} (KV cache {human_bytes(kv8)})")
     fit = largest_ctx(cfg, free - weights - scratch, cache_types)
     if fit:
@@ -48,6 +48,12 @@ def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scra
         hints.append(("the weights alone are larger than this GPU: " if weights + scratch > total else "")
                      + MULTI_GPU)
     return head + "; " + "; ".join(hints)
+
+
+def q8_pair_bytes(cfg: ModelConfig, ctx: int) -> int:
+    """The fp16 K and V pair of one layer's rows that the CUDA backend keeps beside an 8-bit cache (its
+    prefill readers' form: cuda/device.py alloc_kv_cache)."""
+    return 2 * 2 * max(cfg.cache_rows(ctx)) * cfg.kv_dim
 
 
 def largest_ctx(cfg: ModelConfig, room: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> int:

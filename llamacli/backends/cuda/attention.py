@@ -108,22 +108,16 @@ class AttentionMixin:
         cp, cfg = self.cp, self.cfg
         q, k, v = self._f32(q), self._f32(k), self._f32(v)
         t = q.shape[0]
-        hkv, dh = cfg.n_head_kv, cfg.head_dim
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        ring = kc.shape[0]
-        span = ring_span(cfg.layers[layer].window, ring, self.ctx)
+        span = ring_span(cfg.layers[layer].window, kc.shape[0], self.ctx)
         if t > span:  # a ring takes a long chunk in passes of at most `span` positions (kv_cache.py)
             return cp.concatenate([self.attention(layer, q[s : s + span], k[s : s + span], v[s : s + span],
                                                   pos[s : s + span]) for s in range(0, t, span)])
-        q8 = kc.dtype == self.cp.uint8
-        n = 2 * t * hkv * dh // 32 * 32 if q8 else t * hkv * dh  # threads: kv_store_q8 takes a warp per block
-        K.launch("attention_simt", "kv_store_q8" if q8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,),
-                 (K.ptr(k), K.i32(hkv * dh), K.ptr(v), K.i32(hkv * dh), K.i32(t), K.i32(hkv), K.i32(dh), K.ptr(pos),
-                  K.ptr(kc), K.ptr(vc), K.i32(ring)))
+        self.store_kv(kc, vc, k.data.ptr, v.data.ptr, cfg.kv_dim, pos, t)
         out = cp.empty((t, cfg.q_dim), dtype=cp.float32)
         if t == 1:
             n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)  # (chunk: CUDA-core form)
-            part_o = cp.empty((n_split, cfg.n_head, dh), dtype=cp.float32)
+            part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), dtype=cp.float32)
             part_ml = cp.empty((n_split, cfg.n_head, 2), dtype=cp.float32)
             self.attend(q, cfg.q_dim, kc, vc, pos, 1, out, n_split, chunk, part_o, part_ml, layer=layer)
         else:
@@ -286,18 +280,24 @@ class AttentionMixin:
             return kc, vc
         return self.kv16[0][: kc.shape[0]], self.kv16[1][: kc.shape[0]]
 
+    def store_kv(self, kc: Any, vc: Any, k_ptr: int, v_ptr: int, stride: int, pos: Any, t: int) -> None:
+        """K and V rows (f32, `stride` floats apart a token) of the t positions `pos` into a layer's cache:
+        kv_store (fp16) or kv_store_q8 (an 8-bit cache: a warp per 32-value block, a thread per value)."""
+        cfg = self.cfg
+        q8 = kc.dtype == self.cp.uint8
+        n = t * cfg.kv_dim * (2 if q8 else 1)  # threads
+        K.launch("attention_simt", "kv_store_q8" if q8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,),
+                 (K.ptr(k_ptr), K.i32(stride), K.ptr(v_ptr), K.i32(stride), K.i32(t), K.i32(cfg.n_head_kv),
+                  K.i32(cfg.head_dim), K.ptr(pos), K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0])))
+
     def store_q8(self, layer: int, qkv: Any, stride: int, pos: Any, t: int) -> None:
         """An 8-bit cache's rows of the t positions `pos` from the rotated K and V in qkv's rows (`stride` floats
         apart: [q | K | V] as the QKV matvec or GEMM writes them); nothing for an fp16 cache."""
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if kc.dtype != self.cp.uint8:
             return
-        cfg = self.cfg
-        blocks = 2 * t * cfg.kv_dim // 32  # a warp each
-        k_rows, v_rows = qkv.data.ptr + 4 * cfg.q_dim, qkv.data.ptr + 4 * (cfg.q_dim + cfg.kv_dim)
-        K.launch("attention_simt", "kv_store_q8", (min(K.cdiv(blocks, 8), 4096),), (256,),
-                 (K.ptr(k_rows), K.i32(stride), K.ptr(v_rows), K.i32(stride), K.i32(t), K.i32(cfg.n_head_kv),
-                  K.i32(cfg.head_dim), K.ptr(pos), K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0])))
+        q_dim, kv_dim = self.cfg.q_dim, self.cfg.kv_dim
+        self.store_kv(kc, vc, qkv.data.ptr + 4 * q_dim, qkv.data.ptr + 4 * (q_dim + kv_dim), stride, pos, t)
 
     def readable(self, kc: Any, vc: Any, pos: Any, t: int) -> tuple[Any, Any]:
         """A layer's cache as the fp16 readers take it: itself, or (an 8-bit cache, alloc_kv_cache) its rows up to

@@ -20,7 +20,7 @@ from ...config import ModelConfig
 from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...gguf_file import GGUFFile
 from ...kv_cache import check_cache_types, ring_span
-from ...memory_fit import not_enough_memory
+from ...memory_fit import not_enough_memory, q8_pair_bytes
 from ...weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights, Progress
 from . import loader as K
@@ -189,7 +189,7 @@ class DeviceMixin:
         free += cp.get_default_memory_pool().free_bytes()
         kv, scratch = cfg.kv_cache_bytes(ctx, cache_types), self._scratch_bytes(cfg, ctx)
         if cache_types[0] == "q8_0":
-            scratch += 2 * 2 * max(cfg.cache_rows(ctx)) * cfg.kv_dim
+            scratch += q8_pair_bytes(cfg, ctx)
         if weight_bytes + kv + scratch <= free:
             return
         raise DeviceMemoryError(not_enough_memory(cfg, ctx, weights=weight_bytes, kv=kv, scratch=scratch,
