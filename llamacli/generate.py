@@ -22,6 +22,7 @@ import numpy as np
 
 from .backends import select_backend, start_early
 from .backends.base import Backend, Progress
+from .background import Background
 from .config import ModelConfig
 from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
@@ -133,12 +134,11 @@ class Model:
         if swa_full:  # every position on sliding-window layers too (no rings: kv_cache.py)
             self.cfg = replace(self.cfg, swa_full=True)
         laps.lap("open + metadata")
-        early = start_early(backend)  # the GPU starts on a thread of its own while the tokenizer is built
+        early = start_early(backend)  # the GPU's start on a thread of its own (CuPy's import, its check)
         try:
-            self.tokenizer = Tokenizer.from_metadata(md)
-            laps.lap("tokenizer")
-            if self.tokenizer.vocab_size != self.cfg.vocab_size:  # llama.cpp refuses these too
-                raise ShapeMismatchError(f"the vocabulary has {self.tokenizer.vocab_size} tokens but the model "
+            tokens = md.get("tokenizer.ggml.tokens")
+            if isinstance(tokens, list) and len(tokens) != self.cfg.vocab_size:  # llama.cpp refuses these too
+                raise ShapeMismatchError(f"the vocabulary has {len(tokens)} tokens but the model "
                                          f"has {self.cfg.vocab_size} embedding rows")
             if ctx is not None and (type(ctx) is not int or ctx <= 0):
                 raise UsageError(f"context size must be a positive integer, got {ctx!r}")
@@ -152,13 +152,28 @@ class Model:
             raise
         self.backend = select_backend(backend, notice, early)
         laps.lap(f"backend start ({self.backend.name})")
-        check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
-        self.backend.load(self.gguf, self.cfg, self.ctx, progress, cache_types=self.cache_types)
-        laps.lap("weights, KV cache", self.backend.load_stages)
-        # The decode steps' graphs (CUDA) are captured here, so that no generation's timed loop pays for them.
-        self.backend.prepare_decode()
-        if _has_own(self.backend, "prepare_decode"):  # the NumPy backend has no graphs: no stage to list
-            laps.lap("decode graphs")
+        # The tokenizer is built on a thread of its own (Llama 3's 128k tokens and 280k merges: ~0.6-1.3 s)
+        # while the weights upload, whose copies leave the GIL free. Not sooner: beside CuPy's import (the
+        # backend's start) the two only take turns at the GIL. A broken vocabulary is reported after the load.
+        tokenizer = Background(Tokenizer.from_metadata, md, name="llamacli-tokenizer")
+        try:
+            try:
+                check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
+                self.backend.load(self.gguf, self.cfg, self.ctx, progress, cache_types=self.cache_types)
+                laps.lap("weights, KV cache", self.backend.load_stages)
+                # The decode steps' graphs (CUDA) are captured here, so that no generation's timed loop pays
+                # for them.
+                self.backend.prepare_decode()
+                if _has_own(self.backend, "prepare_decode"):  # the NumPy backend has no graphs: no stage to list
+                    laps.lap("decode graphs")
+            finally:
+                tokenizer.wait()
+            self.tokenizer = tokenizer.result()  # what the build raised (a broken vocabulary) is raised here
+        except BaseException:
+            with contextlib.suppress(Exception):  # the device memory goes now, not with the traceback
+                self.close()
+            raise
+        laps.lap("tokenizer (waited for)")
         self.load_stages = laps.stages  # (stage, ms): --verbose prints them
         # When the CLI looked the model up (registry, cache, any download) before this load: (start, end) in
         # time.perf_counter() seconds, for --verbose's start-up line; None outside the CLI.

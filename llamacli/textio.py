@@ -154,6 +154,13 @@ def standard_streams() -> None:
                 pass
 
 
+def hold_closed_fds() -> None:
+    """_hold each standard descriptor the shell closed: before any thread may open a file (llamacli.run, ahead
+    of the GPU driver's start, whose own descriptors would otherwise take the free numbers)."""
+    for fd in (0, 1, 2):
+        _hold(fd)
+
+
 def _hold(fd: int) -> None:
     """Keep a closed standard descriptor open on /dev/null, so that no file opened later (a model) gets its
     number and, with it, whatever a library writes to 'stdout' at the C level."""

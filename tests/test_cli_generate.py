@@ -143,8 +143,9 @@ def test_verbose_start_up_on_numpy_names_only_real_stages_and_loads_no_ssl(tmp_p
 
     model = write_model(tmp_path / "tiny.gguf", "tiny-llama", "F32")
     code = (
-        "import atexit, sys\n"
-        "atexit.register(lambda: sys.stderr.write('ssl imported: %s\\n' % ('ssl' in sys.modules)))\n"
+        "import os, sys\n"
+        "leave = os._exit\n"  # the CLI leaves through os._exit after a model command (llamacli.run)
+        "os._exit = lambda s: (sys.stderr.write('ssl imported: %s\\n' % ('ssl' in sys.modules)), leave(s))\n"
         f"sys.argv = ['llamacli', 'generate', '-m', {str(model)!r}, '--backend', 'numpy', '-p', 'hi', '-n', '2',"
         " '--raw', '--verbose']\n"
         "import llamacli; llamacli.run()\n"

@@ -46,6 +46,14 @@ def test_closed_stdout_is_one_error_line(model):
     assert r.code == 1 and "standard output is closed" in r.one_line_error()
 
 
+def test_closed_stdout_of_a_model_command_on_the_default_backend(model):
+    """generate's own backend choice (auto: the GPU driver starts on a thread first, where CuPy is installed)
+    with stdout closed: still one error line, exit 1 (after the NumPy fallback's notice where there is no GPU)."""
+    r = spawn("generate", "-m", model, "-p", "hi", "-n", "2", "--raw", close=(1,))
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert r.code == 1 and "Traceback" not in r.err and lines[-1] == "error: standard output is closed", r.err
+
+
 def test_closed_stdout_lets_the_real_error_through(model):
     r = spawn("inspect", model + ".missing", close=(1,))
     assert r.code == 2 and "no such file" in r.one_line_error()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
+from .. import gpu_driver
+from ..background import Background
 from ..errors import BackendError, UsageError
 from .base import Backend
 
@@ -13,70 +14,30 @@ EarlyStatus = Callable[[], "tuple[bool, str]"]
 
 
 def start_early(name: str) -> EarlyStatus | None:
-    """Begin the CUDA start-up (the driver, the GPU's context, CuPy's import: ~0.3-0.5 s) on a thread of its
-    own when `name` may take the CUDA backend, so that it overlaps the tokenizer's build. -> the function
-    select_backend calls for its cuda_status() (it waits for the thread, and raises what the thread raised);
-    None for the NumPy backend. Call it, once started, on every way out (Model does), so that the process
-    never exits with the thread inside the driver."""
+    """Begin the CUDA start-up (the driver and the GPU's context, unless the CLI's entry began them already:
+    llamacli.gpu_driver; then CuPy's import and check) on a thread of its own when `name` may take the CUDA
+    backend, so that it overlaps what the caller does until select_backend. -> the function select_backend
+    calls for its cuda_status() (it waits for the thread, and raises what the thread raised); None for the
+    NumPy backend (which lets go of a context the CLI's entry made). Call it, once started, on every way out
+    (Model does), so that the process never exits with the thread inside the driver."""
     if name not in ("auto", "cuda"):
+        gpu_driver.release()
         return None
-    result: list = []
 
-    def run() -> None:
-        try:
-            _driver_context()
-            result.append(cuda_status(context=True))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread by status()
-            result.append(exc)
+    def check() -> tuple[bool, str]:
+        gpu_driver.wait()
+        gpu_driver.driver_context()
+        return cuda_status(context=True)
 
-    thread = threading.Thread(target=run, name="llamacli-cuda-start", daemon=True)
-    thread.start()
+    job = Background(check, name="llamacli-cuda-start")
 
     def status() -> tuple[bool, str]:
-        thread.join()
-        if not result:  # (the thread cannot end without a result; ask again here all the same)
-            return cuda_status()
-        if isinstance(result[0], BaseException):
-            raise result[0]
-        ok, reason = result[0]
+        ok, reason = job.result()
         if not ok:
-            _driver_release()
+            gpu_driver.release()
         return ok, reason
 
     return status
-
-
-_driver: dict = {"retained": None}  # (libcuda, device) whose primary context _driver_context retained, or None
-
-
-def _driver_context() -> None:
-    """The CUDA driver's start and GPU 0's primary context (the one CuPy's runtime then uses) through libcuda
-    directly: ctypes releases the GIL for each call, so the ~0.2-0.3 s they take overlap the Python work of the
-    other thread, where CuPy's import would hold the GIL. Only where CuPy is installed (else the CUDA backend
-    cannot run and no context should be made), and once per process; anything missing (no driver, no GPU)
-    is left for cuda_status to report, and _driver_release lets the context go where the CUDA backend is not
-    taken after all."""
-    import ctypes
-    import importlib.util
-
-    if _driver["retained"] is not None or importlib.util.find_spec("cupy") is None:
-        return
-    try:
-        cu = ctypes.CDLL("libcuda.so.1")
-        dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
-        if (cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
-                and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0):
-            _driver["retained"] = (cu, dev)
-    except (OSError, AttributeError):
-        pass
-
-
-def _driver_release() -> None:
-    """Release the primary context _driver_context retained (the NumPy backend runs after all)."""
-    retained, _driver["retained"] = _driver["retained"], None
-    if retained is not None:
-        cu, dev = retained
-        cu.cuDevicePrimaryCtxRelease(dev)
 
 
 def select_backend(name: str, notice: Callable[[str], None] | None = None, early: EarlyStatus | None = None,

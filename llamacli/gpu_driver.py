@@ -1,0 +1,93 @@
+"""The CUDA driver's start (cuInit and GPU 0's primary context, the one CuPy's runtime then uses) through
+libcuda directly, on a thread of its own.
+
+ctypes releases the GIL for each call, so the driver's ~0.3-0.5 s overlap whatever Python does meanwhile.
+This module imports nothing beyond the standard library: the CLI's entry (llamacli.run) starts the thread
+before typer, rich, NumPy and CuPy load, for the commands that load a model (`wanted`), so the driver's
+start hides behind those imports. backends.start_early waits for that thread (or makes the context itself
+where none ran: `llamacli.load`) before CuPy's own check.
+
+Only where CuPy is installed (else the CUDA backend cannot run and no context should be made), and once per
+process: anything missing (no driver, no GPU) is left for backends.cuda_status to report, and `release` lets
+the context go where the CUDA backend is not taken after all. The process never ends with the thread inside
+the driver except through os._exit (a model command's end, llamacli._leave), which stops it as a kill would.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_driver: dict = {"retained": None}  # (libcuda, device) whose primary context driver_context retained, or None
+_lock = threading.Lock()  # driver_context and release: one at a time
+_thread_lock = threading.Lock()
+_thread: list[threading.Thread] = []  # the thread start() began (at most one)
+
+# The commands that load a model (their aliases included; llamacli/cli_parser.py ALIASES has none of these).
+MODEL_COMMANDS = frozenset({"generate", "chat", "run", "bench", "serve"})
+
+
+def loads_model(argv: list[str]) -> bool:
+    """Whether this command line loads a model: its command (the first word that is not an option; the root
+    options are flags) is one of MODEL_COMMANDS, without --help."""
+    words = [a for a in argv if not a.startswith("-")]
+    return bool(words) and words[0] in MODEL_COMMANDS and "--help" not in argv and "-h" not in argv
+
+
+def wanted(argv: list[str]) -> bool:
+    """Whether this command line loads a model and may take the CUDA backend (not `--backend numpy`). A
+    guess from the words alone: a wrong one costs a context made and not used."""
+    if not loads_model(argv) or "--backend=numpy" in argv:
+        return False
+    return not any(a == "--backend" and b == "numpy" for a, b in zip(argv, argv[1:]))
+
+
+def driver_context() -> None:
+    """The driver's start and GPU 0's primary context, retained once per process; nothing where CuPy is not
+    installed or the driver or the GPU is missing."""
+    import ctypes
+    import importlib.util
+
+    with _lock:
+        if _driver["retained"] is not None or importlib.util.find_spec("cupy") is None:
+            return
+        try:
+            cu = ctypes.CDLL("libcuda.so.1")
+            dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+            if (cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+                    and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0):
+                _driver["retained"] = (cu, dev)
+        except (OSError, AttributeError):
+            pass
+
+
+def _quietly() -> None:
+    try:
+        driver_context()
+    except BaseException:  # noqa: BLE001 - what failed here is found again and reported by cuda_status
+        pass
+
+
+def start() -> None:
+    """Begin driver_context on a thread of its own (nothing if one already began)."""
+    with _thread_lock:
+        if _thread:
+            return
+        thread = threading.Thread(target=_quietly, name="llamacli-cuda-driver", daemon=True)
+        _thread.append(thread)
+        thread.start()
+
+
+def wait() -> None:
+    """Wait for the thread start() began, if any."""
+    if _thread:
+        _thread[0].join()
+
+
+def release() -> None:
+    """Release the primary context driver_context retained (the NumPy backend runs after all)."""
+    wait()
+    with _lock:
+        retained, _driver["retained"] = _driver["retained"], None
+    if retained is not None:
+        cu, dev = retained
+        cu.cuDevicePrimaryCtxRelease(dev)
