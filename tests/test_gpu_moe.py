@@ -59,6 +59,55 @@ def test_route_matches_reference(n_expert, k, gating, norm) -> None:
         assert_close(wts.get().reshape(t, k), want_w, 1e-6, 1e-5, "weights")
 
 
+@pytest.mark.parametrize("spec,n_expert,k", [("tiny-qwen3moe", 8, 2), ("tiny-qwen3moe", 128, 8),
+                                             ("tiny-qwen3moe", 1000, 32), ("tiny-gpt-oss", 32, 4)])
+def test_decode_router_routes_as_the_reference(tmp_path, spec, n_expert, k) -> None:
+    """The decode step's router (mv1_route_f32: the logits, then its last block ranks them, route_block)
+    against llamacli.moe.route on the logits it wrote: router rows whose column 0 alone is nonzero (x is
+    e_0), so that logits keep exact ties (lower id first); -inf logits; one expert far ahead; softmax gating
+    (qwen3moe, renormalised) and top-k softmax (gpt-oss, its router bias zeroed); every block of the launch
+    done and the counter reset for the next step."""
+    from llamacli.backends.cuda import CudaBackend
+    from llamacli.testing import variant, write_model
+    from test_gpu_backend import loaded
+
+    from gguf import GGMLQuantizationType as QT
+
+    path = write_model(tmp_path / "m.gguf", variant(spec, n_expert=n_expert, n_expert_used=k), QT.F32)
+    _g, cfg, be = loaded(path, CudaBackend(use_graph=False))
+    layer = next(i for i, p in enumerate(cfg.layers) if p.moe)
+    L, plan = be.weights.layers[layer], cfg.layers[layer]
+    r = L.ffn_gate_inp
+    assert (r.rows, r.cols) == (n_expert, cfg.n_embd)
+    w = cp.ndarray((n_expert, cfg.n_embd), cp.float32,
+                   cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(r.ptr, r.nbytes, be), 0))
+    if L.ffn_gate_inp_bias is not None:
+        L.ffn_gate_inp_bias[...] = 0
+    L.ffn_norm[...] = 1
+    x = cp.zeros((1, cfg.n_embd), cp.float32)
+    x[0, 0] = 1.0
+    rng = np.random.default_rng(n_expert * 7 + k)
+    far = rng.standard_normal(n_expert)
+    far[rng.integers(n_expert)] = 40.0
+    minf = rng.standard_normal(n_expert)
+    minf[::3] = -np.inf
+    cases = [rng.standard_normal(n_expert) * 3, rng.integers(-2, 3, n_expert).astype(float), far]
+    if n_expert - len(range(0, n_expert, 3)) >= k:
+        cases.append(minf)
+    for col in cases:
+        w[...] = 0
+        w[:, 0] = cp.asarray(col, cp.float32)
+        be._moe_ids[...] = -1
+        be._moe_wts[...] = cp.nan
+        be.moe_step(layer, x, lambda section, nbytes, launch: launch(False) if section == "norm+router" else None)
+        logits = be._moe_logits.get()
+        assert (logits[0] == -np.inf).sum() == np.isneginf(col).sum()
+        want_ids, want_w = route(logits, k, plan.moe_gating, cfg.expert_weights_norm)
+        np.testing.assert_array_equal(be._moe_ids.get(), want_ids[0])
+        assert_close(be._moe_wts.get(), want_w[0], 1e-6, 1e-5, "weights")
+        assert be._moe_done.get()[0] == 0
+
+
 # -- attention sinks (gpt-oss) ------------------------------------------------------------------------------
 
 
