@@ -186,9 +186,10 @@ def bench(
     if (profile or kernels) and output == "csv":
         fail("--profile and --kernels print md or json")
     if kernels:
-        from .backends import select_backend
+        from .backends import select_backend, start_early
 
-        be = select_backend(backend, notice=dim)
+        # start_early: what the CLI's entry began (the driver's thread) is waited for, and let go on NumPy
+        be = select_backend(backend, notice=dim, early=start_early(backend))
         krows, bandwidth = run_kernels(be)
         print(render_kernels(krows, bandwidth, output, be.device_name()))
         return
