@@ -157,19 +157,16 @@ class Model:
         # backend's start) the two only take turns at the GIL. A broken vocabulary is reported after the load.
         tokenizer = Background(Tokenizer.from_metadata, md, name="llamacli-tokenizer")
         try:
-            try:
-                check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
-                self.backend.load(self.gguf, self.cfg, self.ctx, progress, cache_types=self.cache_types)
-                laps.lap("weights, KV cache", self.backend.load_stages)
-                # The decode steps' graphs (CUDA) are captured here, so that no generation's timed loop pays
-                # for them.
-                self.backend.prepare_decode()
-                if _has_own(self.backend, "prepare_decode"):  # the NumPy backend has no graphs: no stage to list
-                    laps.lap("decode graphs")
-            finally:
-                tokenizer.wait()
+            check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
+            self.backend.load(self.gguf, self.cfg, self.ctx, progress, cache_types=self.cache_types)
+            laps.lap("weights, KV cache", self.backend.load_stages)
+            # The decode steps' graphs (CUDA) are captured here, so that no generation's timed loop pays for them.
+            self.backend.prepare_decode()
+            if _has_own(self.backend, "prepare_decode"):  # the NumPy backend has no graphs: no stage to list
+                laps.lap("decode graphs")
             self.tokenizer = tokenizer.result()  # what the build raised (a broken vocabulary) is raised here
         except BaseException:
+            tokenizer.wait()
             with contextlib.suppress(Exception):  # the device memory goes now, not with the traceback
                 self.close()
             raise

@@ -938,6 +938,26 @@ def test_attention_decode_window_softcap(dh, hkv, group, window, softcap) -> Non
         start += t
 
 
+def step_inputs(cfg, rng, qn=None, kn=None):
+    """The fused step's QKV matvec output for one token, random, with this token's key along query head 0 (a
+    row p read as zeros would show) -> (qkv [1, Q + 2 KV], q, k, v per head), q and k through the reference's
+    per-head RMSNorm with qn and kn where qn is given (the kernel's input stays raw)."""
+    dh, hkv = cfg.head_dim, cfg.n_head_kv
+    qkv = rng.standard_normal((1, cfg.q_dim + 2 * cfg.kv_dim)).astype(np.float32)
+    qkv[0, cfg.q_dim : cfg.q_dim + dh] = 3 * qkv[0, :dh]
+    q = qkv[:, : cfg.q_dim].reshape(1, cfg.n_head, dh)
+    k = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(1, hkv, dh)
+    v = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(1, hkv, dh)
+    if qn is not None:
+
+        def head_norm(x, w):
+            x = x.astype(np.float64)
+            return (x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + cfg.rms_eps) * w).astype(np.float32)
+
+        q, k = head_norm(q, qn), head_norm(k, kn)
+    return qkv, q, k, v
+
+
 def step_backends(cfg, ctx: int, splits, rng, q8: bool = False):
     """bare() set up for the fused step's attention of layer 0 (attend_step): random q/k norm weights, the local
     RoPE table, the split buffers; `splits` overrides the GPU's split count. -> (be, ref, qn, kn)."""
@@ -992,18 +1012,8 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, s
     ref.k_cache[0, :hist] = k0.astype(np.float16)
     ref.v_cache[0, :hist] = k0[::-1].astype(np.float16)
 
-    def head_norm(x, w):
-        x = x.astype(np.float64)
-        return (x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + cfg.rms_eps) * w).astype(np.float32)
-
     for p in (hist, hist + 1, hist + 2):  # 702, 703: tile 10; 704: the first key of tile 11
-        qkv = rng.standard_normal((1, cfg.q_dim + 2 * cfg.kv_dim)).astype(np.float32)
-        qkv[0, cfg.q_dim : cfg.q_dim + dh] = 3 * qkv[0, :dh]  # this token's key along query head 0
-        q = qkv[:, : cfg.q_dim].reshape(1, cfg.n_head, dh)
-        k = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(1, hkv, dh)
-        v = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(1, hkv, dh)
-        if qk_norm:
-            q, k = head_norm(q, qn), head_norm(k, kn)
+        qkv, q, k, v = step_inputs(cfg, rng, qn if qk_norm else None, kn)
         pos = np.array([p], np.int32)
         kr = ref.rope(k, pos, local=True).astype(np.float16).astype(np.float32)
         want = ref.attention(0, ref.rope(q, pos, local=True), kr, v.astype(np.float16).astype(np.float32), pos)
@@ -1288,18 +1298,8 @@ def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
             sc[old % rows] = np.nan
             q8_cache_set(c, codes, sc)
 
-    def head_norm(x, w):
-        x = x.astype(np.float64)
-        return (x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + cfg.rms_eps) * w).astype(np.float32)
-
     for p in (hist, hist + 1, hist + 2):
-        qkv = rng.standard_normal((1, cfg.q_dim + 2 * cfg.kv_dim)).astype(np.float32)
-        qkv[0, cfg.q_dim : cfg.q_dim + dh] = 3 * qkv[0, :dh]
-        q = qkv[:, : cfg.q_dim].reshape(1, cfg.n_head, dh)
-        k = qkv[:, cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(1, hkv, dh)
-        v = qkv[:, cfg.q_dim + cfg.kv_dim :].reshape(1, hkv, dh)
-        if qk_norm:
-            q, k = head_norm(q, qn), head_norm(k, kn)
+        qkv, q, k, v = step_inputs(cfg, rng, qn if qk_norm else None, kn)
         pos = np.array([p], np.int32)
         kr = ref.rope(k, pos, local=True)
         want = ref.attention(0, ref.rope(q, pos, local=True), kr, v, pos)
