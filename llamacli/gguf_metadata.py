@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import struct
 import weakref
+from array import array
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -137,23 +138,23 @@ def _read_strings(cur: _Cursor, count: int, key: str) -> StringArray:
     """The walk checks every length against the file; the text is then checked as one piece (valid UTF-8, and
     every item starting on a character) and kept as bytes: a list of str would take ~60 bytes per item."""
     buf, size = cur.buf, cur.size
-    lengths = np.empty(count, np.int64)
     unpack = struct.Struct("<Q").unpack_from
     begin = pos = cur.pos
+    # The lengths first, unchecked (a vocabulary's 128k-400k items: the loop is most of a file's opening time);
+    # a length past the file ends the walk (the next read fails, or it ends beyond the end) and the walk
+    # below finds which string and says so.
+    found = array("Q")  # (8 bytes an item, as the NumPy array they become)
+    add = found.append
     try:
-        for i in range(count):
-            n = unpack(buf, pos)[0]
-            pos += 8
-            if pos + n > size:
-                cur.pos = pos
-                cur.need(n, f"a string of {key!r}")
-            if n > MAX_STRING_BYTES:
-                raise CorruptFileError(f"{cur.name}: a string of {key!r} is {n} bytes long (at most {MAX_STRING_BYTES} accepted)")
-            lengths[i] = n
-            pos += n
-    except struct.error:
-        cur.pos = pos
-        cur.need(8, f"a string length of {key!r}")
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            add(n)
+            pos += 8 + n
+    except (struct.error, OverflowError):  # a read past the end (or past any offset there can be)
+        pos = size + 1
+    if pos > size or (found and max(found) > MAX_STRING_BYTES):
+        _string_error(cur, begin, count, key)
+    lengths = np.frombuffer(found, np.uint64).astype(np.int64)
     cur.pos = pos
     # Drop the 8-byte lengths: +1 where an item's bytes start, -1 where they end, summed along the bytes.
     ends = np.cumsum(lengths + 8)
@@ -172,6 +173,22 @@ def _read_strings(cur: _Cursor, count: int, key: str) -> StringArray:
     except UnicodeDecodeError:
         raise CorruptFileError(f"{cur.name}: metadata key {key!r} holds invalid UTF-8") from None
     return StringArray(data.tobytes(), offsets)
+
+
+def _string_error(cur: _Cursor, pos: int, count: int, key: str) -> None:
+    """The error of the first of `count` strings from offset pos that the file does not hold, or that is longer
+    than MAX_STRING_BYTES (_read_strings found one)."""
+    unpack = struct.Struct("<Q").unpack_from
+    for _ in range(count):
+        cur.pos = pos
+        cur.need(8, f"a string length of {key!r}")
+        (n,) = unpack(cur.buf, pos)
+        cur.pos = pos = pos + 8
+        cur.need(n, f"a string of {key!r}")
+        if n > MAX_STRING_BYTES:
+            raise CorruptFileError(f"{cur.name}: a string of {key!r} is {n} bytes long (at most {MAX_STRING_BYTES} accepted)")
+        pos += n
+    raise CorruptFileError(f"{cur.name}: metadata key {key!r}: its strings could not be read")  # (not reached)
 
 
 def _check_items(cur: _Cursor, count: int, key: str) -> None:

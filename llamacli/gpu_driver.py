@@ -28,9 +28,9 @@ MODEL_COMMANDS = frozenset({"generate", "chat", "run", "bench", "serve"})
 
 def loads_model(argv: list[str]) -> bool:
     """Whether this command line loads a model: its command (the first word that is not an option; the root
-    options are flags) is one of MODEL_COMMANDS, without --help."""
+    options are flags) is one of MODEL_COMMANDS, without --help or --version (either answers, then exits)."""
     words = [a for a in argv if not a.startswith("-")]
-    return bool(words) and words[0] in MODEL_COMMANDS and "--help" not in argv and "-h" not in argv
+    return bool(words) and words[0] in MODEL_COMMANDS and not {"--help", "-h", "--version"} & set(argv)
 
 
 def wanted(argv: list[str]) -> bool:

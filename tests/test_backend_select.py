@@ -99,6 +99,7 @@ def test_a_model_that_fails_its_checks_leaves_no_start_thread(random_model):
     (["generate", "--backend", "numpy"], False), (["bench", "--backend=numpy"], False),
     (["generate", "--help"], False), (["chat", "-h"], False), (["inspect", "m.gguf"], False),
     (["tokenize", "generate"], False), (["models"], False), (["--version"], False), ([], False),
+    (["--version", "generate", "-m", "m.gguf"], False),
 ])
 def test_the_cli_starts_the_driver_only_for_commands_that_load_a_model(argv, want):
     assert gpu_driver.wanted(argv) is want

@@ -205,6 +205,25 @@ def test_custom_alignment_is_honoured(tmp_path):
     assert g.data_offset % 64 == 0 and g.dequantize("t").tolist() == [1, 2, 3, 4]
 
 
+def test_string_array_errors_name_the_first_bad_item(tmp_path):
+    """The walk reads a string array's lengths before it checks them: the error is still the first item's that
+    the file lacks or that is too long, after items that are whole."""
+    from llamacli.gguf_metadata import MAX_STRING_BYTES
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gb.string("a.sarr") + struct.pack("<IIQ", gb.ARR, gb.STR, 3)
+    ok = struct.pack("<Q", 2) + b"ok"
+    expect(tmp_path, head + ok + struct.pack("<Q", 1000) + b"abc" * 40, TruncatedFileError, "a string of 'a.sarr'",
+           "needs 1000 bytes")
+    expect(tmp_path, head + ok + ok + struct.pack("<Q", 1 << 63), TruncatedFileError, "a string of 'a.sarr'")
+    expect(tmp_path, head + ok + ok + b"\x01\x00\x00\x00", TruncatedFileError, "a string length of 'a.sarr'")
+    path = tmp_path / "long.gguf"  # the second item longer than the walk accepts, held by the file (a hole)
+    with open(path, "wb") as f:
+        f.write(head + ok + struct.pack("<Q", MAX_STRING_BYTES + 1))
+        f.truncate(f.tell() + MAX_STRING_BYTES + 64)
+    with pytest.raises(CorruptFileError, match="accepted"):
+        open_gguf(path)
+
+
 def test_string_arrays_are_checked_item_by_item(tmp_path):
     """String arrays are checked as one piece of text: an item that starts inside a character is still caught
     (b"\\xc3" + b"\\xa9" is "é" joined, invalid apart)."""
