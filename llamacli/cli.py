@@ -167,12 +167,16 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
 
     from .generate import Model, context_warning
     from .kv_cache import parse_cache_types
-    from .registry import resolve_model
+    from .paths import local_model
 
     check_gpu_layers(gpu_layers)
     cache_types = parse_cache_types(*cache_types)
     looked_up = time.perf_counter()
-    path = resolve_model(model)  # a name: the registry and the cache, and the download on first use
+    path = local_model(model)
+    if path is None:  # a name: the registry and the cache, and the download on first use
+        from .registry import resolve_model
+
+        path = resolve_model(model)
     found = time.perf_counter()
     notice = None if quiet else dim
     with Progress(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import ModelNotFoundError
+
 _PACKAGE = Path(__file__).resolve().parent
 
 
@@ -22,3 +24,20 @@ def kernels_dir() -> Path:
 
 def builtin_models_toml() -> Path:
     return _find("models.toml")
+
+
+def local_model(spec: str | None) -> Path | None:
+    """The GGUF file that `--model SPEC` names by its path; None where SPEC is a registry name, the default
+    (None) or an hf:// address, which llamacli.registry resolves. A directory or a special file is refused
+    (never opened: a FIFO would block, /dev/zero never ends). Kept apart from the registry so that a command
+    given a path does not import it, its downloaders and its TOML."""
+    if spec is None or not spec.strip() or spec.strip().startswith("hf://"):
+        return None
+    path = Path(spec.strip()).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise ModelNotFoundError(f"{spec} is a directory, not a GGUF file")
+    if path.exists():
+        raise ModelNotFoundError(f"{spec} is not a regular file, so not a GGUF file")
+    return None

@@ -34,7 +34,7 @@ from . import pypi
 from .cache import cache_home, cache_lock, folders_in_use, in_cache, is_cached, make_folder, model_path, remove_cached
 from .errors import DownloadError, ModelNotFoundError, UsageError
 from .hf_download import split_hf
-from .paths import builtin_models_toml
+from .paths import builtin_models_toml, local_model
 from .progress import note
 from .sizes import MAX_MODEL_BYTES, human_size, known_sizes
 from .textio import read_text
@@ -274,14 +274,9 @@ def resolve_model(spec: str | None, *, download: bool = True, progress: bool = T
     Raises ModelNotFoundError (exit 2) for unknown names, with the closest registry names, and for a model
     not yet downloaded when download=False; DownloadError (exit 1) when every source fails.
     """
-    if spec is not None and spec.strip() and not spec.strip().startswith("hf://"):
-        path = Path(spec.strip()).expanduser()
-        if path.is_file():
-            return path
-        if path.is_dir():
-            raise ModelNotFoundError(f"{spec} is a directory, not a GGUF file")
-        if path.exists():  # a device, FIFO or socket: never opened (a FIFO would block, /dev/zero never ends)
-            raise ModelNotFoundError(f"{spec} is not a regular file, so not a GGUF file")
+    path = local_model(spec)
+    if path is not None:
+        return path
     entry = lookup(spec)
     if is_cached(entry):
         return model_path(entry)
