@@ -13,12 +13,13 @@
 //   dependent in the captured step (common.cuh pdl_wait): the first K/V tiles are requested before pdl_wait,
 //   `early` as in mv1 (kernels/matvec.cu).
 //
-// grid (Hkv, S), block 128 (4 warps). S (gridDim.y) is fixed when the step is captured, from the SM count and
-// the blocks an SM holds (cuda/attention.py decode_splits), not from the context, so one captured graph
-// serves every position and a long --ctx costs short sequences nothing: the query at position p sees keys
-// [lo, p] (lo = p - window + 1 with a sliding window, else 0), i.e. 64-key tiles lo/64 .. p/64; each split
-// takes ceil(tiles / S) consecutive tiles and a split past the last tile leaves at once. Keys before the
-// window are never read.
+// grid (Hkv, S), block 128 (4 warps). S (gridDim.y) is fixed when the step is captured, from the SM count, the
+// blocks an SM holds and the size of the merge (cuda/attention.py decode_splits), not from the position, so
+// one captured graph serves every position and a long --ctx costs short sequences nothing: the query at
+// position p sees keys [lo, p] (lo = p - window + 1 with a sliding window, else 0), i.e. 64-key tiles lo/64 ..
+// p/64; up to SP_SOLO tiles are one split (the merge's chain of global round trips costs more than streaming
+// them), more are shared as ceil(tiles / S) consecutive tiles a split; a split past the last tile leaves at
+// once. Keys before the window are never read.
 // The G = Hq / Hkv query heads of a KV head are the rows of one 16-row MMA tile (G <= 16; rows past G are
 // zeros), so each K/V tile is read once for all of them. Tiles stream through shared memory NST deep
 // (cp.async, 16-byte copies; the tile after those in flight is prefetched into L2); warp w takes keys
@@ -51,6 +52,7 @@
 
 #define SP_WARPS 4
 #define SP_BK 64                           // keys per tile
+#define SP_SOLO 4                          // spans of up to this many tiles: one split, no merge
 #define SP_STAGES(D) ((D) > 128 ? 2 : 3)  // D = 128 at three stages still fits two blocks per SM (G <= 8)
 #define SP_LOG2E 1.4426950408889634f
 
@@ -92,7 +94,7 @@ __device__ __forceinline__ void attention_split_body(
     const int p = pos[0];  // written by an earlier step, not by the kernel before this one
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
     const int t_lo = lo / SP_BK, t_hi = p / SP_BK, nt = t_hi - t_lo + 1;
-    const int per = (nt + S - 1) / S, n_act = (nt + per - 1) / per;
+    const int per = nt <= SP_SOLO ? nt : (nt + S - 1) / S, n_act = (nt + per - 1) / per;
     if (split >= n_act) return;  // whole block: no key for this split at this position
     const int ta = t_lo + split * per, tb = min(ta + per, t_hi + 1);  // this split's tiles [ta, tb)
     const bool holder = STEP && tb == t_hi + 1;  // the split holding p stores p's K and V

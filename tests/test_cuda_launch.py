@@ -357,3 +357,25 @@ def test_check_moe_refuses_what_the_expert_kernels_cannot_read() -> None:
             check_moe(SimpleNamespace(**{**vars(cfg), **bad}), same)
     assert dense_ff(cfg) == 0  # no dense layer: the dense FFN buffers are not needed
     assert dense_ff(SimpleNamespace(**{**vars(cfg), "layers": (plan, LayerPlan())})) == 6144
+
+
+def test_decode_splits_keep_the_merge_within_split_merge_max() -> None:
+    """decode_splits on an H100 (132 SMs, 228 KB of shared memory per SM): as many splits as the GPU holds
+    blocks, one per 64-key tile of a short context, and no more than SPLIT_MERGE_MAX partial values (splits x G
+    x D) for the last block of a KV head to merge, but at least 16 splits."""
+    from types import SimpleNamespace
+
+    from llamacli.backends.cuda.attention import SPLIT_MERGE_MAX, AttentionMixin
+
+    class H100(AttentionMixin):
+        n_sms, smem_sm, smem_block, kv_q8 = 132, 233_472, 232_448, False
+
+        def __init__(self, hkv: int, group: int, dh: int) -> None:
+            self.cfg = SimpleNamespace(n_head_kv=hkv, n_group=group, head_dim=dh)
+
+    assert SPLIT_MERGE_MAX == 1 << 15
+    assert H100(4, 8, 128).decode_splits(4225) == 32  # Qwen3-30B-A3B: 66 blocks' worth, merge-capped
+    assert H100(4, 8, 128).decode_splits(512) == 8  # one per tile
+    assert H100(8, 4, 128).decode_splits(40_960) == 33  # Llama-3-8B: the GPU's blocks (two an SM)
+    assert H100(8, 4, 64).decode_splits(40_960) == 50  # Llama-3.2-1B: three an SM
+    assert H100(1, 16, 256).decode_splits(40_960) == 16  # the floor (the cap alone would give 8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -694,6 +695,8 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
 
 
 SPLIT_TOL = (4e-3, 1e-2)  # attention_split: fp16 q and P on tensor cores, as the prefill's (atol, rtol)
+# attention_split: a span of at most SP_SOLO tiles is one split (no merge)
+SP_SOLO = int(re.search(r"^#define SP_SOLO (\d+)", K.kernel_source("attention_split"), re.M).group(1))
 
 
 def with_probes(kc: np.ndarray, q: np.ndarray, p: int, n_split: int, group: int) -> np.ndarray:
@@ -703,7 +706,7 @@ def with_probes(kc: np.ndarray, q: np.ndarray, p: int, n_split: int, group: int)
     key dropped or read twice moves it far past the tolerance."""
     hkv, dh = kc.shape[1], kc.shape[2]
     tiles = p // 64 + 1
-    per = -(-tiles // n_split)
+    per = tiles if tiles <= SP_SOLO else -(-tiles // n_split)  # a short span: one split
     starts = range(0, tiles * 64, per * 64)
     probes = sorted({k for k in (0, 63, 64, 65, p, *starts, *(s + per * 64 - 1 for s in starts)) if k <= p})
     qg = q[0].reshape(hkv, group, dh).mean(axis=1)
@@ -730,7 +733,7 @@ def test_attention_split_depths(dh, hkv, group) -> None:
     vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     po = cp.empty((n_split, hq, dh), cp.float32)
     pm = cp.empty((n_split, hq, 2), cp.float32)
-    for p in (0, 1, 63, 64, 65, 700, 5000, 19_999):
+    for p in (0, 1, 63, 64, 65, 255, 256, 700, 5000, 19_999):
         q = (rng.standard_normal((1, hq, dh)) * 2).astype(np.float32)
         kp = with_probes(kc, q, p, n_split, group)
         kd, vd = cp.asarray(kp), cp.asarray(vc)
@@ -986,8 +989,8 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, s
     """The fused decode step's attention (attention_split_step_neox_d*: the per-head q/k RMSNorm, RoPE with the
     local table, K/V store, the splits of the window only, their merge by the last block) against norm, rope
     and attention of the reference, at positions on both sides of a tile boundary. With 2 splits each split is
-    several tiles deep: the token's own tile reaches its stage after the store, or (a window of 4 tiles) was
-    requested before it and is patched in a later stage. The token's key is turned towards its first query
+    several tiles deep: the token's own tile reaches its stage after the store, or (a window of 4 tiles, one
+    split of SP_SOLO tiles) was requested before it and is patched in a later stage. The token's key is turned towards its first query
     head, so a row p read as zeros would show."""
     from llamacli.models.base import LayerPlan
 

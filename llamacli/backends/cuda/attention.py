@@ -43,6 +43,9 @@ ATT_TC_DIMS = (64, 80, 96, 112, 128, 256)  # head dims with a tensor-core prefil
 ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: attention_wg*_d*
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
 SPLIT_KEYS = 64  # attention_split: keys per tile (a split takes whole tiles)
+# attention_split: partial values (splits x G x D) the last block of a KV head merges, at most (splits: at least 16).
+# Qwen3-30B-A3B (G 8, D 128) at depth 4096 on an H100: 66 splits 275 tok/s, 32 309, 16 296 (BENCHMARKS.md).
+SPLIT_MERGE_MAX = 1 << 15
 SPLIT_MAX_G = 16  # attention_split: query heads per KV head (the rows of one MMA tile)
 SPLIT_Q8_DIMS = (64, 96, 128, 256)  # head dims with an attention_split_q8 kernel (an 8-bit cache)
 SPLIT_STATIC_SMEM = 1024  # attention_split's static shared memory (592 bytes), rounded up
@@ -261,15 +264,18 @@ class AttentionMixin:
     def decode_splits(self, ctx: int) -> int:
         """Splits of decode attention over a cache of ctx positions. attention_split: as many as the GPU holds
         blocks of it at once (SMs x blocks per SM by shared memory, at most 4), shared among the KV heads,
-        at most one per 64-key tile of the cache and as many as its merge's weights fit the stages. The
-        CUDA-core fallback: ctx / decode_chunk(ctx)."""
+        at most one per 64-key tile of the cache, as many as its merge's weights fit the stages, and no more
+        than keep the last block's merge within SPLIT_MERGE_MAX partial values (but 16). The CUDA-core
+        fallback: ctx / decode_chunk(ctx)."""
         cfg = self.cfg
         if not self.split_fits():
             return K.cdiv(ctx, self.decode_chunk(ctx))
         smem = split_smem(cfg.head_dim, cfg.n_group, self.kv_q8)
         per_sm = max(1, min(4, self.smem_sm // (smem + SPLIT_STATIC_SMEM + 1024)))  # (+ 1 KB each: the driver's)
         n = K.cdiv(self.n_sms * per_sm, cfg.n_head_kv)
-        return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), split_stage_bytes(cfg.head_dim, self.kv_q8) // (4 * cfg.n_group)))
+        merge = max(16, SPLIT_MERGE_MAX // (cfg.n_group * cfg.head_dim))
+        return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), merge,
+                          split_stage_bytes(cfg.head_dim, self.kv_q8) // (4 * cfg.n_group)))
 
     def rope_store_caches(self, layer: int) -> tuple[Any, Any]:
         """The K and V arrays the fp16 writers (rope_store*, which also leave the rotated K and V in f32 in their
