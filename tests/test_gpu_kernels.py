@@ -733,7 +733,7 @@ def test_attention_split_depths(dh, hkv, group) -> None:
     vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     po = cp.empty((n_split, hq, dh), cp.float32)
     pm = cp.empty((n_split, hq, 2), cp.float32)
-    for p in (0, 1, 63, 64, 65, 255, 256, 700, 5000, 19_999):
+    for p in (0, 1, 63, 64, 65, 191, 255, 256, 700, 5000, 19_999):
         q = (rng.standard_normal((1, hq, dh)) * 2).astype(np.float32)
         kp = with_probes(kc, q, p, n_split, group)
         kd, vd = cp.asarray(kp), cp.asarray(vc)
@@ -988,10 +988,11 @@ def step_backends(cfg, ctx: int, splits, rng, q8: bool = False):
 def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, splits) -> None:
     """The fused decode step's attention (attention_split_step_neox_d*: the per-head q/k RMSNorm, RoPE with the
     local table, K/V store, the splits of the window only, their merge by the last block) against norm, rope
-    and attention of the reference, at positions on both sides of a tile boundary. With 2 splits each split is
-    several tiles deep: the token's own tile reaches its stage after the store, or (a window of 4 tiles, one
-    split of SP_SOLO tiles) was requested before it and is patched in a later stage. The token's key is turned towards its first query
-    head, so a row p read as zeros would show."""
+    and attention of the reference, at positions on both sides of a tile boundary. The token's own tile reaches
+    its stage after the store (the full cache: 2 splits several tiles deep; window 200 at positions 702-703:
+    its 4 tiles one split of SP_SOLO), or was requested before the store and is patched into its stage (window
+    200 at 704: 5 tiles, 2 splits of 3; window 30: 1-2 tiles). The token's key is turned towards its first
+    query head, so a row p read as zeros would show."""
     from llamacli.models.base import LayerPlan
 
     rng = np.random.default_rng(dh + group + window)
@@ -1250,7 +1251,7 @@ def test_attention_split_q8_depths(dh, hkv, group) -> None:
     vcodes, vsc = ggml_q8_0(rng.standard_normal((rows, hkv, dh)).astype(np.float32))
     po = cp.empty((n_split, hq, dh), cp.float32)
     pm = cp.empty((n_split, hq, 2), cp.float32)
-    for p in (0, 63, 64, 65, 5000, 19_999):
+    for p in (0, 63, 64, 65, 191, 255, 256, 5000, 19_999):
         q = (rng.standard_normal((1, hq, dh)) * 2).astype(np.float32)
         kp = with_probes(kc, q, p, n_split, group)
         kcodes, ksc = ggml_q8_0(kp)

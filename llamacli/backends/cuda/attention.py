@@ -265,7 +265,7 @@ class AttentionMixin:
         """Splits of decode attention over a cache of ctx positions. attention_split: as many as the GPU holds
         blocks of it at once (SMs x blocks per SM by shared memory, at most 4), shared among the KV heads,
         at most one per 64-key tile of the cache, as many as its merge's weights fit the stages, and no more
-        than keep the last block's merge within SPLIT_MERGE_MAX partial values (but 16). The CUDA-core
+        than keep the last block's merge within SPLIT_MERGE_MAX partial values (at least 16). The CUDA-core
         fallback: ctx / decode_chunk(ctx)."""
         cfg = self.cfg
         if not self.split_fits():
