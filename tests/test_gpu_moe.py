@@ -108,6 +108,62 @@ def test_decode_router_routes_as_the_reference(tmp_path, spec, n_expert, k) -> N
         assert be._moe_done.get()[0] == 0
 
 
+@pytest.mark.parametrize("qtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("n_expert,k,cols", [(128, 8, 2048), (32, 4, 2880), (1000, 32, 100), (9, 3, 77)])
+def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
+    """mv1_route_<t>'s logits (a warp a router row reading 16-byte chunks across its lanes; one value a lane
+    where rows are not whole chunks: 77 columns, and 100 in the 16-bit types) against float64
+    RMSNorm(x) * norm_w . row (+ bias) for F32 / F16 / BF16 rows; the ids and weights against
+    llamacli.moe.route on the logits it wrote, both gatings; nothing written past the E logits; a second
+    launch (the counter reset by the first) gives the same bits."""
+    from gguf import GGMLQuantizationType as QT
+
+    from llamacli.backends.cuda import loader as K
+    from llamacli.backends.cuda.linear import MV1_WARPS, mv1_smem
+
+    rng = np.random.default_rng(n_expert * 13 + cols)
+    w = rng.standard_normal((n_expert, cols)).astype(np.float32)
+    if qtype == "f16":
+        w16 = w.astype(np.float16)
+        w_ref, w_dev = w16.astype(np.float64), cp.asarray(w16)
+    elif qtype == "bf16":
+        bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+        w_ref, w_dev = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64), cp.asarray(bits)
+    else:
+        w_ref, w_dev = w.astype(np.float64), cp.asarray(w)
+    x = (rng.standard_normal(cols) * 4).astype(np.float32)
+    norm_w = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
+    eps = 1e-6
+    xn = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps) * norm_w
+    scale = np.abs(w_ref) @ np.abs(xn)  # the size of each row's terms: the bound of float32 summation
+    x_dev, nw_dev = cp.asarray(x), cp.asarray(norm_w)
+    for bias, (gating, norm) in [(None, ("softmax", True)), (rng.standard_normal(n_expert).astype(np.float32),
+                                                             ("topk_softmax", False))]:
+        want = w_ref @ xn + (0.0 if bias is None else bias)
+        logits = poisoned(n_expert + 7)  # 7 cells past the row that must stay NaN
+        ids, wts, done = cp.full(k, -1, cp.int32), poisoned(k), cp.zeros(1, cp.uint32)
+        bias_dev = None if bias is None else cp.asarray(bias)
+        runs = []
+        for _ in range(2):
+            K.launch("moe", f"mv1_route_{qtype}", (K.cdiv(n_expert, MV1_WARPS),), (32 * MV1_WARPS,),
+                     (K.ptr(w_dev), K.i32(n_expert), K.i32(cols), K.ptr(x_dev), K.ptr(logits),
+                      K.ptr(bias_dev), K.ptr(nw_dev), K.f32(eps), K.i32(k),
+                      K.i32(0 if gating == "softmax" else 1), K.i32(int(norm)), K.ptr(done), K.ptr(ids),
+                      K.ptr(wts)),
+                     shared=mv1_smem(QT[qtype.upper()], cols))
+            runs.append((logits.get(), ids.get(), wts.get()))
+            assert done.get()[0] == 0
+        got, got_ids, got_w = runs[0]
+        assert np.isnan(got[n_expert:]).all(), "written past the router's rows"
+        err = np.abs(got[:n_expert].astype(np.float64) - want)
+        assert (err <= 2e-6 * scale + 1e-6).all(), f"logits: max err / scale {np.max(err / scale):.3g}"
+        want_ids, want_w = route(got[None, :n_expert], k, gating, norm)
+        np.testing.assert_array_equal(got_ids, want_ids[0])
+        assert_close(got_w, want_w[0], 1e-6, 1e-5, "weights")
+        for a, b in zip(runs[0], runs[1]):
+            np.testing.assert_array_equal(a, b)
+
+
 # -- attention sinks (gpt-oss) ------------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from ...errors import BackendError
 from . import loader as K
 from gguf import GGMLQuantizationType as QT
 
-from .linear import MATVEC_TMAX, MV1_ACT8, MV1_WARPS, DeviceMatrix, _lpr, mv1_groups, mv1_smem, qname
+from .linear import MATVEC_TMAX, MV1_ACT8, MV1_WARPS, DeviceMatrix, _lpr, mv1_smem, qname
 from .profile import profiled
 
 MOE_EMAX, MOE_KMAX = 1024, 32  # kernels/moe.cu: experts per layer and experts per token
@@ -239,12 +239,10 @@ class MoEMixin:
         r = L.ffn_gate_inp
         if r.qtype in ROUTE_FUSED:  # one launch: the router's matvec, then its last block routes
 
-            def router(early: bool) -> None:
-                lpr, groups = _lpr(d), mv1_groups(e_n, d, r.qtype, self.n_sms)
-                K.launch("moe", f"mv1_route_{qname(r.qtype)}", (K.cdiv(e_n, MV1_WARPS * (32 // lpr) * groups),),
-                         (32 * MV1_WARPS,),
+            def router(early: bool) -> None:  # one warp a router row
+                K.launch("moe", f"mv1_route_{qname(r.qtype)}", (K.cdiv(e_n, MV1_WARPS),), (32 * MV1_WARPS,),
                          (K.ptr(r.ptr), K.i32(e_n), K.i32(d), K.ptr(x), K.ptr(self._moe_logits),
-                          K.ptr(L.ffn_gate_inp_bias), K.ptr(L.ffn_norm), K.f32(cfg.rms_eps), K.i32(lpr), K.i32(groups),
+                          K.ptr(L.ffn_gate_inp_bias), K.ptr(L.ffn_norm), K.f32(cfg.rms_eps),
                           K.i32(k), K.i32(_GATING[plan.moe_gating]), K.i32(int(cfg.expert_weights_norm)),
                           K.ptr(self._moe_done), K.ptr(self._moe_ids), K.ptr(self._moe_wts)),
                          shared=mv1_smem(r.qtype, d))
