@@ -153,6 +153,7 @@ __device__ __forceinline__ void route_block(const float* row, int E, int k, int 
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
     const float mx = s_top[0];  // the largest logit (route_row's max over the row for softmax gating)
+    __syncwarp();                // (read by every lane before lane 0 overwrites it below)
     float sum = 0.0f;
     if (gating == 0) {  // softmax over every expert: its denominator, summed as route_row sums it
         for (int e = lane; e < E; e += 32) sum += __expf(v[e] - mx);

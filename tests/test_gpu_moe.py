@@ -113,14 +113,20 @@ def test_decode_router_routes_as_the_reference(tmp_path, spec, n_expert, k) -> N
 def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
     """mv1_route_<t>'s logits (a warp a router row reading 16-byte chunks across its lanes; one value a lane
     where rows are not whole chunks: 77 columns, and 100 in the 16-bit types) against float64
-    RMSNorm(x) * norm_w . row (+ bias) for F32 / F16 / BF16 rows; the ids and weights against
-    llamacli.moe.route on the logits it wrote, both gatings; nothing written past the E logits; a second
-    launch (the counter reset by the first) gives the same bits."""
+    RMSNorm(x) * norm_w . row (+ bias) for F32 / F16 / BF16 rows; -inf and a NaN logit through the bias, k - 1
+    finite logits left, so that the k-th choice falls among them (NaN ranks as -inf, the lower id first; E = 9
+    also pads the ranked row with -inf); its ids and weights
+    against llamacli.moe.route on the logits it wrote, and bit for bit against moe_route_f32 (route_row) on
+    them, for softmax gating with and without renormalising and for top-k softmax; nothing written past the E
+    logits; a second launch into poisoned outputs (the counter reset by the first) gives the same bits."""
     from gguf import GGMLQuantizationType as QT
 
+    from llamacli.backends.cuda import CudaBackend
     from llamacli.backends.cuda import loader as K
     from llamacli.backends.cuda.linear import MV1_WARPS, mv1_smem
 
+    be = CudaBackend(use_graph=False)  # for its moe_route_f32 launcher
+    be.cfg = SimpleNamespace(n_expert=n_expert, n_expert_used=k)
     rng = np.random.default_rng(n_expert * 13 + cols)
     w = rng.standard_normal((n_expert, cols)).astype(np.float32)
     if qtype == "f16":
@@ -135,33 +141,49 @@ def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
     norm_w = (1 + 0.3 * rng.standard_normal(cols)).astype(np.float32)
     eps = 1e-6
     xn = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps) * norm_w
-    scale = np.abs(w_ref) @ np.abs(xn)  # the size of each row's terms: the bound of float32 summation
+    scale = np.abs(w_ref) @ np.abs(xn)  # the size of each row's terms
     x_dev, nw_dev = cp.asarray(x), cp.asarray(norm_w)
-    for bias, (gating, norm) in [(None, ("softmax", True)), (rng.standard_normal(n_expert).astype(np.float32),
-                                                             ("topk_softmax", False))]:
-        want = w_ref @ xn + (0.0 if bias is None else bias)
-        logits = poisoned(n_expert + 7)  # 7 cells past the row that must stay NaN
-        ids, wts, done = cp.full(k, -1, cp.int32), poisoned(k), cp.zeros(1, cp.uint32)
+    odd = rng.standard_normal(n_expert).astype(np.float32)
+    gone = rng.permutation(n_expert)[: n_expert - k + 1]  # k - 1 finite logits: the k-th choice is among these
+    odd[gone] = -np.inf
+    odd[gone[0]] = np.nan
+    cases = [(None, "softmax", True), (rng.standard_normal(n_expert).astype(np.float32), "topk_softmax", False),
+             (odd, "softmax", False), (odd, "topk_softmax", False)]
+    for bias, gating, norm in cases:
+        want = w_ref @ xn + (0.0 if bias is None else bias.astype(np.float64))
         bias_dev = None if bias is None else cp.asarray(bias)
+        logits, done = poisoned(n_expert + 7), cp.zeros(1, cp.uint32)  # 7 cells past the row stay NaN
         runs = []
         for _ in range(2):
+            ids, wts = cp.full(k, -1, cp.int32), poisoned(k)
+            logits[:n_expert] = cp.nan
             K.launch("moe", f"mv1_route_{qtype}", (K.cdiv(n_expert, MV1_WARPS),), (32 * MV1_WARPS,),
-                     (K.ptr(w_dev), K.i32(n_expert), K.i32(cols), K.ptr(x_dev), K.ptr(logits),
-                      K.ptr(bias_dev), K.ptr(nw_dev), K.f32(eps), K.i32(k),
-                      K.i32(0 if gating == "softmax" else 1), K.i32(int(norm)), K.ptr(done), K.ptr(ids),
-                      K.ptr(wts)),
+                     (K.ptr(w_dev), K.i32(n_expert), K.i32(cols), K.ptr(x_dev), K.ptr(logits), K.ptr(bias_dev),
+                      K.ptr(nw_dev), K.f32(eps), K.i32(k), K.i32(0 if gating == "softmax" else 1),
+                      K.i32(int(norm)), K.ptr(done), K.ptr(ids), K.ptr(wts)),
                      shared=mv1_smem(QT[qtype.upper()], cols))
             runs.append((logits.get(), ids.get(), wts.get()))
             assert done.get()[0] == 0
         got, got_ids, got_w = runs[0]
         assert np.isnan(got[n_expert:]).all(), "written past the router's rows"
-        err = np.abs(got[:n_expert].astype(np.float64) - want)
-        assert (err <= 2e-6 * scale + 1e-6).all(), f"logits: max err / scale {np.max(err / scale):.3g}"
-        want_ids, want_w = route(got[None, :n_expert], k, gating, norm)
+        got = got[:n_expert]
+        fin = np.isfinite(want)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+        err = np.abs(got[fin].astype(np.float64) - want[fin])
+        # float32 sums of K terms: a tolerance some 10-100x the errors seen, far below a misread chunk or bias
+        assert (err <= 2e-6 * scale[fin] + 1e-6).all(), f"logits: max err / scale {np.max(err / scale[fin]):.3g}"
+        want_ids, want_w = route(np.where(np.isnan(got), -np.inf, got)[None], k, gating, norm)
         np.testing.assert_array_equal(got_ids, want_ids[0])
         assert_close(got_w, want_w[0], 1e-6, 1e-5, "weights")
+        be.cfg.expert_weights_norm = norm
+        ids_r, wts_r = cp.full(k, -1, cp.int32), poisoned(k)
+        be._moe_route(cp.asarray(got[None]), 1, ids_r, wts_r, gating)
+        np.testing.assert_array_equal(got_ids, ids_r.get())
+        np.testing.assert_array_equal(got_w.view(np.uint32), wts_r.get().view(np.uint32))  # route_row's bits
         for a, b in zip(runs[0], runs[1]):
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a.view(np.uint32) if a.dtype == np.float32 else a,
+                                          b.view(np.uint32) if b.dtype == np.float32 else b)
 
 
 # -- attention sinks (gpt-oss) ------------------------------------------------------------------------------
