@@ -8,13 +8,13 @@
 //   moe_route_f32(logits [T, E], T, E, k, gating, norm, ids [P], wts [P])
 //       llamacli/moe.py route(): gating 0 ("softmax": softmax over all E, the k largest, renormalised to sum 1
 //       when norm) or 1 ("topk_softmax": the k largest logits, softmax over them); ties to the lower id,
-//       experts in descending order. One warp per token (block 32, grid T). Selection compares logits
+//       experts in descending order. A block of 32 per token (grid T): route_block. Selection compares logits
 //       (softmax keeps their order), so it matches the reference wherever the logits are not tied.
 //   mv1_route_<t>(w, E, K, x, logits, bias, norm_w, eps, k, gating, norm, done, ids, wts), t = f32 / f16 /
 //       bf16: the decode step's router, one launch of ceil(E / 8) blocks of 256 threads, mv1_smem bytes: the
 //       logits of x RMS-normalised (a warp a row, the row's 16-byte chunks across its lanes), then the block
-//       that finishes last (`done`: a zeroed counter it resets) ranks them all at once with
-//       moe_route_f32's results (route_block).
+//       that finishes last (`done`: a zeroed counter it resets) routes them as moe_route_f32 does
+//       (route_block, 256 threads).
 //   moe_group(ids [P], P, E, tile, list [P], items [3 * max_items], n_items [1])
 //       the pairs grouped by expert: list holds pair ids, expert by expert (in any order within one);
 //       items (e, start, count) cut each expert's pairs into tiles of at most `tile` (MATVEC_TMAX for
@@ -48,80 +48,11 @@
 #define MOE_EMAX 1024
 #define MOE_KMAX 32
 
-// One token's routing by one warp (lane = threadIdx.x & 31; the other warps of the block must not call it):
-// the row's E logits -> ids[0..k), wts[0..k).
-__device__ __forceinline__ void route_row(const float* __restrict__ row, int E, int k, int gating, int norm,
-                                          int* __restrict__ ids, float* __restrict__ wts) {
-    const int lane = threadIdx.x & 31;
-    __shared__ float v[MOE_EMAX];  // the row, read once for the k passes
-    __shared__ unsigned int taken[MOE_EMAX / 32];
-    for (int i = lane; i < MOE_EMAX / 32; i += 32) taken[i] = 0u;
-    float mx = -INFINITY, sum = 0.0f;
-    for (int e = lane; e < E; e += 32) {
-        const float x = row[e];
-        v[e] = x != x ? -INFINITY : x;  // NaN ranks with -inf (then the lower id): one order for every lane
-        mx = fmaxf(mx, v[e]);
-    }
-    __syncwarp();
-    if (gating == 0) {  // softmax over every expert: its max and denominator
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-        for (int e = lane; e < E; e += 32) sum += __expf(v[e] - mx);
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
-    }
-    float top[MOE_KMAX];
-    int sel[MOE_KMAX];
-    for (int j = 0; j < k; ++j) {
-        // The largest logit not taken yet, the lower id on ties .
-        float best = -INFINITY;
-        int bi = 0x7fffffff;
-        for (int e = lane; e < E; e += 32) {
-            if ((taken[e >> 5] >> (e & 31)) & 1u) continue;
-            const float x = v[e];
-            if (x > best || (x == best && e < bi)) {
-                best = x;
-                bi = e;
-            }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(FULL_MASK, best, o);
-            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-            if (ob > best || (ob == best && oi < bi)) {
-                best = ob;
-                bi = oi;
-            }
-        }
-        if (bi == 0x7fffffff) bi = 0;  // unreachable for k <= E; keeps the id in range
-        if (lane == 0) taken[bi >> 5] |= 1u << (bi & 31);
-        __syncwarp();
-        top[j] = best;
-        sel[j] = bi;
-    }
-    if (lane != 0) return;
-    if (gating == 1) mx = top[0];  // the largest chosen logit
-    float s = 0.0f;
-    for (int j = 0; j < k; ++j) {
-        top[j] = gating == 0 ? __expf(top[j] - mx) / sum : __expf(top[j] - mx);
-        s += top[j];
-    }
-    const float inv = gating == 1 || norm ? 1.0f / s : 1.0f;
-    for (int j = 0; j < k; ++j) {
-        ids[j] = sel[j];
-        wts[j] = top[j] * inv;
-    }
-}
-
-extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int T, int E, int k, int gating,
-                                         int norm, int* __restrict__ ids, float* __restrict__ wts) {
-    const int t = blockIdx.x;
-    if (t >= T) return;
-    pdl_wait();  // the logits come from the router's matvec
-    route_row(logits + (long long)t * E, E, k, gating, norm, ids + t * k, wts + t * k);
-}
-
-// The decode router's selection by the block that finishes last (every thread of it calls this): each logit's
-// rank in route_row's order (larger first, the lower id on ties, NaN as -inf), counted against the whole row
-// at once, in place of route_row's k passes of warp reductions (a serial chain of ~5.5 us in Qwen3-30B-A3B's
-// router on an H100: 128 experts, 8 chosen). The weights' arithmetic is route_row's, in its order.
+// One token's routing by a block (every thread of it calls this, blockDim a multiple of 32): the row's E
+// logits -> ids[0..k), wts[0..k). Each logit's rank (larger first, the lower id on ties, NaN as -inf) is
+// counted against the whole row at once; k passes of warp reductions took ~5.5 us in Qwen3-30B-A3B's decode
+// router on an H100 (128 experts, 8 chosen). The row is read through L2 (mv1_route: written by other blocks of
+// the same kernel).
 __device__ __forceinline__ void route_block(const float* row, int E, int k, int gating, int norm, int* ids,
                                             float* wts) {
     __shared__ float4 v4[MOE_EMAX / 4];  // the row, padded with -inf to whole float4s (pads never rank ahead)
@@ -152,22 +83,30 @@ __device__ __forceinline__ void route_block(const float* row, int E, int k, int 
     __syncthreads();
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
-    const float mx = s_top[0];  // the largest logit (route_row's max over the row for softmax gating)
+    const float mx = s_top[0];  // the largest logit
     __syncwarp();                // (read by every lane before lane 0 overwrites it below)
     float sum = 0.0f;
-    if (gating == 0) {  // softmax over every expert: its denominator, summed as route_row sums it
+    if (gating == 0) {  // softmax over every expert: its denominator
         for (int e = lane; e < E; e += 32) sum += __expf(v[e] - mx);
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
     }
     if (lane < k) s_top[lane] = gating == 0 ? __expf(s_top[lane] - mx) / sum : __expf(s_top[lane] - mx);
     __syncwarp();
     float s = 0.0f;
-    for (int j = 0; j < k; ++j) s += s_top[j];  // every lane the same sum, in route_row's order
+    for (int j = 0; j < k; ++j) s += s_top[j];  // every lane the same sum, in one order
     const float inv = gating == 1 || norm ? 1.0f / s : 1.0f;
     if (lane < k) {
         ids[lane] = s_sel[lane];
         wts[lane] = s_top[lane] * inv;
     }
+}
+
+extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int T, int E, int k, int gating,
+                                         int norm, int* __restrict__ ids, float* __restrict__ wts) {
+    const int t = blockIdx.x;
+    if (t >= T) return;
+    pdl_wait();  // the logits come from the router's matvec
+    route_block(logits + (long long)t * E, E, k, gating, norm, ids + t * k, wts + t * k);
 }
 
 // The decode step's router logits of one token: one warp a row, its lanes reading the row's 16-byte chunks
@@ -218,9 +157,11 @@ __device__ __forceinline__ void route_logits(const u8* w, int E, int K, const fl
             const float* xf = reinterpret_cast<const float*>(xs4);
             for (int i = lane; i < K; i += 32) {
                 const int j = i >> 2;
-                const float wv = Q::BYTES == 4 ? __ldg(reinterpret_cast<const float*>(row) + i)
-                                               : QHalf<same_type<Q, QBF16>::value>::cvt(
-                                                     __ldg(reinterpret_cast<const u16*>(row) + i));
+                float wv;
+                if constexpr (Q::BYTES == 4)
+                    wv = __ldg(reinterpret_cast<const float*>(row) + i);
+                else
+                    wv = Q::cvt(__ldg(reinterpret_cast<const u16*>(row) + i));
                 acc = fmaf(wv, xf[4 * xslot(j >> 3, j & 7) + (i & 3)], acc);
             }
         }

@@ -116,8 +116,8 @@ def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
     RMSNorm(x) * norm_w . row (+ bias) for F32 / F16 / BF16 rows; -inf and a NaN logit through the bias, k - 1
     finite logits left, so that the k-th choice falls among them (NaN ranks as -inf, the lower id first; E = 9
     also pads the ranked row with -inf); its ids and weights
-    against llamacli.moe.route on the logits it wrote, and bit for bit against moe_route_f32 (route_row) on
-    them, for softmax gating with and without renormalising and for top-k softmax; nothing written past the E
+    against llamacli.moe.route on the logits it wrote, and bit for bit against moe_route_f32 (the same ranking
+    by a block of 32) on them, for softmax gating with and without renormalising and for top-k softmax; nothing written past the E
     logits; a second launch into poisoned outputs (the counter reset by the first) gives the same bits."""
     from gguf import GGMLQuantizationType as QT
 
@@ -180,7 +180,7 @@ def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
         ids_r, wts_r = cp.full(k, -1, cp.int32), poisoned(k)
         be._moe_route(cp.asarray(got[None]), 1, ids_r, wts_r, gating)
         np.testing.assert_array_equal(got_ids, ids_r.get())
-        np.testing.assert_array_equal(got_w.view(np.uint32), wts_r.get().view(np.uint32))  # route_row's bits
+        np.testing.assert_array_equal(got_w.view(np.uint32), wts_r.get().view(np.uint32))  # moe_route_f32's bits
         for a, b in zip(runs[0], runs[1]):
             np.testing.assert_array_equal(a.view(np.uint32) if a.dtype == np.float32 else a,
                                           b.view(np.uint32) if b.dtype == np.float32 else b)
