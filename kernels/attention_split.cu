@@ -30,8 +30,8 @@
 // warps merge through shared memory; a split that holds every key writes out itself, else it writes its
 // partial (o, m, l; m in base-2 units) and the last block of the KV head to finish (an atomic counter per KV
 // head, reset by that block) merges the partials of all active splits: weights per (split, row) once, then
-// every output element as one dot product over the splits. Sinks (gpt-oss, [Hq] or null): exp(sink) joins
-// each head's softmax denominator.
+// every output float4 as one dot product over the splits, its L2 reads issued eight at a time. Sinks
+// (gpt-oss, [Hq] or null): exp(sink) joins each head's softmax denominator.
 // Dynamic shared memory: 2 x NST x 64 x (D + 8) x 2 (K and V stages) + 16 x (D + 8) x 2 (q rows, fp16) +
 // (G + 1) x D x 4 (q and k rows, f32, while normalised and rotated) bytes (cuda/attention.py split_smem).
 // Accuracy: fp16 q and P as the tensor-core prefill (tests: atol 4e-3, rtol 1e-2 against float64).
@@ -386,36 +386,78 @@ __device__ __forceinline__ void attention_split_body(
     __syncthreads();
     if (!s_last) return;
     __threadfence();
-    float* wts = reinterpret_cast<float*>(sp_smem);  // [n_act][G] each split's weight per row
+    // Each L2 round trip of the merge lies on the layer's critical path, so its reads go out together: each
+    // split's (m, l) once (into shared memory, then the weights), and every output float4 of the KV head (G x
+    // D / 4 of them) as a dot product over the splits, thread t taking float4 t % NS of the splits t / NS,
+    // t / NS + NP, ... (NP groups of threads where the block has more threads than float4s), MU loads in
+    // flight a thread, the groups met in shared memory.
+    constexpr int MU = 8;
+    float* wts = reinterpret_cast<float*>(sp_smem);  // [n_act][G] each split's m, then its weight, per row
+    float* ls = wts + n_act * G;                      // [n_act][G] each split's l
+    float4* red = reinterpret_cast<float4*>(sp_smem) + (2 * n_act * G + 3) / 4;  // [SP_WARPS * 32] the groups' sums
     for (int r = warp; r < G; r += SP_WARPS) {
         const int h = kvh * G + r;
         float M = -INFINITY;
-        for (int sp = lane; sp < n_act; sp += 32) M = fmaxf(M, __ldcg(part_ml + 2 * (sp * Hq + h)));
+        for (int sp = lane; sp < n_act; sp += 32) {
+            const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + (sp * Hq + h));
+            wts[sp * G + r] = ml.x;
+            ls[sp * G + r] = ml.y;
+            M = fmaxf(M, ml.x);
+        }
         M = warp_max(M);
         float L = 0.0f;
         for (int sp = lane; sp < n_act; sp += 32) {
-            const float w = ex2(__ldcg(part_ml + 2 * (sp * Hq + h)) - M);
+            const float w = ex2(wts[sp * G + r] - M);
             wts[sp * G + r] = w;
-            L = fmaf(__ldcg(part_ml + 2 * (sp * Hq + h) + 1), w, L);
+            L = fmaf(ls[sp * G + r], w, L);
         }
         L = warp_sum(L);
         if (sinks) L += ex2(sinks[h] * SP_LOG2E - M);
         if (lane == 0) s_inv[r] = 1.0f / L;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < G * D; e += SP_WARPS * 32) {
-        const int r = e / D, d = e - r * D, h = kvh * G + r;
-        const float* po = part_o + (long long)h * D + d;
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;  // four chains: the loads overlap
-        int sp = 0;
-        for (; sp + 4 <= n_act; sp += 4) {
-            a0 = fmaf(__ldcg(po + (long long)sp * Hq * D), wts[sp * G + r], a0);
-            a1 = fmaf(__ldcg(po + (long long)(sp + 1) * Hq * D), wts[(sp + 1) * G + r], a1);
-            a2 = fmaf(__ldcg(po + (long long)(sp + 2) * Hq * D), wts[(sp + 2) * G + r], a2);
-            a3 = fmaf(__ldcg(po + (long long)(sp + 3) * Hq * D), wts[(sp + 3) * G + r], a3);
+    constexpr int T = SP_WARPS * 32, D4 = D / 4;
+    const int NS = G * D4, pass = NS < T ? NS : T, NP = T / pass;  // float4s, float4s a pass, split groups
+    const int grp = threadIdx.x / pass, sl = threadIdx.x - grp * pass;
+    const long long stride = (long long)Hq * D4;  // float4s from one split's partial to the next's
+    for (int s0 = 0; s0 < NS; s0 += pass) {
+        const int slot = s0 + sl, r = slot / D4;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (grp < NP && slot < NS) {
+            const float4* po = reinterpret_cast<const float4*>(part_o) + (long long)(kvh * G) * D4 + slot;
+            int sp = grp;
+            for (; sp + (MU - 1) * NP < n_act; sp += MU * NP) {
+                float4 v[MU];
+#pragma unroll
+                for (int i = 0; i < MU; ++i) v[i] = __ldcg(po + (sp + i * NP) * stride);
+#pragma unroll
+                for (int i = 0; i < MU; ++i) {
+                    const float w = wts[(sp + i * NP) * G + r];
+                    acc = make_float4(fmaf(v[i].x, w, acc.x), fmaf(v[i].y, w, acc.y), fmaf(v[i].z, w, acc.z),
+                                      fmaf(v[i].w, w, acc.w));
+                }
+            }
+            for (; sp < n_act; sp += NP) {
+                const float4 v = __ldcg(po + sp * stride);
+                const float w = wts[sp * G + r];
+                acc = make_float4(fmaf(v.x, w, acc.x), fmaf(v.y, w, acc.y), fmaf(v.z, w, acc.z), fmaf(v.w, w, acc.w));
+            }
         }
-        for (; sp < n_act; ++sp) a0 = fmaf(__ldcg(po + (long long)sp * Hq * D), wts[sp * G + r], a0);
-        out[h * D + d] = ((a0 + a1) + (a2 + a3)) * s_inv[r];
+        if (NP > 1) {  // (uniform: NP is the block's)
+            red[threadIdx.x] = acc;
+            __syncthreads();
+            if (grp == 0 && slot < NS)
+                for (int g2 = 1; g2 < NP; ++g2) {
+                    const float4 o2 = red[g2 * pass + sl];
+                    acc = make_float4(acc.x + o2.x, acc.y + o2.y, acc.z + o2.z, acc.w + o2.w);
+                }
+            __syncthreads();
+        }
+        if (grp == 0 && slot < NS) {
+            const float inv = s_inv[r];
+            reinterpret_cast<float4*>(out)[(long long)(kvh * G) * D4 + slot] =
+                make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+        }
     }
     if (threadIdx.x == 0) counters[kvh] = 0u;
 }

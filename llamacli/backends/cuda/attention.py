@@ -264,9 +264,9 @@ class AttentionMixin:
     def decode_splits(self, ctx: int) -> int:
         """Splits of decode attention over a cache of ctx positions. attention_split: as many as the GPU holds
         blocks of it at once (SMs x blocks per SM by shared memory, at most 4), shared among the KV heads,
-        at most one per 64-key tile of the cache, as many as its merge's weights fit the stages, and no more
-        than keep the last block's merge within SPLIT_MERGE_MAX partial values (at least 16). The CUDA-core
-        fallback: ctx / decode_chunk(ctx)."""
+        at most one per 64-key tile of the cache, as many as the merge's (m, l) pairs fit the stages beside its
+        2 KB of group sums, and no more than keep the last block's merge within SPLIT_MERGE_MAX partial values
+        (at least 16). The CUDA-core fallback: ctx / decode_chunk(ctx)."""
         cfg = self.cfg
         if not self.split_fits():
             return K.cdiv(ctx, self.decode_chunk(ctx))
@@ -275,7 +275,7 @@ class AttentionMixin:
         n = K.cdiv(self.n_sms * per_sm, cfg.n_head_kv)
         merge = max(16, SPLIT_MERGE_MAX // (cfg.n_group * cfg.head_dim))
         return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), merge,
-                          split_stage_bytes(cfg.head_dim, self.kv_q8) // (4 * cfg.n_group)))
+                          (split_stage_bytes(cfg.head_dim, self.kv_q8) - 2048 - 64) // (8 * cfg.n_group)))
 
     def rope_store_caches(self, layer: int) -> tuple[Any, Any]:
         """The K and V arrays the fp16 writers (rope_store*, which also leave the rotated K and V in f32 in their
