@@ -34,6 +34,9 @@
 // (gpt-oss, [Hq] or null): exp(sink) joins each head's softmax denominator.
 // Dynamic shared memory: 2 x NST x 64 x (D + 8) x 2 (K and V stages) + 16 x (D + 8) x 2 (q rows, fp16) +
 // (G + 1) x D x 4 (q and k rows, f32, while normalised and rotated) bytes (cuda/attention.py split_smem).
+// After the last tile the stages hold the four warps' partials (4 x G x D floats), then the merge's (m, l)
+// pairs and weights (2 x splits x G floats, rounded up to float4s) and its group sums (SP_WARPS x 32 float4s):
+// cuda/attention.py decode_splits bounds the splits so that these fit (SPLIT_MERGE_SUMS).
 // Accuracy: fp16 q and P as the tensor-core prefill (tests: atol 4e-3, rtol 1e-2 against float64).
 //
 // The _q8 forms (attention_split_q8_d<D>, attention_split_step_q8_<mode>_d<D>; D a multiple of 32) read an
@@ -387,10 +390,11 @@ __device__ __forceinline__ void attention_split_body(
     if (!s_last) return;
     __threadfence();
     // Each L2 round trip of the merge lies on the layer's critical path, so its reads go out together: each
-    // split's (m, l) once (into shared memory, then the weights), and every output float4 of the KV head (G x
-    // D / 4 of them) as a dot product over the splits, thread t taking float4 t % NS of the splits t / NS,
-    // t / NS + NP, ... (NP groups of threads where the block has more threads than float4s), MU loads in
-    // flight a thread, the groups met in shared memory.
+    // split's (m, l) once (into shared memory, then the weights), and every output float4 of the KV head (NS =
+    // G x D / 4 of them) as a dot product over the splits, MU loads in flight a thread. The float4s go in
+    // passes of `pass` = min(NS, threads): in a pass, thread t takes float4 s0 + t % pass over the splits
+    // t / pass, t / pass + NP, ... (NP = threads / pass groups: more than one where NS is at most half the
+    // threads; threads past NP x pass idle), and the groups meet in shared memory.
     constexpr int MU = 8;
     float* wts = reinterpret_cast<float*>(sp_smem);  // [n_act][G] each split's m, then its weight, per row
     float* ls = wts + n_act * G;                      // [n_act][G] each split's l
@@ -443,7 +447,7 @@ __device__ __forceinline__ void attention_split_body(
                 acc = make_float4(fmaf(v.x, w, acc.x), fmaf(v.y, w, acc.y), fmaf(v.z, w, acc.z), fmaf(v.w, w, acc.w));
             }
         }
-        if (NP > 1) {  // (uniform: NP is the block's)
+        if (NP > 1) {  // (uniform: NP is the block's; then this is the only pass, and red is read once)
             red[threadIdx.x] = acc;
             __syncthreads();
             if (grp == 0 && slot < NS)
@@ -451,7 +455,6 @@ __device__ __forceinline__ void attention_split_body(
                     const float4 o2 = red[g2 * pass + sl];
                     acc = make_float4(acc.x + o2.x, acc.y + o2.y, acc.z + o2.z, acc.w + o2.w);
                 }
-            __syncthreads();
         }
         if (grp == 0 && slot < NS) {
             const float inv = s_inv[r];

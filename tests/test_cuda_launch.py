@@ -379,3 +379,30 @@ def test_decode_splits_keep_the_merge_within_split_merge_max() -> None:
     assert H100(8, 4, 128).decode_splits(40_960) == 33  # Llama-3-8B: the GPU's blocks (two an SM)
     assert H100(8, 4, 64).decode_splits(40_960) == 50  # Llama-3.2-1B: three an SM
     assert H100(1, 16, 256).decode_splits(40_960) == 16  # the floor (the cap alone would give 8)
+
+
+@pytest.mark.parametrize("q8", [False, True])
+def test_decode_splits_leave_the_merge_its_shared_memory(q8) -> None:
+    """kernels/attention_split.cu's merge keeps 2 x splits x G floats (rounded up to float4s) and its group sums
+    in the stages: decode_splits never gives more splits than that room allows, for every head dim, group size
+    and KV head count, on a GPU with SMs enough that the GPU's own limit is not the one that binds."""
+    from types import SimpleNamespace
+
+    from llamacli.backends.cuda.attention import SPLIT_MERGE_SUMS, SPLIT_Q8_DIMS, AttentionMixin, split_stage_bytes
+
+    class Huge(AttentionMixin):
+        n_sms, smem_sm, smem_block, kv_q8 = 100_000, 233_472, 232_448, q8
+
+        def __init__(self, hkv: int, group: int, dh: int) -> None:
+            self.cfg = SimpleNamespace(n_head_kv=hkv, n_group=group, head_dim=dh)
+
+    assert SPLIT_MERGE_SUMS >= 128 * 16 + 12
+    for dh in SPLIT_Q8_DIMS if q8 else (64, 80, 96, 112, 128, 256):
+        for group in range(1, 17):
+            for hkv in (1, 8):
+                be = Huge(hkv, group, dh)
+                if not be.split_fits():
+                    continue
+                n = be.decode_splits(1 << 30)
+                assert n >= 1
+                assert 16 * -(-2 * n * group // 4) + 128 * 16 <= split_stage_bytes(dh, q8), (dh, group, hkv, n)

@@ -716,12 +716,14 @@ def with_probes(kc: np.ndarray, q: np.ndarray, p: int, n_split: int, group: int)
 
 
 @pytest.mark.parametrize("dh,hkv,group", [(64, 3, 3), (128, 1, 8), (96, 2, 7), (64, 2, 1), (256, 1, 4), (80, 4, 5),
-                                          (112, 1, 16), (128, 8, 4), (256, 4, 2)])
+                                          (112, 1, 16), (128, 8, 4), (256, 4, 2), (128, 2, 1), (96, 1, 1),
+                                          (80, 2, 1), (256, 1, 1)])
 def test_attention_split_depths(dh, hkv, group) -> None:
     """attention_split_d*: one query over up to 20,000 keys, positions on and around 64-key tile and split
     boundaries (splits several tiles deep at the far end where the KV heads are many), every head dim and
-    group sizes 1 to 16; the cache past the position NaN (it must not be read), the output poisoned; float64
-    reference."""
+    group sizes 1 to 16 (the merge: in several passes where a KV head has more output float4s than the block
+    has threads, in 2 to 8 groups of threads where it has half as many or fewer); the cache past the position
+    NaN (it must not be read), the output poisoned; float64 reference."""
     rng = np.random.default_rng(77 + dh + group)
     hq, ctx = hkv * group, 20_000
     cfg = make_cfg(n_head=hq, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hq * dh)
@@ -1234,7 +1236,7 @@ def test_attention_q8_prefill_then_decode(dh, hkv, group) -> None:
         start += t
 
 
-@pytest.mark.parametrize("dh,hkv,group", [(64, 3, 3), (128, 8, 4), (96, 2, 7), (256, 1, 4), (128, 1, 16)])
+@pytest.mark.parametrize("dh,hkv,group", [(64, 3, 3), (128, 8, 4), (96, 2, 7), (256, 1, 4), (128, 1, 16), (128, 1, 1)])
 def test_attention_split_q8_depths(dh, hkv, group) -> None:
     """attention_split_q8_d*: one query over up to 20,000 keys of an 8-bit cache, positions on and around tile
     and split boundaries, probe keys at every split's ends; the rows past the position hold NaN scales (never

@@ -49,6 +49,9 @@ SPLIT_MERGE_MAX = 1 << 15
 SPLIT_MAX_G = 16  # attention_split: query heads per KV head (the rows of one MMA tile)
 SPLIT_Q8_DIMS = (64, 96, 128, 256)  # head dims with an attention_split_q8 kernel (an 8-bit cache)
 SPLIT_STATIC_SMEM = 1024  # attention_split's static shared memory (592 bytes), rounded up
+# attention_split's merge: bytes of its group sums (SP_WARPS x 32 float4s) in the stages, beside its (m, l)
+# pairs (2 x splits x G floats, rounded up to a whole float4: 12 bytes at most, 16 here).
+SPLIT_MERGE_SUMS = 4 * 32 * 16 + 16
 
 
 def split_stage_bytes(dh: int, q8: bool = False) -> int:
@@ -265,8 +268,8 @@ class AttentionMixin:
         """Splits of decode attention over a cache of ctx positions. attention_split: as many as the GPU holds
         blocks of it at once (SMs x blocks per SM by shared memory, at most 4), shared among the KV heads,
         at most one per 64-key tile of the cache, as many as the merge's (m, l) pairs fit the stages beside its
-        2 KB of group sums, and no more than keep the last block's merge within SPLIT_MERGE_MAX partial values
-        (at least 16). The CUDA-core fallback: ctx / decode_chunk(ctx)."""
+        group sums (SPLIT_MERGE_SUMS), and no more than keep the last block's merge within SPLIT_MERGE_MAX
+        partial values (at least 16). The CUDA-core fallback: ctx / decode_chunk(ctx)."""
         cfg = self.cfg
         if not self.split_fits():
             return K.cdiv(ctx, self.decode_chunk(ctx))
@@ -275,7 +278,7 @@ class AttentionMixin:
         n = K.cdiv(self.n_sms * per_sm, cfg.n_head_kv)
         merge = max(16, SPLIT_MERGE_MAX // (cfg.n_group * cfg.head_dim))
         return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), merge,
-                          (split_stage_bytes(cfg.head_dim, self.kv_q8) - 2048 - 64) // (8 * cfg.n_group)))
+                          (split_stage_bytes(cfg.head_dim, self.kv_q8) - SPLIT_MERGE_SUMS) // (8 * cfg.n_group)))
 
     def rope_store_caches(self, layer: int) -> tuple[Any, Any]:
         """The K and V arrays the fp16 writers (rope_store*, which also leave the rotated K and V in f32 in their
