@@ -115,10 +115,10 @@ def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
     where rows are not whole chunks: 77 columns, and 100 in the 16-bit types) against float64
     RMSNorm(x) * norm_w . row (+ bias) for F32 / F16 / BF16 rows; -inf and a NaN logit through the bias, k - 1
     finite logits left, so that the k-th choice falls among them (NaN ranks as -inf, the lower id first; E = 9
-    also pads the ranked row with -inf); its ids and weights
-    against llamacli.moe.route on the logits it wrote, and bit for bit against moe_route_f32 (the same ranking
-    by a block of 32) on them, for softmax gating with and without renormalising and for top-k softmax; nothing written past the E
-    logits; a second launch into poisoned outputs (the counter reset by the first) gives the same bits."""
+    also pads the ranked row with -inf); its ids and weights against llamacli.moe.route on the logits it
+    wrote, and bit for bit against moe_route_f32 (the same ranking by a block of 32) on them, for softmax
+    gating with and without renormalising and for top-k softmax; nothing written past the E logits; a second
+    launch into poisoned outputs (the counter reset by the first) gives the same bits."""
     from gguf import GGMLQuantizationType as QT
 
     from llamacli.backends.cuda import CudaBackend
