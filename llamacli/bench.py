@@ -35,7 +35,7 @@ from .config import ModelConfig
 from .generate import Model
 from .kv_cache import DEFAULT as DEFAULT_CACHE
 from .kv_cache import cache_row_bytes
-from .model import prefill as prefill_prompt
+from .models.block import prefill as prefill_prompt
 from .units import human_bytes, human_count
 from .weights import active_share
 
@@ -272,7 +272,7 @@ def decode_attention_summary(cfg: ModelConfig, pos: int, rows: list[ProfileRow],
 
 
 def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str, float], dict[str, Any]]:
-    """Break one prefill of n_prompt random tokens (model.forward, op by op) and one greedy decode step at
+    """Break one prefill of n_prompt random tokens (block.run, op by op) and one greedy decode step at
     position n_prompt (the fused step, launched without its graph) down by kernel family, timed with CUDA
     events while the work runs back to back behind a spin kernel. -> rows; per phase the GPU span (sections
     plus gaps) and, for decode, the graph-replayed step time for comparison; and the decode attention's

@@ -28,7 +28,7 @@ from .errors import ContextOverflowError, ShapeMismatchError, UsageError
 from .gguf_file import open_gguf
 from .kv_cache import DEFAULT as DEFAULT_CACHE
 from .kv_cache import check_cache_types, parse_cache_types, ring_keeps
-from .model import prefill
+from .models.block import prefill
 from .reasoning import prompt_opens_think, reply_format, split_reasoning
 from .sampling import SamplingParams, make_rng, sample
 from .tokenizer import StreamDecoder, Tokenizer

@@ -35,7 +35,7 @@ def load_everything(path: str, run_forward: bool) -> list[list[str]]:
     from llamacli.config import ModelConfig
     from llamacli.errors import LlamacliError
     from llamacli.gguf_file import open_gguf
-    from llamacli.model import forward
+    from llamacli.models.block import run as forward
     from llamacli.sampling import greedy
     from llamacli.tokenizer import Tokenizer
     from llamacli.weights import check_tensors

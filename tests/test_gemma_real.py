@@ -135,7 +135,7 @@ def test_logits_match_transformers_past_the_window(pair) -> None:
     two RoPE bases matter)."""
     import numpy as np
 
-    from llamacli.model import prefill
+    from llamacli.models.block import prefill
 
     ours, hf, torch = pair
     rng = np.random.default_rng(5)

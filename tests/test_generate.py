@@ -90,20 +90,20 @@ def _numpy_backend(path, ctx):
 
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-phi3"])
 def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
-    """Where a backend sets prefill_chunk, model.prefill splits a prompt into passes of that many tokens
+    """Where a backend sets prefill_chunk, block.prefill splits a prompt into passes of that many tokens
     (no pass longer; None: one pass), and the logits and KV cache equal those of one forward pass over the
     whole prompt; attention in several passes of query rows (a tiny ATT_SCRATCH) gives the same result too. Tolerances: float32 BLAS products of other
     shapes, 2e-5 relative to the largest value."""
     import numpy as np
 
-    from llamacli import model as model_mod
+    from llamacli.models import block as model_mod
     from llamacli.backends import numpy_backend
 
     path = random_model(shape, "F32")
     rng = np.random.default_rng(7)
     be, cfg = _numpy_backend(path, 160)
     ids = rng.integers(0, cfg.vocab_size, size=150)
-    whole = be.to_host(model_mod.forward(be, cfg, be.token_ids(ids), be.positions(0, ids.size)))
+    whole = be.to_host(model_mod.run(be, cfg, be.token_ids(ids), be.positions(0, ids.size)))
     k_whole, v_whole = np.array(be.k_cache), np.array(be.v_cache)  # [layer, ctx, Hkv, Dh] (no window: no ring)
 
     for chunk, att_scratch in ((16, numpy_backend.ATT_SCRATCH), (37, 300), (150, 1), (None, 5000)):
@@ -111,10 +111,10 @@ def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
         be.prefill_chunk = chunk
         monkeypatch.setattr(numpy_backend, "ATT_SCRATCH", att_scratch)
         lengths = []
-        real_forward = model_mod.forward
-        monkeypatch.setattr(model_mod, "forward", lambda b, c, i, p: lengths.append(len(i)) or real_forward(b, c, i, p))
+        real_forward = model_mod.run
+        monkeypatch.setattr(model_mod, "run", lambda b, c, i, p: lengths.append(len(i)) or real_forward(b, c, i, p))
         got = be.to_host(model_mod.prefill(be, cfg, ids, 0))
-        monkeypatch.setattr(model_mod, "forward", real_forward)
+        monkeypatch.setattr(model_mod, "run", real_forward)
         n = chunk or ids.size
         assert lengths == [min(n, ids.size - s) for s in range(0, ids.size, n)]
         scale = float(np.abs(whole).max())
@@ -132,7 +132,7 @@ def test_prefill_scratch_stays_within_the_estimate(random_model, shape):
     import numpy as np
 
     from llamacli.backends.numpy_backend import scratch_bytes
-    from llamacli.model import prefill
+    from llamacli.models.block import prefill
 
     ctx = 1536
     path = random_model(shape, "Q8_0")
@@ -179,7 +179,7 @@ def test_phi3_with_split_attention_runs_as_the_fused_file(random_model, tmp_path
     from gguf import GGUFWriter
 
     from llamacli.gguf_file import open_gguf
-    from llamacli.model import prefill
+    from llamacli.models.block import prefill
     from llamacli.testing import add_metadata
 
     fused = random_model("tiny-phi3", "F32")

@@ -16,7 +16,7 @@ from llamacli.backends.cuda import RUNNABLE, CudaBackend, cuda_available  # noqa
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.config import ModelConfig  # noqa: E402
 from llamacli.gguf_file import open_gguf  # noqa: E402
-from llamacli.model import forward  # noqa: E402
+from llamacli.models.block import run as forward  # noqa: E402
 from llamacli.testing import variant  # noqa: E402
 from llamacli.weights import check_tensors  # noqa: E402
 
@@ -40,7 +40,7 @@ def rel_l2(a, b) -> float:
 
 
 def greedy_run(be, cfg, prompt, steps, fused=False):
-    """Prefill through model.forward, then `steps` greedy tokens (forward + device argmax, or the fused
+    """Prefill through block.run, then `steps` greedy tokens (forward + device argmax, or the fused
     graph-replayed decode step)."""
     from llamacli.sampling import SamplingParams
 
@@ -324,7 +324,7 @@ def test_gemma3_270m_greedy_64_tokens_match_numpy() -> None:
 def greedy_matches_up_to_near_ties(ref, gpu, prompt, n_tokens: int) -> None:
     """Greedy n_tokens of `prompt` on both models: equal, or parting only where the reference's logits are
     within NEAR_TIE of a tie between the two ids."""
-    from llamacli.model import prefill
+    from llamacli.models.block import prefill
 
     want = ref.complete(prompt, max_tokens=n_tokens, temperature=0.0, raw=True).tokens
     got = gpu.complete(prompt, max_tokens=n_tokens, temperature=0.0, raw=True).tokens
@@ -396,7 +396,7 @@ def test_fused_prefill_matches_numpy(random_model, shape, qtype) -> None:
     sighting of a length) against the NumPy reference: the last logits, and the cache it leaves (a decode
     step after it). Lengths: 9 (CUDA-core attention), 16, 77, and 700 in chunks of 512 + 188. The
     buffers start poisoned with NaN, so a read of anything not written shows."""
-    from llamacli.model import prefill
+    from llamacli.models.block import prefill
 
     path = random_model(shape, qtype)
     _, cfg, ref = loaded(path, NumpyBackend(), ctx=1024)
@@ -428,7 +428,7 @@ def test_greedy_through_the_ring_wrap_matches_numpy(random_model, shape, qtype, 
     chunks of 512 and 188, the second wrapping the ring), 48 greedy steps of the captured decode step past the
     wrap, then the logits of one more step: the NumPy reference's ids and logits (which keeps the same rings);
     with fp16 caches and with 8-bit ones on both backends (-ctk/-ctv q8_0)."""
-    from llamacli.model import prefill
+    from llamacli.models.block import prefill
 
     path = random_model(shape, qtype)
     _, cfg, ref = loaded(path, NumpyBackend(), ctx=1024, cache_types=(cache, cache))
@@ -450,7 +450,7 @@ def test_greedy_through_the_ring_wrap_matches_numpy(random_model, shape, qtype, 
 def test_fused_prefill_chunk_after_cached_prefix(random_model) -> None:
     """A second prompt chunk at a later start (chat turn 2: the prefix is in the cache) attends to the
     earlier positions; the graph captured for that length serves any start."""
-    from llamacli.model import prefill
+    from llamacli.models.block import prefill
 
     path = random_model("small-llama", "Q4_K_M")
     _, cfg, ref = loaded(path, NumpyBackend(), ctx=512)
@@ -489,7 +489,7 @@ def test_q8_0_kv_cache_matches_numpy(random_model, shape, qtype) -> None:
     40-token prompt (K and V quantized from the rotated f32 rows, the prefill attention on the fp16
     conversion), then a 13-token chunk on top of it (the CUDA-core prefill attention), then 24 greedy tokens
     through the fused graph step; the logits within 1e-2 and the tokens identical."""
-    from llamacli.model import prefill
+    from llamacli.models.block import prefill
 
     q8 = ("q8_0", "q8_0")
     path = random_model(shape, qtype)

@@ -24,7 +24,9 @@ from llamacli.backends.cuda import loader as K  # noqa: E402
 from llamacli.backends.cuda.attention import ATT_TC_DIMS, ATT_TC_MIN_T  # noqa: E402
 from llamacli.backends.cuda.linear import MV1_ACT8, MV1_MIXED  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
+from llamacli.backends.cuda.fusion import match_layer  # noqa: E402
 from llamacli.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig  # noqa: E402
+from llamacli.models.block import Attention, layer_op, layer_ops  # noqa: E402
 from llamacli.quants import dequantize  # noqa: E402
 from llamacli.testing import act8, act8_bound, random_quant_rows  # noqa: E402
 
@@ -43,6 +45,16 @@ def make_cfg(**kw) -> ModelConfig:
     )
     base.update(kw)
     return ModelConfig(**base)
+
+
+def att_op(cfg: ModelConfig, i: int = 0) -> Attention:
+    """Layer i's attention operation (its window, soft-cap and sinks), as the launchers take it."""
+    return layer_op(cfg, i, Attention)
+
+
+def att_branch(cfg: ModelConfig, i: int = 0):
+    """Layer i's attention branch as the fused decode step's attention kernel takes it (fusion.py)."""
+    return match_layer(layer_ops(cfg, i)).attention
 
 
 def bare(cfg: ModelConfig, ctx: int, q8: bool = False) -> tuple[CudaBackend, NumpyBackend]:
@@ -569,8 +581,8 @@ def test_attention_prefill_then_decode(dh, hkv, group) -> None:
         v = rng.standard_normal((t, hkv, dh)).astype(np.float32)
         k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
         pos = np.arange(start, start + t, dtype=np.int32)
-        got = be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
-        want = ref.attention(0, q, k16, v16, pos)
+        got = be.attention(att_op(be.cfg), cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+        want = ref.attention(att_op(ref.cfg), q, k16, v16, pos)
         # t >= ATT_TC_MIN_T and decode (attention_split) run on tensor cores with fp16 Q and P: looser (see
         # the tensor-core test below).
         tol = (4e-3, 1e-2) if (t >= ATT_TC_MIN_T or t == 1) and dh in ATT_TC_DIMS else (2e-4, 2e-3)
@@ -758,13 +770,13 @@ def test_attention_decode_long_context_splits() -> None:
     v = rng.standard_normal((t, 2, 64)).astype(np.float32)
     q = rng.standard_normal((t, 8, 64)).astype(np.float32)
     pos = np.arange(t, dtype=np.int32)
-    be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
-    ref.attention(0, q, k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32), pos)
+    be.attention(att_op(be.cfg), cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+    ref.attention(att_op(ref.cfg), q, k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32), pos)
     q1 = rng.standard_normal((1, 8, 64)).astype(np.float32) * 3
     k1, v1 = rng.standard_normal((1, 2, 64)).astype(np.float32), rng.standard_normal((1, 2, 64)).astype(np.float32)
     p1 = np.array([t], np.int32)
-    got = be.attention(0, cp.asarray(q1), cp.asarray(k1), cp.asarray(v1), cp.asarray(p1))
-    want = ref.attention(0, q1, k1.astype(np.float16).astype(np.float32), v1.astype(np.float16).astype(np.float32), p1)
+    got = be.attention(att_op(be.cfg), cp.asarray(q1), cp.asarray(k1), cp.asarray(v1), cp.asarray(p1))
+    want = ref.attention(att_op(ref.cfg), q1, k1.astype(np.float16).astype(np.float32), v1.astype(np.float16).astype(np.float32), p1)
     assert_close(got.get(), want, *SPLIT_TOL, "decode over 24 tiles")
 
 
@@ -896,7 +908,7 @@ def check_prefill_chunks(be, cfg, rng, ctx: int, q_scale: float, window: int, so
             be.attention_tc = use_tc
             out = poisoned((t, cfg.q_dim))
             be.attend(cp.asarray(q), cfg.q_dim, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
-                      None, None, layer=0)
+                      None, None, op=att_op(be.cfg))
             tc = use_tc and t >= ATT_TC_MIN_T
             tol = (6e-3, 1e-2) if tc else (2e-4, 2e-3)
             assert_close(out.get(), want, *tol, f"tc={tc} t={t} start={start}")
@@ -935,8 +947,8 @@ def test_attention_decode_window_softcap(dh, hkv, group, window, softcap) -> Non
         v = rng.standard_normal((t, hkv, dh)).astype(np.float32)
         k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
         pos = np.arange(start, start + t, dtype=np.int32)
-        got = be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
-        want = ref.attention(0, q, k16, v16, pos)
+        got = be.attention(att_op(be.cfg), cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+        want = ref.attention(att_op(ref.cfg), q, k16, v16, pos)
         tol = (6e-3, 1e-2) if t >= ATT_TC_MIN_T or (t == 1 and be.split_fits()) else (2e-4, 2e-3)
         assert be.split_fits() == (group <= 16)
         assert_close(got.get(), want, *tol, f"attention t={t} start={start}")
@@ -1022,10 +1034,10 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, s
         qkv, q, k, v = step_inputs(cfg, rng, qn if qk_norm else None, kn)
         pos = np.array([p], np.int32)
         kr = ref.rope(k, pos, local=True).astype(np.float16).astype(np.float32)
-        want = ref.attention(0, ref.rope(q, pos, local=True), kr, v.astype(np.float16).astype(np.float32), pos)
+        want = ref.attention(att_op(ref.cfg), ref.rope(q, pos, local=True), kr, v.astype(np.float16).astype(np.float32), pos)
         be.step_pos.set(pos)
         att = poisoned((1, cfg.q_dim))
-        be.attend_step(0, cp.asarray(qkv), att, False)
+        be.attend_step(att_branch(be.cfg), cp.asarray(qkv), att, False)
         assert_close(att.get(), want, *SPLIT_TOL, f"step p={p}")
         assert_close(be.k_cache[0][p % rows].get(), kr[0], 1e-3, 1e-3, f"stored k p={p}")
         assert int(be.attention_counters.sum()) == 0  # reset by the merging block
@@ -1199,7 +1211,7 @@ def test_kv_store_q8_matches_ggml(dh) -> None:
     v[6, 1, :32] = np.inf
     pos = np.arange(start, start + t, dtype=np.int32)
     q = rng.standard_normal((t, cfg.q_dim)).astype(np.float32)
-    be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+    be.attention(att_op(be.cfg), cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
     for cache, x in ((be.k_cache[0], k), (be.v_cache[0], v)):
         codes, sc = q8_cache_get(cache)
         want_c, want_s = ggml_q8_0(x)
@@ -1228,8 +1240,8 @@ def test_attention_q8_prefill_then_decode(dh, hkv, group) -> None:
         k = rng.standard_normal((t, hkv, dh)).astype(np.float32)
         v = rng.standard_normal((t, hkv, dh)).astype(np.float32)
         pos = np.arange(start, start + t, dtype=np.int32)
-        got = be.attention(0, cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
-        want = ref.attention(0, q, k, v, pos)
+        got = be.attention(att_op(be.cfg), cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
+        want = ref.attention(att_op(ref.cfg), q, k, v, pos)
         # fp16 q and P on tensor cores (prefill, decode); the CUDA cores read the fp16 conversion of d x code
         tol = SPLIT_TOL if t >= ATT_TC_MIN_T or t == 1 else (1e-3, 4e-3)
         assert_close(got.get(), want, *tol, f"q8 attention t={t} start={start}")
@@ -1293,8 +1305,8 @@ def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
     k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
     v0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
     p0 = np.arange(hist, dtype=np.int32)
-    be.attention(0, cp.asarray(q0), cp.asarray(k0), cp.asarray(v0), cp.asarray(p0))
-    ref.attention(0, q0, k0, v0, p0)
+    be.attention(att_op(be.cfg), cp.asarray(q0), cp.asarray(k0), cp.asarray(v0), cp.asarray(p0))
+    ref.attention(att_op(ref.cfg), q0, k0, v0, p0)
     rows = be.k_cache[0].shape[0]
     assert rows == (768 if window else 2048)
     if window:
@@ -1308,10 +1320,10 @@ def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
         qkv, q, k, v = step_inputs(cfg, rng, qn if qk_norm else None, kn)
         pos = np.array([p], np.int32)
         kr = ref.rope(k, pos, local=True)
-        want = ref.attention(0, ref.rope(q, pos, local=True), kr, v, pos)
+        want = ref.attention(att_op(ref.cfg), ref.rope(q, pos, local=True), kr, v, pos)
         be.step_pos.set(pos)
         att = poisoned((1, cfg.q_dim))
-        be.attend_step(0, cp.asarray(qkv), att, False)
+        be.attend_step(att_branch(be.cfg), cp.asarray(qkv), att, False)
         assert_close(att.get(), want, *SPLIT_TOL, f"q8 step p={p}")
         codes, sc = q8_cache_get(be.k_cache[0])
         got_k = q8_values(codes[p % rows], sc[p % rows])

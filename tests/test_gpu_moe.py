@@ -12,6 +12,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 from llamacli.backends.cuda import cuda_available  # noqa: E402
+from llamacli.backends.cuda.fusion import match_layer  # noqa: E402
+from llamacli.models.block import layer_ops  # noqa: E402
 from llamacli.moe import route  # noqa: E402
 
 _ok, _why = cuda_available()
@@ -20,7 +22,7 @@ if not _ok:
 pytestmark = pytest.mark.gpu
 
 from test_gpu_kernels import (  # noqa: E402
-    assert_close, bare, check_prefill_chunks, ext_attention_ref, make_cfg, poisoned, put_positions,
+    assert_close, att_branch, att_op, bare, check_prefill_chunks, ext_attention_ref, make_cfg, poisoned, put_positions,
 )
 
 
@@ -99,7 +101,7 @@ def test_decode_router_routes_as_the_reference(tmp_path, spec, n_expert, k) -> N
         w[:, 0] = cp.asarray(col, cp.float32)
         be._moe_ids[...] = -1
         be._moe_wts[...] = cp.nan
-        be.moe_step(layer, x, lambda section, nbytes, launch: launch(False) if section == "norm+router" else None)
+        be.moe_step(match_layer(layer_ops(cfg, layer)).ffn, x, lambda section, nbytes, launch: launch(False) if section == "norm+router" else None)
         logits = be._moe_logits.get()
         assert (logits[0] == -np.inf).sum() == np.isneginf(col).sum()
         want_ids, want_w = route(logits, k, plan.moe_gating, cfg.expert_weights_norm)
@@ -232,7 +234,8 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
     # The op path: one query at position hist - 1 over the cache (its own K/V rewritten as they are).
     q = rng.standard_normal((1, cfg.n_head, dh)).astype(np.float32)
     pos = np.array([hist - 1], np.int32)
-    got = be.attention(0, cp.asarray(q), cp.asarray(kc[hist - 1 : hist]), cp.asarray(vc[hist - 1 : hist]),
+    got = be.attention(att_op(be.cfg), cp.asarray(q), cp.asarray(kc[hist - 1 : hist]),
+                       cp.asarray(vc[hist - 1 : hist]),
                        cp.asarray(pos))
     want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, 0.0, sinks.astype(np.float64))
     assert_close(got.get(), want, 4e-3, 1e-2, "decode op path")  # fp16 q and P (test_gpu_kernels.SPLIT_TOL)
@@ -254,6 +257,6 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
                                  sinks.astype(np.float64))
         be.step_pos.set(ppos)
         att = poisoned((1, cfg.q_dim))
-        be.attend_step(0, cp.asarray(qkv), att, False)
+        be.attend_step(att_branch(be.cfg), cp.asarray(qkv), att, False)
         assert_close(att.get(), want, 4e-3, 1e-2, f"step p={p}")
         assert int(be.attention_counters.sum()) == 0

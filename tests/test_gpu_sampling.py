@@ -299,7 +299,7 @@ def test_decode_allowed_queued_step_is_taken_only_when_it_matches(random_model) 
     that pair takes it; decode_allowed for another token, decode_greedy and decode at that pair recompute; each
     result equals the host's (the step's logits brought back and masked on the host). A mask that leaves no id
     is the NumericalError the host raises (argmax_f32's flag 2), with and without graphs."""
-    from llamacli.model import prefill
+    from llamacli.models.block import prefill
     from llamacli.structured import pack_words
 
     m = load(random_model("small-llama", QT.Q8_0), backend="cuda", ctx=256)

@@ -9,7 +9,7 @@ import pytest
 from llamacli.errors import UsageError
 from llamacli.generate import Model
 from llamacli.kv_cache import cache_row_bytes, check_cache_types, parse_cache_type, q8_0_roundtrip
-from llamacli.model import forward
+from llamacli.models.block import run as forward
 
 from clirun import run
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.config import ModelConfig  # noqa: E402
 from llamacli.gguf_file import open_gguf  # noqa: E402
-from llamacli.model import forward  # noqa: E402
+from llamacli.models.block import run as forward  # noqa: E402
 
 TOL = 1e-3
 

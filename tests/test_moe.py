@@ -20,6 +20,7 @@ from llamacli.backends.numpy_backend import NumpyBackend, host_bytes
 from llamacli.config import ModelConfig
 from llamacli.errors import CorruptFileError, MissingMetadataError, UnknownArchitectureError
 from llamacli.gguf_file import open_gguf
+from llamacli.models.block import Moe, layer_op
 from llamacli.moe import route
 from llamacli.testing import SHAPES, model_metadata, random_quant_rows, variant, write_model
 from llamacli.weights import layer_tensor_names, model_specs
@@ -131,7 +132,7 @@ def test_moe_batches_tokens_by_expert_as_a_per_token_loop_would(tiny_moe, arch):
             a = be.gated(plan.activation, g[None], u[None])[0]
             ref[t] += we * (L.ffn_down_exps[e] @ a + zero(L.ffn_down_exps_bias, e, cfg.n_embd))
     assert len(np.unique(ids)) > cfg.n_expert_used  # the tokens spread over several experts
-    np.testing.assert_allclose(be.moe(h, 1), ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(be.moe(layer_op(cfg, 1, Moe), h), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_swiglu_oai_matches_transformers_clamped_gate():
@@ -174,7 +175,7 @@ def test_sinks_and_window_change_the_result(tiny_moe):
     path = tiny_moe["gpt-oss"]
     ids = np.arange(3, 43)
     _, cfg, be = load(path)
-    from llamacli.model import forward
+    from llamacli.models.block import run as forward
 
     base = forward(be, cfg, ids, be.positions(0, ids.size))
     for L in be.weights.layers:

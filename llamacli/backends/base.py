@@ -1,4 +1,4 @@
-"""The backend interface: the few operations model.forward() is written against.
+"""The backend interface: the few operations a layer's program (models/block.py) is written against.
 
 Arrays are the backend's own (numpy.ndarray for the NumPy reference, cupy.ndarray for CUDA). Activations
 are float32, shapes in brackets: T tokens, D = n_embd, Hq/Hkv heads, Dh = head_dim.
@@ -23,6 +23,8 @@ from ..errors import BackendError
 if TYPE_CHECKING:
     from ..sampling import SamplingParams
 from ..gguf_file import GGUFFile
+from ..models import block
+from ..models.block import Attention, Moe
 
 Progress = Callable[[int, int, str], None]  # (done, total, what) -> None; called while loading
 
@@ -75,7 +77,7 @@ class Backend(ABC):
     name: str = "base"
     # 2-D weight types this backend can run (1-D vectors are always F32/F16/BF16, read on the host).
     runnable_types: frozenset[GGMLQuantizationType] = frozenset()
-    # Prompt tokens per forward pass in model.prefill; None runs the whole prompt in one pass (the default,
+    # Prompt tokens per forward pass in block.prefill; None runs the whole prompt in one pass (the default,
     # as the reference does). A backend may set a micro-batch (llama.cpp's is 512) to bound its scratch.
     prefill_chunk: int | None = None
     # (stage, ms) of the last load() where the backend times its parts (--verbose lists them).
@@ -128,10 +130,10 @@ class Backend(ABC):
         dims of each head rotate, the rest pass through); `local`: the local table (rope.inv_freq)."""
 
     @abstractmethod
-    def attention(self, layer: int, q: Any, k: Any, v: Any, pos: Any) -> Any:
-        """Write k, v [T, Hkv, Dh] into the cache at pos, then causal GQA of q [T, Hq, Dh] over cache
-        positions 0..pos[t] for each t (only pos[t] - window < k with the layer plan's window), scores
-        scaled by cfg.query_scale and soft-capped by the plan's attn_softcap -> [T, Hq*Dh]."""
+    def attention(self, op: Attention, q: Any, k: Any, v: Any, pos: Any) -> Any:
+        """Write k, v [T, Hkv, Dh] into layer op.layer's cache at pos, then causal GQA of q [T, Hq, Dh] over cache
+        positions 0..pos[t] for each t (only pos[t] - window < k with op.window), scores scaled by
+        cfg.query_scale and soft-capped by op.softcap, op.sinks: attn_sinks in the denominator -> [T, Hq*Dh]."""
 
     @abstractmethod
     def swiglu(self, gate: Any, up: Any) -> Any:
@@ -158,10 +160,10 @@ class Backend(ABC):
         """cap * tanh(x / cap) (gemma2's final logits)."""
         raise BackendError(f"the {self.name} backend has no logit soft-capping (gemma2 models)")
 
-    def moe(self, h: Any, layer: int) -> Any:
-        """The mixture-of-experts FFN of block `layer` (its plan has moe) on the normalised input h [T, D]:
-        route each token (llamacli/moe.py route: ids and weights of cfg.n_expert_used experts), run the
-        chosen experts' gated FFNs (the plan's activation, biases when moe_bias) -> sum_j w_j FFN_j(h) [T, D]."""
+    def moe(self, op: Moe, h: Any) -> Any:
+        """The mixture-of-experts FFN of block op.layer on the normalised input h [T, D]: route each token
+        (llamacli/moe.py route with op.gating: ids and weights of cfg.n_expert_used experts), run the chosen
+        experts' gated FFNs (op.activation, biases when op.bias) -> sum_j w_j FFN_j(h) [T, D]."""
         raise BackendError(f"the {self.name} backend has no mixture-of-experts FFN")
 
     @abstractmethod
@@ -172,16 +174,12 @@ class Backend(ABC):
     # The engine calls these; a GPU backend overrides them with fused kernels and captured graphs.
     def forward_prompt(self, ids: np.ndarray, start: int) -> Any:
         """One prefill pass: host token ids [T] at positions start.. -> logits [1, V] of the last one;
-        writes their K/V into the cache (model.prefill calls it per chunk)."""
-        from ..model import forward
-
-        return forward(self, self.cfg, self.token_ids(ids), self.positions(start, int(ids.size)))
+        writes their K/V into the cache (block.prefill calls it per chunk)."""
+        return block.run(self, self.cfg, self.token_ids(ids), self.positions(start, int(ids.size)))
 
     def decode(self, token: int, pos: int) -> Any:
         """One decode step: `token` at position `pos` -> logits [1, V]; writes that position's K/V."""
-        from ..model import forward
-
-        return forward(self, self.cfg, self.token_ids(np.asarray([token])), self.positions(pos, 1))
+        return block.run(self, self.cfg, self.token_ids(np.asarray([token])), self.positions(pos, 1))
 
     def decode_greedy(self, token: int, pos: int) -> int:
         """A decode step followed by the argmax (lowest id on ties): only the id comes back."""

@@ -22,6 +22,7 @@ from ..errors import HostMemoryError
 from ..gguf_file import GGUFFile
 from ..kv_cache import DEFAULT as DEFAULT_CACHE
 from ..kv_cache import q8_0_roundtrip, ring_span
+from ..models.block import Attention, Moe
 from ..moe import route
 from ..quants import can_dequantize, gather_rows
 from ..units import human_bytes
@@ -129,26 +130,25 @@ class NumpyBackend(Backend):
         return out
 
     @_ieee
-    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def attention(self, op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """q [T, q_dim], k and v [T, Hkv, Dh] at consecutive positions pos [T] -> [T, q_dim]. K and V go into
-        the layer's cache first (a ring takes at most kv_cache.ring_span positions per pass, so a long chunk
+        layer op.layer's cache first (a ring takes at most kv_cache.ring_span positions per pass, so a long chunk
         goes in several)."""
-        plan = self.cfg.layers[layer]
-        span = ring_span(plan.window, self.k_cache[layer].shape[0], self.ctx)
+        span = ring_span(op.window, self.k_cache[op.layer].shape[0], self.ctx)
         t = q.shape[0]
         if t <= span:
-            return self._attend(layer, q, k, v, pos)
-        return np.concatenate([self._attend(layer, q[s : s + span], k[s : s + span], v[s : s + span],
+            return self._attend(op, q, k, v, pos)
+        return np.concatenate([self._attend(op, q[s : s + span], k[s : s + span], v[s : s + span],
                                             pos[s : s + span]) for s in range(0, t, span)])
 
-    def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        cfg, plan = self.cfg, self.cfg.layers[layer]
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
+    def _attend(self, op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]
         # [T, Hkv, Dh] at their rows (position mod rows); an 8-bit cache keeps what its blocks hold (kv_cache.py)
         k_type, v_type = self.cache_types
         kc[pos % kc.shape[0]] = q8_0_roundtrip(k) if k_type == "q8_0" else k
         vc[pos % vc.shape[0]] = q8_0_roundtrip(v) if v_type == "q8_0" else v
-        lo = max(0, int(pos.min()) - plan.window + 1) if plan.window else 0  # the first key any query sees
+        lo = max(0, int(pos.min()) - op.window + 1) if op.window else 0  # the first key any query sees
         key_pos = np.arange(lo, int(pos.max()) + 1)
         keys, values = _rows(kc, lo, key_pos.size), _rows(vc, lo, key_pos.size)  # [S, Hkv, Dh]
         t, n = q.shape[0], key_pos.size
@@ -158,19 +158,19 @@ class NumpyBackend(Backend):
         for r in range(0, t, rows):
             qr, pr = qg[r : r + rows], pos[r : r + rows]
             scores = np.einsum("thgd,shd->hgts", qr, keys) * cfg.query_scale  # [Hkv, G, rows, S]
-            if plan.attn_softcap:  # gemma2: c tanh(s / c)
-                scores = plan.attn_softcap * np.tanh(scores / plan.attn_softcap)
+            if op.softcap:  # gemma2: c tanh(s / c)
+                scores = op.softcap * np.tanh(scores / op.softcap)
             hidden = key_pos[None, :] > pr[:, None]  # [rows, S]: key after the query's position
-            if plan.window:  # sliding window: keys at or before p - window are out of reach
-                hidden |= key_pos[None, :] <= pr[:, None] - plan.window
+            if op.window:  # sliding window: keys at or before p - window are out of reach
+                hidden |= key_pos[None, :] <= pr[:, None] - op.window
             scores = np.where(hidden, -np.inf, scores)
             top = scores.max(axis=-1, keepdims=True)  # [Hkv, G, rows, 1]
-            if plan.sinks:  # gpt-oss: the head's sink logit joins the denominator (and the max), no value row
-                sink = self.weights.layers[layer].attn_sinks.reshape(cfg.n_head_kv, cfg.n_group, 1, 1)
+            if op.sinks:  # gpt-oss: the head's sink logit joins the denominator (and the max), no value row
+                sink = self.weights.layers[op.layer].attn_sinks.reshape(cfg.n_head_kv, cfg.n_group, 1, 1)
                 top = np.maximum(top, sink)
             p = np.exp(scores - top)
             denom = p.sum(axis=-1, keepdims=True)
-            if plan.sinks:
+            if op.sinks:
                 denom += np.exp(sink - top)
             p /= denom
             out[r : r + rows] = np.einsum("hgts,shd->thgd", p, values)  # [rows, Hkv, G, Dh]
@@ -197,14 +197,14 @@ class NumpyBackend(Backend):
         return (g / (1.0 + np.exp(-alpha * g)) * (u + 1.0)).astype(np.float32)
 
     @_ieee
-    def moe(self, h: np.ndarray, layer: int) -> np.ndarray:
+    def moe(self, op: Moe, h: np.ndarray) -> np.ndarray:
         """Route each token of h [T, D] to cfg.n_expert_used experts (moe.route), then run expert by expert
         over the tokens that chose it: gate/up [T_e, F_exp] (+ biases), the activation, down [T_e, D]
         (+ bias), times the token's weight, added into its row. A token picks distinct experts, so within
         one expert its rows are distinct and a plain indexed add suffices."""
-        cfg, plan, L = self.cfg, self.cfg.layers[layer], self.weights.layers[layer]
+        cfg, L = self.cfg, self.weights.layers[op.layer]
         logits = self.matmul(h, L.ffn_gate_inp, L.ffn_gate_inp_bias)  # [T, E]
-        ids, weights = route(logits, cfg.n_expert_used, plan.moe_gating, cfg.expert_weights_norm)  # [T, k]
+        ids, weights = route(logits, cfg.n_expert_used, op.gating, cfg.expert_weights_norm)  # [T, k]
         k = ids.shape[1]
         flat, wflat = ids.reshape(-1), weights.reshape(-1)  # slot s = token s // k
         order = np.argsort(flat, kind="stable")  # slots grouped by expert
@@ -218,7 +218,7 @@ class NumpyBackend(Backend):
             x = h[tok]  # [T_e, D]
             g = self.matmul(x, L.ffn_gate_exps[e], bias(L.ffn_gate_exps_bias, e))  # [T_e, F_exp]
             u = self.matmul(x, L.ffn_up_exps[e], bias(L.ffn_up_exps_bias, e))
-            y = self.matmul(self.gated(plan.activation, g, u), L.ffn_down_exps[e], bias(L.ffn_down_exps_bias, e))
+            y = self.matmul(self.gated(op.activation, g, u), L.ffn_down_exps[e], bias(L.ffn_down_exps_bias, e))
             out[tok] += y * wflat[slots, None]  # [T_e, D]
         return out
 

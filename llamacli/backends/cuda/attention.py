@@ -34,7 +34,9 @@ import numpy as np
 
 from ...config import ROPE_NEOX
 from ...kv_cache import ring_span
+from ...models.block import Attention
 from . import loader as K
+from .fusion import AttentionBranch
 from .profile import profiled
 
 ATT_ROWS = 32  # attention_simt.cu: query rows per block
@@ -92,9 +94,9 @@ def tc_qscale(dh: int, scale: float = 0.0) -> float:
     return math.log2(math.e) * scale if scale else math.log2(math.e) / math.sqrt(dh)
 
 
-def layer_ext(plan: Any) -> bool:
-    """Whether a layer's attention needs the _w / tcx kernels: a sliding window, a soft-cap or sinks."""
-    return bool(plan.window or plan.attn_softcap or plan.sinks)
+def layer_ext(op: Attention | None) -> bool:
+    """Whether an attention needs the _w / tcx kernels: a sliding window, a soft-cap or sinks."""
+    return op is not None and bool(op.window or op.softcap or op.sinks)
 
 
 def values_per_lane(dh: int) -> int:
@@ -110,14 +112,14 @@ class AttentionMixin:
     ctx: int
 
     @profiled("attention")
-    def attention(self, layer: int, q: Any, k: Any, v: Any, pos: Any) -> Any:
+    def attention(self, op: Attention, q: Any, k: Any, v: Any, pos: Any) -> Any:
         cp, cfg = self.cp, self.cfg
         q, k, v = self._f32(q), self._f32(k), self._f32(v)
         t = q.shape[0]
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        span = ring_span(cfg.layers[layer].window, kc.shape[0], self.ctx)
+        kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]
+        span = ring_span(op.window, kc.shape[0], self.ctx)
         if t > span:  # a ring takes a long chunk in passes of at most `span` positions (kv_cache.py)
-            return cp.concatenate([self.attention(layer, q[s : s + span], k[s : s + span], v[s : s + span],
+            return cp.concatenate([self.attention(op, q[s : s + span], k[s : s + span], v[s : s + span],
                                                   pos[s : s + span]) for s in range(0, t, span)])
         self.store_kv(kc, vc, k.data.ptr, v.data.ptr, cfg.kv_dim, pos, t)
         out = cp.empty((t, cfg.q_dim), dtype=cp.float32)
@@ -125,34 +127,33 @@ class AttentionMixin:
             n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)  # (chunk: CUDA-core form)
             part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), dtype=cp.float32)
             part_ml = cp.empty((n_split, cfg.n_head, 2), dtype=cp.float32)
-            self.attend(q, cfg.q_dim, kc, vc, pos, 1, out, n_split, chunk, part_o, part_ml, layer=layer)
+            self.attend(q, cfg.q_dim, kc, vc, pos, 1, out, n_split, chunk, part_o, part_ml, op=op)
         else:
-            self.attend(q, cfg.q_dim, kc, vc, pos, t, out, 1, self.ctx, None, None, layer=layer)
+            self.attend(q, cfg.q_dim, kc, vc, pos, t, out, 1, self.ctx, None, None, op=op)
         return out
 
     def attend(self, q: Any, q_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any, n_split: int,
-               chunk: int, part_o: Any, part_ml: Any, layer: int | None = None) -> None:
+               chunk: int, part_o: Any, part_ml: Any, op: Attention | None = None) -> None:
         """Causal attention of q [t, Hq*Dh] f32 (rows q_stride apart) over one layer's cache kc, vc up to each
         row's position -> out [t, q_dim] f32: tensor cores for prefill chunks (attend_tc), attention_split for one
         token in n_split splits (partials in part_o, part_ml), else attention_npl in n_split splits of `chunk`
         keys.
-        `layer`: whose plan's window and soft-cap apply (the _w kernels); None: neither."""
+        `op`: the layer's attention, whose window, soft-cap and sinks apply (the _w kernels); None: none."""
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        plan = cfg.layers[layer] if layer is not None else None
-        ext = plan is not None and layer_ext(plan)
-        wx = (K.i32(plan.window), K.f32(plan.attn_softcap)) if ext else ()  # the _w kernels' extra arguments
-        sinks = (K.ptr(self.sinks(layer)), K.i32(kc.shape[0])) if ext else ()  # (+ the ring)
+        ext = layer_ext(op)
+        wx = (K.i32(op.window), K.f32(op.softcap)) if ext else ()  # the _w kernels' extra arguments
+        sinks = (K.ptr(self.sinks(op)), K.i32(kc.shape[0])) if ext else ()  # (+ the ring)
         w_ = "_w" if ext else ""
         if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
             # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e) x the query scale), as
             # the fused prefill's RoPE epilogue writes it.
             q32 = q.reshape(t, q_stride)[:, : hq * dh]
             q16 = (q32 * np.float32(tc_qscale(dh, cfg.attn_scale))).astype(self.cp.float16)
-            self.attend_tc(q16, hq * dh, kc, vc, pos, t, out, layer)
+            self.attend_tc(q16, hq * dh, kc, vc, pos, t, out, op)
             return
         if t == 1 and self.split_fits():  # decode on tensor cores, n_split splits from the position
-            self.attend_split(layer, q, kc, vc, pos, out, n_split, part_o, part_ml)
+            self.attend_split(op, q, kc, vc, pos, out, n_split, part_o, part_ml)
             return
         kc, vc = self.readable(kc, vc, pos, t)
         npl = values_per_lane(dh)
@@ -167,26 +168,25 @@ class AttentionMixin:
                      (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(dh), K.i32(n_split),
                       K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1], *sinks[:1]))
 
-    def sinks(self, layer: int | None) -> Any:
-        """Layer `layer`'s attention sinks [Hq] (gpt-oss), or None (also for kernel tests without weights)."""
+    def sinks(self, op: Attention | None) -> Any:
+        """The attention sinks [Hq] of op's layer (gpt-oss), or None (also for kernel tests without weights)."""
         w = getattr(self, "weights", None)
-        return None if w is None or layer is None else w.layers[layer].attn_sinks
+        return None if w is None or op is None or not op.sinks else w.layers[op.layer].attn_sinks
 
     def attend_tc(self, q16: Any, q16_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any,
-                  layer: int | None = None) -> None:
+                  op: Attention | None = None) -> None:
         """Causal prefill attention on tensor cores: q16 [t, Hq*dh] fp16 rows q16_stride apart, already times
         tc_qscale; out [t, q_dim] f32, or fp16 (the O-projection GEMM's input). attention_wg*_d* (Hopper,
         K/V through TMA descriptors of the caches) where it serves, else attention_tc*_d* (mma.sync); a
-        layer (`layer`) with a sliding window or soft-cap: attention_tcx*_d* (mma.sync)."""
+        layer whose attention (`op`) has a sliding window, soft-cap or sinks: attention_tcx*_d* (mma.sync)."""
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         kc, vc = self.readable(kc, vc, pos, t)
         f16 = "16" if out.dtype == self.cp.float16 else ""
-        plan = cfg.layers[layer] if layer is not None else None
-        if plan is not None and layer_ext(plan):  # the soft-cap in the kernel's base-2 units: c log2(e)
+        if layer_ext(op):  # the soft-cap in the kernel's base-2 units: c log2(e)
             args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq),
-                    K.i32(hkv), K.ptr(out), K.i32(cfg.q_dim), K.i32(plan.window),
-                    K.f32(plan.attn_softcap * math.log2(math.e)), K.ptr(self.sinks(layer)),
+                    K.i32(hkv), K.ptr(out), K.i32(cfg.q_dim), K.i32(op.window),
+                    K.f32(op.softcap * math.log2(math.e)), K.ptr(self.sinks(op)),
                     K.i32(kc.shape[0]))
             K.launch("attention_mma", f"attention_tcx{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv),
                      (128,), args, shared=tc_smem(dh))
@@ -205,21 +205,19 @@ class AttentionMixin:
         K.launch("attention_mma", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
                  args, shared=tc_smem(dh))
 
-    def split_args(self, layer: int | None, pos: Any, n_split: int, part_o: Any, part_ml: Any,
+    def split_args(self, op: Attention | None, pos: Any, n_split: int, part_o: Any, part_ml: Any,
                    kc: Any, vc: Any) -> tuple[Any, ...]:
-        """attention_split*'s arguments from kc to counters (the window, soft-cap and sinks of `layer`'s plan;
-        none without a layer)."""
+        """attention_split*'s arguments from kc to counters (op's window, soft-cap and sinks; none without)."""
         cfg = self.cfg
-        plan = cfg.layers[layer] if layer is not None else None
-        window = plan.window if plan is not None else 0
-        cap2 = plan.attn_softcap * math.log2(math.e) if plan is not None else 0.0
+        window = op.window if op is not None else 0
+        cap2 = op.softcap * math.log2(math.e) if op is not None else 0.0
         if getattr(self, "attention_counters", None) is None:
             self.attention_counters = self.cp.zeros(cfg.n_head_kv, self.cp.uint32)
         return (K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0]), K.ptr(pos), K.i32(cfg.n_head),
                 K.i32(cfg.n_head_kv), K.f32(tc_qscale(cfg.head_dim, cfg.attn_scale)), K.i32(window), K.f32(cap2),
-                K.ptr(self.sinks(layer)), K.ptr(part_o), K.ptr(part_ml), K.ptr(self.attention_counters))
+                K.ptr(self.sinks(op)), K.ptr(part_o), K.ptr(part_ml), K.ptr(self.attention_counters))
 
-    def attend_split(self, layer: int | None, q: Any, kc: Any, vc: Any, pos: Any, out: Any, n_split: int,
+    def attend_split(self, op: Attention | None, q: Any, kc: Any, vc: Any, pos: Any, out: Any, n_split: int,
                      part_o: Any, part_ml: Any) -> None:
         """Decode attention of one rotated query q [1, q_dim] f32 over the cache up to pos[0] (its K/V already
         stored) in n_split splits (attention_split_d<D>, partials in part_o [n_split, Hq, D] and part_ml
@@ -227,27 +225,29 @@ class AttentionMixin:
         cfg = self.cfg
         q8 = kc.dtype == self.cp.uint8  # an 8-bit cache (device.alloc_kv_cache)
         K.launch("attention_split", f"attention_split{'_q8' if q8 else ''}_d{cfg.head_dim}", (cfg.n_head_kv, n_split),
-                 (128,), (K.ptr(q), *self.split_args(layer, pos, n_split, part_o, part_ml, kc, vc), K.ptr(out)),
+                 (128,), (K.ptr(q), *self.split_args(op, pos, n_split, part_o, part_ml, kc, vc), K.ptr(out)),
                  shared=split_smem(cfg.head_dim, cfg.n_group, q8))
 
-    def attend_step(self, layer: int, qkv: Any, att: Any, early: bool) -> None:
-        """The fused decode step's attention of layer `layer` (attention_split_step_<mode>_d<D>): the q/k norm
-        where the plan has it, RoPE of q and k from the QKV matvec's output qkv [1, q_dim + 2 kv_dim] at
-        step_pos, K/V into the cache, the splits and their merge by the last block of each KV head (counters
-        in attention_counters) -> att [1, q_dim]. `early` as in matvec."""
-        cfg = self.cfg
+    def attend_step(self, branch: AttentionBranch, qkv: Any, att: Any, early: bool) -> None:
+        """The fused decode step's attention of one layer's attention branch (fusion.py; attention_split_step_
+        <mode>_d<D>): the q/k norms where the branch has them, its RoPE of q and k from the QKV matvec's
+        output qkv [1, q_dim + 2 kv_dim] at step_pos, K/V into the cache, the splits and their merge by the
+        last block of each KV head (counters in attention_counters) -> att [1, q_dim]. `early` as in matvec."""
+        cfg, op = self.cfg, branch.attention
+        layer = op.layer
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
         n_split = self.decode_splits(self.ctx)
-        plan = cfg.layers[layer]
-        inv_freq, attn = self.rope_table(layer)
-        L = self.weights.layers[layer] if plan.qk_norm else None
-        qn, kn = (L.attn_q_norm, L.attn_k_norm) if L is not None else (None, None)
+        dims, inv_freq, attn = self.rope_args(branch.rope)
+        qn = kn = None
+        if branch.head_norms is not None:
+            L = self.weights.layers[layer]
+            qn, kn = (getattr(L, n.weight) for n in branch.head_norms)
         q8 = self.k_cache[layer].dtype == self.cp.uint8
         K.launch("attention_split", f"attention_split_step{'_q8' if q8 else ''}_{mode}_d{cfg.head_dim}",
                  (cfg.n_head_kv, n_split), (128,),
-                 (K.ptr(qkv), *self.split_args(layer, self.step_pos, n_split, self._part_o, self._part_ml,
+                 (K.ptr(qkv), *self.split_args(op, self.step_pos, n_split, self._part_o, self._part_ml,
                                                self.k_cache[layer], self.v_cache[layer]),
-                  K.ptr(att), K.i32(self.rope_dims[layer]), K.ptr(inv_freq), K.f32(attn), K.ptr(qn), K.ptr(kn),
+                  K.ptr(att), K.i32(dims), K.ptr(inv_freq), K.f32(attn), K.ptr(qn), K.ptr(kn),
                   K.f32(cfg.rms_eps), K.i32(early)),
                  shared=split_smem(cfg.head_dim, cfg.n_group, q8))
 

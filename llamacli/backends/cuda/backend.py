@@ -2,7 +2,7 @@
 
 Two ways to run the model:
 
-- the Backend operations (embed, rms_norm, matmul, rope, attention, ...) that model.forward calls, one
+- the Backend operations (embed, rms_norm, matmul, rope, attention, ...) that models/block.run calls, one
   kernel each (ops.py, linear.py, attention.py): the reference-shaped path;
 - the fused paths: `forward_prompt`, the prefill pass of a prompt chunk (prefill.py), and `decode(token,
   pos)` / `decode_greedy`, the decode step captured into a CUDA graph with programmatic dependent launches
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import BackendError
+from ...models.block import Rope
 from ..base import Backend
 from . import loader as K
 from .attention import AttentionMixin
@@ -81,16 +82,11 @@ class CudaBackend(DeviceMixin, LinearMixin, OpsMixin, AttentionMixin, MoEMixin, 
         self._prof: list | None = None  # (section, start event, end event, our launches) while profiling
         self._wfam: dict[int, str] = {}  # id(weight handle) -> kernel family, for the profile
 
-    def rope_table(self, layer: int) -> tuple[Any, float]:
-        """(theta table on the device, attention factor) that layer `layer` rotates with: the local table and 1
-        on a layer whose plan has rope_local (gemma's sliding-window layers), else the global table and the
-        config's factor."""
-        if self.cfg.layers[layer].rope_local:
-            return self.inv_freq_local, 1.0
-        return self.inv_freq, self.cfg.rope_attn_factor
-
-    @property
-    def rope_dims(self) -> tuple[int, ...]:
-        """Dims each layer's kernels rotate: the config's rope_dim, 0 on a layer whose plan has no RoPE (the
-        kernels then pass every dim through)."""
-        return tuple(self.cfg.rope_dim if plan.rope else 0 for plan in self.cfg.layers)
+    def rope_args(self, rope: Rope | None) -> tuple[int, Any, float]:
+        """(dims that rotate, theta table on the device, attention factor) of a layer's RoPE (fusion.py's
+        branch.rope): the config's rope_dim, and the local table with factor 1 for a local rotation (gemma's
+        sliding-window layers), else the global table and the config's factor; no RoPE (smollm3's NoPE
+        layers): 0 dims, which the kernels pass through."""
+        if rope is not None and rope.local:
+            return self.cfg.rope_dim, self.inv_freq_local, 1.0
+        return (self.cfg.rope_dim if rope is not None else 0), self.inv_freq, self.cfg.rope_attn_factor

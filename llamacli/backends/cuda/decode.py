@@ -79,29 +79,28 @@ class DecodeMixin:
         for _ in range(2):  # pinned host slots for the (id, flag) of a step, each with its copy's event
             mem = cp.cuda.alloc_pinned_memory(8)
             self._ids_out.append((np.frombuffer(mem, np.int32, 2), cp.cuda.Event(disable_timing=True)))
-        # Per layer: the QKV matvec segments (one launch when the three share a type) and the bias.
+        # Per layer (its branches as fusion.py matched them): the QKV matvec segments (one launch when the three
+        # share a type, or one fused matrix) and their bias.
         self._qkv_plan = []
-        for L in self.weights.layers:
-            if L.attn_qkv is not None:
-                segs = [(L.attn_qkv,)]
-            elif mv1_kernel((L.attn_q, L.attn_k, L.attn_v)) is not None:
-                segs = [(L.attn_q, L.attn_k, L.attn_v)]
-            else:
-                segs = [(L.attn_q,), (L.attn_k,), (L.attn_v,)]
+        for L, fl in zip(self.weights.layers, self.fused):
+            mats = tuple(getattr(L, m.weight) for m in fl.attention.qkv)
+            segs = [mats] if len(mats) == 1 or mv1_kernel(mats) is not None else [(m,) for m in mats]
             bias = None
-            if L.attn_q_bias is not None:
-                bias = cp.concatenate([L.attn_q_bias, L.attn_k_bias, L.attn_v_bias])
+            if fl.attention.qkv[0].bias is not None:
+                bias = cp.concatenate([getattr(L, m.bias) for m in fl.attention.qkv])
             self._qkv_plan.append((segs, bias))
-        # Gate/up: separate tensors, or phi3's ffn_up rows [gate; up].
+        # Gate/up: separate tensors of one type, or one matrix's rows [gate; up] (phi3).
         self._ffn_plan = []
-        for L, plan in zip(self.weights.layers, self.cfg.layers):
-            if plan.moe:  # the experts: moe.MoEMixin.moe_step
+        for L, fl in zip(self.weights.layers, self.fused):
+            f = fl.ffn
+            mats = tuple(getattr(L, m.weight) for m in f.gate_up)
+            if f.moe is not None:  # the experts: moe.MoEMixin.moe_step
                 self._ffn_plan.append(None)
-            elif L.ffn_gate is not None and L.ffn_gate.qtype == L.ffn_up.qtype:
-                self._ffn_plan.append((L.ffn_gate, L.ffn_up))
-            elif L.ffn_gate is None:
-                f_ = self.cfg.n_ff
-                self._ffn_plan.append((L.ffn_up.slice_rows(0, f_), L.ffn_up.slice_rows(f_, f_)))
+            elif f.split is not None:
+                n = f.split.sizes[0]
+                self._ffn_plan.append((mats[0].slice_rows(0, n), mats[0].slice_rows(n, n)))
+            elif mats[0].qtype == mats[1].qtype:
+                self._ffn_plan.append(mats)
             else:
                 self._ffn_plan.append(None)  # mixed types: two matvecs and a swiglu kernel
         self.alloc_moe_step()
@@ -155,67 +154,75 @@ class DecodeMixin:
             res["cur"], res["pending"] = out, None
             return cur, self._post_desc(pend[0], pend[1], out)
 
-        for i, L in enumerate(w.layers):
+        for i, L in enumerate(w.layers):  # each layer's two branches, as fusion.match_layer read its program
+            a, fb = self.fused[i].attention, self.fused[i].ffn
             segs, bias = self._qkv_plan[i]
+            norm = getattr(L, a.norm.weight)
             src, pd = take()
             if len(segs) == 1:
-                mv("norm+QKV", segs[0], src, qkv, bias=bias, norm=L.attn_norm, post=pd)
+                mv("norm+QKV", segs[0], src, qkv, bias=bias, norm=norm, post=pd)
             else:  # mixed types: three launches into the row ranges of qkv, each normalising x itself (each
                 # writes the same new residual when a post-norm is pending)
                 off = 0
                 for (m,) in segs:
                     b = None if bias is None else bias[off : off + m.rows]
-                    mv("norm+QKV", (m,), src, qkv[:, off : off + m.rows], bias=b, norm=L.attn_norm, post=pd)
+                    mv("norm+QKV", (m,), src, qkv[:, off : off + m.rows], bias=b, norm=norm, post=pd)
                     off += m.rows
             if self.split_fits():  # one kernel: q/k norm, RoPE, K/V store, the attention splits and their merge
-                step.append(("RoPE+KV+attention", 0, False, lambda early, i=i: self.attend_step(i, qkv, att, early)))
+                step.append(("RoPE+KV+attention", 0, False, lambda early, a=a: self.attend_step(a, qkv, att, early)))
             else:
-                if cfg.layers[i].qk_norm:  # qwen3: per-head RMSNorm of q and k, in place, before the RoPE
-                    step.append(("q/k norm", 0, False, lambda early, L=L: K.launch(
+                if a.head_norms is not None:  # qwen3: per-head RMSNorm of q and k, in place, before the RoPE
+                    qn, kn = (getattr(L, n.weight) for n in a.head_norms)
+                    step.append(("q/k norm", 0, False, lambda early, qn=qn, kn=kn: K.launch(
                         "norm", "head_rms_norm", (1, hq + hkv), (min(1024, K.cdiv(dh, 32) * 32),),
-                        (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.ptr(L.attn_q_norm),
-                         K.ptr(L.attn_k_norm), K.f32(cfg.rms_eps)))))
-                table, attn = self.rope_table(i)
+                        (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.ptr(qn), K.ptr(kn),
+                         K.f32(cfg.rms_eps)))))
+                dims, table, attn = self.rope_args(a.rope)
                 kc, vc = self.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
-                step.append(("RoPE+KV", 0, False, lambda early, i=i, table=table, attn=attn, kc=kc, vc=vc: K.launch(
-                    "rope", f"rope_store_{mode}", (1, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),),
-                    (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(self.rope_dims[i]),
-                     K.ptr(self.step_pos), K.ptr(table), K.f32(attn), K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0])))))
+                step.append(("RoPE+KV", 0, False, lambda early, dims=dims, table=table, attn=attn, kc=kc, vc=vc:
+                             K.launch("rope", f"rope_store_{mode}", (1, hq + 2 * hkv),
+                                      (max(32, K.cdiv(dh // 2, 32) * 32),),
+                                      (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(dims),
+                                       K.ptr(self.step_pos), K.ptr(table), K.f32(attn), K.ptr(kc), K.ptr(vc),
+                                       K.i32(kc.shape[0])))))
                 step.append(("RoPE+KV", 0, False, lambda early, i=i: self.store_q8(i, qkv, qkv.shape[1],
                                                                                   self.step_pos, 1)))
-                step.append(("attention", 0, False, lambda early, i=i: self.attend(
+                step.append(("attention", 0, False, lambda early, i=i, op=a.attention: self.attend(
                     qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split, chunk,
-                    self._part_o, self._part_ml, layer=i)))
-            post = cfg.layers[i].post_norms
-            if post:  # gemma: x += RMSNorm(Wo att) * w_post, pending until the FFN's input
-                mv("O-proj", (L.attn_output,), att, self._blk)
-                res["pending"] = (self._blk, L.attn_post_norm)
+                    self._part_o, self._part_ml, op=op)))
+            o_w = getattr(L, a.out.weight)
+            if a.post is not None:  # gemma: x += RMSNorm(Wo att) * w_post, pending until the FFN's input
+                mv("O-proj", (o_w,), att, self._blk)
+                res["pending"] = (self._blk, getattr(L, a.post.weight))
             else:
-                mv("O-proj", (L.attn_output,), att, res["cur"], resid=res["cur"], bias=L.attn_output_bias)
-            act = cfg.layers[i].activation
-            plan = self._ffn_plan[i]
-            if cfg.layers[i].moe:  # x += the chosen experts' weighted sum
-                self.moe_step(i, res["cur"], lambda name, nbytes, launch: step.append((name, nbytes, False, launch)))
+                o_b = getattr(L, a.out.bias) if a.out.bias else None
+                mv("O-proj", (o_w,), att, res["cur"], resid=res["cur"], bias=o_b)
+            if fb.moe is not None:  # x += the chosen experts' weighted sum
+                self.moe_step(fb, res["cur"], lambda name, nbytes, launch: step.append((name, nbytes, False, launch)))
                 continue
+            act, plan = fb.glu.activation, self._ffn_plan[i]
+            norm = getattr(L, fb.norm.weight)
             src, pd = take()
             if plan is not None:
                 step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, self.mv1_stream and mv1_stream_ok(plan),
-                             lambda early, plan=plan, L=L, act=act, src=src, pd=pd:
-                             self.matvec_swiglu(plan[0], plan[1], src, 1, ff, norm=L.ffn_norm, early=early, act=act,
+                             lambda early, plan=plan, norm=norm, act=act, src=src, pd=pd:
+                             self.matvec_swiglu(plan[0], plan[1], src, 1, ff, norm=norm, early=early, act=act,
                                                 post=pd)))
             else:
                 g = self._ff_tmp()
-                mv("norm+FFN", (L.ffn_gate,), src, g[0], norm=L.ffn_norm, post=pd)
-                mv("norm+FFN", (L.ffn_up,), src, g[1], norm=L.ffn_norm, post=pd)
+                gw, uw = (getattr(L, m.weight) for m in fb.gate_up)
+                mv("norm+FFN", (gw,), src, g[0], norm=norm, post=pd)
+                mv("norm+FFN", (uw,), src, g[1], norm=norm, post=pd)
                 glu = "geglu_f32" if act == "gelu_tanh" else "swiglu_f32"
                 step.append(("norm+FFN", 0, False, lambda early, g=g, glu=glu: K.launch(
                     "elementwise", glu, (K.cdiv(cfg.n_ff, 256),), (256,),
                     (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))))
-            if post:
-                mv("norm+FFN", (L.ffn_down,), ff, self._blk)
-                res["pending"] = (self._blk, L.ffn_post_norm)
+            down = getattr(L, fb.down.weight)
+            if fb.post is not None:
+                mv("norm+FFN", (down,), ff, self._blk)
+                res["pending"] = (self._blk, getattr(L, fb.post.weight))
             else:
-                mv("norm+FFN", (L.ffn_down,), ff, res["cur"], resid=res["cur"])
+                mv("norm+FFN", (down,), ff, res["cur"], resid=res["cur"])
         src, pd = take()
         if cfg.final_softcap:  # gemma2: logits -> c tanh(logits / c), then (greedy) argmax_f32 over them
             mv("norm+LM head", (w.output,), src, self.step_logits, norm=w.output_norm, post=pd)

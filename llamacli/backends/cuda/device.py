@@ -21,9 +21,11 @@ from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...gguf_file import GGUFFile
 from ...kv_cache import check_cache_types, ring_span
 from ...memory_fit import not_enough_memory, q8_pair_bytes
+from ...models.block import layer_ops
 from ...weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights, Progress
 from . import loader as K
+from .fusion import match_layer
 from .linear import DEQUANT_CHUNK, DeviceMatrix
 from .moe import check_moe, dense_ff, moe_family_needed, moe_scratch_bytes
 from .prefill import PREFILL_CHUNK
@@ -76,6 +78,9 @@ class DeviceMixin:
         self.cfg, self.ctx = cfg, ctx
         report = progress or (lambda done, total, what: None)
         check_moe(cfg, gguf)
+        # Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py);
+        # a program they do not run is refused here, before anything is uploaded.
+        self.fused = tuple(match_layer(layer_ops(cfg, i)) for i in range(cfg.n_layer))
         for fam in K.FAMILIES:  # compile (or fetch from CuPy's cache) before touching device memory
             if fam != "moe" or moe_family_needed(cfg):  # the expert kernels only for models with experts
                 K.module(fam)
@@ -135,7 +140,7 @@ class DeviceMixin:
 
         # RoPE table (float64 of the reference's float32 theta, so angles match the NumPy backend), KV cache.
         self.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx).astype(np.float64))
-        self.inv_freq_local = None  # the local table (gemma's sliding-window layers: rope_table)
+        self.inv_freq_local = None  # the local table (gemma's sliding-window layers: rope_args)
         if any(plan.rope_local for plan in cfg.layers):
             self.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx, local=True).astype(np.float64))
         for plan, n in zip(cfg.layers, cfg.cache_rows(ctx)):  # the fused prefill fills a ring a chunk at a time

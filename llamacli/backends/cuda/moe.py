@@ -24,9 +24,11 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from ...errors import BackendError
+from ...models.block import Moe
 from . import loader as K
 from gguf import GGMLQuantizationType as QT
 
+from .fusion import FfnBranch
 from .linear import MATVEC_TMAX, MV1_ACT8, MV1_WARPS, DeviceMatrix, _lpr, mv1_smem, qname
 from .profile import profiled
 
@@ -114,15 +116,15 @@ class MoEMixin:
     weights: Any
 
     @profiled("FFN")
-    def moe(self, h: Any, layer: int) -> Any:
+    def moe(self, op: Moe, h: Any) -> Any:
         h = self._f32(h)
         t = h.shape[0]
         out = self.cp.zeros((t, self.cfg.n_embd), self.cp.float32)
         if t <= MATVEC_TMAX:
-            self._moe_matvec(h, t, layer, out)
+            self._moe_matvec(h, t, op, out)
         else:
             h16, sc = self._to_f16_scaled(h)
-            self._moe_gemm(h16.data.ptr, sc, t, layer, out)
+            self._moe_gemm(h16.data.ptr, sc, t, op, out)
         return out
 
     def _moe_buffers(self, t: int) -> SimpleNamespace:
@@ -148,20 +150,20 @@ class MoEMixin:
                  (K.ptr(b.ids), K.i32(p), K.i32(e_n), K.i32(tile), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items)))
         return K.cdiv(p, tile) + min(e_n, p)
 
-    def _moe_matvec(self, h: Any, t: int, layer: int, out: Any) -> None:
-        """out += the MoE FFN of h [t, D] f32, t <= MATVEC_TMAX: matvec_moe over tiles of up to 8 pairs."""
+    def _moe_matvec(self, h: Any, t: int, op: Moe, out: Any) -> None:
+        """out += the MoE FFN `op` of h [t, D] f32, t <= MATVEC_TMAX: matvec_moe over tiles of up to 8 pairs."""
         cfg = self.cfg
-        L, plan = self.weights.layers[layer], cfg.layers[layer]
+        L = self.weights.layers[op.layer]
         d, k = cfg.n_embd, cfg.n_expert_used
         f, eb = _expert(L.ffn_gate_exps, cfg.n_expert)
         _, eb_down = _expert(L.ffn_down_exps, cfg.n_expert)
         b = self._moe_buffers(t)
         self.matvec((L.ffn_gate_inp,), h, t, b.logits, bias=L.ffn_gate_inp_bias)
-        self._moe_route(b.logits, t, b.ids, b.wts, plan.moe_gating)
+        self._moe_route(b.logits, t, b.ids, b.wts, op.gating)
         grid_y = self._moe_group(b, t * k, MATVEC_TMAX)
         g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
         lpr = _lpr(d)
-        K.launch("moe", f"matvec_moe_{qname(g.qtype)}_{_ACT[plan.activation]}", (K.cdiv(f, 4 * (32 // lpr)), grid_y),
+        K.launch("moe", f"matvec_moe_{qname(g.qtype)}_{_ACT[op.activation]}", (K.cdiv(f, 4 * (32 // lpr)), grid_y),
                  (128,),
                  (K.ptr(g.ptr), K.ptr(u.ptr), K.i64(eb), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k),
                   K.i32(f), K.i32(d), K.ptr(h), K.ptr(b.ff), K.ptr(L.ffn_gate_exps_bias), K.ptr(L.ffn_up_exps_bias),
@@ -172,12 +174,12 @@ class MoEMixin:
                   K.i32(f), K.ptr(b.ff), K.i32(1), K.ptr(b.y), K.ptr(L.ffn_down_exps_bias), K.i32(lpr)))
         self._moe_combine(b.y, b.wts, out, t)
 
-    def _moe_gemm(self, h16: int, sc: Any, t: int, layer: int, out: Any) -> None:
+    def _moe_gemm(self, h16: int, sc: Any, t: int, op: Moe, out: Any) -> None:
         """out [t, D] f32 += the MoE FFN of the fp16 rows at h16 [t, D] times their row scales sc [t] (the fused
         prefill's normalised input): the router GEMM, routing, grouping into tiles of MG_BM pairs, the experts'
-        GEMMs on tensor cores (moe_gemm_*), the weighted sum."""
+        GEMMs on tensor cores (moe_gemm_*), the weighted sum (the FFN `op`)."""
         cfg = self.cfg
-        L, plan = self.weights.layers[layer], cfg.layers[layer]
+        L = self.weights.layers[op.layer]
         d, k, e_n = cfg.n_embd, cfg.n_expert_used, cfg.n_expert
         f, eb = _expert(L.ffn_gate_exps, e_n)
         _, eb_down = _expert(L.ffn_down_exps, e_n)
@@ -187,11 +189,11 @@ class MoEMixin:
         n = t * e_n
         K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n, 256), 4096),), (256,),
                  (K.ptr(b.logits), K.ptr(sc), K.ptr(L.ffn_gate_inp_bias), K.i64(n), K.i32(e_n)))
-        self._moe_route(b.logits, t, b.ids, b.wts, plan.moe_gating)
+        self._moe_route(b.logits, t, b.ids, b.wts, op.gating)
         p = t * k
         grid_y = self._moe_group(b, p, MG_BM)
         g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
-        K.launch("moe", f"moe_gemm_{qname(g.qtype)}_{_ACT[plan.activation]}", (K.cdiv(f, MG_BN // 2), grid_y), (128,),
+        K.launch("moe", f"moe_gemm_{qname(g.qtype)}_{_ACT[op.activation]}", (K.cdiv(f, MG_BN // 2), grid_y), (128,),
                  (K.ptr(g.ptr), K.ptr(u.ptr), K.i64(eb), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k),
                   K.i32(f), K.i32(d), K.ptr(h16), K.ptr(sc), K.ptr(b.ff), K.ptr(L.ffn_gate_exps_bias),
                   K.ptr(L.ffn_up_exps_bias)))
@@ -228,11 +230,12 @@ class MoEMixin:
         self._moe_done = cp.zeros(1, cp.uint32)  # mv1_route's finished blocks (zero between steps)
         self._moe_sum_cnt = cp.zeros(cfg.n_embd, cp.uint32)  # mv1_moe_<t>_sum's finished blocks per row range
 
-    def moe_step(self, layer: int, x: Any, add: Callable[[str, int, Callable[[bool], None]], None]) -> None:
-        """Queue layer `layer`'s MoE FFN of the decode step's residual x [1, D] (x += the experts' weighted
-        sum) through add(section, weight bytes read, launch(early))."""
-        cfg = self.cfg
-        L, plan = self.weights.layers[layer], cfg.layers[layer]
+    def moe_step(self, branch: FfnBranch, x: Any, add: Callable[[str, int, Callable[[bool], None]], None]) -> None:
+        """Queue an FFN branch's experts (fusion.py: its pre-norm, then its Moe) on the decode step's residual
+        x [1, D] (x += the experts' weighted sum) through add(section, weight bytes read, launch(early))."""
+        cfg, op = self.cfg, branch.moe
+        L = self.weights.layers[op.layer]
+        norm = getattr(L, branch.norm.weight)
         e_n, k, d = cfg.n_expert, cfg.n_expert_used, cfg.n_embd
         f, eb = _expert(L.ffn_gate_exps, e_n)
         _, eb_down = _expert(L.ffn_down_exps, e_n)
@@ -242,26 +245,26 @@ class MoEMixin:
             def router(early: bool) -> None:  # one warp a router row
                 K.launch("moe", f"mv1_route_{qname(r.qtype)}", (K.cdiv(e_n, MV1_WARPS),), (32 * MV1_WARPS,),
                          (K.ptr(r.ptr), K.i32(e_n), K.i32(d), K.ptr(x), K.ptr(self._moe_logits),
-                          K.ptr(L.ffn_gate_inp_bias), K.ptr(L.ffn_norm), K.f32(cfg.rms_eps),
-                          K.i32(k), K.i32(_GATING[plan.moe_gating]), K.i32(int(cfg.expert_weights_norm)),
+                          K.ptr(L.ffn_gate_inp_bias), K.ptr(norm), K.f32(cfg.rms_eps),
+                          K.i32(k), K.i32(_GATING[op.gating]), K.i32(int(cfg.expert_weights_norm)),
                           K.ptr(self._moe_done), K.ptr(self._moe_ids), K.ptr(self._moe_wts)),
                          shared=mv1_smem(r.qtype, d))
 
             add("norm+router", r.nbytes, router)
         else:
             add("norm+router", r.nbytes, lambda early: self.matvec(
-                (r,), x, 1, self._moe_logits, bias=L.ffn_gate_inp_bias, norm=L.ffn_norm, early=early))
+                (r,), x, 1, self._moe_logits, bias=L.ffn_gate_inp_bias, norm=norm, early=early))
             add("router", 0, lambda early: self._moe_route(self._moe_logits, 1, self._moe_ids, self._moe_wts,
-                                                            plan.moe_gating))
+                                                            op.gating))
         g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
-        act = _ACT[plan.activation]
+        act = _ACT[op.activation]
 
         def gate_up(early: bool) -> None:
             lpr, groups = _lpr(d), expert_groups(g.qtype)
             K.launch("moe", f"mv1_moe_{qname(g.qtype)}_{act}", (K.cdiv(f, MV1_WARPS * (32 // lpr) * groups), k),
                      (32 * MV1_WARPS,),
                      (K.ptr(g.ptr), K.ptr(u.ptr), K.i64(eb), K.ptr(self._moe_ids), K.i32(f), K.i32(d), K.ptr(x),
-                      K.ptr(self._moe_ff), K.ptr(L.ffn_norm), K.f32(cfg.rms_eps), K.i32(lpr), K.i32(groups),
+                      K.ptr(self._moe_ff), K.ptr(norm), K.f32(cfg.rms_eps), K.i32(lpr), K.i32(groups),
                       K.ptr(L.ffn_gate_exps_bias), K.ptr(L.ffn_up_exps_bias), K.i32(early)),
                      shared=mv1_smem(g.qtype, d))
 

@@ -1,4 +1,4 @@
-"""The small Backend operations model.forward calls on the CUDA backend, one kernel each: embedding rows
+"""The small Backend operations models/block.run calls on the CUDA backend, one kernel each: embedding rows
 (kernels/dequant.cu embed_<t>, times the config's embedding scale), RMSNorm (norm.cu), RoPE (rope.cu, the
 global or the local table), SwiGLU / GeGLU, the soft-cap and the residual add (elementwise.cu). matmul is in linear.py, attention in attention.py."""
 

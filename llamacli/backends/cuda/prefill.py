@@ -1,4 +1,4 @@
-"""The fused prefill pass of the CUDA backend (`forward_prompt`, model.prefill's chunks of PREFILL_CHUNK tokens).
+"""The fused prefill pass of the CUDA backend (`forward_prompt`, block.prefill's chunks of PREFILL_CHUNK tokens).
 
 forward_prompt runs a prompt chunk of T tokens (MATVEC_TMAX < T <= PREFILL_CHUNK) through preallocated
 buffers, activations between GEMMs as fp16 with a power-of-two row scale (kernels/common.cuh f16_rowscale).
@@ -9,7 +9,7 @@ rms_norm_f16 | gate/up dequantize + one GEMM | swiglu_f16_rowscale | down dequan
 the residual (a mixture-of-experts layer: rms_norm_f16, then moe.MoEMixin._moe_gemm's ~10 launches: router,
 routing, grouping, the experts' GEMMs on tensor cores, their weighted sum into the residual). Then the LM head
 on the last row only (mv1 with the final RMSNorm fused). 11-17 launches per dense layer where the op-by-op
-path (model.forward) takes ~45.
+path (block.run) takes ~45.
 
 The token ids and positions live in device buffers, so a chunk length seen before is captured once into a
 CUDA graph and replayed (the first sighting runs the kernels directly: compilation, cuBLAS plans); long
@@ -97,13 +97,14 @@ class PrefillMixin:
             qkv=cp.empty(tm * nqkv, f32), gu=cp.empty(tm * 2 * f, f32), y=cp.empty(tm * max(d, cfg.q_dim), f32),
             dq=cp.empty(DEQUANT_CHUNK, cp.float16), logits=cp.empty((1, cfg.vocab_size), f32), layers=[],
         )
-        for i, L in enumerate(self.weights.layers):
-            qkv = [L.attn_qkv] if L.attn_qkv is not None else [L.attn_q, L.attn_k, L.attn_v]
-            if cfg.layers[i].moe:  # the experts: moe.MoEMixin.moe
-                b.layers.append((merge_rows(qkv), self._qkv_plan[i][1], [L.attn_output], None, None))
+        for i, (L, fl) in enumerate(zip(self.weights.layers, self.fused)):  # (fusion.py's branches)
+            qkv = [getattr(L, m.weight) for m in fl.attention.qkv]
+            o = [getattr(L, fl.attention.out.weight)]
+            if fl.ffn.moe is not None:  # the experts: moe.MoEMixin.moe
+                b.layers.append((merge_rows(qkv), self._qkv_plan[i][1], o, None, None))
                 continue
-            gu = [L.ffn_up] if L.ffn_gate is None else [L.ffn_gate, L.ffn_up]
-            b.layers.append((merge_rows(qkv), self._qkv_plan[i][1], [L.attn_output], merge_rows(gu), [L.ffn_down]))
+            gu = [getattr(L, m.weight) for m in fl.ffn.gate_up]
+            b.layers.append((merge_rows(qkv), self._qkv_plan[i][1], o, merge_rows(gu), [getattr(L, fl.ffn.down.weight)]))
         if moe_family_needed(cfg):
             self._moe_buffers(tm)  # before any capture: a captured pass allocates nothing
         self._pf = b
@@ -167,61 +168,60 @@ class PrefillMixin:
 
         with sec("embedding"):
             self._embed(b.ids, w.token_embd, x, t)
-        for i, L in enumerate(w.layers):
-            plan = cfg.layers[i]
+        for i, L in enumerate(w.layers):  # each layer's two branches, as fusion.match_layer read its program
+            a, fb = self.fused[i].attention, self.fused[i].ffn
             qkv_w, bias, o_w, gu_w, down_w = b.layers[i]
             with sec("norm"):
-                norm16(L.attn_norm)
+                norm16(getattr(L, a.norm.weight))
             with sec("QKV"):
                 self._gemm_weights(h16, t, qkv_w, qkv.data.ptr, nqkv)
             with sec("RoPE"):  # + the bias, and q/k norms where the plan has them; no rotation on NoPE layers
-                table, attn = self.rope_table(i)
+                dims, table, attn = self.rope_args(a.rope)
                 kc, vc = self.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
-                args = (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(self.rope_dims[i]),
+                args = (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(dims),
                         K.ptr(b.pos), K.ptr(table), K.f32(attn), K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0]),
                         K.ptr(sc), K.ptr(bias), K.ptr(h16 if tc else None), K.i32(cfg.q_dim),
                         K.f32(tc_qscale(dh, cfg.attn_scale)))
-                if plan.qk_norm:
-                    kernel, args = f"rope_store_pf_qkn_{mode}", (*args, K.ptr(L.attn_q_norm), K.ptr(L.attn_k_norm), K.f32(eps))
+                if a.head_norms is not None:
+                    qn, kn = (getattr(L, n.weight) for n in a.head_norms)
+                    kernel, args = f"rope_store_pf_qkn_{mode}", (*args, K.ptr(qn), K.ptr(kn), K.f32(eps))
                 else:
                     kernel = f"rope_store_pf_{mode}"
                 K.launch("rope", kernel, (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),), args)
                 self.store_q8(i, qkv, nqkv, b.pos, t)
             with sec("attention"):
                 if tc:  # q16 in h16 (the QKV GEMM is done with it), written by rope_store_pf
-                    self.attend_tc(b.h16, cfg.q_dim, self.k_cache[i], self.v_cache[i], b.pos, t, b.att16, i)
+                    self.attend_tc(b.h16, cfg.q_dim, self.k_cache[i], self.v_cache[i], b.pos, t, b.att16, a.attention)
                 else:  # fp32 CUDA-core attention, then fp16 with a row scale
                     att = y[: t * cfg.q_dim].reshape(t, cfg.q_dim)
                     self.attend(qkv, nqkv, self.k_cache[i], self.v_cache[i], b.pos, t, att, 1, self.ctx, None, None,
-                                layer=i)
+                                op=a.attention)
                     K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,),
                              (K.ptr(att), K.ptr(b.att16), K.ptr(sc), K.i32(cfg.q_dim)))
             with sec("O-proj"):
-                if plan.post_norms:  # gemma: x += RMSNorm(Wo att (x the row scale unless tc)) * w_post
+                if a.post is not None:  # gemma: x += RMSNorm(Wo att (x the row scale unless tc)) * w_post
                     self._gemm_weights(b.att16.data.ptr, t, o_w, y.data.ptr, d)
-                    post_add(L.attn_post_norm, None if tc else sc)
+                    post_add(getattr(L, a.post.weight), None if tc else sc)
                 elif tc:  # unscaled fp16 input: accumulate straight into the residual stream
                     self._gemm_weights(b.att16.data.ptr, t, o_w, x.data.ptr, d, accumulate=True)
                 else:
                     self._gemm_weights(b.att16.data.ptr, t, o_w, y.data.ptr, d)
                     add_scaled()
-                if L.attn_output_bias is not None:  # gpt-oss
-                    xt += L.attn_output_bias
-            if plan.moe:  # x += the experts' weighted sum (moe.MoEMixin._moe_gemm)
-                with sec("norm"):
-                    norm16(L.ffn_norm)
-                with sec("FFN"):
-                    self._moe_gemm(h16, sc, t, i, xt)
-                continue
+                if a.out.bias is not None:  # gpt-oss
+                    xt += getattr(L, a.out.bias)
             with sec("norm"):
-                norm16(L.ffn_norm)
+                norm16(getattr(L, fb.norm.weight))
+            if fb.moe is not None:  # x += the experts' weighted sum (moe.MoEMixin._moe_gemm)
+                with sec("FFN"):
+                    self._moe_gemm(h16, sc, t, fb.moe, xt)
+                continue
             with sec("FFN"):
                 self._gemm_weights(h16, t, gu_w, gu.data.ptr, 2 * f)
-                glu = "geglu_f16_rowscale" if plan.activation == "gelu_tanh" else "swiglu_f16_rowscale"
+                glu = "geglu_f16_rowscale" if fb.glu.activation == "gelu_tanh" else "swiglu_f16_rowscale"
                 K.launch("elementwise", glu, (t,), (256,), (K.ptr(gu), K.ptr(sc), K.i32(f), h16, K.ptr(sc)))
                 self._gemm_weights(h16, t, down_w, y.data.ptr, d)
-                if plan.post_norms:
-                    post_add(L.ffn_post_norm, sc)
+                if fb.post is not None:
+                    post_add(getattr(L, fb.post.weight), sc)
                 else:
                     add_scaled()
         with sec("LM head"):
