@@ -22,7 +22,7 @@
 // attention_tcx*_d<D>(..., out_stride, window, cap2, sinks, ring): the same with gemma's sliding window and
 // attention soft-cap (see EXT below) and gpt-oss's attention sinks ([Hq] or null), over caches of `ring` rows:
 // position k at row k mod ring (ctx for a full cache; a sliding-window layer's ring is a multiple of 64,
-// llamacli/kv_cache.py, so a tile's rows are contiguous).
+// llamacli/models/kv_cache.py, so a tile's rows are contiguous).
 // attention_tc16_d<D>: the same, output stored as fp16 (the fused prefill's O-projection GEMM input).
 // Accuracy vs the fp32 reference: fp16 Q and P, |err| ~ 1e-3 at unit-variance inputs (tests: atol 4e-3,
 // rtol 1e-2). The CUDA-core kernels (attention_simt.cu) serve short chunks and

@@ -21,7 +21,7 @@
 // the same with a sliding window (keys k > pos - window; 0: all) and soft-capped scores (gemma; see EXT
 // below), attention sinks (gpt-oss: sinks [Hq] or null, exp(sinks[h]) added to each softmax denominator),
 // over caches of `ring` rows [ring, Hkv, Dh]: position k at row k mod ring (ctx for a full cache; a
-// sliding-window layer's ring is a multiple of 32, llamacli/kv_cache.py, so a tile's rows are contiguous).
+// sliding-window layer's ring is a multiple of 32, llamacli/models/kv_cache.py, so a tile's rows are contiguous).
 // kv_store(..., kc, vc, ring): k, v [T, Hkv, Dh] f32 (token strides k_stride, v_stride) -> cache rows
 // pos[t] mod ring as fp16.
 // kv_store_q8(...): the same into an 8-bit cache (-ctk/-ctv q8_0: codes [ring, Hkv, Dh] then scales [Hkv, ring,

@@ -3,7 +3,7 @@
 //
 // attention_split_d<D>(q, kc, vc, ring, pos, Hq, Hkv, qscale, window, cap2, sinks, part_o, part_ml, counters,
 //   out): q [Hq * D] f32 (already rotated), the caches [ring, Hkv, D] fp16 -> out [Hq * D] f32. Position k is
-//   cache row k mod ring: ring = ctx for a full cache, else a sliding-window layer's ring (llamacli/kv_cache.py:
+//   cache row k mod ring: ring = ctx for a full cache, else a sliding-window layer's ring (llamacli/models/kv_cache.py:
 //   a multiple of 64, so a 64-key tile's rows are contiguous; at least the window).
 // attention_split_step_<mode>_d<D>(..., rope_dim, inv_freq, attn, qn, kn, eps, early): the fused decode step's
 //   form: q is the QKV matvec's raw output [Hq*D | Hkv*D K | Hkv*D V]; each block normalises its query heads
@@ -40,7 +40,7 @@
 // Accuracy: fp16 q and P as the tensor-core prefill (tests: atol 4e-3, rtol 1e-2 against float64).
 //
 // The _q8 forms (attention_split_q8_d<D>, attention_split_step_q8_<mode>_d<D>; D a multiple of 32) read an
-// 8-bit cache (-ctk/-ctv q8_0, llamacli/kv_cache.py): each layer's cache one byte buffer, int8 codes [ring, Hkv, D]
+// 8-bit cache (-ctk/-ctv q8_0, llamacli/models/kv_cache.py): each layer's cache one byte buffer, int8 codes [ring, Hkv, D]
 // then fp16 scales [Hkv, ring, D/32] (one per 32 values, GGUF's Q8_0 block: x = d * code), ring a multiple of
 // 64, so that a tile's scales for one KV head are 4 D contiguous bytes. Codes and scales stream through the
 // NST stages by cp.async as above (half the bytes of fp16); each tile is then converted to fp16 (d * code,

@@ -6,7 +6,7 @@
 // tensor is one [E * rows, cols] matrix of GGUF rows, expert e's rows at e * expert_bytes.
 //
 //   moe_route_f32(logits [T, E], T, E, k, gating, norm, ids [P], wts [P])
-//       llamacli/moe.py route(): gating 0 ("softmax": softmax over all E, the k largest, renormalised to sum 1
+//       llamacli/models/moe.py route(): gating 0 ("softmax": softmax over all E, the k largest, renormalised to sum 1
 //       when norm) or 1 ("topk_softmax": the k largest logits, softmax over them); ties to the lower id,
 //       experts in descending order. A block of 32 per token (grid T): route_block. Selection compares logits
 //       (softmax keeps their order), so it matches the reference wherever the logits are not tied.

@@ -12,7 +12,7 @@
 //   rope_store_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn_factor, kcache, vcache, ring)
 //       qkv [T, (Hq+2Hkv)*Dh] as the fused QKV matvec writes it; rotates q and k in place and writes k, v
 //       as fp16 into the layer's cache [ring, Hkv, Dh] at row pos[t] mod ring (ring: ctx, or a sliding-window
-//       layer's ring, llamacli/kv_cache.py). grid (T, Hq + 2*Hkv), block as above.
+//       layer's ring, llamacli/models/kv_cache.py). grid (T, Hq + 2*Hkv), block as above.
 //   rope_store_pf_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kcache, vcache, ring, scale,
 //                        bias, q16, q16_stride, qscale)
 //       the fused prefill's QKV epilogue: first qkv[t, :] = qkv[t, :] * scale[t] + bias (the GEMM's row

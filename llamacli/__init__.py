@@ -31,7 +31,7 @@ def run() -> None:
             if gpu_driver.wanted(argv):  # the driver starts while the imports below load (~0.3-0.5 s)
                 hold_closed_fds()  # first: the driver's own descriptors must not take a closed 0-2
                 gpu_driver.start()
-            from .cli import main
+            from .cli.app import main
         except KeyboardInterrupt:
             sys.stderr.write("error: interrupted\n")
             sys.exit(130)
@@ -79,6 +79,6 @@ def _leave(code: object) -> None:
 
 def load(path, backend: str = "auto", ctx: int | None = None, **kw):
     """Load a GGUF model: `llamacli.load("model.gguf", backend="numpy").generate("Hello")` streams text."""
-    from .generate import load as _load
+    from .engine.generate import load as _load
 
     return _load(path, backend=backend, ctx=ctx, **kw)

@@ -22,7 +22,7 @@ _lock = threading.Lock()  # driver_context and release: one at a time
 _thread_lock = threading.Lock()
 _thread: list[threading.Thread] = []  # the thread start() began (at most one)
 
-# The commands that load a model (their aliases included; llamacli/cli_parser.py ALIASES has none of these).
+# The commands that load a model (their aliases included; llamacli/cli/parser.py ALIASES has none of these).
 MODEL_COMMANDS = frozenset({"generate", "chat", "run", "bench", "serve"})
 
 

@@ -28,7 +28,7 @@ def builtin_models_toml() -> Path:
 
 def local_model(spec: str | None) -> Path | None:
     """The GGUF file that `--model SPEC` names by its path; None where SPEC is a registry name, the default
-    (None) or an hf:// address, which llamacli.registry resolves. A directory or a special file is refused
+    (None) or an hf:// address, which llamacli.registry.registry resolves. A directory or a special file is refused
     (never opened: a FIFO would block, /dev/zero never ends). Kept apart from the registry so that a command
     given a path does not import it, its downloaders and its TOML."""
     if spec is None or not spec.strip() or spec.strip().startswith("hf://"):

@@ -4,14 +4,24 @@ private cache and loopback server of the registry and download tests."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from fake_sources import Server, isolate_network
 
-from llamacli import testdata
+from llamacli.testing import data as testdata
 from llamacli.testing import write_model
+
+
+# Test modules live in folders that mirror llamacli's packages, without __init__.py (so their names are unique
+# across tests/). A few import another's helpers (test_gemma_real takes test_chat's templates, test_textio
+# test_chat_session's FakeModel): every test folder goes on sys.path, as pytest puts each one there when it
+# collects it, so that this works whichever file runs alone.
+for _folder in sorted({p.parent for p in Path(__file__).parent.rglob("test_*.py")}):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -59,7 +69,7 @@ def random_model(tmp_path_factory: pytest.TempPathFactory):
 def download_sandbox(tmp_path, monkeypatch) -> Path:
     """A private cache and config; no user registry, no Hugging Face token, mirror or package index from the
     outside; downloads give up after 5 s of stalling instead of 30."""
-    from llamacli import download
+    from llamacli.registry import download
 
     monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))

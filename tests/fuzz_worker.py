@@ -31,14 +31,14 @@ def load_everything(path: str, run_forward: bool) -> list[list[str]]:
     import numpy as np
 
     from llamacli.backends.numpy_backend import NumpyBackend
-    from llamacli.chat import ChatTemplate
-    from llamacli.config import ModelConfig
+    from llamacli.chat.template import ChatTemplate
+    from llamacli.models.config import ModelConfig
     from llamacli.errors import LlamacliError
-    from llamacli.gguf_file import open_gguf
+    from llamacli.ggufio.file import open_gguf
     from llamacli.models.block import run as forward
-    from llamacli.sampling import greedy
-    from llamacli.tokenizer import Tokenizer
-    from llamacli.weights import check_tensors
+    from llamacli.sampling.sampling import greedy
+    from llamacli.tokenizer.tokenizer import Tokenizer
+    from llamacli.models.weights import check_tensors
 
     stages: list[list[str]] = []
 
@@ -93,8 +93,8 @@ def main() -> None:
     os.dup2(2, 1)  # anything the library prints goes to stderr, not into the protocol
     warnings.simplefilter("ignore")
     import llamacli.backends.numpy_backend  # noqa: F401  (import everything before the limit is set)
-    import llamacli.chat  # noqa: F401
-    import llamacli.tokenizer  # noqa: F401
+    import llamacli.chat.template  # noqa: F401
+    import llamacli.tokenizer.tokenizer  # noqa: F401
     import sentencepiece  # noqa: F401
     import tokenizers  # noqa: F401
 

@@ -260,7 +260,7 @@ def sample_of(path: Path, header_only: bool = False) -> Sample:
     size = path.stat().st_size
     if not header_only:
         return Sample(path.read_bytes(), size)
-    from llamacli.gguf_file import open_gguf
+    from llamacli.ggufio.file import open_gguf
 
     with open_gguf(path) as g:
         n = g.data_offset

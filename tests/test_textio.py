@@ -11,7 +11,7 @@ import pytest
 
 from clirun import ROOT
 from llamacli import textio
-from llamacli.chat_session import ChatSession, ConversationFileError
+from llamacli.engine.chat_session import ChatSession, ConversationFileError
 from llamacli.errors import UsageError
 
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..config import ModelConfig
+from ..models.config import ModelConfig
 from ..errors import BackendError
 
 if TYPE_CHECKING:
-    from ..sampling import SamplingParams
-from ..gguf_file import GGUFFile
+    from ..sampling.sampling import SamplingParams
+from ..ggufio.file import GGUFFile
 from ..models import block
 from ..models.block import Attention, Moe
 
@@ -183,7 +183,7 @@ class Backend(ABC):
 
     def decode_greedy(self, token: int, pos: int) -> int:
         """A decode step followed by the argmax (lowest id on ties): only the id comes back."""
-        from ..sampling import greedy
+        from ..sampling.sampling import greedy
 
         return greedy(self.to_host(self.decode(token, pos))[-1])
 
@@ -236,7 +236,7 @@ class Backend(ABC):
     def sample(self, logits: Any, params: "SamplingParams", rng: np.random.Generator, recent: list[int]) -> int:
         """The next token from logits [1, V]. The reference samples on the host (sampling.py); a GPU backend
         may sample on the device so that only the id crosses, with the same semantics."""
-        from ..sampling import sample
+        from ..sampling.sampling import sample
 
         return sample(self.to_host(logits)[-1], params, rng, recent)
 
@@ -244,8 +244,8 @@ class Backend(ABC):
                        recent: list[int]) -> int:
         """sample() over logits [1, V] with every id whose bit is clear in `words` (uint32 [ceil(V / 32)], bit
         i % 32 of word i // 32 for id i: structured.Constraint.allowed_words) set to -inf first."""
-        from ..sampling import sample
-        from ..structured import unpack_words
+        from ..sampling.sampling import sample
+        from ..sampling.structured import unpack_words
 
         x = self.to_host(logits)[-1]
         return sample(np.where(unpack_words(words, x.shape[-1]), x, np.float32(-np.inf)), params, rng, recent)

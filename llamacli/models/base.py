@@ -1,6 +1,6 @@
 """What an architecture is: the per-layer plan every forward path reads, and the tensors it implies.
 
-An architecture module (llama.py, qwen3.py, ...) builds one `Architecture`: its RoPE pairing and a function
+An architecture module (arch/llama.py, arch/qwen3.py, ...) builds one `Architecture`: its RoPE pairing and a function
 from a layer's place in the model to a `LayerPlan`. block.py turns each plan into the program of operations
 that every executor runs (the NumPy forward, the fused CUDA prefill and the captured CUDA decode step), and
 `weights.py` derives the tensors a layer needs from its plan, so a new architecture that only combines
@@ -36,7 +36,7 @@ class LayerPlan:
     o_bias: bool = False  # attn_output.bias [D] (gpt-oss)
     sinks: bool = False  # attn_sinks [Hq]: a learned logit per head added to each softmax denominator (gpt-oss)
     # Mixture of experts (qwen3moe, gpt-oss): the FFN is the weighted sum of cfg.n_expert_used of cfg.n_expert
-    # experts chosen per token by the router ffn_gate_inp [E, D] (llamacli/moe.py route()); experts are the 3-D
+    # experts chosen per token by the router ffn_gate_inp [E, D] (llamacli/models/moe.py route()); experts are the 3-D
     # ffn_gate_exps / ffn_up_exps [E, F_exp, D] and ffn_down_exps [E, D, F_exp] (F_exp = cfg.n_ff_exp).
     moe: bool = False
     moe_gating: str = "softmax"  # "softmax": softmax over all experts, then the top k (renormalised to sum 1

@@ -13,7 +13,7 @@
 - kernels/attention_wgmma.cu: attention_wg*_d<D> (prefill on Hopper's wgmma; built for sm_90a).
 
 Every kernel that reads or writes a cache [rows, Hkv, Dh] takes `ring`, its rows: position k lives at row k mod
-ring, ctx rows for a full cache and fewer for a sliding-window layer's ring (kv_cache.py; those layers always
+ring, ctx rows for a full cache and fewer for a sliding-window layer's ring (models/kv_cache.py; those layers always
 take the _w / tcx / split kernels, never attention_wg or the plain npl/tc forms).
 
 An 8-bit cache (-ctk/-ctv q8_0; device.alloc_kv_cache) is written by kv_store_q8 (and the fused step's _q8
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ...config import ROPE_NEOX
-from ...kv_cache import ring_span
+from ...models.config import ROPE_NEOX
+from ...models.kv_cache import ring_span
 from ...models.block import Attention
 from . import loader as K
 from .fusion import AttentionBranch
@@ -118,7 +118,7 @@ class AttentionMixin:
         t = q.shape[0]
         kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]
         span = ring_span(op.window, kc.shape[0], self.ctx)
-        if t > span:  # a ring takes a long chunk in passes of at most `span` positions (kv_cache.py)
+        if t > span:  # a ring takes a long chunk in passes of at most `span` positions (models/kv_cache.py)
             return cp.concatenate([self.attention(op, q[s : s + span], k[s : s + span], v[s : s + span],
                                                   pos[s : s + span]) for s in range(0, t, span)])
         self.store_kv(kc, vc, k.data.ptr, v.data.ptr, cfg.kv_dim, pos, t)

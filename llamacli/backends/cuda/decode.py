@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...config import ROPE_NEOX
+from ...models.config import ROPE_NEOX
 from . import loader as K
 from .linear import DeviceMatrix, mv1_kernel, mv1_stream_ok
 from .profile import _NULL

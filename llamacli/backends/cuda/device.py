@@ -4,7 +4,7 @@ figures bench reads (device name, copy bandwidth).
 
 Weights stay in their GGUF block layout on the device: one arena for the matrices, uploaded straight from
 the memory map in chunks; the 1-D tensors (norms, biases) as float32 arrays. The KV cache is fp16, one
-[rows, Hkv, Dh] array per layer: ctx rows, or a sliding-window layer's ring (kv_cache.py); or 8-bit
+[rows, Hkv, Dh] array per layer: ctx rows, or a sliding-window layer's ring (models/kv_cache.py); or 8-bit
 (alloc_kv_cache).
 """
 
@@ -15,14 +15,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ... import rope as rope_tables
-from ...config import ModelConfig
+from ...models import rope as rope_tables
+from ...models.config import ModelConfig
 from ...errors import BackendError, DeviceMemoryError, UsageError
-from ...gguf_file import GGUFFile
-from ...kv_cache import check_cache_types, ring_span
-from ...memory_fit import not_enough_memory, q8_pair_bytes
+from ...ggufio.file import GGUFFile
+from ...models.kv_cache import check_cache_types, ring_span
+from ..memory_fit import not_enough_memory, q8_pair_bytes
 from ...models.block import layer_ops
-from ...weights import layer_tensor_names, model_specs
+from ...models.weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights, Progress
 from . import loader as K
 from .fusion import match_layer
@@ -159,7 +159,7 @@ class DeviceMixin:
 
     def alloc_kv_cache(self, cfg: ModelConfig, ctx: int, q8: bool) -> None:
         """The KV cache, one K and one V array per layer of cfg.cache_rows(ctx) rows (ctx, or a sliding-window
-        layer's ring: kv_cache.py), which every kernel takes with its row count (the ring, kc.shape[0]):
+        layer's ring: models/kv_cache.py), which every kernel takes with its row count (the ring, kc.shape[0]):
         fp16 [rows, Hkv, Dh]; or (`q8`, -ctk/-ctv q8_0) one byte buffer [rows, Hkv, Dh + Dh/16] per cache, rows
         rounded up to 64, holding int8 codes [rows, Hkv, Dh] and then fp16 scales [Hkv, rows, Dh/32]
         (kernels/attention_split.cu), with an fp16 [rows, Hkv, Dh] pair of the largest rows (kv16) that the

@@ -4,7 +4,7 @@ mv1 / mv1_stream / mv1_tile, with RMSNorm, bias, residual, SwiGLU and the greedy
 row chunks dequantized to fp16 (kernels/dequant.cu) and multiplied by cuBLAS on tensor cores.
 
 The grid rules of each kernel (rows per block, row groups, one wave of blocks, shared memory) live here next to
-the launch, and mirror the kernel's own constants (tests/test_cuda_launch.py checks them against the source).
+the launch, and mirror the kernel's own constants (tests/backends/cuda/test_cuda_launch.py checks them against the source).
 """
 
 from __future__ import annotations

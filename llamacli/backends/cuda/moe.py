@@ -5,7 +5,7 @@ e * expert_bytes; the kernels add that offset themselves from the expert ids in 
 crosses to the host and the decode step stays one captured graph.
 
 - Many tokens (`moe`, the Backend operation, and the fused prefill): the router's logits (a GEMM),
-  moe_route_f32 (ids and weights, llamacli.moe.route's semantics), moe_group (the (token, slot) pairs sorted by
+  moe_route_f32 (ids and weights, llamacli.models.moe.route's semantics), moe_group (the (token, slot) pairs sorted by
   expert and cut into tiles of up to MG_BM), the gate/up and down GEMMs over those tiles on tensor cores
   (moe_gemm_<t>: grid y = an upper bound of the tiles; the blocks past the real count return at once; the
   weights decoded from their GGUF blocks into shared memory), moe_combine_f32 (the weighted sum). About ten

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import ROPE_NEOX
+from ...models.config import ROPE_NEOX
 from . import loader as K
 from .linear import DeviceMatrix, qname
 from .profile import profiled

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ...config import ROPE_NEOX
-from ...kv_cache import RING_CHUNK
+from ...models.config import ROPE_NEOX
+from ...models.kv_cache import RING_CHUNK
 from . import loader as K
 from .attention import ATT_TC_DIMS, ATT_TC_MIN_T, tc_qscale
 from .linear import DEQUANT_CHUNK, MATVEC_TMAX, DeviceMatrix, merge_rows, qname

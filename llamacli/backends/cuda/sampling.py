@@ -1,13 +1,13 @@
 """Sampling on the device (kernels/sampling.cu): penalties, then argmax (greedy), or top-k (k <= TOPK_MAX) and
-the rest of llamacli.sampling's chain over the candidates (top-p, min-p, temperature, the draw with the
+the rest of llamacli.sampling.sampling's chain over the candidates (top-p, min-p, temperature, the draw with the
 uniform number the host's seeded generator supplies): only the chosen id crosses, and the tokens equal
-llamacli.sampling's for the same seed (tests/test_gpu_kernels.py, test_gpu_sampling.py; the host side of the
+llamacli.sampling.sampling's for the same seed (tests/backends/cuda/test_gpu_kernels.py, test_gpu_sampling.py; the host side of the
 step's sampler without a GPU: test_cuda_sampling.py). top_k = 0 or > TOPK_MAX copies the logits and samples on
 the host.
 
 Two ways in:
 
-- `sample(logits, params, rng, recent)`: one call of llamacli.sampling.sample, kernel by kernel (the first
+- `sample(logits, params, rng, recent)`: one call of llamacli.sampling.sampling.sample, kernel by kernel (the first
   token after a prefill, and any step whose logits the caller holds);
 - inside the captured decode step (`start_sampling`, then decode.DecodeMixin.decode_sampled): the same kernels
   in their _step forms follow the LM head, so a sampled generation queues its next step ahead as the greedy
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import NumericalError
-from ...sampling import SamplingParams
+from ...sampling.sampling import SamplingParams
 from . import loader as K
 from .profile import profiled
 
@@ -138,7 +138,7 @@ class SamplingMixin:
     # -- one call ------------------------------------------------------------------------------------------
     @profiled("sampling")
     def sample(self, logits: Any, params: Any, rng: np.random.Generator, recent: list[int]) -> int:
-        from ... import sampling as S
+        from ...sampling import sampling as S
 
         cp, v = self.cp, self.cfg.vocab_size
         params.validate()
@@ -184,7 +184,7 @@ class SamplingMixin:
     def _mask_kernel(self, logits: Any, words: np.ndarray) -> None:
         """_masked = logits [1, V] with the ids outside `words` at -inf (mask_logits_f32). The words go through
         pinned memory, reused once the copy from it before has run."""
-        from ...structured import check_words
+        from ...sampling.structured import check_words
 
         v = self.cfg.vocab_size
         words = check_words(words, v)

@@ -1,0 +1,93 @@
+"""What to tell a user whose model does not fit the GPU: what it needs and what the GPU has, then what would
+fit (a smaller --ctx, a smaller quantization) and, for a model larger than one GPU, the engines that split a
+model across several. Pure arithmetic on sizes, so it is tested without a GPU; the CUDA backend's memory check
+raises DeviceMemoryError(not_enough_memory(...)).
+"""
+
+from __future__ import annotations
+
+from ..models.config import ModelConfig
+from ..models.kv_cache import DEFAULT as DEFAULT_CACHE
+from ..models.kv_cache import cache_type_fits
+from ..units import human_bytes
+
+# Bits per weight of llama.cpp's common quantizations, best quality first: the file sizes its quantize tool
+# lists for Llama-3-8B (8.03B parameters), as bits per parameter. A file of another model lands near these.
+QUANT_BITS = (("Q8_0", 8.50), ("Q6_K", 6.57), ("Q5_K_M", 5.70), ("Q4_K_M", 4.90), ("Q3_K_M", 4.00), ("Q2_K", 3.17))
+
+CTX_STEP = 256  # suggested contexts are multiples of this
+MULTI_GPU = ("llamacli runs a model on one GPU; llama.cpp (`llama-server -m FILE -sm layer`) and vLLM "
+             "(`vllm serve MODEL --tensor-parallel-size N`) split one across several")
+
+
+def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scratch: int, free: int, total: int,
+                      n_params: int | None = None, cache_types: tuple[str, str] = DEFAULT_CACHE) -> str:
+    """The message for a model that needs weights + kv + scratch bytes at `ctx` and finds `free` of `total`.
+
+    The largest context that fits is the one whose KV cache (cfg.kv_cache_bytes of `cache_types`) fits the
+    room left after the weights and scratch; with an fp16 cache, the 8-bit one (-ctk/-ctv q8_0) where it
+    would hold `ctx` (its fp16 pair of one layer's rows counted: CUDA's alloc_kv_cache). `n_params` defaults
+    to the count the config implies (the matrices of every layer and the embeddings)."""
+    need = weights + kv + scratch
+    head = (f"not enough GPU memory: the model needs {human_bytes(need)} at --ctx {ctx} (weights "
+            f"{human_bytes(weights)}, KV cache {human_bytes(kv)}, scratch {human_bytes(scratch)}); the GPU has "
+            f"{human_bytes(free)} free of {human_bytes(total)}")
+    hints = []
+    q8 = ("q8_0", "q8_0")
+    if cache_types != q8 and cache_type_fits(cfg.head_dim, "q8_0"):
+        kv8 = cfg.kv_cache_bytes(ctx, q8)
+        if weights + scratch + kv8 + q8_pair_bytes(cfg, ctx) <= free:
+            hints.append(f"`-ctk q8_0 -ctv q8_0` fits --ctx {ctx} (KV cache {human_bytes(kv8)})")
+    fit = largest_ctx(cfg, free - weights - scratch, cache_types)
+    if fit:
+        hints.append(f"--ctx {fit} fits (KV cache {human_bytes(cfg.kv_cache_bytes(fit, cache_types))})")
+    quant = smaller_quant(cfg, ctx, weights, kv, scratch, free, n_params or parameter_count(cfg), cache_types)
+    if quant:
+        hints.append(quant)
+    if weights + scratch > total or not hints:
+        hints.append(("the weights alone are larger than this GPU: " if weights + scratch > total else "")
+                     + MULTI_GPU)
+    return head + "; " + "; ".join(hints)
+
+
+def q8_pair_bytes(cfg: ModelConfig, ctx: int) -> int:
+    """The fp16 K and V pair of one layer's rows that the CUDA backend keeps beside an 8-bit cache (its
+    prefill readers' form: cuda/device.py alloc_kv_cache)."""
+    return 2 * 2 * max(cfg.cache_rows(ctx)) * cfg.kv_dim
+
+
+def largest_ctx(cfg: ModelConfig, room: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> int:
+    """The largest multiple of CTX_STEP positions (up to the trained length) whose KV cache of `cache_types`
+    fits in `room` bytes, 0 when none does. The cache grows with the context, linearly until sliding-window
+    layers reach their rings' size (config.kv_cache_bytes), so a bisection over the steps."""
+    lo, hi = 0, cfg.context_length // CTX_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cfg.kv_cache_bytes(mid * CTX_STEP, cache_types) <= room else (lo, mid - 1)
+    return lo * CTX_STEP
+
+
+def smaller_quant(cfg: ModelConfig, ctx: int, weights: int, kv: int, scratch: int, free: int, n_params: int,
+                  cache_types: tuple[str, str] = DEFAULT_CACHE) -> str:
+    """The best-quality common quantization smaller than this file's that fits, at `ctx` if it can, else at
+    the largest context it leaves room for; "" when none is smaller or none fits."""
+    if n_params <= 0:
+        return ""
+    bits_now = weights * 8 / n_params
+    smaller = [(name, int(n_params * bits / 8)) for name, bits in QUANT_BITS if bits <= 0.9 * bits_now]
+    for name, size in smaller:
+        if size + kv + scratch <= free:
+            return f"a {name} file (weights about {human_bytes(size)}) fits at --ctx {ctx}"
+    for name, size in smaller:
+        fit = largest_ctx(cfg, free - size - scratch, cache_types)
+        if fit:
+            return f"a {name} file (weights about {human_bytes(size)}) fits at --ctx {fit}"
+    return ""
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Weights of the matrices (attention, feed-forward, embeddings, LM head unless tied); norms are noise."""
+    attention = cfg.n_embd * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.n_embd
+    feed_forward = 3 * cfg.n_embd * cfg.n_ff
+    embeddings = cfg.vocab_size * cfg.n_embd * (1 if cfg.tied_embeddings else 2)
+    return cfg.n_layer * (attention + feed_forward) + embeddings

@@ -1,0 +1,342 @@
+"""The command line: thin typer commands over the library. Rich lives here, not in the model code.
+
+stdout carries only what the user asked for (text, JSON); notices, progress and timings go to stderr.
+Every LlamacliError becomes one line `error: ...` on stderr and its exit code (2 bad input, 1 runtime,
+130 Ctrl-C); `--debug` adds the traceback.
+
+Here: the typer app, the options several commands share, model loading, and main() with its error report.
+The commands: generate.py (generate, chat, run) and models.py (inspect, models, pull, rm, tokenize,
+bench); parser.py reads options as llama.cpp users type them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from .. import __version__
+from .parser import HabitCommand, HabitGroup
+from ..errors import Interrupted, LlamacliError, OutputError, UsageError
+from ..textio import printable, standard_streams
+
+app = typer.Typer(
+    name="llamacli",
+    help="Run GGUF language models on NVIDIA GPUs (CuPy + our CUDA kernels), with a NumPy reference backend.",
+    epilog="Also: list and ls (= models), show (= inspect). llama.cpp's -c, -n, -s, -f and --temp work as there; "
+    "-ngl and -fa are accepted.",
+    cls=HabitGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """rich's own answer to a reader that left (`| head`) is exit 1. Raise instead, so that it ends as every
+        broken pipe does (main: exit 0 quietly), and drop the unwritten text as rich does after a write, so
+        that a later print in the same process (main() called again) does not repeat it."""
+        del self._buffer[:]
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+err = _Console(stderr=True, highlight=False, soft_wrap=True)
+# Tables on stdout keep their full width when piped (rich would cut them at 80 columns).
+out = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout is None or sys.stdout.isatty() else 240)
+
+_state = {"debug": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"llamacli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and log kernel launches.")] = False,
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = None,
+) -> None:
+    """llamacli: GGUF inference from readable Python."""
+    _state["debug"] = debug
+    if debug:
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
+
+
+def command(name: str | None = None, **kw):
+    """`app.command`, parsed with llama.cpp's option habits (llamacli/cli/parser.py)."""
+    return app.command(name, cls=HabitCommand, **kw)
+
+
+def dim(message: str) -> None:
+    """A notice on stderr, dimmed. The text is not markup: brackets such as [cuda12] print as they are."""
+    err.print(message, style="dim", markup=False)
+
+
+def fail(message: str) -> None:
+    """Raise a usage error from a command (exit 2)."""
+    raise UsageError(message)
+
+
+# -- the options several commands share -----------------------------------------------------------------
+
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", help="A GGUF path, a registry name (llamacli models) or hf://owner/repo/file.gguf. Default: the registry's default model."),
+]
+BackendOpt = Annotated[str, typer.Option("--backend", help="auto (CUDA when available), cuda or numpy.")]
+ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help="The model, as -m takes it.", show_default=False)]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", "--ctx-size", help="Context size (default: the model's, at most 4096).")]
+CacheTypeKOpt = Annotated[str, typer.Option(
+    "--cache-type-k", "-ctk", metavar="TYPE",
+    help="KV cache type of K, as llama.cpp's: f16 (default) or q8_0 (8-bit: 1.9x the context in the same memory; "
+         "on CUDA, K and V of one type).")]
+CacheTypeVOpt = Annotated[str, typer.Option(
+    "--cache-type-v", "-ctv", metavar="TYPE", help="KV cache type of V: f16 (default) or q8_0, as -ctk.")]
+SwaFullOpt = Annotated[bool, typer.Option(
+    "--swa-full", help="Sliding-window layers (Gemma, gpt-oss) keep every position, as llama.cpp's --swa-full: more "
+                       "memory, and a chat or server can reuse any cached prefix (by default they keep a ring of "
+                       "their window, and a prompt that departs from the cache far back is prefilled whole).")]
+# llama.cpp's options that have nothing to choose here: accepted, with a notice saying why.
+GpuLayersOpt = Annotated[Optional[str], typer.Option(
+    "--n-gpu-layers", "-ngl", "--gpu-layers", metavar="N",
+    help="As llama.cpp's; ignored: with CUDA every layer runs on the GPU, with --backend numpy on the CPU.")]
+FlashAttnOpt = Annotated[bool, typer.Option(
+    "--flash-attn", "-fa", help="As llama.cpp's (on/off/auto may follow); a no-op: CUDA attention is always fused.")]
+
+# Sampling options, shared by generate and chat (each command gives its defaults in its signature).
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", "--n-predict", help="Most tokens to generate.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling, in (0, 1] (1 = off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Drop tokens below min-p x the best one's probability.")]
+RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", help="Penalize repeated tokens (1 = off).")]
+RepeatLastNOpt = Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalties look back over (-1 = all).")]
+PresencePenaltyOpt = Annotated[float, typer.Option("--presence-penalty")]
+FrequencyPenaltyOpt = Annotated[float, typer.Option("--frequency-penalty")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", "-s", help="Seed for reproducible sampling.")]
+GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Always take the most likely token (temperature 0).")]
+JsonSchemaOpt = Annotated[Optional[str], typer.Option(
+    "--json-schema", metavar="FILE|JSON",
+    help="Constrain the output to JSON valid against this JSON Schema (a file, or the schema itself); "
+         "needs the optional llguidance package (pip install 'llamacli[structured]').")]
+GrammarOpt = Annotated[Optional[str], typer.Option(
+    "--grammar", metavar="FILE",
+    help="Constrain the output to a grammar in llama.cpp's GBNF (root ::= ...) or Lark (start: ...) syntax, "
+         "as llguidance reads them.")]
+LogprobsOpt = Annotated[Optional[int], typer.Option(
+    "--logprobs", metavar="N",
+    help="With --json: each token's log-probability and the N (0-20) most likely alternatives, as "
+         "\"logprobs\" (log-softmax of the raw logits, before penalties and sampling filters).")]
+ThinkOpt = Annotated[
+    Optional[bool],
+    typer.Option("--think/--no-think", help="Thinking models (Qwen3, SmolLM3, R1 distills): turn the template's "
+                 "think block on or off (enable_thinking). gpt-oss always reasons: --no-think asks for low "
+                 "effort. The reasoning goes to stderr, the answer to stdout."),
+]
+ReasoningEffortOpt = Annotated[
+    Optional[str],
+    typer.Option("--reasoning-effort", metavar="LEVEL",
+                 help="low, medium or high: how much gpt-oss reasons (its template's reasoning_effort; the default "
+                      "is medium), as llama.cpp's --reasoning-effort and ollama's --think=LEVEL. none is --no-think, "
+                      "OpenAI's minimal is low; on a thinking model without levels any level turns thinking on."),
+]
+
+
+def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gpu_layers: str | None = None,
+               flash_attn: bool = False, user_ctx: bool = True, cache_types: tuple[str, str] = ("f16", "f16"),
+               swa_full: bool = False):
+    """Resolve, open and upload a model, with a progress bar on stderr. `gpu_layers` and `flash_attn` are
+    llama.cpp's -ngl and -fa: checked, then explained in a notice once the backend is known. A context the
+    user chose (`user_ctx`) past the trained length is warned about once the model is loaded. `cache_types`:
+    -ctk / -ctv (models/kv_cache.py), checked before anything is looked up; `swa_full`: --swa-full."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..engine.generate import Model, context_warning
+    from ..models.kv_cache import parse_cache_types
+    from ..paths import local_model
+
+    check_gpu_layers(gpu_layers)
+    cache_types = parse_cache_types(*cache_types)
+    looked_up = time.perf_counter()
+    path = local_model(model)
+    if path is None:  # a name: the registry and the cache, and the download on first use
+        from ..registry.registry import resolve_model
+
+        path = resolve_model(model)
+    found = time.perf_counter()
+    notice = None if quiet else dim
+    with Progress(
+        TextColumn("loading {task.description}", markup=False), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
+    ) as bar:
+        task = bar.add_task(printable(path.name), total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total)
+
+        m = Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice, cache_types=cache_types,
+                  swa_full=swa_full)
+    m.lookup = (looked_up, found)
+    if not quiet:
+        for line in llama_cpp_notices(m.backend.name, gpu_layers, flash_attn):
+            dim(line)
+        warning = context_warning(m.cfg, m.ctx) if user_ctx else None
+        if warning:
+            err.print(warning, style="yellow", markup=False)
+    return m
+
+
+def check_gpu_layers(value: str | None) -> None:
+    """-ngl takes what llama.cpp's does: a layer count, `auto` or `all`."""
+    if value is None or value.lower() in ("auto", "all"):
+        return
+    try:
+        int(value)
+    except ValueError:
+        fail(f"--n-gpu-layers takes a number of layers, 'auto' or 'all', got {value!r}")
+
+
+def llama_cpp_notices(backend: str, gpu_layers: str | None, flash_attn: bool) -> list[str]:
+    """Why llama.cpp's -ngl and -fa change nothing here, said once so that their users are not left guessing."""
+    lines = []
+    if gpu_layers is not None:
+        where = ("the CUDA backend runs every layer on the GPU (--backend numpy runs on the CPU)" if backend == "cuda"
+                 else f"the {backend} backend runs on the CPU")
+        lines.append(f"-ngl {gpu_layers} is ignored: {where}")
+    if flash_attn:
+        why = ("the CUDA backend's attention is always fused (flash-attention style)" if backend == "cuda"
+               else f"the {backend} backend has no fused attention to turn on (the CUDA backend's always is)")
+        lines.append(f"-fa is a no-op: {why}")
+    return lines
+
+
+# -- entry point -------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry: run the app, turning every failure into one line and an exit code."""
+    standard_streams()
+    stdout = sys.stdout
+    try:
+        code = app(args=argv, standalone_mode=False)
+        if code == 130:  # typer turns a KeyboardInterrupt outside our own handlers into a returned 130
+            raise KeyboardInterrupt
+        if isinstance(code, int) and code:
+            sys.exit(code)
+        _flush_stdout()
+    except SystemExit:
+        if sys.stdout is not stdout:  # click's answer to a broken pipe: it wraps stdout and exits 1
+            _reader_gone()
+        raise
+    except BrokenPipeError:
+        _reader_gone()
+    except LlamacliError as exc:
+        _report(exc, exc.exit_code)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        _report(exc, 130, "interrupted")
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        _report(None, 130, "interrupted")
+    except _CLICK_ERRORS as exc:
+        # Bad options and arguments: click's own message, one line, exit 2.
+        _report(exc, 2, exc.format_message())
+    except OSError as exc:  # a write that failed (a full disk, a device error): the system's words
+        _report(exc, 1, f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""))
+    except MemoryError as exc:
+        if _is_gpu_out_of_memory(exc):  # CuPy's (a MemoryError): the load-time estimate left too little room
+            _report(exc, 1, f"out of GPU memory ({exc}); try a smaller --ctx, a shorter prompt or a smaller model")
+        _report(exc, 1, "out of host memory")
+    except Exception as exc:  # a bug of ours: still one line, unless --debug
+        _report(exc, 1, f"internal error: {type(exc).__name__}: {exc}")
+    sys.exit(0)
+
+
+def _flush_stdout() -> None:
+    """Flush what the command printed while we can still report a failure as one line (at the interpreter's
+    exit it would be a traceback)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:  # a full disk, a device error
+        _detach_stdout()
+        raise OutputError(f"cannot write to standard output: {exc.strerror or exc}") from None
+
+
+def _reader_gone() -> None:
+    """`llamacli ... | head`: the reader left, which is not an error: exit 0 and print nothing."""
+    _detach_stdout()
+    sys.exit(0)
+
+
+def _detach_stdout() -> None:
+    """Point stdout's descriptor at /dev/null, so that the interpreter's own flush at exit, which writes what
+    is still buffered, succeeds instead of printing "Exception ignored ... BrokenPipeError"."""
+    try:
+        fd = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (in memory, closed): nothing to do
+        pass
+
+
+def _is_gpu_out_of_memory(exc: BaseException) -> bool:
+    """CuPy's allocation failure (cupy.cuda.memory.OutOfMemoryError), recognised without importing CuPy."""
+    return any(c.__name__ == "OutOfMemoryError" and c.__module__.split(".")[0] in ("cupy", "cupy_backends")
+               for c in type(exc).__mro__)
+
+
+def _click_errors() -> tuple[type[BaseException], ...]:
+    """Usage errors from the option parser: click's, or the copy of click that newer typer vendors."""
+    found: list[type[BaseException]] = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            found.append(__import__(module, fromlist=["ClickException"]).ClickException)
+        except ImportError:
+            pass
+    return tuple(found)
+
+
+_CLICK_ERRORS = _click_errors()
+
+
+def _report(exc: BaseException | None, code: int, message: str | None = None) -> None:
+    """Print the one `error:` line for `exc` (or `message`) and exit with `code`; --debug adds the traceback."""
+    if _state["debug"] and exc is not None:
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    text = message or str(exc) or type(exc).__name__
+    if isinstance(exc, Interrupted) and str(exc):
+        text = str(exc)
+    _say_error(text)
+    sys.exit(code)
+
+
+def _say_error(text: str) -> None:
+    """`error: <text>` on one line of stderr. A message may quote a file's metadata, a template's words or a
+    path, so it is escaped (printable): an escape sequence in a GGUF must not reach the terminal raw."""
+    try:
+        sys.stderr.write("error: " + printable(" ".join(text.split())) + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr is gone as well: the exit code still tells
+        pass
+
+
+# The commands live in their own modules; importing them registers them on `app` (they import `command`
+# and the shared options from here, so this comes last).
+from . import generate as cli_generate, models as cli_models, serve  # noqa: E402, F401

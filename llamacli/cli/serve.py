@@ -1,0 +1,99 @@
+"""`llamacli serve`: an OpenAI-compatible HTTP server over one model (serve/app.py holds the app,
+serve/api.py the wire format). Starlette and uvicorn come with the `serve` extra and are imported only here,
+when the command runs, so that the rest of llamacli works without them."""
+
+from __future__ import annotations
+
+import importlib
+import socket
+from typing import Annotated, Optional
+
+import typer
+
+from .app import BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, ModelArg, ModelOpt, SwaFullOpt, command, dim, fail, load_model
+from .generate import pick_model
+from ..errors import LlamacliError
+from ..textio import printable
+
+
+class ServeError(LlamacliError):
+    """The server cannot start: the extra is missing, or the address is taken."""
+
+
+def _need_extra():
+    try:
+        importlib.import_module("starlette")
+        import uvicorn
+    except ImportError:
+        raise ServeError("llamacli serve needs the serve extra: pip install 'llamacli[serve]'") from None
+    return uvicorn
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a taken port is one error line, not a log."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=128, reuse_port=False)
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def make_server(model, name: str, sock: socket.socket, api_key: str | None = None, log=None):
+    """A uvicorn server for `model` on `sock` (not started): server.run([sock]) serves until stopped."""
+    uvicorn = _need_extra()
+    from ..serve.app import Engine, build_app
+
+    engine = Engine(model, name, log)
+    app = build_app(engine, api_key)
+    config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=3, server_header=False)
+    server = uvicorn.Server(config)
+    server.engine = engine
+    return server
+
+
+@command()
+def serve(
+    model_arg: ModelArg = None,
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require `Authorization: Bearer KEY` on every request.")] = None,
+    ctx: CtxOpt = None,
+    backend: BackendOpt = "auto",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices or request log on stderr.")] = False,
+    cache_type_k: CacheTypeKOpt = "f16",
+    cache_type_v: CacheTypeVOpt = "f16",
+    swa_full: SwaFullOpt = False,
+) -> None:
+    """Serve the model over the OpenAI HTTP API: POST /v1/chat/completions and /v1/completions (streamed
+    with "stream": true), GET /v1/models and /health. One model; requests run one at a time, in arrival
+    order, and reuse the KV cache for the prompt prefix they share with the one before. Ctrl-C stops."""
+    model = pick_model(model_arg, model)
+    if not 0 <= port <= 65535:
+        fail(f"--port must lie in 0..65535, got {port}")
+    if ctx is not None and ctx <= 0:
+        fail(f"--ctx must be positive, got {ctx}")
+    if api_key is not None and not api_key.strip():
+        fail("--api-key is empty")
+    _need_extra()
+    sock = listen(host, port)
+    try:
+        m = load_model(model, backend, ctx, quiet, cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
+        from ..serve.app import stderr_log
+
+        server = make_server(m, m.path.stem, sock, api_key, None if quiet else stderr_log)
+        where = sock.getsockname()
+        url_host = printable(f"[{host}]" if ":" in host else host)
+        if not quiet:
+            if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+                dim(f"listening on {printable(host)} without --api-key: anyone who reaches this port can use the model")
+            dim(f"serving {printable(m.path.name)} ({m.backend.name}, context {m.ctx}) on http://{url_host}:{where[1]}/v1; "
+                "one request at a time; Ctrl-C stops")
+        try:
+            server.run(sockets=[sock])
+        finally:
+            server.engine.pool.shutdown(wait=True, cancel_futures=True)
+            m.close()
+    finally:
+        sock.close()

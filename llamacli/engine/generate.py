@@ -1,0 +1,523 @@
+"""The generation engine, shared by every backend: tokenize, prefill, decode loop, stop conditions,
+streaming, timings. And the Python API: `llamacli.load(path)` -> Model with .generate/.tokenize/.detokenize.
+
+    prompt -> (chat template) -> ids -> prefill(ids not yet in the KV cache) -> logits -> sample -> id
+           -> stop? (end-of-generation id, stop string, -n, full context) -> stream text -> decode(id) -> ...
+
+The KV cache remembers which ids it holds (`Model.cached`): a new prompt that starts with them prefills
+only the rest, which is what makes a chat turn cheap. Sliding-window layers keep rings (models/kv_cache.py) that
+forget: a prefix is reused only while every ring still holds its last window (kv_cache.ring_keeps, from the
+highest position written since the cache was last filled from 0), else the prompt is prefilled whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from ..backends import select_backend, start_early
+from ..backends.base import Backend, Progress
+from ..background import Background
+from ..models.config import ModelConfig
+from ..errors import ContextOverflowError, ShapeMismatchError, UsageError
+from ..ggufio.file import open_gguf
+from ..models.kv_cache import DEFAULT as DEFAULT_CACHE
+from ..models.kv_cache import check_cache_types, parse_cache_types, ring_keeps
+from ..models.block import prefill
+from ..chat.reasoning import prompt_opens_think, reply_format, split_reasoning
+from ..sampling.sampling import SamplingParams, make_rng, sample
+from ..tokenizer.tokenizer import StreamDecoder, Tokenizer
+from ..models.weights import check_tensors
+
+if TYPE_CHECKING:
+    from ..sampling.structured import Constraint
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+DEFAULT_CTX_CAP = 4096  # default context: the model's, capped here (the KV cache grows with it)
+
+
+@dataclass
+class Timings:
+    load_ms: float = 0.0
+    prompt_ms: float = 0.0
+    prompt_tokens: int = 0  # tokens actually prefilled (a reused cache prefix is not counted)
+    eval_ms: float = 0.0
+    eval_tokens: int = 0  # decode steps
+    # What --verbose shows besides: (stage, ms) of the prompt's way to its first token, and when that came
+    # (time.perf_counter()); neither is in as_dict.
+    stages: list[tuple[str, float]] = field(default_factory=list)
+    first_token_at: float = 0.0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prompt_ms * 1e3 if self.prompt_ms > 0 else 0.0
+
+    @property
+    def eval_tokens_per_s(self) -> float:
+        return self.eval_tokens / self.eval_ms * 1e3 if self.eval_ms > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "load_ms": round(self.load_ms, 3),
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_per_s": round(self.prompt_tokens_per_s, 3),
+            "eval_ms": round(self.eval_ms, 3),
+            "eval_tokens": self.eval_tokens,
+            "eval_tokens_per_s": round(self.eval_tokens_per_s, 3),
+        }
+
+    def report(self) -> list[str]:
+        """Lines like llama.cpp's llama_perf_context_print."""
+
+        def per(ms: float, n: int) -> str:
+            if n == 0:
+                return ""
+            return f" ({ms / n:8.2f} ms per token, {n / ms * 1e3 if ms > 0 else 0:8.2f} tokens per second)"
+
+        return [
+            f"load time        = {self.load_ms:10.2f} ms",
+            f"prompt eval time = {self.prompt_ms:10.2f} ms / {self.prompt_tokens:5d} tokens" + per(self.prompt_ms, self.prompt_tokens),
+            f"eval time        = {self.eval_ms:10.2f} ms / {self.eval_tokens:5d} runs  " + per(self.eval_ms, self.eval_tokens),
+            f"total time       = {self.load_ms + self.prompt_ms + self.eval_ms:10.2f} ms / {self.prompt_tokens + self.eval_tokens:5d} tokens",
+        ]
+
+
+@dataclass
+class Completion:
+    text: str = ""  # the answer: a thinking model's <think> block goes to `reasoning` once generation ends
+    reasoning: str = ""
+    think_open: bool = False  # the prompt left a <think> block open: the output starts inside it
+    reasoning_format: str = "think"  # "think" (<think> blocks) or "harmony" (gpt-oss channels): chat/reasoning.py
+    tokens: list[int] = field(default_factory=list)  # generated ids (an end-of-generation id is not included)
+    prompt_tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "interrupted"
+    timings: Timings = field(default_factory=Timings)
+    logprobs: list[dict[str, Any]] | None = None  # with run(logprobs=N): one entry per id in `tokens`
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "reasoning": self.reasoning,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
+            "timings": self.timings.as_dict(),
+            **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+        }
+
+
+class Model:
+    """A loaded model: GGUF file, config, tokenizer, chat template and a backend holding weights + KV cache."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        backend: str = "auto",
+        ctx: int | None = None,
+        progress: Progress | None = None,
+        notice: Callable[[str], None] | None = None,
+        cache_types: tuple[str, str] = DEFAULT_CACHE,
+        swa_full: bool = False,
+    ):
+        t0 = self.load_started = time.perf_counter()
+        laps = _Laps()
+        self.path = Path(path)
+        self.gguf = open_gguf(self.path)
+        md = self.gguf.metadata
+        self.cfg = ModelConfig.from_gguf(md, set(self.gguf.tensors))
+        if swa_full:  # every position on sliding-window layers too (no rings: models/kv_cache.py)
+            self.cfg = replace(self.cfg, swa_full=True)
+        laps.lap("open + metadata")
+        early = start_early(backend)  # the GPU's start on a thread of its own (CuPy's import, its check)
+        try:
+            tokens = md.get("tokenizer.ggml.tokens")
+            if isinstance(tokens, list) and len(tokens) != self.cfg.vocab_size:  # llama.cpp refuses these too
+                raise ShapeMismatchError(f"the vocabulary has {len(tokens)} tokens but the model "
+                                         f"has {self.cfg.vocab_size} embedding rows")
+            if ctx is not None and (type(ctx) is not int or ctx <= 0):
+                raise UsageError(f"context size must be a positive integer, got {ctx!r}")
+            self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
+            self.cache_types = parse_cache_types(*cache_types)
+            check_cache_types(self.cfg.head_dim, self.cache_types)
+        except BaseException:
+            if early is not None:  # the thread leaves the driver before the process may exit
+                with contextlib.suppress(BaseException):
+                    early()
+            raise
+        self.backend = select_backend(backend, notice, early)
+        laps.lap(f"backend start ({self.backend.name})")
+        # The tokenizer is built on a thread of its own (Llama 3's 128k tokens and 280k merges: ~0.6-1.3 s)
+        # while the weights upload, whose copies leave the GIL free. Not sooner: beside CuPy's import (the
+        # backend's start) the two only take turns at the GIL. A broken vocabulary is reported after the load.
+        tokenizer = Background(Tokenizer.from_metadata, md, name="llamacli-tokenizer")
+        try:
+            check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
+            self.backend.load(self.gguf, self.cfg, self.ctx, progress, cache_types=self.cache_types)
+            laps.lap("weights, KV cache", self.backend.load_stages)
+            # The decode steps' graphs (CUDA) are captured here, so that no generation's timed loop pays for them.
+            self.backend.prepare_decode()
+            if _has_own(self.backend, "prepare_decode"):  # the NumPy backend has no graphs: no stage to list
+                laps.lap("decode graphs")
+            self.tokenizer = tokenizer.result()  # what the build raised (a broken vocabulary) is raised here
+        except BaseException:
+            tokenizer.wait()
+            with contextlib.suppress(Exception):  # the device memory goes now, not with the traceback
+                self.close()
+            raise
+        laps.lap("tokenizer (waited for)")
+        self.load_stages = laps.stages  # (stage, ms): --verbose prints them
+        # When the CLI looked the model up (registry, cache, any download) before this load: (start, end) in
+        # time.perf_counter() seconds, for --verbose's start-up line; None outside the CLI.
+        self.lookup: tuple[float, float] | None = None
+        self.cached: list[int] = []  # the ids whose K/V the cache holds, positions 0..len-1
+        self.written = -1  # the highest position whose K/V may have been written since a prefill from 0
+        # (window, cache rows) per layer, as the backend allocated them: rings on sliding-window layers
+        self.windows_rows = list(zip((plan.window for plan in self.cfg.layers), self.cfg.cache_rows(self.ctx)))
+        self.load_ms = (time.perf_counter() - t0) * 1e3
+        self._chat = None
+
+    # -- text <-> ids -------------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, special: bool = False, add_bos: bool | None = None) -> list[int]:
+        return self.tokenizer.encode(text, special=special, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    @property
+    def chat_template(self):
+        if self._chat is None:
+            from ..chat.template import ChatTemplate
+
+            self._chat = ChatTemplate.from_metadata(self.gguf.metadata, self.cfg.architecture)
+        return self._chat
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    think: bool | str | None = None) -> str:
+        """The rendered conversation; `think` True/False reaches the template as enable_thinking (as
+        transformers passes it), a reasoning effort ('low', 'medium', 'high') as reasoning_effort to a template
+        that reads it (reasoning.template_variables); None leaves the template's defaults."""
+        from ..chat.reasoning import template_variables
+
+        extra = template_variables(self.chat_template.text, think)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                 think: bool | str | None = None) -> list[int]:
+        """Token ids of a rendered conversation: special tokens parsed, BOS added unless the template wrote it."""
+        from ..chat.template import encode_prompt
+
+        return encode_prompt(self.tokenizer, self.render_chat(messages, add_generation_prompt, think))
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the chat template knows think blocks (Qwen3, SmolLM3, the R1 distills) or reasoning efforts
+        (gpt-oss)."""
+        from ..chat.reasoning import template_thinks
+
+        return template_thinks(self.chat_template.text)
+
+    def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None,
+                   think: bool | str | None = None) -> list[int]:
+        """The ids for a prompt: through the chat template (when the file has one, or `system` is given),
+        or as plain text with `raw`."""
+        if raw:
+            if system is not None:
+                raise UsageError("--system needs the chat template; it cannot be combined with --raw")
+            return self.tokenize(prompt)
+        if self.gguf.metadata.get("tokenizer.chat_template") is None and system is None:
+            return self.tokenize(prompt)  # a base model: plain completion
+        from ..chat.template import chat_messages
+
+        return self.chat_ids(chat_messages(prompt, system), think=think)
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], **kw: Any) -> Iterator[str]:
+        """Stream the continuation of `prompt` (text, or token ids) as text pieces. Keyword arguments: those of
+        `run` (max_tokens, stop, params or the sampling fields: temperature, top_k, ...)."""
+        completion = Completion()
+        yield from self.run(prompt, completion=completion, **kw)
+
+    def complete(self, prompt: str | Sequence[int], **kw: Any) -> Completion:
+        completion = Completion()
+        for _ in self.run(prompt, completion=completion, **kw):
+            pass
+        return completion
+
+    def run(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        completion: Completion,
+        max_tokens: int = 256,
+        stop: str | Sequence[str] = (),
+        params: SamplingParams | None = None,
+        raw: bool = False,
+        system: str | None = None,
+        truncate: bool = False,
+        think: bool | str | None = None,
+        logprobs: int | None = None,
+        constraint: Constraint | None = None,
+        **sampling: Any,
+    ) -> Iterator[str]:
+        """The engine. Yields text as it completes (a thinking model's <think> block included: feed it to a
+        reasoning.make_splitter(completion) to tell them apart while streaming); fills
+        `completion` (answer and reasoning, ids, finish reason, timings).
+
+        `logprobs=N` (0..20) fills `completion.logprobs`, one entry per generated id: {"token", "id",
+        "logprob", "top_logprobs": the N most likely [{"token", "id", "logprob"}], best first}. The values are
+        the log-softmax of the model's raw logits (temperature 1, before penalties, top-k/p, min-p and any
+        constraint), the distribution OpenAI and llama-server report, not the truncated one sampled from.
+        `constraint` (sampling/structured.py) masks every step to the ids it allows; once it says the output is
+        complete, generation ends with finish_reason "stop". Logprobs move each step's logits to the host; a
+        constraint alone sends its mask the other way (each step still waits for the id, as the mask of the
+        next depends on it)."""
+        laps = _Laps()  # --verbose's stages of this prompt
+        params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
+        if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise UsageError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
+        if type(max_tokens) is not int or max_tokens < 0:
+            raise UsageError(f"max tokens must be an integer >= 0, got {max_tokens!r}")
+        stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # one string is one stop string
+        ids = list(prompt) if not isinstance(prompt, str) else self.prompt_ids(prompt, raw=raw, system=system, think=think)
+        if not ids:
+            raise UsageError("the prompt is empty (no tokens to start from)")
+        if len(ids) >= self.ctx:
+            if not truncate:
+                raise ContextOverflowError(
+                    f"the prompt has {len(ids)} tokens, the context holds {self.ctx}: "
+                    "shorten it, raise --ctx, or pass --truncate to keep its tail"
+                )
+            ids = ids[len(ids) - self.ctx + 1 :]
+        for tid in ids:
+            if not 0 <= tid < self.cfg.vocab_size:
+                raise UsageError(f"token id {tid} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        c = completion
+        c.prompt_tokens, c.timings = list(ids), Timings(load_ms=self.load_ms)
+        # A generation prompt that opens a think block ends with it: 8 tokens, so that a <think> in the user's
+        # text a little before is not taken for one; "<|start|>assistant" may take 16 in a small vocabulary.
+        c.think_open = prompt_opens_think(self.tokenizer.decode(ids[-8:]))
+        c.reasoning_format = reply_format(self.tokenizer.decode(ids[-16:]))
+        rng = make_rng(params.seed)
+        be, cfg = self.backend, self.cfg
+        logits_path = logprobs is not None or constraint is not None  # each step's logits come to pick()
+        c.logprobs = [] if logprobs is not None else None
+        if constraint is not None:
+            from ..sampling.structured import mask_words
+
+            constraint.reset()
+            words = mask_words(constraint)
+
+        def pick(step_logits: Any) -> tuple[int, dict[str, Any] | None]:
+            """The next id (and its logprob entry) from one step's logits. The constraint's mask is computed
+            before the logits are read: on CUDA the step is still running then, so the two overlap. Without
+            logprobs the masked logits stay on the device (Backend.sample_allowed: only the id comes back)."""
+            if logprobs is None and constraint is not None:
+                return be.sample_allowed(step_logits, words(), params, rng, history), None
+            allowed = None if constraint is None else constraint.allowed()
+            raw = be.to_host(step_logits)[-1]
+            x = raw if allowed is None else np.where(allowed, raw, np.float32(-np.inf))
+            chosen = sample(x, params, rng, history)
+            return chosen, (None if logprobs is None else _logprob_entry(self.tokenizer, raw, chosen, logprobs))
+
+        # Prefill what the cache does not hold yet (at least the last token, whose logits we need).
+        keep = _common_prefix(self.cached, ids, len(ids) - 1)
+        if not ring_keeps(keep, self.written, self.windows_rows, self.ctx):
+            keep = 0  # a ring no longer holds the window before the first new position
+        t0 = time.perf_counter()
+        self.cached = self.cached[:keep]
+        new = ids[keep:]
+        self.written = max(self.written if keep else -1, len(ids) - 1)  # (before: a failed prefill wrote some)
+        laps.lap("prompt to ids")
+        logits = prefill(be, cfg, new, keep)
+        be.synchronize()  # (the first token's sampling would wait here anyway): prefill and sampling timed apart
+        laps.lap(f"prefill ({len(new)} tokens)")
+        self.cached = list(ids)  # only once the prefill finished
+        history = list(ids)
+        if logits_path:
+            token, entry = pick(logits)
+        else:
+            token, entry = be.sample(logits, params, rng, history), None
+        c.timings.first_token_at = time.perf_counter()
+        laps.lap("first token")
+        c.timings.prompt_ms = (c.timings.first_token_at - t0) * 1e3
+        c.timings.prompt_tokens = len(new)
+
+        # The decode loop: the argmax (greedy) or the whole sampler (start_sampling: after the first token,
+        # whose uniform number came first) inside the step, so that only ids cross; else the step's logits
+        # go to sample() (top-k 0 or > 1024 on CUDA: on the host), or to pick() with logprobs or a
+        # constraint. Its graph is ready before the clock starts (captured at load; again here if dropped).
+        plain_greedy = params.greedy and not params.has_penalties
+        sampled = not logits_path and not plain_greedy and be.start_sampling(params, rng, history)
+        kind = "sampled" if sampled else "greedy" if plain_greedy and not logits_path else "logits"
+        self.written = max(self.written, len(self.cached))  # (a capture's warm-up step writes there)
+        be.prepare_decode((kind,), pos=len(self.cached))
+        if _has_own(be, "prepare_decode") or _has_own(be, "start_sampling"):  # (none on NumPy)
+            laps.lap("decode set-up")
+        c.timings.stages = laps.stages
+        # Generated text continues the prompt: keep the space SentencePiece pieces start with, and print no
+        # control tokens (llama-cli without --special).
+        decoder = StreamDecoder(self.tokenizer, special=False, strip_dummy_prefix=False)
+        pending = ""  # text held back because it might begin a stop string
+        cut = False  # a stop string ended the output: what follows it is dropped
+        t0 = time.perf_counter()
+        try:
+            while c.finish_reason is None:
+                if max_tokens == 0:
+                    c.finish_reason = "length"
+                    break
+                if token in self.tokenizer.eog_ids:
+                    c.finish_reason = "eos"
+                    break
+                c.tokens.append(token)
+                history.append(token)
+                if c.logprobs is not None:
+                    c.logprobs.append(entry)
+                pending += decoder.feed(token)
+                before, cut = _split_stop(pending, stop)
+                if cut:
+                    c.finish_reason, pending = "stop", ""
+                else:
+                    before, pending = _hold_back(pending, stop)
+                if constraint is not None and c.finish_reason is None:
+                    constraint.advance(token)
+                    if constraint.is_done:
+                        c.finish_reason = "stop"
+                if before:
+                    c.text += before
+                    yield before
+                if c.finish_reason is None and (len(c.tokens) >= max_tokens or len(self.cached) >= self.ctx):
+                    c.finish_reason = "length"
+                if c.finish_reason is None:
+                    # Decode: one token at the next position (a captured graph on CUDA), and perhaps the
+                    # following one queued ahead.
+                    pos = len(self.cached)
+                    self.written = max(self.written, pos + 1)
+                    if constraint is not None and logprobs is None:  # the mask computed as the step runs
+                        following = be.decode_allowed(token, pos, words, params, rng, history)
+                    elif logits_path:
+                        following, entry = pick(be.decode(token, pos))
+                    elif plain_greedy:  # the argmax runs inside the step: only the id crosses
+                        following = be.decode_greedy(token, pos)
+                    elif sampled:  # so does the sampler (the same ids as sample() below, draw for draw)
+                        following = be.decode_sampled(token, pos)
+                    else:
+                        following = be.sample(be.decode(token, pos), params, rng, history)
+                    self.cached.append(token)  # only once its K/V are surely written
+                    token = following
+                    c.timings.eval_tokens += 1
+            c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
+            if not cut:
+                tail = pending + decoder.flush()
+                if tail:
+                    c.text += tail
+                    yield tail
+        except KeyboardInterrupt:
+            c.finish_reason = "interrupted"
+            c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
+            raise
+        finally:  # also when the consumer stops early: a partial reply is split too
+            c.reasoning, c.text = split_reasoning(c.text, c.think_open, c.reasoning_format)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.gguf.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _has_own(backend: Backend, method: str) -> bool:
+    """Whether `backend` overrides Backend.`method` (whose own is a no-op): --verbose lists only real stages."""
+    return getattr(type(backend), method) is not getattr(Backend, method)
+
+
+class _Laps:
+    """Consecutive stages in milliseconds: lap(name) closes the stage that began at the previous lap."""
+
+    def __init__(self) -> None:
+        self.stages: list[tuple[str, float]] = []
+        self._t = time.perf_counter()
+
+    def lap(self, name: str, parts: Sequence[tuple[str, float]] = ()) -> None:
+        """`parts`: the stage's own breakdown (stage, ms), listed instead of it where there is one."""
+        now = time.perf_counter()
+        self.stages.extend(parts or [(name, (now - self._t) * 1e3)])
+        self._t = now
+
+
+def load(path: str | Path, backend: str = "auto", ctx: int | None = None, **kw: Any) -> Model:
+    """Load a GGUF model: `llamacli.load("model.gguf").generate("Hello")` streams text."""
+    return Model(path, backend=backend, ctx=ctx, **kw)
+
+
+def context_warning(cfg: ModelConfig, ctx: int) -> str | None:
+    """Why a context past the trained length may give worse text, naming the RoPE scaling that applies (the
+    file's own, unchanged: positions past its context_length were never seen in training)."""
+    trained = cfg.context_length
+    if ctx <= trained:
+        return None
+    scaling = {
+        "none": "no RoPE scaling applies",
+        "linear": f"the file's linear RoPE scaling (factor {cfg.rope_scaling_factor:g}) applies unchanged",
+        "llama3": f"the file's llama3 RoPE scaling (from {cfg.rope_original_context} tokens) applies unchanged",
+        "longrope": f"the long RoPE factors apply (as past {cfg.rope_original_context} tokens)",
+        "yarn": f"the file's YaRN RoPE scaling (factor {cfg.rope_scaling_factor:g}, from "
+                f"{cfg.rope_original_context} tokens) applies unchanged",
+    }.get(cfg.rope_scaling, f"{cfg.rope_scaling} RoPE scaling applies")
+    return (f"warning: a context of {ctx} tokens is longer than the {trained} the model was trained for, and "
+            f"{scaling}: text past {trained} tokens may degrade")
+
+
+def _logprob_entry(tokenizer: Tokenizer, logits: np.ndarray, chosen: int, n: int) -> dict[str, Any]:
+    """The chosen id's log-probability under softmax(logits) and the n most likely ids, best first."""
+    x = logits.astype(np.float64)
+    top = x.max()
+    lp = x - (top + np.log(np.exp(x - top).sum()))
+    best = np.argpartition(-lp, n)[:n] if 0 < n < lp.size else np.arange(lp.size if n else 0)
+    best = best[np.lexsort((best, -lp[best]))]
+
+    def item(i: int) -> dict[str, Any]:
+        return {"token": _token_text(tokenizer, i), "id": i, "logprob": float(lp[i])}
+
+    return {**item(int(chosen)), "top_logprobs": [item(int(i)) for i in best]}
+
+
+def _token_text(tokenizer: Tokenizer, tid: int) -> str:
+    """A token's text as generated output prints it (a lone UTF-8 fragment becomes U+FFFD)."""
+    return tokenizer.decode([tid], strip_dummy_prefix=False)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y or n >= limit:
+            break
+        n += 1
+    return n
+
+
+def _split_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """(text before the earliest stop string, True) if one occurs, else (text, False)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def _hold_back(text: str, stop: Sequence[str]) -> tuple[str, str]:
+    """Split `text` into (safe to print, held back): the held part is the longest tail of `text` that is a
+    proper prefix of a stop string, since the next token may complete it."""
+    held = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return text[: len(text) - held], text[len(text) - held :]

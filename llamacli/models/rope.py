@@ -1,0 +1,63 @@
+"""RoPE frequency tables (Su et al. 2021), with the scalings GGUF files use. Shared by every backend.
+
+theta[i] = base^(-2i / rope_dim) for i < rope_dim/2, then
+  linear:   theta / factor                          (positions stretched by the factor)
+  llama3:   theta / rope_freqs[i]                   (per-frequency factors stored as a tensor)
+  longrope: theta / rope_factors_{long|short}[i]    (phi3; long when the context exceeds the original),
+            and cos/sin multiplied by the attention factor.
+  yarn:     theta / factor * (1 - r[i]) + theta * r[i] (Peng et al. 2023, as ggml's rope_yarn and
+            transformers' _compute_yarn_parameters): r[i] = 1 - clamp((i - lo) / max(hi - lo, 0.001), 0, 1),
+            where lo / hi are the pair indices that turn beta_fast / beta_slow times over the original
+            context; cos/sin multiplied by the magnitude factor config.py computes.
+The angle of pair i at position p is p * theta[i]. Only the first rope_dim dims of a head rotate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .config import ModelConfig
+from ..ggufio.file import GGUFFile
+
+
+def inv_freq(cfg: ModelConfig, gguf: GGUFFile | None, ctx: int, local: bool = False) -> np.ndarray:
+    """theta [rope_dim/2] as float32 (computed in float64). `local`: the table of the layers whose plan has
+    rope_local (gemma's sliding-window layers): base cfg.rope_local_base, no scaling."""
+    half = cfg.rope_dim // 2
+    base = cfg.rope_local_base if local else cfg.rope_freq_base
+    theta = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
+    if local:
+        return theta.astype(np.float32)
+    if cfg.rope_scaling == "linear":
+        theta /= cfg.rope_scaling_factor
+    elif cfg.rope_scaling == "llama3" and gguf is not None:
+        theta /= gguf.dequantize("rope_freqs.weight").astype(np.float64)
+    elif cfg.rope_scaling == "yarn":
+        theta *= _yarn_blend(cfg, half)
+    elif cfg.rope_scaling == "longrope" and gguf is not None:
+        # llama.cpp picks the long factors when the context in use exceeds the original training context.
+        name = "rope_factors_long.weight" if ctx > cfg.rope_original_context else "rope_factors_short.weight"
+        theta /= gguf.dequantize(name).astype(np.float64)
+    return theta.astype(np.float32)
+
+
+def _yarn_blend(cfg: ModelConfig, half: int) -> np.ndarray:
+    """Per-pair multipliers [rope_dim/2] on theta: 1/factor for slow (interpolated) pairs, 1 for fast ones,
+    a linear ramp between."""
+    dims, base, orig = cfg.rope_dim, cfg.rope_freq_base, cfg.rope_original_context
+
+    def corr_dim(rotations: float) -> float:  # the pair index that turns `rotations` times over `orig`
+        return dims * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(0.0, math.floor(corr_dim(cfg.rope_yarn_beta_fast)))
+    hi = min(dims - 1.0, math.ceil(corr_dim(cfg.rope_yarn_beta_slow)))
+    keep = 1.0 - np.clip((np.arange(half, dtype=np.float64) - lo) / max(hi - lo, 0.001), 0.0, 1.0)
+    return (1.0 - keep) / cfg.rope_scaling_factor + keep
+
+
+def cos_sin(theta: np.ndarray, pos: np.ndarray, attn_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [T, rope_dim/2] float32 for positions pos [T]."""
+    angles = np.asarray(pos, dtype=np.float64)[:, None] * theta.astype(np.float64)[None, :]
+    return (np.cos(angles) * attn_factor).astype(np.float32), (np.sin(angles) * attn_factor).astype(np.float32)

@@ -1,0 +1,3 @@
+"""Choosing the next token: sampling.py (penalties, top-k, top-p, min-p, temperature; seeded) and
+structured.py (constraints that mask the logits to what keeps the output valid). Below the backends, which
+sample on the device with the same semantics."""

@@ -1,0 +1,267 @@
+"""Structured output: constraints that mask sampling to the tokens that keep the output valid.
+
+    schema / grammar -> llguidance grammar -> LLMatcher over our vocabulary
+        each step: allowed_words() -> bit mask [vocab / 32] -> logits of the rest set to -inf -> sample
+                   -> advance(id)
+
+The mask is computed on the host while the device runs the step that produces the logits it applies to (the
+step's input token is known then); Backend.sample_allowed applies it: on CUDA the words go to the device and
+the masked logits to the device sampler, so only the id comes back (greedy or sampled).
+
+The grammar engine is llguidance (guidance-ai, MIT, the engine behind llama.cpp's `--llguidance` and
+vLLM/SGLang's structured output), chosen over xgrammar and outlines-core because:
+- it installs here as one binary wheel with no dependency (xgrammar pulls in torch; outlines-core needs a
+  HF hub tokenizer, not a vocabulary list);
+- it takes any vocabulary given as token byte strings (`TokenizerWrapper`), which is what our GGUF tokenizer
+  has for BPE and SentencePiece alike, so no HF tokenizer has to be rebuilt;
+- it compiles JSON Schema, Lark and llama.cpp's GBNF; the mask costs well under a millisecond a step, and
+  masks are computed lazily (no precompilation over the vocabulary).
+
+llguidance is an optional extra (`pip install 'llamacli[structured]'`), imported only when a constraint is
+built: the rest of the library works without it.
+
+A Constraint is stateful (it tracks the text so far); `Model.run` calls `reset()` before it starts, so one
+constraint can serve successive runs, one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import BackendError, LlamacliError, UsageError
+
+if TYPE_CHECKING:
+    from ..engine.generate import Model
+    from ..tokenizer.tokenizer import Tokenizer
+
+__all__ = [
+    "Constraint",
+    "GrammarConstraint",
+    "json_schema_constraint",
+    "json_object_constraint",
+    "grammar_constraint",
+    "load_json_schema",
+    "require_llguidance",
+    "schema_grammar",
+    "text_grammar",
+    "constraint_for",
+]
+
+_CONTROL = 3  # tokenizer.ggml.token_type of control tokens (<|im_end|>, <s>): never text a grammar can match
+
+
+class ConstraintError(LlamacliError):
+    """The grammar engine reached a state it cannot leave (a runtime failure, not bad input)."""
+
+
+@runtime_checkable
+class Constraint(Protocol):
+    """What the decode loop needs from a constraint."""
+
+    def reset(self) -> None:
+        """Start over, at the beginning of the output."""
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab]: the tokens that may come next (end-of-generation ids once the output may end)."""
+
+    def allowed_words(self) -> np.ndarray:
+        """The same set as uint32 [ceil(vocab / 32)] bit words (bit i % 32 of word i // 32 = id i; the bits past
+        the vocabulary clear), the form the masked sampler takes (Backend.sample_allowed). May be a buffer the
+        next call overwrites. Optional: the engine packs allowed() where a constraint lacks it (mask_words)."""
+
+    def advance(self, token_id: int) -> None:
+        """Record the token that was chosen."""
+
+    @property
+    def is_done(self) -> bool:
+        """Whether the output is complete and nothing may follow it."""
+
+
+class GrammarConstraint:
+    """A Constraint backed by an llguidance LLMatcher over `grammar` (the form schema_grammar/text_grammar
+    give). An LLMatcher that failed stays failed, so reset() builds a new one then (about a millisecond)."""
+
+    def __init__(self, lltokenizer: Any, grammar: str, vocab_size: int):
+        self._tokenizer, self._grammar = lltokenizer, grammar
+        self._m = self._matcher()
+        self._vocab = vocab_size
+        self._words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+
+    def _matcher(self) -> Any:
+        matcher = require_llguidance().LLMatcher(self._tokenizer, self._grammar, log_level=0)
+        if matcher.is_error():
+            raise UsageError(f"invalid grammar: {_first_line(matcher.get_error())}")
+        return matcher
+
+    def reset(self) -> None:
+        if self._m.is_error() or not self._m.reset():
+            self._m = self._matcher()
+
+    def allowed(self) -> np.ndarray:
+        return unpack_words(self.allowed_words(), self._vocab)
+
+    def allowed_words(self) -> np.ndarray:
+        self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        self._check()
+        if self._vocab % 32:  # llguidance's words cover its own vocabulary size: no id past ours
+            self._words[-1] &= np.uint32((1 << (self._vocab % 32)) - 1)
+        return self._words
+
+    def advance(self, token_id: int) -> None:
+        self._m.consume_token(int(token_id))
+        self._check()
+
+    @property
+    def is_done(self) -> bool:
+        return bool(self._m.is_stopped())
+
+    def _check(self) -> None:
+        if self._m.is_error():
+            raise ConstraintError(f"the output constraint failed: {_first_line(self._m.get_error())}")
+
+
+def check_words(words: Any, vocab: int) -> np.ndarray:
+    """A constraint's mask words for a vocabulary of `vocab` ids (uint32 [ceil(vocab / 32)]), or BackendError."""
+    if not isinstance(words, np.ndarray) or words.dtype != np.uint32 or words.shape != (-(-vocab // 32),):
+        what = f"{words.dtype} {words.shape}" if isinstance(words, np.ndarray) else type(words).__name__
+        raise BackendError(f"a constraint mask must be uint32 [{-(-vocab // 32)}] bit words, got {what}")
+    return words
+
+
+def unpack_words(words: np.ndarray, vocab: int) -> np.ndarray:
+    """uint32 bit words (Constraint.allowed_words) -> bool [vocab]."""
+    bits = np.unpackbits(np.ascontiguousarray(check_words(words, vocab)).view(np.uint8), bitorder="little")
+    return bits[:vocab].astype(bool)
+
+
+def pack_words(allowed: np.ndarray) -> np.ndarray:
+    """bool [vocab] -> uint32 bit words (bit i % 32 of word i // 32 = id i)."""
+    bits = np.concatenate([np.asarray(allowed, bool), np.zeros(-len(allowed) % 32, dtype=bool)])
+    return np.packbits(bits, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def mask_words(constraint: Constraint) -> Callable[[], np.ndarray]:
+    """The constraint's allowed_words, or, for a Constraint written before that method, its allowed() packed."""
+    words = getattr(constraint, "allowed_words", None)
+    return words if callable(words) else (lambda: pack_words(constraint.allowed()))
+
+
+def require_llguidance() -> Any:
+    """The llguidance module, or a one-line UsageError saying how to install it."""
+    try:
+        import llguidance
+    except ImportError:
+        raise UsageError(
+            "structured output (--json-schema, --grammar) needs the optional package llguidance: "
+            "pip install 'llamacli[structured]'"
+        ) from None
+    return llguidance
+
+
+class _VocabTokenizer:
+    """Our tokenizer in the shape llguidance.TokenizerWrapper reads: token byte strings (control tokens
+    marked with a leading 0xFF, as llguidance's llama.cpp adapter does) and a text -> ids function."""
+
+    def __init__(self, tok: "Tokenizer"):
+        self._tok = tok
+        self.eos_token_id = tok.eos_id if tok.eos_id is not None else min(tok.eog_ids, default=0)
+        self.bos_token_id = tok.bos_id
+        self.tokens = [self._bytes(i) for i in range(tok.vocab_size)]
+        self.special_token_ids = [i for i in range(tok.vocab_size) if tok.token_type(i) == _CONTROL]
+
+    def _bytes(self, i: int) -> bytes:
+        piece = self._tok._piece_bytes(i)
+        return b"\xff" + piece if self._tok.token_type(i) == _CONTROL else piece
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        # The plain spelling: no BOS, and no SentencePiece dummy-prefix space (llguidance tokenizes fragments
+        # of the output, which must not gain a leading space).
+        return self._tok._encode_piece(text) if text else []
+
+
+def _lltokenizer(model: "Model") -> Any:
+    """The llguidance view of the model's vocabulary, built once per model (about 0.3 s)."""
+    cached = getattr(model, "_lltokenizer", None)
+    if cached is None:
+        llg = require_llguidance()
+        tok = model.tokenizer
+        eos = sorted(tok.eog_ids) or ([tok.eos_id] if tok.eos_id is not None else None)
+        cached = llg.LLTokenizer(llg.TokenizerWrapper(_VocabTokenizer(tok)), n_vocab=tok.vocab_size, eos_token=eos)
+        model._lltokenizer = cached
+    return cached
+
+
+def _checked(grammar: str, what: str) -> str:
+    """`grammar` (llguidance's form) if llguidance accepts it, else a one-line UsageError."""
+    bad, messages = require_llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
+    if bad:
+        raise UsageError(f"invalid {what}: {_one_line(messages[0] if messages else 'rejected by llguidance')}")
+    return grammar
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())[:500]
+
+
+def _first_line(message: str) -> str:
+    """llguidance's runtime errors carry a parser-state dump after the first line: keep the first."""
+    return _one_line(str(message).strip().split("\n", 1)[0])
+
+
+def schema_grammar(schema: dict[str, Any] | str) -> str:
+    """The llguidance grammar for a JSON schema (a dict, or its JSON text), checked."""
+    if isinstance(schema, str):
+        schema = load_json_schema(schema)
+    try:
+        grammar = require_llguidance().LLMatcher.grammar_from_json_schema(schema)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise UsageError(f"invalid JSON schema: {_one_line(str(e))}") from None
+    return _checked(grammar, "JSON schema")
+
+
+def text_grammar(grammar_text: str) -> str:
+    """The llguidance grammar for a GBNF or Lark grammar text, checked."""
+    try:
+        grammar = require_llguidance().grammar_from("grammar", grammar_text)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise UsageError(f"invalid grammar: {_one_line(str(e))}") from None
+    return _checked(grammar, "grammar")
+
+
+def constraint_for(model: "Model", grammar: str) -> GrammarConstraint:
+    """A constraint over the model's vocabulary from a grammar that schema_grammar or text_grammar made."""
+    return GrammarConstraint(_lltokenizer(model), grammar, model.tokenizer.vocab_size)
+
+
+def load_json_schema(text: str) -> dict[str, Any]:
+    """A JSON schema from its text; UsageError unless it is a JSON object."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise UsageError(f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+    return schema
+
+
+def json_schema_constraint(model: "Model", schema: dict[str, Any] | str) -> GrammarConstraint:
+    """Output that is one JSON value valid against `schema` (llguidance's JSON Schema subset: types,
+    properties/required, items, enum/const, anyOf/oneOf, $ref, min/max, patterns, formats; see
+    https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md)."""
+    return constraint_for(model, schema_grammar(schema))
+
+
+def json_object_constraint(model: "Model") -> GrammarConstraint:
+    """Output that is one JSON object, any keys (OpenAI's response_format {"type": "json_object"})."""
+    return json_schema_constraint(model, {"type": "object"})
+
+
+def grammar_constraint(model: "Model", grammar_text: str) -> GrammarConstraint:
+    """Output that matches a grammar in llama.cpp's GBNF or in Lark syntax (llguidance's dialect: `start:`
+    rule, regexes in /.../); which one is told from the text."""
+    return constraint_for(model, text_grammar(grammar_text))

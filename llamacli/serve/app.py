@@ -1,0 +1,239 @@
+"""The HTTP side of `llamacli serve`: a Starlette app over one loaded Model.
+
+    request -> api key? -> body (bounded) -> serve_api.read_job -> queue (one at a time) -> worker thread:
+            Model.run, one token per step -> disconnected? stop : text -> JSON answer or SSE chunks
+
+One model, one worker thread: every call into the model runs on that thread (CUDA state stays with one
+thread), and requests wait their turn on an asyncio lock, in arrival order. The Model keeps its KV cache
+between requests, so a chat client that resends the conversation prefills only the new turn. Between two
+tokens the request is asked whether its client is still there; one that left stops its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine.generate import Completion
+from ..chat.reasoning import make_splitter
+from .api import ApiError, Job, api_error, chunk, finish_reason, read_job, response, usage_chunk
+from ..textio import printable
+
+MAX_BODY = 16 << 20  # bytes: a long conversation fits; a runaway upload does not
+_END = object()
+
+
+class Engine:
+    """The model, its worker thread and the queue in front of it."""
+
+    def __init__(self, model, name: str, log: Callable[[str], None] | None = None):
+        self.model, self.name = model, name
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-serve")
+        self.lock = asyncio.Lock()
+        self.waiting = 0  # requests queued behind the one running
+        self.busy = False
+        self.served = 0
+        self.log = log or (lambda line: None)
+
+    async def call(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def pieces(self, job: Job, c: Completion, request: Request) -> AsyncIterator[str]:
+        """The text of `job` as it is generated, its turn in the queue taken first. A client that left stops
+        the generation between two tokens (the generator is closed on the worker thread)."""
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+        self.busy = True
+        gen = None
+        try:
+            gen = self.model.run(list(job.ids), completion=c, **job.run_kwargs())
+            while True:
+                if await request.is_disconnected():
+                    c.finish_reason = "disconnected"
+                    return
+                piece = await self.call(next, gen, _END)
+                if piece is _END:
+                    return
+                yield piece
+        finally:
+            if gen is not None:
+                self.pool.submit(gen.close)  # on the worker, after the step in flight; the next job queues behind
+            self.served += 1
+            self.busy = False
+            self.lock.release()
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "model": self.name, "scheduling": "one request at a time, in arrival order",
+                "busy": self.busy, "queue_length": self.waiting, "served": self.served,
+                "cached_tokens": len(self.model.cached), "context": self.model.ctx}
+
+
+def build_app(engine: Engine, api_key: str | None = None) -> Starlette:
+    """The routes over `engine`; with `api_key`, every request must carry `Authorization: Bearer KEY`."""
+
+    async def chat_completions(request: Request) -> Response:
+        return await _guarded(engine, request, _complete(engine, request, chat=True))
+
+    async def completions(request: Request) -> Response:
+        return await _guarded(engine, request, _complete(engine, request, chat=False))
+
+    async def models(request: Request) -> Response:
+        entry = {"id": engine.name, "object": "model", "created": 0, "owned_by": "llamacli"}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(engine.health())
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(ApiError(f"{exc.detail}: {request.method} {request.url.path}", exc.status_code, kind=kind))
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    if api_key is not None:
+        app.add_middleware(_KeyCheck, key=api_key)
+    return app
+
+
+class _KeyCheck:
+    """Every request carries the key (`Authorization: Bearer KEY`), compared in constant time; else 401."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = ApiError("a valid API key is required (Authorization: Bearer KEY)", 401,
+                               code="invalid_api_key", kind="authentication_error")
+                await _error(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _guarded(engine: Engine, request: Request, work) -> Response:
+    """The handler's answer, or its failure in OpenAI's error shape (Starlette's catch-all handler would
+    also print the traceback)."""
+    try:
+        return await work
+    except Exception as exc:  # noqa: BLE001
+        err = api_error(exc)
+        if err.status >= 500:
+            engine.log(f"error in {request.method} {request.url.path}: {type(exc).__name__}: {exc}")
+        return _error(err)
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _read_body(request: Request) -> Any:
+    """The JSON body, at most MAX_BODY bytes."""
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > MAX_BODY:
+            raise ApiError(f"the request body is larger than {MAX_BODY >> 20} MiB", 413)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise ApiError("the request body is not valid JSON") from None
+
+
+async def _complete(engine: Engine, request: Request, chat: bool) -> Response:
+    t0 = time.perf_counter()
+    body = await _read_body(request)
+    # Rendering the template and tokenizing take a while on a long conversation: off the event loop (which
+    # keeps serving /health and streams), beside the worker (the tokenizer is safe to share).
+    job = await asyncio.get_running_loop().run_in_executor(None, read_job, engine.model, body, chat)
+    if job.stream:
+        return StreamingResponse(_events(engine, job, request, t0), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    c = Completion()
+    async for _ in engine.pieces(job, c, request):
+        pass
+    _log_done(engine, request, job, c, t0)
+    return JSONResponse(response(job, c, engine.name))
+
+
+async def _events(engine: Engine, job: Job, request: Request, t0: float) -> AsyncIterator[str]:
+    """Server-sent events: a first chunk with the role, then the text as it comes (a thinking model's
+    reasoning as reasoning_content), the finish reason, the usage if asked, and `[DONE]`. A failure after
+    the headers went out is an error event before `[DONE]`."""
+    c = Completion()
+    splitter = None
+    sent_logprobs = 0  # Completion.logprobs entries already sent
+    text_offset = 0
+    if job.chat:
+        yield _sse(chunk(job, engine.name, role=True))
+    try:
+        async for piece in engine.pieces(job, c, request):
+            if splitter is None:
+                splitter = make_splitter(c) if job.chat else None
+            think, answer = splitter.feed(piece) if splitter else ("", piece)
+            entries, sent_logprobs = _new_logprobs(job, c, sent_logprobs)
+            if think or answer or entries:
+                yield _sse(chunk(job, engine.name, content=answer, reasoning=think, entries=entries,
+                                 text_offset=text_offset))
+                text_offset += len(answer)
+        if c.finish_reason == "disconnected":
+            _log_done(engine, request, job, c, t0)
+            return
+        think, answer = splitter.finish() if splitter else ("", "")
+        entries, sent_logprobs = _new_logprobs(job, c, sent_logprobs)
+        yield _sse(chunk(job, engine.name, content=answer, reasoning=think, entries=entries,
+                         finish=finish_reason(c), text_offset=text_offset))
+        if job.include_usage:
+            yield _sse(usage_chunk(job, c, engine.name))
+    except Exception as exc:  # noqa: BLE001
+        engine.log(f"error in a stream: {type(exc).__name__}: {exc}")
+        yield _sse(api_error(exc).body())
+    _log_done(engine, request, job, c, t0)
+    yield "data: [DONE]\n\n"
+
+
+def _new_logprobs(job: Job, c: Completion, sent: int) -> tuple[list[dict] | None, int]:
+    if job.logprobs is None:
+        return None, sent
+    entries = getattr(c, "logprobs", None) or []
+    return entries[sent:], len(entries)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+
+def _log_done(engine: Engine, request: Request, job: Job, c: Completion, t0: float) -> None:
+    ms = (time.perf_counter() - t0) * 1e3
+    engine.log(f"{request.method} {request.url.path}: {len(job.ids)} prompt tokens "
+               f"({c.timings.prompt_tokens} prefilled), {len(c.tokens)} generated, {c.finish_reason}, {ms:.0f} ms")
+
+
+def stderr_log(line: str) -> None:
+    """A log line on stderr, escaped: paths and messages come from the network."""
+    try:
+        sys.stderr.write(printable(line) + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass

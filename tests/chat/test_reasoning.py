@@ -1,0 +1,137 @@
+"""Reasoning split: whole texts, every way of cutting them into stream pieces, and hostile shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llamacli.chat.reasoning import (ReasoningSplitter, ReplyRouter, parse_effort, prompt_opens_think, split_reasoning,
+                                template_thinks)
+
+CASES = [
+    # (output, opened by the prompt, reasoning, answer)
+    ("<think>\nLet me add.\n2+2=4\n</think>\n\nThe answer is 4.", False, "Let me add.\n2+2=4", "The answer is 4."),
+    ("The answer is 4.", False, "", "The answer is 4."),
+    ("  <think>x</think>y", False, "x", "y"),
+    ("Okay, so 2+2.\n</think>\n\n4", True, "Okay, so 2+2.", "4"),
+    ("still thinking when the tokens ran out", True, "still thinking when the tokens ran out", ""),
+    ("<think>never closed", False, "never closed", ""),
+    ("<thin", False, "", "<thin"),  # a partial tag at the end is text
+    ("a <think> in the middle </think> stays", False, "", "a <think> in the middle </think> stays"),
+    ("<think></think>", False, "", ""),
+    ("<think>a</think>b</think>c", False, "a", "b</think>c"),
+    ("", False, "", ""),
+    ("</thinking> is not the tag </think>ok", True, "</thinking> is not the tag", "ok"),
+]
+
+
+@pytest.mark.parametrize("text,opened,reasoning,answer", CASES)
+def test_whole_texts(text, opened, reasoning, answer):
+    assert split_reasoning(text, opened) == (reasoning, answer)
+
+
+@pytest.mark.parametrize("text,opened,reasoning,answer", CASES)
+def test_any_cut_into_pieces_gives_the_same(text, opened, reasoning, answer):
+    rng = random.Random(hash(text) % 1000)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        s = ReasoningSplitter(opened)
+        think, ans = "", ""
+        for p in pieces:
+            t, a = s.feed(p)
+            think, ans = think + t, ans + a
+        t, a = s.finish()
+        think, ans = think + t, ans + a
+        assert (think.strip(), ans) == (reasoning, answer)
+        assert s.texts == (reasoning, answer)
+
+
+def test_answer_streams_before_the_end():
+    s = ReasoningSplitter()
+    assert s.feed("<think>hm") == ("hm", "")
+    assert s.feed("</think>\n\nPar") == ("", "Par")
+    assert s.feed("is") == ("", "is")
+
+
+def test_prompt_opens_think():
+    assert prompt_opens_think("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_think("<|im_start|>assistant\n")
+    assert prompt_opens_think("<think>old</think> ... <think>\n")
+
+
+def test_template_thinks():
+    assert template_thinks("{% if enable_thinking is false %}<think>\n\n</think>{% endif %}")
+    assert not template_thinks("{{ messages }}") and not template_thinks(None)
+
+
+def test_long_reasoning_is_linear():
+    s = ReasoningSplitter()
+    s.feed("<think>")
+    for _ in range(20000):
+        s.feed("word ")
+    s.feed("</think>done")
+    assert s.texts[1] == "done" and len(s.texts[0]) == 5 * 20000 - 1
+
+
+class _Side:
+    def __init__(self, tty=False):
+        self.text, self.tty = "", tty
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return self.tty
+
+
+class _C:
+    think_open = False
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_router_sends_reasoning_aside_and_the_answer_on(tty):
+    side, answer = _Side(tty), []
+    r = ReplyRouter(_C(), answer.append, side)
+    for piece in ["<th", "ink>\n", "Step one.", "\n</think>", "\n\nThe ", "answer."]:
+        r.write(piece)
+    r.end()
+    assert "".join(answer) == "The answer."
+    shown = side.text.replace("\x1b[2m", "").replace("\x1b[0m", "")
+    assert shown == "Step one.\n"
+    assert (side.text.startswith("\x1b[2m") and side.text.count("\x1b[0m") == 1) == tty
+
+
+def test_router_without_reasoning_leaves_stderr_alone():
+    side, answer = _Side(True), []
+    r = ReplyRouter(_C(), answer.append, side)
+    r.write("Hello")
+    r.write(" there")
+    r.end()
+    assert "".join(answer) == "Hello there" and side.text == ""
+
+
+def test_reasoning_efforts_read_alike_everywhere():
+    """--reasoning-effort (cli_generate.think_setting) and the API's reasoning_effort (serve_api) both read an
+    effort with parse_effort: any case, OpenAI's "minimal" as gpt-oss's least ("low"), "none" as thinking off."""
+    from llamacli.cli.generate import think_setting
+    from llamacli.errors import UsageError
+    from llamacli.serve.api import ApiError, _effort
+
+    for given, want in [("low", "low"), ("HIGH", "high"), (" Medium ", "medium"), ("minimal", "low"),
+                        ("none", False), ("NONE", False)]:
+        assert parse_effort(given) == want
+        assert think_setting(None, given) == want
+        assert _effort({"reasoning_effort": given}, "reasoning_effort", None) == want
+    for bad in ["max", "", "lowest", 3, None, ["low"]]:
+        with pytest.raises(ValueError, match="none, minimal, low, medium, high"):
+            parse_effort(bad)
+        with pytest.raises(ApiError):
+            _effort({"reasoning_effort": bad if bad is not None else "?"}, "reasoning_effort", None)
+    with pytest.raises(UsageError, match="--reasoning-effort must be one of"):
+        think_setting(None, "max")

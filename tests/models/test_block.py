@@ -1,0 +1,124 @@
+"""The layer written once (llamacli/models/block.py): each plan's program, and the CUDA backend's reading of it
+into its fused forms (backends/cuda/fusion.py; no GPU needed). That the programs compute what transformers
+computes is test_model_reference.py / test_architectures.py (through block.run on the NumPy backend); that the
+fused CUDA paths compute what block.run computes is the GPU tests'."""
+
+from __future__ import annotations
+
+import pytest
+
+from llamacli.backends.cuda.fusion import Unfused, match_layer
+from llamacli.models.config import ModelConfig
+from llamacli.models.block import Add, Attention, Glu, Linear, Moe, Norm, Rope, Split, layer_op, layer_ops
+from llamacli.testing import SHAPES, model_metadata, tensor_shapes
+
+
+def config(shape: str) -> ModelConfig:
+    spec = SHAPES[shape]
+    vocab = 300
+    return ModelConfig.from_gguf(model_metadata(spec, vocab), {n for n, _ in tensor_shapes(spec, vocab)})
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_shape_fuses_on_cuda(shape) -> None:
+    """Every architecture the project runs has programs the fused CUDA paths take, layer by layer, and the
+    fused branches name the same operations as the program (nothing dropped)."""
+    cfg = config(shape)
+    for i in range(cfg.n_layer):
+        ops = layer_ops(cfg, i)
+        fused = match_layer(ops)
+        a, f = fused.attention, fused.ffn
+        named = {a.norm, *a.qkv, a.attention, a.out, f.norm, *f.gate_up}
+        named |= {op for op in (a.split, a.rope, a.post, f.split, f.glu, f.down, f.post, f.moe) if op is not None}
+        named |= set(a.head_norms or ())
+        rest = [op for op in ops if op not in named]
+        # What the branches do not keep: the residual adds, and k's RoPE (it rotates as q's)
+        assert all(isinstance(op, Add) or op == Rope("k", a.rope.local) for op in rest), rest
+
+
+def test_llama_block_program() -> None:
+    cfg = config("tiny-llama")
+    assert layer_ops(cfg, 0) == (
+        Norm("x", "attn_norm", "h"),
+        Linear("h", "attn_q", "q"), Linear("h", "attn_k", "k"), Linear("h", "attn_v", "v"),
+        Rope("q"), Rope("k"), Attention(0), Linear("att", "attn_output", "o"), Add("o"),
+        Norm("x", "ffn_norm", "h"), Linear("h", "ffn_gate", "g"), Linear("h", "ffn_up", "u"), Glu("silu"),
+        Linear("ff", "ffn_down", "f"), Add("f"),
+    )
+
+
+def test_plan_flags_become_operations() -> None:
+    """Each plan flag shows up as the operation it implies, with its parameters."""
+    qwen2 = layer_ops(config("tiny-qwen2"), 1)
+    assert Linear("h", "attn_k", "k", "attn_k_bias") in qwen2
+    phi3 = layer_ops(config("tiny-phi3"), 0)
+    cfg = config("tiny-phi3")
+    assert Split("qkv", ("q", "k", "v"), (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)) in phi3
+    assert Split("gu", ("g", "u"), (cfg.n_ff, cfg.n_ff)) in phi3
+    qwen3 = layer_ops(config("tiny-qwen3"), 0)
+    assert qwen3.index(Norm("q", "attn_q_norm", "q", heads=True)) < qwen3.index(Rope("q"))
+    smol3 = config("tiny-smollm3")  # every fourth layer without RoPE
+    assert [any(isinstance(op, Rope) for op in layer_ops(smol3, i)) for i in range(4)] == [True, True, True, False]
+    g3 = config("tiny-gemma3")
+    local = layer_ops(g3, 0)
+    assert Rope("q", local=True) in local and layer_op(g3, 0, Attention).window == 8
+    assert layer_op(g3, 5, Attention).window == 0 and Rope("q", local=False) in layer_ops(g3, 5)
+    assert local[local.index(Linear("att", "attn_output", "o")) + 1] == Norm("o", "attn_post_norm", "o")
+    assert Glu("gelu_tanh") in local
+    assert layer_op(config("tiny-gemma2"), 0, Attention).softcap == 50.0
+    oss = config("tiny-gpt-oss")
+    att = layer_op(oss, 0, Attention)
+    assert att.sinks and att.window == 8 and not layer_op(oss, 1, Attention).window
+    assert Linear("att", "attn_output", "o", "attn_output_bias") in layer_ops(oss, 0)
+    assert layer_op(oss, 0, Moe) == Moe(0, "topk_softmax", "swiglu_oai", bias=True)
+    assert layer_op(config("tiny-qwen3moe"), 2, Moe) == Moe(2, "softmax", "silu")
+
+
+def test_block_run_follows_the_program(random_model, monkeypatch) -> None:
+    """block.run executes the program layer_ops gives, not a copy of the layer: the attention output added
+    twice into the residual (one more Add in the program) is what a NumPy pass then computes, checked against
+    the same pass with that layer's O projection doubled by hand. Tolerance: float32 products, 1e-5 + 1e-4."""
+    import numpy as np
+
+    from llamacli.backends.numpy_backend import NumpyBackend
+    from llamacli.ggufio.file import open_gguf
+    from llamacli.models import block
+
+    g = open_gguf(random_model("tiny-llama", "F32"))
+    cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
+
+    def logits(program, double_o=False):
+        be = NumpyBackend()
+        be.load(g, cfg, 16)
+        if double_o:
+            be.weights.layers[1].attn_output = be.weights.layers[1].attn_output * 2
+        monkeypatch.setattr(block, "layer_ops", program)
+        return be.to_host(block.run(be, cfg, be.token_ids(np.arange(5)), be.positions(0, 5)))
+
+    real = block.layer_ops
+    twice = lambda c, i: real(c, i) if i != 1 else real(c, i)[:9] + (Add("o"),) + real(c, i)[9:]  # noqa: E731
+    want = logits(real, double_o=True)
+    np.testing.assert_allclose(logits(twice), want, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(logits(real), want, rtol=1e-3)
+
+
+def test_fusion_refuses_what_it_cannot_run() -> None:
+    """A program whose order or operations have no fused CUDA form is refused, naming what does not fit."""
+    ops = layer_ops(config("tiny-llama"), 0)
+    with pytest.raises(Unfused, match="Attention"):
+        match_layer(ops[:5] + ops[6:])  # q rotated, k not
+    with pytest.raises(Unfused, match="Rope"):
+        match_layer(ops[:4] + (Rope("q", local=False), Rope("k", local=True)) + ops[6:])  # q and k rotate apart
+    with pytest.raises(Unfused, match="post-norm"):
+        o = ops.index(Linear("att", "attn_output", "o"))
+        match_layer(ops[:o] + (Linear("att", "attn_output", "o", "attn_output_bias"), Norm("o", "attn_post_norm", "o"))
+                    + ops[o + 1:])
+    with pytest.raises(Unfused, match="activation"):
+        match_layer(tuple(Glu("swiglu_oai") if isinstance(op, Glu) else op for op in ops))
+    with pytest.raises(Unfused, match="goes on"):
+        match_layer(ops + (Add("f"),))
+    with pytest.raises(Unfused, match="projections"):
+        match_layer(ops[:1] + (Linear("h", "attn_q", "q", "attn_q_bias"),) + ops[2:])  # a bias on q alone
+    moe = layer_ops(config("tiny-qwen3moe"), 0)
+    with pytest.raises(Unfused, match="mixture of experts"):
+        match_layer(moe[:-1] + (Norm("f", "ffn_post_norm", "f"), moe[-1]))
