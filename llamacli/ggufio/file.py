@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,8 @@ from ..errors import (
     UnsupportedTensorTypeError,
     UnsupportedVersionError,
 )
-from .metadata import MAX_STRING_BYTES, Metadata, read_value
+from .cursor import Cursor
+from .metadata import Metadata, read_value
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -45,7 +45,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 DEFAULT_ALIGNMENT = 32
 MAX_ELEMENTS = 1 << 48  # far beyond any real tensor; keeps byte arithmetic exact in int64
 # Bounds that no real file comes near (real files hold < 100 keys and a few thousand tensors); those on arrays
-# and strings are in metadata.py.
+# are in metadata.py, those on strings in cursor.py.
 MAX_KV = 1 << 16
 MAX_TENSORS = 1 << 20
 
@@ -173,49 +173,6 @@ class _Scan:
     tensors: list[TensorInfo]
 
 
-class _Cursor:
-    """Reads little-endian values from a memory map, refusing to step past its end."""
-
-    def __init__(self, buf: mmap.mmap | bytes, size: int, name: str):
-        self.buf, self.size, self.name, self.pos = buf, size, name, 0
-
-    def need(self, n: int, what: str) -> None:
-        if n < 0 or self.pos + n > self.size:
-            raise TruncatedFileError(
-                f"{self.name}: truncated: {what} needs {n} bytes at offset {self.pos}, "
-                f"the file has {self.size - self.pos} left"
-            )
-
-    def unpack(self, fmt: str, what: str) -> Any:
-        n = struct.calcsize(fmt)
-        self.need(n, what)
-        value = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += n
-        return value[0] if len(value) == 1 else value
-
-    def u32(self, what: str) -> int:
-        return self.unpack("<I", what)
-
-    def u64(self, what: str) -> int:
-        return self.unpack("<Q", what)
-
-    def string(self, what: str) -> bytes:
-        n = self.u64(f"length of {what}")
-        self.need(n, what)
-        if n > MAX_STRING_BYTES:
-            raise CorruptFileError(f"{self.name}: {what} is {n} bytes long (at most {MAX_STRING_BYTES} accepted)")
-        data = bytes(self.buf[self.pos : self.pos + n])
-        self.pos += n
-        return data
-
-    def text(self, what: str) -> str:
-        data = self.string(what)
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise CorruptFileError(f"{self.name}: {what} is not valid UTF-8") from None
-
-
 def _scan_header(path: Path, size: int) -> _Scan:
     name = path.name
     if size < 4:
@@ -223,12 +180,12 @@ def _scan_header(path: Path, size: int) -> _Scan:
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        return _walk(_Cursor(buf, size, name), name)
+        return _walk(Cursor(buf, size, name), name)
     finally:
         buf.close()
 
 
-def _walk(cur: _Cursor, name: str) -> _Scan:
+def _walk(cur: Cursor, name: str) -> _Scan:
     magic = bytes(cur.buf[0:4])
     if magic != GGUF_MAGIC:
         raise NotGGUFError(f"{name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")

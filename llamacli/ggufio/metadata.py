@@ -11,22 +11,19 @@ import struct
 import weakref
 from array import array
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from gguf import GGUFValueType
 
 from ..errors import CorruptFileError
-
-if TYPE_CHECKING:
-    from .file import _Cursor
+from .cursor import MAX_STRING_BYTES, Cursor
 
 # Bounds that no real file comes near, so that a large file cannot make the header walk build Python objects
 # many times its size (a u8 array becomes 8 bytes per item as a list, an empty string 8 bytes of pointer):
 # real vocabularies hold <= 262k tokens and <= 500k merges, the longest strings (a whole tokenizer.json some
-# converters embed) ~20 MB.
+# converters embed) ~20 MB (MAX_STRING_BYTES, cursor.py).
 MAX_ARRAY_ITEMS = 1 << 22
-MAX_STRING_BYTES = 1 << 26
 
 _KNOWN_VALUE_TYPES = {int(t) for t in GGUFValueType}
 
@@ -105,7 +102,7 @@ _ARRAY_DTYPES = {
 }
 
 
-def read_value(cur: _Cursor, vtype: int, key: str) -> Any:
+def read_value(cur: Cursor, vtype: int, key: str) -> Any:
     """One metadata value: str, int, float or bool, or an array as it is kept (see Metadata)."""
     if vtype not in _KNOWN_VALUE_TYPES:
         raise CorruptFileError(f"{cur.name}: metadata key {key!r} has unknown value type {vtype}")
@@ -134,7 +131,7 @@ def read_value(cur: _Cursor, vtype: int, key: str) -> Any:
     return _read_strings(cur, count, key)
 
 
-def _read_strings(cur: _Cursor, count: int, key: str) -> StringArray:
+def _read_strings(cur: Cursor, count: int, key: str) -> StringArray:
     """The walk checks every length against the file; the text is then checked as one piece (valid UTF-8, and
     every item starting on a character) and kept as bytes: a list of str would take ~60 bytes per item."""
     buf, size = cur.buf, cur.size
@@ -175,7 +172,7 @@ def _read_strings(cur: _Cursor, count: int, key: str) -> StringArray:
     return StringArray(data.tobytes(), offsets)
 
 
-def _string_error(cur: _Cursor, pos: int, count: int, key: str) -> None:
+def _string_error(cur: Cursor, pos: int, count: int, key: str) -> None:
     """The error of the first of `count` strings from offset pos that the file does not hold, or that is longer
     than MAX_STRING_BYTES (_read_strings found one)."""
     unpack = struct.Struct("<Q").unpack_from
@@ -191,7 +188,7 @@ def _string_error(cur: _Cursor, pos: int, count: int, key: str) -> None:
     raise CorruptFileError(f"{cur.name}: metadata key {key!r}: its strings could not be read")  # (not reached)
 
 
-def _check_items(cur: _Cursor, count: int, key: str) -> None:
+def _check_items(cur: Cursor, count: int, key: str) -> None:
     """An array the file does hold, but longer than any real one: refused before a list is built."""
     if count > MAX_ARRAY_ITEMS:
         raise CorruptFileError(f"{cur.name}: metadata key {key!r} holds {count} items (at most {MAX_ARRAY_ITEMS} accepted)")

@@ -208,7 +208,7 @@ def test_custom_alignment_is_honoured(tmp_path):
 def test_string_array_errors_name_the_first_bad_item(tmp_path):
     """The walk reads a string array's lengths before it checks them: the error is still the first item's that
     the file lacks or that is too long, after items that are whole."""
-    from llamacli.ggufio.metadata import MAX_STRING_BYTES
+    from llamacli.ggufio.cursor import MAX_STRING_BYTES
 
     head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gb.string("a.sarr") + struct.pack("<IIQ", gb.ARR, gb.STR, 3)
     ok = struct.pack("<Q", 2) + b"ok"
