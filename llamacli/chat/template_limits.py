@@ -19,12 +19,18 @@ exceeds its `max_chars` by raising Limit.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import jinja2.filters
 
-if TYPE_CHECKING:
-    from .template_sandbox import _Sandbox
+
+class Sandbox(Protocol):
+    """What the filter checks read of the sandbox's environment (template_sandbox._Sandbox, a jinja2
+    Environment): its size limit, and `take`, a bounded list()."""
+
+    max_chars: int
+
+    def take(self, iterable: Any, what: str) -> list[Any]: ...
 
 
 class Limit(BaseException):
@@ -187,7 +193,7 @@ def method_size(owner: Any, name: str, args: tuple, kwargs: dict) -> int | None:
 # -- filters: the size of what each would build ----------------------------------------------------------------------
 
 
-def _check_join(env: _Sandbox, a: dict) -> int:
+def _check_join(env: Sandbox, a: dict) -> int:
     """join materializes its items first (through `attribute`), then checks their size with the separator."""
     value = a["value"]
     if a["attribute"] is not None:
@@ -197,19 +203,19 @@ def _check_join(env: _Sandbox, a: dict) -> int:
     return size_of(items, env.max_chars) + len(str(a["d"])) * max(len(items) - 1, 0)
 
 
-def _check_indent(env: _Sandbox, a: dict) -> int | None:
+def _check_indent(env: Sandbox, a: dict) -> int | None:
     width, s = a["width"], a["s"]
     w = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
     return len(str(s)) + (str(s).count("\n") + 2) * max(w, 0)
 
 
-def _check_wordwrap(env: _Sandbox, a: dict) -> int:
+def _check_wordwrap(env: Sandbox, a: dict) -> int:
     """At most one line per character; textwrap holds each word as an object (about 8 characters' worth)."""
     n, wrap = len(str(a["s"])), a["wrapstring"]
     return n * (9 + len(wrap if isinstance(wrap, str) else "\n"))
 
 
-def _check_urlize(env: _Sandbox, a: dict) -> int:
+def _check_urlize(env: Sandbox, a: dict) -> int:
     """Each word may become a link: about 50 characters of markup plus its rel/target, and itself twice."""
     s = str(a["value"])
     words = s.count(" ") + s.count("\n") + s.count("\t") + 1
@@ -217,7 +223,7 @@ def _check_urlize(env: _Sandbox, a: dict) -> int:
     return 2 * len(s) + words * (50 + extra)
 
 
-def _check_round(env: _Sandbox, a: dict) -> int | None:
+def _check_round(env: Sandbox, a: dict) -> int | None:
     """round(x, precision) computes 10 ** precision: a precision of millions is a huge power."""
     precision = a["precision"]
     if isinstance(precision, int) and abs(precision) > 400:  # past any float's digits
@@ -225,7 +231,7 @@ def _check_round(env: _Sandbox, a: dict) -> int | None:
     return None
 
 
-def _check_batch(env: _Sandbox, a: dict) -> int | None:
+def _check_batch(env: Sandbox, a: dict) -> int | None:
     """The last batch is filled up to `linecount` items in one go."""
     linecount = a["linecount"]
     if a["fill_with"] is not None and isinstance(linecount, int):
@@ -233,7 +239,7 @@ def _check_batch(env: _Sandbox, a: dict) -> int | None:
     return None
 
 
-FILTER_CHECKS: dict[str, Callable[[_Sandbox, dict], int | None]] = {
+FILTER_CHECKS: dict[str, Callable[[Sandbox, dict], int | None]] = {
     "center": lambda env, a: max(len(str(a["value"])), a["width"]) if isinstance(a["width"], int) else None,
     "indent": _check_indent,
     "format": lambda env, a: percent_size(str(a["value"]), a["kwargs"] or a["args"], env.max_chars),
