@@ -1,13 +1,8 @@
 """llamacli: GGUF language models on NVIDIA GPUs from readable Python."""
 
-__version__ = "0.1.0"
-
-_started: list[float] = []  # time.perf_counter() when run() began: --verbose's start-up stages count from it
-
-
-def started_at() -> float | None:
-    """When the CLI's entry (run) began, in time.perf_counter() seconds; None outside the CLI."""
-    return _started[0] if _started else None
+from .startup import mark_start as _mark_start
+from .startup import started_at  # noqa: F401 (API: when run() began)
+from .version import __version__  # noqa: F401 (API)
 
 
 def run() -> None:
@@ -18,7 +13,7 @@ def run() -> None:
     import sys
     import time
 
-    _started[:] = [time.perf_counter()]
+    _mark_start(time.perf_counter())
     argv = sys.argv[1:]
     loads = False
     code: object = 0

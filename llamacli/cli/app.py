@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .. import __version__
+from ..version import __version__
 from .parser import HabitCommand, HabitGroup
 from ..errors import Interrupted, LlamacliError, OutputError, UsageError
 from ..textio import printable, standard_streams

@@ -204,7 +204,7 @@ def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = Fals
 def startup_line(m) -> str:
     """--verbose: the stages of start-up, from the CLI's imports and options through the model's lookup (the
     registry, and a download on first use) to the backend's own (its decode graphs, where it has any)."""
-    from .. import started_at
+    from ..startup import started_at
 
     stages = list(m.load_stages)
     if started_at() is not None and m.lookup is not None:
@@ -221,7 +221,7 @@ def stages_text(title: str, stages) -> str:
 
 def _since_start(t: float, what: str) -> str:
     """'; <what> at N ms' since the CLI's entry (llamacli.run), when known."""
-    from .. import started_at
+    from ..startup import started_at
 
     return f"; {what} at {(t - started_at()) * 1e3:.0f} ms" if started_at() is not None and t else ""
 

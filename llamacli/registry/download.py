@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
+from ..version import __version__
 from ..errors import DownloadError
 from ..progress import Advance, Bars, note
 

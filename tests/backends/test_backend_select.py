@@ -124,12 +124,13 @@ def entry(monkeypatch):
     import os
 
     import llamacli
+    from llamacli import startup
 
     def exit_now(status):
         raise Left(status)
 
     monkeypatch.setattr(os, "_exit", exit_now)
-    monkeypatch.setattr(llamacli, "_started", [])
+    monkeypatch.setattr(startup, "_started", [])
     return llamacli.run
 
 
