@@ -26,7 +26,7 @@ def run() -> None:
             if gpu_driver.wanted(argv):  # the driver starts while the imports below load (~0.3-0.5 s)
                 hold_closed_fds()  # first: the driver's own descriptors must not take a closed 0-2
                 gpu_driver.start()
-            from .cli.app import main
+            from .cli import main
         except KeyboardInterrupt:
             sys.stderr.write("error: interrupted\n")
             sys.exit(130)

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from llamacli.cli.app import main
+from llamacli.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -335,8 +335,3 @@ def _say_error(text: str) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):  # stderr is gone as well: the exit code still tells
         pass
-
-
-# The commands live in their own modules; importing them registers them on `app` (they import `command`
-# and the shared options from here, so this comes last).
-from . import generate as cli_generate, models as cli_models, serve  # noqa: E402, F401

@@ -121,12 +121,12 @@ def test_context_full_is_length(smollm2):
 
 def test_ctrl_c_while_the_cli_imports_is_one_line_and_130():
     """A Ctrl-C that lands while `llamacli` is still importing typer, rich and numpy (simulated by an import
-    hook that raises KeyboardInterrupt when llamacli.cli.app is imported) ends like any later one."""
+    hook that raises KeyboardInterrupt when llamacli.cli is imported) ends like any later one."""
     code = (
         "import sys\n"
         "class Hook:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'llamacli.cli.app': raise KeyboardInterrupt\n"
+        "        if name == 'llamacli.cli': raise KeyboardInterrupt\n"
         "sys.meta_path.insert(0, Hook())\n"
         "import llamacli; llamacli.run()\n"
     )

@@ -21,7 +21,7 @@ from llamacli.registry import registry
 from llamacli.testing import data as testdata
 from llamacli.registry import download as dl
 from llamacli.registry.cache import cache_home, is_cached, model_path
-from llamacli.cli.app import main
+from llamacli.cli import main
 from llamacli.errors import DownloadError, ModelNotFoundError, UsageError
 from llamacli.registry.hf_download import split_hf
 from llamacli.registry.registry import (

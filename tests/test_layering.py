@@ -1,0 +1,218 @@
+"""The package layout (issue 39): llamacli's packages stand in layers, lowest first, and a module imports only
+from its own layer and the layers below; no two modules import each other, directly or round a cycle.
+
+Every import counts, as `ast` finds it in the source: at the top of a module, inside a function, under
+`if TYPE_CHECKING:` (a type-only import ties the layers together as much as any). Relative imports are
+resolved; `from package import name` is an import of package.name where that is a module, else of the
+package. Importing a module also runs its packages' __init__.py: theirs are in its own layer, and the root's
+(llamacli/__init__.py, the top layer) imports only the foundation at its top (test_the_root_imports_little).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first. A layer is a list of modules and packages (a package: every module in it).
+LAYERS: list[tuple[str, list[str]]] = [
+    # What every layer may use: errors, sizes in words, where files are, threads, text in and out, progress
+    # bars, the GPU driver's early start, the version and the entry's clock.
+    ("foundation", ["llamacli.errors", "llamacli.units", "llamacli.paths", "llamacli.background", "llamacli.textio",
+                    "llamacli.progress", "llamacli.gpu_driver", "llamacli.version", "llamacli.startup"]),
+    ("ggufio", ["llamacli.ggufio"]),  # reading GGUF files
+    ("tokenizer", ["llamacli.tokenizer"]),  # text <-> ids from the file's vocabulary
+    ("chat", ["llamacli.chat"]),  # chat templates; reasoning apart from the answer
+    ("models", ["llamacli.models"]),  # what a model is: config, per-layer plans, tensors, RoPE, routing, cache
+    ("sampling", ["llamacli.sampling"]),  # logits -> the next id; constraints
+    ("backends", ["llamacli.backends"]),  # NumPy and CUDA: the operations, the fused steps, device memory
+    ("engine", ["llamacli.engine"]),  # the forward pass, generation, conversations, bench
+    ("registry", ["llamacli.registry"]),  # model names -> files in the cache; downloads
+    ("serve", ["llamacli.serve"]),  # the HTTP server
+    ("cli", ["llamacli.cli"]),  # the commands
+    ("testing", ["llamacli.testing"]),  # random models and real test data, for tests and benchmarks
+    ("entry", ["llamacli", "llamacli.__main__"]),  # run() and load()
+]
+
+# Imports that cross the layers the wrong way for now, each with the change that removes it. A listed import
+# that is gone fails the test too, so that its entry goes with it.
+PENDING: dict[tuple[str, str], str] = {
+    ("llamacli.backends.base", "llamacli.engine.forward"):
+        "Backend.forward_prompt/decode run the forward pass; issue 39 moves the layer description below the "
+        "backends (models/), and base.py imports it from there",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # the importing module
+    target: str  # the imported module (or package)
+    where: str  # file:line
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / "llamacli").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(mods: dict[str, Path]) -> list[Import]:
+    """Every import of a llamacli module by another, anywhere in its source."""
+    found = []
+    for name, path in mods.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".") if is_package else name.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in mods else module for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target != "llamacli" and not target.startswith("llamacli."):
+                    continue
+                while target not in mods and "." in target:  # `import llamacli.x.attr`-like: the module part
+                    target = target.rsplit(".", 1)[0]
+                if target != name:
+                    found.append(Import(name, target, f"{path.relative_to(ROOT)}:{node.lineno}"))
+    return found
+
+
+def layer_of(module: str) -> int | None:
+    best, index = -1, None
+    for i, (_, members) in enumerate(LAYERS):
+        for member in members:
+            exact = member == "llamacli" or member.endswith("__main__")
+            if module == member or (not exact and module.startswith(member + ".")):
+                if len(member) > best:
+                    best, index = len(member), i
+    return index
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected component of more than one module (Tarjan), as a path that
+    comes back to its start."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    found = []
+    for component in components:
+        members = set(component)
+        start = component[0]
+        # the shortest way back to `start` inside the component (breadth first)
+        paths = {start: [start]}
+        queue = [start]
+        cycle = None
+        while queue and cycle is None:
+            v = queue.pop(0)
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    cycle = paths[v] + [start]
+                    break
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    queue.append(w)
+        found.append(cycle)
+    return found
+
+
+def counted(all_imports: list[Import]) -> list[Import]:
+    return [i for i in all_imports if (i.source, i.target) not in PENDING]
+
+
+def test_no_import_cycles() -> None:
+    all_imports = counted(imports(modules()))
+    graph: dict[str, set[str]] = {}
+    for i in all_imports:
+        graph.setdefault(i.source, set()).add(i.target)
+        graph.setdefault(i.target, set())
+    where = {(i.source, i.target): i.where for i in all_imports}
+    report = []
+    for cycle in cycles(graph):
+        steps = [f"  {a} -> {b}  ({where[a, b]})" for a, b in zip(cycle, cycle[1:])]
+        report.append("import cycle: " + " -> ".join(cycle) + "\n" + "\n".join(steps))
+    assert not report, "\n".join(report)
+
+
+def test_every_module_has_a_layer() -> None:
+    homeless = [m for m in modules() if layer_of(m) is None]
+    assert not homeless, f"modules in no layer (add them to LAYERS in {Path(__file__).name}): {homeless}"
+
+
+def test_layers_import_only_downward() -> None:
+    wrong = []
+    for i in counted(imports(modules())):
+        src, dst = layer_of(i.source), layer_of(i.target)
+        if src is not None and dst is not None and dst > src:
+            wrong.append(f"{i.source} ({LAYERS[src][0]}) imports {i.target} ({LAYERS[dst][0]}), a higher layer: "
+                         f"{i.where}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_pending_exceptions_still_exist() -> None:
+    pairs = {(i.source, i.target) for i in imports(modules())}
+    gone = [f"{a} -> {b}" for a, b in PENDING if (a, b) not in pairs]
+    assert not gone, f"no longer imported, so drop them from PENDING: {gone}"
+
+
+def test_the_root_imports_little() -> None:
+    """Every `import llamacli.x` runs llamacli/__init__.py first: at its top it imports only the foundation
+    (the CLI and the engine inside run() and load())."""
+    path = ROOT / "llamacli" / "__init__.py"
+    top = [n for n in ast.parse(path.read_text(encoding="utf-8")).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    heavy = []
+    for node in top:
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [f"llamacli.{node.module}"] if node.module else [f"llamacli.{a.name}" for a in node.names]
+            heavy += [f"{n} (line {node.lineno})" for n in names if layer_of(n) != 0]
+        else:
+            heavy.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not heavy, f"llamacli/__init__.py imports beyond the foundation at its top: {heavy}"
+
+
+def test_tests_mirror_the_packages() -> None:
+    """tests/<folder>/ holds the tests of llamacli/<folder>/ (tests/ itself: the top-level modules and the
+    package as a whole)."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.parent.relative_to(tests) for p in tests.rglob("test_*.py")} - {Path(".")}
+    strays = sorted(str(f) for f in folders if not (ROOT / "llamacli" / f / "__init__.py").is_file())
+    assert not strays, f"test folders without a llamacli package of the same name: {strays}"
