@@ -1,55 +1,17 @@
-"""`llamacli serve`: an OpenAI-compatible HTTP server over one model (serve/app.py holds the app,
-serve/api.py the wire format). Starlette and uvicorn come with the `serve` extra and are imported only here,
+"""`llamacli serve`: an OpenAI-compatible HTTP server over one model (serve/server.py makes it, serve/app.py holds
+the app, serve/api.py the wire format). Starlette and uvicorn come with the `serve` extra and are imported only
 when the command runs, so that the rest of llamacli works without them."""
 
 from __future__ import annotations
 
-import importlib
-import socket
 from typing import Annotated, Optional
 
 import typer
 
 from .app import BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, ModelArg, ModelOpt, SwaFullOpt, command, dim, fail, load_model
 from .generate import pick_model
-from ..errors import LlamacliError
+from ..serve.server import listen, make_server, need_extra
 from ..textio import printable
-
-
-class ServeError(LlamacliError):
-    """The server cannot start: the extra is missing, or the address is taken."""
-
-
-def _need_extra():
-    try:
-        importlib.import_module("starlette")
-        import uvicorn
-    except ImportError:
-        raise ServeError("llamacli serve needs the serve extra: pip install 'llamacli[serve]'") from None
-    return uvicorn
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads: a taken port is one error line, not a log."""
-    try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=128, reuse_port=False)
-    except OSError as exc:
-        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
-def make_server(model, name: str, sock: socket.socket, api_key: str | None = None, log=None):
-    """A uvicorn server for `model` on `sock` (not started): server.run([sock]) serves until stopped."""
-    uvicorn = _need_extra()
-    from ..serve.app import Engine, build_app
-
-    engine = Engine(model, name, log)
-    app = build_app(engine, api_key)
-    config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=3, server_header=False)
-    server = uvicorn.Server(config)
-    server.engine = engine
-    return server
 
 
 @command()
@@ -76,7 +38,7 @@ def serve(
         fail(f"--ctx must be positive, got {ctx}")
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty")
-    _need_extra()
+    need_extra()
     sock = listen(host, port)
     try:
         m = load_model(model, backend, ctx, quiet, cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)

@@ -1,2 +1,3 @@
-"""The OpenAI-compatible HTTP server: app.py (the Starlette app over one model), api.py (the wire format).
-Starlette and uvicorn come with the `serve` extra; nothing here is imported unless the server runs."""
+"""The OpenAI-compatible HTTP server: server.py (the socket and the uvicorn server), app.py (the Starlette app
+over one model), api.py (the wire format). Starlette and uvicorn come with the `serve` extra; nothing here
+imports them unless a server is made. The command is cli/serve.py."""

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 
 from clirun import run  # noqa: E402
 from llamacli.engine.generate import Model  # noqa: E402
-from llamacli.cli.serve import listen, make_server  # noqa: E402
+from llamacli.serve.server import listen, make_server  # noqa: E402
 from llamacli.testing import tiny_vocab, write_model  # noqa: E402
 
 KEY = "sk-test-key"
