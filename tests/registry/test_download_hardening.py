@@ -27,7 +27,7 @@ from clirun import run, run_subprocess
 from fake_sources import GGUF, GGUF_SHA, Server, hub_headers, user_models
 from fake_sources import partial_files as parts
 
-from llamacli.registry import cache, pypi, registry
+from llamacli.registry import cache, pypi, registry, sources
 from llamacli.registry import download as dl
 from llamacli import progress as progress_bars
 from llamacli.registry.cache import is_cached, model_path
@@ -439,7 +439,7 @@ def test_rm_that_ends_as_pull_takes_the_lock_leaves_pull_its_folder(tmp_path, mo
     dest.parent.mkdir(parents=True)
     dest.write_bytes(GGUF[:10])  # a broken copy: rm deletes it, pull fetches the model
     rm_holds_lock, pull_waits, rm_done = threading.Event(), threading.Event(), threading.Event()
-    real_leftovers, real_fetch = cache.leftovers, dl.fetch
+    real_leftovers, real_fetch = cache.leftovers, sources.fetch
 
     def leftovers_once_pull_waits(path: Path) -> list[Path]:  # rm, under the lock
         rm_holds_lock.set()
@@ -452,7 +452,7 @@ def test_rm_that_ends_as_pull_takes_the_lock_leaves_pull_its_folder(tmp_path, mo
 
     monkeypatch.setattr(cache, "leftovers", leftovers_once_pull_waits)
     monkeypatch.setattr(cache, "note", lambda text: "waiting for another llamacli" in text and pull_waits.set())
-    monkeypatch.setattr(dl, "fetch", fetch_once_rm_is_done)
+    monkeypatch.setattr(sources, "fetch", fetch_once_rm_is_done)
     rm_thread, removed = in_thread(lambda: [remove_model("tiny"), rm_done.set()][0])
     assert rm_holds_lock.wait(30)
     pull_thread, pulled = in_thread(pull_model, "tiny", progress=False)
