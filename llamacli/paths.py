@@ -1,8 +1,11 @@
 """Where the package's data lives: inside an installed wheel (force-included under llamacli/), else in the
-checkout's top level, as the design card lays it out (kernels/, models.toml)."""
+checkout's top level, as the design card lays it out (kernels/, models.toml). And where llamacli keeps what it
+writes: the cache (cache_home: the models, registry/cache.py; the compiled kernels, backends/cuda/loader.py).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .errors import ModelNotFoundError
@@ -24,6 +27,15 @@ def kernels_dir() -> Path:
 
 def builtin_models_toml() -> Path:
     return _find("models.toml")
+
+
+def cache_home() -> Path:
+    """$LLAMACLI_HOME, else $XDG_CACHE_HOME/llamacli, else ~/.cache/llamacli."""
+    if os.environ.get("LLAMACLI_HOME"):
+        return Path(os.environ["LLAMACLI_HOME"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "llamacli"
+    return Path.home() / ".cache" / "llamacli"
 
 
 def local_model(spec: str | None) -> Path | None:

@@ -48,7 +48,7 @@ def models_(
     from rich.table import Table
     from rich.text import Text
 
-    from ..registry.cache import cache_home
+    from ..paths import cache_home
     from ..registry.registry import list_models
     from ..registry.sizes import human_size
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DownloadError, ModelNotFoundError, UsageError
+from ..paths import cache_home
 from .entry import ModelEntry
 from ..progress import note
 from ..textio import printable
@@ -31,15 +32,6 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover (not POSIX: no locks)
     fcntl = None  # type: ignore[assignment]
-
-
-def cache_home() -> Path:
-    """$LLAMACLI_HOME, else $XDG_CACHE_HOME/llamacli, else ~/.cache/llamacli."""
-    if os.environ.get("LLAMACLI_HOME"):
-        return Path(os.environ["LLAMACLI_HOME"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "llamacli"
-    return Path.home() / ".cache" / "llamacli"
 
 
 def _home_source() -> str:

@@ -32,10 +32,10 @@ from typing import Any
 from . import download as dl
 from . import pypi, sources
 from .entry import ModelEntry
-from .cache import cache_home, cache_lock, folders_in_use, in_cache, is_cached, make_folder, model_path, remove_cached
+from .cache import cache_lock, folders_in_use, in_cache, is_cached, make_folder, model_path, remove_cached
 from ..errors import DownloadError, ModelNotFoundError, UsageError
 from .hf_download import split_hf
-from ..paths import builtin_models_toml, local_model
+from ..paths import builtin_models_toml, cache_home, local_model
 from ..progress import note
 from .sizes import MAX_MODEL_BYTES, human_size, known_sizes
 from ..textio import read_text

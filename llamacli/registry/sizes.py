@@ -16,8 +16,9 @@ import urllib.parse
 from pathlib import Path
 
 from . import download as dl
-from .cache import cache_home, in_cache, is_cached, make_folder, model_path
+from .cache import in_cache, is_cached, make_folder, model_path
 from ..errors import DownloadError, UsageError
+from ..paths import cache_home
 from .entry import ModelEntry
 from .hf_download import hf_file_size, quiet_hf, split_hf
 

@@ -20,7 +20,8 @@ from fake_sources import partial_files as leftovers
 from llamacli.registry import registry
 from llamacli.testing import data as testdata
 from llamacli.registry import download as dl
-from llamacli.registry.cache import cache_home, is_cached, model_path
+from llamacli.paths import cache_home
+from llamacli.registry.cache import is_cached, model_path
 from llamacli.cli import main
 from llamacli.errors import DownloadError, ModelNotFoundError, UsageError
 from llamacli.registry.hf_download import split_hf

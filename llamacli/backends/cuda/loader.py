@@ -143,7 +143,7 @@ def feature_cubin(family: str, src: str, arch: str) -> Path:
 
     from cupy_backends.cuda.libs import nvrtc
 
-    from ...registry.cache import cache_home
+    from ...paths import cache_home
 
     # -ftz=true as CuPy compiles every other family (same float behaviour whichever path compiled it).
     options = [f"-arch={arch}", *_NVRTC_DIRECT, "-ftz=true"]
