@@ -34,7 +34,6 @@ import numpy as np
 from ..errors import BackendError, LlamacliError, UsageError
 
 if TYPE_CHECKING:
-    from ..engine.generate import Model
     from ..tokenizer.tokenizer import Tokenizer
 
 __all__ = [
@@ -55,6 +54,13 @@ _CONTROL = 3  # tokenizer.ggml.token_type of control tokens (<|im_end|>, <s>): n
 
 class ConstraintError(LlamacliError):
     """The grammar engine reached a state it cannot leave (a runtime failure, not bad input)."""
+
+
+class Model(Protocol):
+    """What a constraint is built over: a loaded model (engine.generate.Model) and its vocabulary. The
+    llguidance view of the vocabulary is kept on it (`_lltokenizer`), made once per model."""
+
+    tokenizer: Tokenizer
 
 
 @runtime_checkable
@@ -165,7 +171,7 @@ class _VocabTokenizer:
     """Our tokenizer in the shape llguidance.TokenizerWrapper reads: token byte strings (control tokens
     marked with a leading 0xFF, as llguidance's llama.cpp adapter does) and a text -> ids function."""
 
-    def __init__(self, tok: "Tokenizer"):
+    def __init__(self, tok: Tokenizer):
         self._tok = tok
         self.eos_token_id = tok.eos_id if tok.eos_id is not None else min(tok.eog_ids, default=0)
         self.bos_token_id = tok.bos_id
@@ -184,7 +190,7 @@ class _VocabTokenizer:
         return self._tok._encode_piece(text) if text else []
 
 
-def _lltokenizer(model: "Model") -> Any:
+def _lltokenizer(model: Model) -> Any:
     """The llguidance view of the model's vocabulary, built once per model (about 0.3 s)."""
     cached = getattr(model, "_lltokenizer", None)
     if cached is None:
@@ -233,7 +239,7 @@ def text_grammar(grammar_text: str) -> str:
     return _checked(grammar, "grammar")
 
 
-def constraint_for(model: "Model", grammar: str) -> GrammarConstraint:
+def constraint_for(model: Model, grammar: str) -> GrammarConstraint:
     """A constraint over the model's vocabulary from a grammar that schema_grammar or text_grammar made."""
     return GrammarConstraint(_lltokenizer(model), grammar, model.tokenizer.vocab_size)
 
@@ -249,19 +255,19 @@ def load_json_schema(text: str) -> dict[str, Any]:
     return schema
 
 
-def json_schema_constraint(model: "Model", schema: dict[str, Any] | str) -> GrammarConstraint:
+def json_schema_constraint(model: Model, schema: dict[str, Any] | str) -> GrammarConstraint:
     """Output that is one JSON value valid against `schema` (llguidance's JSON Schema subset: types,
     properties/required, items, enum/const, anyOf/oneOf, $ref, min/max, patterns, formats; see
     https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md)."""
     return constraint_for(model, schema_grammar(schema))
 
 
-def json_object_constraint(model: "Model") -> GrammarConstraint:
+def json_object_constraint(model: Model) -> GrammarConstraint:
     """Output that is one JSON object, any keys (OpenAI's response_format {"type": "json_object"})."""
     return json_schema_constraint(model, {"type": "object"})
 
 
-def grammar_constraint(model: "Model", grammar_text: str) -> GrammarConstraint:
+def grammar_constraint(model: Model, grammar_text: str) -> GrammarConstraint:
     """Output that matches a grammar in llama.cpp's GBNF or in Lark syntax (llguidance's dialect: `start:`
     rule, regexes in /.../); which one is told from the text."""
     return constraint_for(model, text_grammar(grammar_text))
