@@ -359,7 +359,7 @@ def run_kernels(backend: Any, attention_shape: tuple[int, int, int, int] = (16, 
 
     if not hasattr(backend, "profile"):
         raise UsageError(f"--kernels needs the CUDA backend (this run uses {backend.name}): pass --backend cuda on a machine with a GPU")
-    from ..backends.cuda.profile import kernel_benchmarks
+    from ..backends.cuda.kernel_bench import kernel_benchmarks
 
     return kernel_benchmarks(backend, KERNEL_SHAPES, KERNEL_TYPES, attention_shape)
 

@@ -8,7 +8,7 @@
     prefill.py    forward_prompt's fused pass, its buffers and graphs
     decode.py     the fused decode step, its graph capture and look-ahead
     sampling.py   sampling on the device
-    profile.py    bench --profile's sections, bench's clock, bench --kernels
+    profile.py    bench --profile's sections, bench's clock; kernel_bench.py bench --kernels
 
 Importing the package needs no CuPy: `cuda_available()` says whether the backend can run here.
 """
