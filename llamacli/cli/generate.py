@@ -1,5 +1,5 @@
 """The commands that run a model on a prompt or a conversation: generate, chat, and run (either of them, as
-ollama's). They share the sampling options and load the model the same way (cli.load_model)."""
+ollama's). They share the sampling options and load the model the same way (app.load_model)."""
 
 from __future__ import annotations
 

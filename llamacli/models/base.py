@@ -1,10 +1,10 @@
 """What an architecture is: the per-layer plan every forward path reads, and the tensors it implies.
 
-An architecture module (arch/llama.py, arch/qwen3.py, ...) builds one `Architecture`: its RoPE pairing and a function
-from a layer's place in the model to a `LayerPlan`. block.py turns each plan into the program of operations
-that every executor runs (the NumPy forward, the fused CUDA prefill and the captured CUDA decode step), and
-`weights.py` derives the tensors a layer needs from its plan, so a new architecture that only combines
-existing operations is one new module here plus its tests.
+An architecture module (arch/llama.py, arch/qwen3.py, ...) builds one `Architecture`: its RoPE pairing and a
+function from a layer's place in the model to a `LayerPlan`. block.py turns each plan into the program of
+operations that every executor runs (the NumPy forward, the fused CUDA prefill and the captured CUDA decode
+step), and `weights.py` derives the tensors a layer needs from its plan, so a new architecture that only combines
+existing operations is one new module in arch/ plus its tests.
 """
 
 from __future__ import annotations

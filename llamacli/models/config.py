@@ -2,7 +2,7 @@
 
 The keys every architecture shares are read here; what differs between architectures (RoPE pairing, the
 per-layer plan: biases, fused matrices, q/k norms, RoPE-less layers) comes from its module in
-llamacli/models/, and lands in `ModelConfig.layers`, one plan per layer, which every forward path reads.
+llamacli/models/arch/, and lands in `ModelConfig.layers`, one plan per layer, which every forward path reads.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which tensors a model needs, with their shapes: checked once against the file before any backend loads.
 
 Names are GGUF's (llama.cpp's tensor_mapping): token_embd, blk.N.attn_q, ..., output_norm, output.
-Shapes are row-major [out_features, in_features] (GGUF lists dims fastest-first; gguf_file reverses them);
+Shapes are row-major [out_features, in_features] (GGUF lists dims fastest-first; ggufio/file.py reverses them);
 experts are 3-D [E, out, in], one [out, in] matrix per expert.
 """
 

@@ -1,6 +1,6 @@
 """The HTTP side of `llamacli serve`: a Starlette app over one loaded Model.
 
-    request -> api key? -> body (bounded) -> serve_api.read_job -> queue (one at a time) -> worker thread:
+    request -> api key? -> body (bounded) -> api.read_job -> queue (one at a time) -> worker thread:
             Model.run, one token per step -> disconnected? stop : text -> JSON answer or SSE chunks
 
 One model, one worker thread: every call into the model runs on that thread (CUDA state stays with one

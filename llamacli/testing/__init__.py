@@ -4,7 +4,7 @@
   smollm3, gemma2/3, the mixtures of experts qwen3moe and gpt-oss) at any shape, streamed tensor by
   tensor (an 8B-shape F16 model never sits in RAM), with a tiny byte-level BPE vocabulary or a real one
   copied from llama.cpp's vocabulary-only GGUFs (`vocab_file=`). Models past FAST_PARAMS parameters are
-  written the fast way (testing_quants.random_quant_rows(fast=True)): for speed runs, not for accuracy.
+  written the fast way (quants.random_quant_rows(fast=True)): for speed runs, not for accuracy.
 - `SHAPES`: tiny test shapes and real ones (Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B, SmolLM2-135M, Qwen3-8B,
   Qwen3-30B-A3B, gpt-oss-20b).
 

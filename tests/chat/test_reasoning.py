@@ -117,7 +117,7 @@ def test_router_without_reasoning_leaves_stderr_alone():
 
 
 def test_reasoning_efforts_read_alike_everywhere():
-    """--reasoning-effort (cli_generate.think_setting) and the API's reasoning_effort (serve_api) both read an
+    """--reasoning-effort (cli/generate.py think_setting) and the API's reasoning_effort (serve/api.py) both read an
     effort with parse_effort: any case, OpenAI's "minimal" as gpt-oss's least ("low"), "none" as thinking off."""
     from llamacli.cli.generate import think_setting
     from llamacli.errors import UsageError

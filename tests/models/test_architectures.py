@@ -1,4 +1,4 @@
-"""The architectures beyond Llama (llamacli/models/) against PyTorch transformers on the CPU (float32).
+"""The architectures beyond Llama (llamacli/models/arch/) against PyTorch transformers on the CPU (float32).
 
 transformers' GGUF loader reads qwen3 files; for what it does not read (smollm3, YaRN scaling, partial
 rotary) the transformers model is rebuilt from the weights it loaded from a twin file (same seed, the

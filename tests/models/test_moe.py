@@ -161,7 +161,7 @@ def test_layer_tensor_names_drive_the_loaders(tiny_moe):
     assert L.ffn_down_exps_bias.shape == (e, d)
     assert L.ffn_gate_exps.dtype == np.float32 and L.attn_sinks.shape == (cfg.n_head,)
     np.testing.assert_array_equal(L.ffn_up_exps, g.dequantize("blk.0.ffn_up_exps.weight"))
-    info = g.tensors["blk.0.ffn_up_exps.weight"]  # gguf_file's view of a 3-D block tensor
+    info = g.tensors["blk.0.ffn_up_exps.weight"]  # ggufio/file.py's view of a 3-D block tensor
     assert info.shape == (e, f, d) and info.row_bytes == d // 32 * 17 and info.n_bytes == e * f * info.row_bytes
     assert g.raw(info.name).shape == (e, f, info.row_bytes)
     weights, _ = host_bytes(cfg, 16)

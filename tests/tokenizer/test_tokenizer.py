@@ -402,7 +402,7 @@ def test_token_matcher_is_leftmost_longest() -> None:
 
 
 def test_spm_proto_equals_the_field_by_field_serialization() -> None:
-    """tokenizer_spm._spm_model_proto writes the pieces with one-byte varints inlined (it runs once per token);
+    """spm._spm_model_proto (tokenizer/spm.py) writes the pieces with one-byte varints inlined (it runs once per token);
     the proto must equal the plain field-by-field serialization for pieces of any length (varints past one
     byte), every token type, scores past float32, with and without an unknown token."""
     import random

@@ -1,6 +1,6 @@
-"""One module per architecture (as mlx-lm's models/): the keys it reads beyond models/config.py's common ones, its
-tensors, and its per-layer plan (base.LayerPlan). Every module here with an `ARCH` is an architecture: adding
-one is adding a file. `architecture(name)` is the lookup models/config.py uses."""
+"""One module per architecture (as mlx-lm's models/): the keys it reads beyond models/config.py's common ones,
+its tensors, and its per-layer plan (models/base.py LayerPlan). Every module here with an `ARCH` is an
+architecture: adding one is adding a file. `architecture(name)` is the lookup models/config.py uses."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The whole model on the CUDA backend against the NumPy reference: random models of every weight type
-and every architecture (llamacli/models/: q/k norms, NoPE layers, YaRN, partial rotary, a head dim other
+and every architecture (llamacli/models/arch/: q/k norms, NoPE layers, YaRN, partial rotary, a head dim other
 than n_embd / n_head), and SmolLM2-135M. Needs a GPU (marker gpu)."""
 
 from __future__ import annotations
