@@ -1,7 +1,9 @@
 """llamacli: GGUF language models on NVIDIA GPUs from readable Python."""
 
-from .startup import mark_start as _mark_start
-from .startup import started_at  # noqa: F401 (API: when run() began)
+from .startup import (
+    mark_start as _mark_start,
+    started_at,  # noqa: F401 (API: when run() began)
+)
 from .version import __version__  # noqa: F401 (API)
 
 

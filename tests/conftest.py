@@ -10,10 +10,7 @@ from pathlib import Path
 import pytest
 
 from fake_sources import Server, isolate_network
-
-from llamacli.testing import data as testdata
-from llamacli.testing import write_model
-
+from llamacli.testing import data as testdata, write_model
 
 # Test modules live in folders that mirror llamacli's packages, without __init__.py (so their names are unique
 # across tests/). A few import another's helpers (test_gemma_real takes test_chat's templates, test_textio

@@ -32,13 +32,13 @@ def load_everything(path: str, run_forward: bool) -> list[list[str]]:
 
     from llamacli.backends.numpy_backend import NumpyBackend
     from llamacli.chat.template import ChatTemplate
-    from llamacli.models.config import ModelConfig
     from llamacli.errors import LlamacliError
     from llamacli.ggufio.file import open_gguf
     from llamacli.models.block import run as forward
+    from llamacli.models.config import ModelConfig
+    from llamacli.models.weights import check_tensors
     from llamacli.sampling.sampling import greedy
     from llamacli.tokenizer.tokenizer import Tokenizer
-    from llamacli.models.weights import check_tensors
 
     stages: list[list[str]] = []
 
@@ -92,11 +92,12 @@ def main() -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything the library prints goes to stderr, not into the protocol
     warnings.simplefilter("ignore")
+    import sentencepiece  # noqa: F401
+    import tokenizers  # noqa: F401
+
     import llamacli.backends.numpy_backend  # noqa: F401  (import everything before the limit is set)
     import llamacli.chat.template  # noqa: F401
     import llamacli.tokenizer.tokenizer  # noqa: F401
-    import sentencepiece  # noqa: F401
-    import tokenizers  # noqa: F401
 
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))

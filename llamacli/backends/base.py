@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..models.config import ModelConfig
 from ..errors import BackendError
+from ..models.config import ModelConfig
 
 if TYPE_CHECKING:
     from ..sampling.sampling import SamplingParams

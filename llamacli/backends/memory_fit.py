@@ -7,8 +7,7 @@ raises DeviceMemoryError(not_enough_memory(...)).
 from __future__ import annotations
 
 from ..models.config import ModelConfig
-from ..models.kv_cache import DEFAULT as DEFAULT_CACHE
-from ..models.kv_cache import cache_type_fits
+from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, cache_type_fits
 from ..units import human_bytes
 
 # Bits per weight of llama.cpp's common quantizations, best quality first: the file sizes its quantize tool

@@ -16,17 +16,16 @@ import resource
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from ..models import rope as rope_tables
-from ..models.config import ROPE_NEOX, ModelConfig
 from ..errors import HostMemoryError
 from ..ggufio.file import GGUFFile
-from ..models.kv_cache import DEFAULT as DEFAULT_CACHE
-from ..models.kv_cache import q8_0_roundtrip, ring_span
-from ..models.block import Attention, Moe
-from ..models.moe import route
 from ..ggufio.quants import can_dequantize, gather_rows
-from ..units import human_bytes
+from ..models import rope as rope_tables
+from ..models.block import Attention, Moe
+from ..models.config import ROPE_NEOX, ModelConfig
+from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, q8_0_roundtrip, ring_span
+from ..models.moe import route
 from ..models.weights import layer_tensor_names, model_specs
+from ..units import human_bytes
 from .base import Backend, LayerWeights, ModelWeights, Progress
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import template_sandbox
 from ..errors import TemplateError
+from . import template_sandbox
 from .template_sandbox import DEFAULT_MAX_CHARS, DEFAULT_TIMEOUT_S, MAX_RANGE, MAX_SOURCE_CHARS  # noqa: F401 (API)
 
 # -- built-in formats ------------------------------------------------------------------------------------------

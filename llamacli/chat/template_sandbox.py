@@ -38,7 +38,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter, Se
 
 from ..errors import TemplateError
 from .template_limits import (
-    FILTER_CHECKS, RESULT_CHECKED_FILTERS, Limit, method_size, percent_size, size_of, spec_size,
+    FILTER_CHECKS,
+    RESULT_CHECKED_FILTERS,
+    Limit,
+    method_size,
+    percent_size,
+    size_of,
+    spec_size,
 )
 from .template_watchdog import OutOfMemory, Timeout, Watchdog, memory_budget
 

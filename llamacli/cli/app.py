@@ -22,10 +22,10 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from ..version import __version__
-from .parser import HabitCommand, HabitGroup
 from ..errors import Interrupted, LlamacliError, OutputError, UsageError
 from ..textio import printable, standard_streams
+from ..version import __version__
+from .parser import HabitCommand, HabitGroup
 
 app = typer.Typer(
     name="llamacli",

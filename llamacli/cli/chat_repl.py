@@ -23,10 +23,10 @@ from typing import Any
 
 from rich.console import Console
 
-from ..engine.chat_session import ChatSession
-from ..errors import Interrupted, LlamacliError, UsageError
-from ..engine.generate import Completion
 from ..chat.reasoning import ReplyRouter
+from ..engine.chat_session import ChatSession
+from ..engine.generate import Completion
+from ..errors import Interrupted, LlamacliError, UsageError
 from ..textio import json_text, printable, read_line
 
 PROMPT, MORE = ">>> ", "... "

@@ -8,14 +8,40 @@ from typing import Annotated, Optional
 
 import typer
 
-from .app import (
-    BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, FlashAttnOpt, FrequencyPenaltyOpt, GpuLayersOpt, GrammarOpt,
-    GreedyOpt, JsonSchemaOpt, LogprobsOpt, MaxTokensOpt, MinPOpt, ModelArg, ModelOpt, PresencePenaltyOpt, ReasoningEffortOpt, RepeatLastNOpt,
-    RepeatPenaltyOpt, SeedOpt, SwaFullOpt, TemperatureOpt, ThinkOpt, TopKOpt, TopPOpt,
-    command, dim, err, fail, load_model,
-)
 from ..errors import Interrupted
 from ..textio import json_text, read_text
+from .app import (
+    BackendOpt,
+    CacheTypeKOpt,
+    CacheTypeVOpt,
+    CtxOpt,
+    FlashAttnOpt,
+    FrequencyPenaltyOpt,
+    GpuLayersOpt,
+    GrammarOpt,
+    GreedyOpt,
+    JsonSchemaOpt,
+    LogprobsOpt,
+    MaxTokensOpt,
+    MinPOpt,
+    ModelArg,
+    ModelOpt,
+    PresencePenaltyOpt,
+    ReasoningEffortOpt,
+    RepeatLastNOpt,
+    RepeatPenaltyOpt,
+    SeedOpt,
+    SwaFullOpt,
+    TemperatureOpt,
+    ThinkOpt,
+    TopKOpt,
+    TopPOpt,
+    command,
+    dim,
+    err,
+    fail,
+    load_model,
+)
 
 
 def pick_model(positional: str | None, option: str | None) -> str | None:
@@ -169,8 +195,8 @@ def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = Fals
              think: bool | str | None = None, logprobs: int | None = None, constraint=None) -> None:
     """One completion of `text` on a loaded model, streamed to stdout (generate, and run with a prompt); a
     thinking model's reasoning streams to stderr."""
-    from ..engine.generate import Completion
     from ..chat.reasoning import ReplyRouter
+    from ..engine.generate import Completion
 
     if verbose:
         dim(f"backend {m.backend.name}, context {m.ctx}")
@@ -303,8 +329,8 @@ def chat(
 def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = False, quiet: bool = False,
              think: bool | str | None = None, constraint=None) -> None:
     """The chat loop on a loaded model (chat, and run without a prompt)."""
-    from .chat_repl import ChatLoop
     from ..engine.chat_session import ChatSession
+    from .chat_repl import ChatLoop
 
     if not quiet:
         think_notice(m, think)

@@ -11,14 +11,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..models.config import ModelConfig
 from ..errors import GGUFError
-from ..models.kv_cache import cache_type_fits
 from ..ggufio.file import GGUFFile, open_gguf
 from ..models.base import describe
+from ..models.config import ModelConfig
+from ..models.kv_cache import cache_type_fits
+from ..models.weights import active_share, check_tensors
 from ..textio import printable
 from ..units import human_bytes, human_count
-from ..models.weights import active_share, check_tensors
 
 MAX_LIST_ITEMS = 8  # long arrays are abbreviated in --metadata
 

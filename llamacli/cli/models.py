@@ -7,9 +7,23 @@ from typing import Annotated, Optional
 
 import typer
 
-from .app import BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, FlashAttnOpt, GpuLayersOpt, ModelOpt, SwaFullOpt, command, dim, err, fail, load_model, out
 from ..textio import json_text, printable, read_text
-
+from .app import (
+    BackendOpt,
+    CacheTypeKOpt,
+    CacheTypeVOpt,
+    CtxOpt,
+    FlashAttnOpt,
+    GpuLayersOpt,
+    ModelOpt,
+    SwaFullOpt,
+    command,
+    dim,
+    err,
+    fail,
+    load_model,
+    out,
+)
 
 # -- inspect -----------------------------------------------------------------------------------------------
 
@@ -175,7 +189,16 @@ def bench(
 ) -> None:
     """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth.
     --profile breaks one prefill and one decode step down by kernel family; --kernels times single kernels."""
-    from ..engine.bench import parse_list, parse_pg, render, render_kernels, render_profile, run_bench, run_kernels, run_profile
+    from ..engine.bench import (
+        parse_list,
+        parse_pg,
+        render,
+        render_kernels,
+        render_profile,
+        run_bench,
+        run_kernels,
+        run_profile,
+    )
 
     if output not in ("md", "json", "csv"):
         fail(f"--output must be md, json or csv, got {output!r}")

@@ -22,7 +22,6 @@ from typing import Any
 
 from typer.core import TyperCommand, TyperGroup
 
-
 ALIASES = {"list": "models", "ls": "models", "show": "inspect"}
 VALUED_FLAGS = {"-fa", "--flash-attn"}
 FLAG_WORDS = {"on", "off", "auto", "0", "1", "true", "false"}

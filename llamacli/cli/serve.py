@@ -8,10 +8,22 @@ from typing import Annotated, Optional
 
 import typer
 
-from .app import BackendOpt, CacheTypeKOpt, CacheTypeVOpt, CtxOpt, ModelArg, ModelOpt, SwaFullOpt, command, dim, fail, load_model
-from .generate import pick_model
 from ..serve.server import listen, make_server, need_extra
 from ..textio import printable
+from .app import (
+    BackendOpt,
+    CacheTypeKOpt,
+    CacheTypeVOpt,
+    CtxOpt,
+    ModelArg,
+    ModelOpt,
+    SwaFullOpt,
+    command,
+    dim,
+    fail,
+    load_model,
+)
+from .generate import pick_model
 
 
 @command()

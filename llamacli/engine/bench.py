@@ -31,13 +31,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..models.config import ModelConfig
-from .generate import Model
-from ..models.kv_cache import DEFAULT as DEFAULT_CACHE
-from ..models.kv_cache import cache_row_bytes
 from ..models.block import prefill as prefill_prompt
-from ..units import human_bytes, human_count
+from ..models.config import ModelConfig
+from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, cache_row_bytes
 from ..models.weights import active_share
+from ..units import human_bytes, human_count
+from .generate import Model
 
 
 @dataclass

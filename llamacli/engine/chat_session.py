@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import BadInputError, ContextOverflowError
-from .generate import Completion, Model
 from ..sampling.sampling import SamplingParams
 from ..textio import read_text
+from .generate import Completion, Model
 
 ROLES = ("system", "user", "assistant")
 

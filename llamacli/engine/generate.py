@@ -23,16 +23,15 @@ import numpy as np
 from ..backends import select_backend, start_early
 from ..backends.base import Backend, Progress
 from ..background import Background
-from ..models.config import ModelConfig
+from ..chat.reasoning import prompt_opens_think, reply_format, split_reasoning
 from ..errors import ContextOverflowError, ShapeMismatchError, UsageError
 from ..ggufio.file import open_gguf
-from ..models.kv_cache import DEFAULT as DEFAULT_CACHE
-from ..models.kv_cache import check_cache_types, parse_cache_types, ring_keeps
 from ..models.block import prefill
-from ..chat.reasoning import prompt_opens_think, reply_format, split_reasoning
+from ..models.config import ModelConfig
+from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, check_cache_types, parse_cache_types, ring_keeps
+from ..models.weights import check_tensors
 from ..sampling.sampling import SamplingParams, make_rng, sample
 from ..tokenizer.tokenizer import StreamDecoder, Tokenizer
-from ..models.weights import check_tensors
 
 if TYPE_CHECKING:
     from ..sampling.structured import Constraint

@@ -7,8 +7,7 @@ dequantized alone: `gather_rows` is the embedding lookup that never touches the 
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf import quants as _gq
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants as _gq
 
 from ..errors import UnsupportedTensorTypeError
 

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import CorruptFileError, MissingMetadataError
-from .kv_cache import DEFAULT as DEFAULT_CACHE
-from .kv_cache import cache_row_bytes, ring_rows
 from .arch import ROPE_NEOX, ROPE_NORMAL, LayerPlan, architecture
+from .kv_cache import DEFAULT as DEFAULT_CACHE, cache_row_bytes, ring_rows
 
 __all__ = ["ROPE_NEOX", "ROPE_NORMAL", "ModelConfig", "config_from_metadata"]
 ROPE_SCALINGS = ("none", "linear", "llama3", "longrope", "yarn")

@@ -95,8 +95,7 @@ def check_cache_types(head_dim: int, types: tuple[str, str]) -> None:
 def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:
     """x [..., D] (D a multiple of 32) -> float32 as stored by a q8_0 cache: Q8_0 blocks along the last axis,
     quantized and dequantized by gguf.quants (a block holding a non-finite value comes back NaN)."""
-    from gguf import GGMLQuantizationType as QT
-    from gguf import quants
+    from gguf import GGMLQuantizationType as QT, quants
 
     flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
     with np.errstate(all="ignore"):  # a non-finite value makes its block NaN, as the model's own checks expect

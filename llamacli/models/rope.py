@@ -18,8 +18,8 @@ import math
 
 import numpy as np
 
-from .config import ModelConfig
 from ..ggufio.file import GGUFFile
+from .config import ModelConfig
 
 
 def inv_freq(cfg: ModelConfig, gguf: GGUFFile | None, ctx: int, local: bool = False) -> np.ndarray:

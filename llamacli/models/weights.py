@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType
 
-from .config import ModelConfig
 from ..errors import MissingTensorError, ShapeMismatchError, UnsupportedTensorTypeError
 from ..ggufio.file import GGUFFile
 from .arch import ARCHITECTURES
+from .config import ModelConfig
 
 
 @dataclass(frozen=True)

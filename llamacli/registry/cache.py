@@ -23,10 +23,9 @@ from pathlib import Path
 
 from ..errors import DownloadError, ModelNotFoundError, UsageError
 from ..paths import cache_home
-from .entry import ModelEntry
 from ..progress import note
 from ..textio import printable
-
+from .entry import ModelEntry
 
 try:
     import fcntl

@@ -41,9 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..version import __version__
 from ..errors import DownloadError
 from ..progress import Advance, Bars
+from ..version import __version__
 
 TIMEOUT_S = 30.0  # seconds a server may stay silent before a download is abandoned
 STALL_BYTES = 16 << 10  # ...and the least a window of TIMEOUT_S seconds must bring (a trickle is a stall)

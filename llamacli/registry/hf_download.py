@@ -22,9 +22,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import download as dl
 from ..errors import DownloadError
 from ..progress import Bars
+from . import download as dl
 
 _HF_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 

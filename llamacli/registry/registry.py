@@ -29,16 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import download as dl
-from . import pypi, sources
-from .entry import ModelEntry
-from .cache import cache_lock, folders_in_use, in_cache, is_cached, make_folder, model_path, remove_cached
 from ..errors import DownloadError, ModelNotFoundError, UsageError
-from .hf_download import split_hf
 from ..paths import builtin_models_toml, cache_home, local_model
 from ..progress import note
-from .sizes import MAX_MODEL_BYTES, human_size, known_sizes
 from ..textio import read_text
+from . import download as dl, pypi, sources
+from .cache import cache_lock, folders_in_use, in_cache, is_cached, make_folder, model_path, remove_cached
+from .entry import ModelEntry
+from .hf_download import split_hf
+from .sizes import MAX_MODEL_BYTES, human_size, known_sizes
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -15,13 +15,12 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from . import download as dl
-from .cache import in_cache, is_cached, make_folder, model_path
 from ..errors import DownloadError, UsageError
 from ..paths import cache_home
+from . import download as dl
+from .cache import in_cache, is_cached, make_folder, model_path
 from .entry import ModelEntry
 from .hf_download import hf_file_size, quiet_hf, split_hf
-
 
 MAX_MODEL_BYTES = 1 << 42  # 4 TiB: a `size` beyond this is a typo, not a model
 PROBE_TIMEOUT_S = 2.0  # how long `llamacli models` waits for sources to state their sizes

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import download as dl
-from . import pypi
 from ..errors import DownloadError
 from ..progress import Bars, note
+from . import download as dl, pypi
 from .hf_download import fetch_hf
 
 

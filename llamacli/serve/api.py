@@ -12,8 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import BadInputError, ContextOverflowError, LlamacliError
 from ..chat.reasoning import parse_effort
+from ..errors import BadInputError, ContextOverflowError, LlamacliError
 from ..sampling.sampling import SamplingParams
 
 MAX_STOP = 16  # OpenAI takes 4; llama-server takes more

@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine.generate import Completion
 from ..chat.reasoning import make_splitter
-from .api import ApiError, Job, api_error, chunk, finish_reason, read_job, response, usage_chunk
+from ..engine.generate import Completion
 from ..textio import printable
+from .api import ApiError, Job, api_error, chunk, finish_reason, read_job, response, usage_chunk
 
 MAX_BODY = 16 << 20  # bytes: a long conversation fits; a runaway upload does not
 _END = object()

@@ -17,8 +17,7 @@ Apart from testing/__init__.py (model shapes and the GGUF writer) because this i
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
-from gguf import quants as _gq
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, quants as _gq
 
 # Byte offsets of the fp16 scale fields inside one block (ggml-common.h), for the types filled with
 # random bytes. Everything else in those blocks (quants, sub-scales, grid indexes) is valid whatever its bits.

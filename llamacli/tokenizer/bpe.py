@@ -123,9 +123,7 @@ def build_bpe(md: dict[str, Any], ids: dict[str, int], family: str, ignore_merge
     """The `tokenizers` engine for vocabulary `ids` (token -> id): merges from tokenizer.ggml.merges, the
     split regexes of `family`, then GPT-2's byte alphabet (byte_level) or " " -> "\u2581" with <0xXX> byte
     fallback (gemma4)."""
-    from tokenizers import Regex
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, normalizers, pre_tokenizers
+    from tokenizers import Regex, Tokenizer as HFTokenizer, models, normalizers, pre_tokenizers
 
     merges = md.get("tokenizer.ggml.merges")
     if not isinstance(merges, list):

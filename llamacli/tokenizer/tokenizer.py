@@ -33,9 +33,9 @@ import re
 from typing import Any, Iterable, Iterator
 
 from ..errors import TokenizerError
-from .text_chunks import TokenMatcher, cut_points, glued_pairs, pieces
 from .bpe import build_bpe, byte_alphabet, pre_type
 from .spm import BYTE, CONTROL, HEX_BYTE, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, build_spm
+from .text_chunks import TokenMatcher, cut_points, glued_pairs, pieces
 
 __all__ = [
     "BYTE", "CONTROL", "NORMAL", "SUPPORTED_MODELS", "UNKNOWN", "UNUSED", "USER_DEFINED",

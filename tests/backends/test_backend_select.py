@@ -85,8 +85,8 @@ def test_what_the_thread_raises_is_raised_by_its_status(monkeypatch, fake_driver
 def test_a_model_that_fails_its_checks_leaves_no_start_thread(random_model):
     import threading
 
-    from llamacli.errors import UsageError
     from llamacli.engine.generate import Model
+    from llamacli.errors import UsageError
 
     with pytest.raises(UsageError, match="context size"):
         Model(random_model("tiny-llama"), backend="auto", ctx=-1)
@@ -178,8 +178,8 @@ def test_leave_maps_exit_codes_as_the_interpreter_does(capsys, entry, code, stat
 def test_a_vocabulary_that_fails_to_build_beside_the_load_is_raised_and_frees_the_model(monkeypatch, random_model):
     """The tokenizer is built on a thread while the weights load: what it raises is raised by Model, after
     which the loaded backend and the file are closed at once."""
-    from llamacli.errors import TokenizerError
     from llamacli.engine.generate import Model
+    from llamacli.errors import TokenizerError
     from llamacli.tokenizer.tokenizer import Tokenizer
 
     def broken(md):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from llamacli.models.config import config_from_metadata
 from llamacli.backends.memory_fit import largest_ctx, not_enough_memory, parameter_count
+from llamacli.models.config import config_from_metadata
 
 GiB = 2**30
 

@@ -21,9 +21,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from clirun import run
 from llamacli.chat import template_sandbox
-from llamacli.chat.template import ChatTemplate
 from llamacli.chat.harmony import MARKERS, HarmonySplitter, split_harmony
 from llamacli.chat.reasoning import ReplyRouter, make_splitter, reply_format, split_reasoning, template_variables
+from llamacli.chat.template import ChatTemplate
 from llamacli.testing import variant, write_model
 from llamacli.testing.harmony import GPT_OSS_TEMPLATE, harmony_vocab
 from llamacli.tokenizer.tokenizer import StreamDecoder, Tokenizer
@@ -448,8 +448,9 @@ def test_serve_returns_reasoning_content_and_streams_it(oss, monkeypatch):
     openai = pytest.importorskip("openai")
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
-    from llamacli.engine.generate import Model
     from test_serve import start  # a running server on a free port
+
+    from llamacli.engine.generate import Model
 
     with Model(oss, backend="numpy", ctx=512) as model:
         Script(REPLY, REPLY, REPLY, REPLY).install(monkeypatch, model.backend)

@@ -6,8 +6,14 @@ import random
 
 import pytest
 
-from llamacli.chat.reasoning import (ReasoningSplitter, ReplyRouter, parse_effort, prompt_opens_think, split_reasoning,
-                                template_thinks)
+from llamacli.chat.reasoning import (
+    ReasoningSplitter,
+    ReplyRouter,
+    parse_effort,
+    prompt_opens_think,
+    split_reasoning,
+    template_thinks,
+)
 
 CASES = [
     # (output, opened by the prompt, reasoning, answer)

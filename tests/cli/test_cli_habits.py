@@ -13,8 +13,8 @@ import typer
 
 from clirun import run, run_subprocess
 from llamacli.cli.parser import HabitCommand, HabitGroup
-from llamacli.models.config import config_from_metadata
 from llamacli.engine.generate import context_warning
+from llamacli.models.config import config_from_metadata
 
 NP = ("--backend", "numpy")
 COMMANDS = ("inspect", "generate", "models", "pull", "rm", "tokenize", "bench", "chat", "run", "list", "ls", "show")

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-import numpy as np
-
+from clirun import run
 from llamacli.engine.bench import BenchRow, ProfileRow, render, render_kernels, render_profile, run_bench
 from llamacli.engine.generate import Model
 from llamacli.testing import tiny_vocab, write_model
-
-from clirun import run
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +73,8 @@ def test_decode_attention_summary_counts_the_keys_each_layer_reads(random_model)
     """bench --profile's decode attention line: K and V bytes at the position (a sliding-window layer reads
     only its window), GB/s from the attention families' time, the share of the copy bandwidth."""
     from llamacli.engine.bench import attention_kv_bytes, decode_attention_summary
-    from llamacli.models.config import ModelConfig
     from llamacli.ggufio.file import open_gguf
+    from llamacli.models.config import ModelConfig
 
     g = open_gguf(random_model("tiny-gemma3", "F32"))
     cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from llamacli.engine.chat_session import ChatSession, ConversationFileError, check_messages
-from llamacli.errors import ContextOverflowError
 from llamacli.engine.generate import Completion, Model, Timings, _common_prefix
+from llamacli.errors import ContextOverflowError
 from llamacli.sampling.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

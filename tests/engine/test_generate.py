@@ -62,9 +62,7 @@ def test_hold_back(text, stops, emit, held):
 
 def test_vocabulary_must_match_the_embedding(tmp_path):
     from llamacli.errors import ShapeMismatchError
-    from llamacli.testing import variant, write_model
-
-    from llamacli.testing import tiny_vocab
+    from llamacli.testing import tiny_vocab, variant, write_model
 
     small = tiny_vocab()  # 273 tokens, written over the writer's padded list; 300 embedding rows
     path = write_model(tmp_path / "m.gguf", variant("tiny-llama", vocab_size=300), "F32", metadata={
@@ -78,8 +76,8 @@ def test_vocabulary_must_match_the_embedding(tmp_path):
 
 def _numpy_backend(path, ctx):
     from llamacli.backends.numpy_backend import NumpyBackend
-    from llamacli.models.config import ModelConfig
     from llamacli.ggufio.file import open_gguf
+    from llamacli.models.config import ModelConfig
 
     g = open_gguf(path)
     cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
@@ -96,8 +94,8 @@ def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
     shapes, 2e-5 relative to the largest value."""
     import numpy as np
 
-    from llamacli.models import block as model_mod
     from llamacli.backends import numpy_backend
+    from llamacli.models import block as model_mod
 
     path = random_model(shape, "F32")
     rng = np.random.default_rng(7)
@@ -156,8 +154,8 @@ def test_host_memory_check_counts_the_scratch(random_model):
 
     from llamacli.backends import numpy_backend as nb
     from llamacli.errors import HostMemoryError
-    from llamacli.models.config import ModelConfig
     from llamacli.ggufio.file import open_gguf
+    from llamacli.models.config import ModelConfig
 
     g = open_gguf(random_model("small-llama", "Q8_0"))
     cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))

@@ -8,11 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from llamacli.engine import generate
-from llamacli.errors import UsageError
-from llamacli.engine.generate import Model
-
 from clirun import run
+from llamacli.engine import generate
+from llamacli.engine.generate import Model
+from llamacli.errors import UsageError
 
 PROMPT = "The capital of France is"
 

@@ -28,17 +28,15 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import gguf_bytes as gb
 import gguf_mutate as gm
-from fuzz_runner import Case, Outcome, Summary, run_cases
-from fuzz_worker import load_everything
-
 import llamacli.backends.numpy_backend  # noqa: F401,E402  (imported before tracemalloc starts)
 import llamacli.chat.template  # noqa: F401,E402
 import llamacli.tokenizer.tokenizer  # noqa: F401,E402
+from fuzz_runner import Case, Outcome, Summary, run_cases
+from fuzz_worker import load_everything
 
 CI_SEED = 20261122
 CI_CASES = 10000  # random mutants of the synthetic models (the boundary truncations come on top)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
-from gguf import quants as gq
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, quants as gq
 
 from llamacli.ggufio.file import open_gguf
 from llamacli.ggufio.quants import can_dequantize, dequantize, gather_rows

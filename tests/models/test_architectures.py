@@ -16,11 +16,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_model_reference import Ours, check, hf_logits, hf_model, run_lengths_and_decode  # noqa: E402
+
+from llamacli.ggufio.file import open_gguf  # noqa: E402
 from llamacli.models import rope  # noqa: E402
 from llamacli.models.config import ModelConfig  # noqa: E402
-from llamacli.ggufio.file import open_gguf  # noqa: E402
 from llamacli.testing import SHAPES, variant  # noqa: E402
-from test_model_reference import Ours, check, hf_logits, hf_model, run_lengths_and_decode  # noqa: E402
 
 STD = 0.08  # large enough weights that the logits of tiny models are far from ties
 

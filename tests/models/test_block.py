@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from llamacli.backends.cuda.fusion import Unfused, match_layer
-from llamacli.models.config import ModelConfig
 from llamacli.models.block import Add, Attention, Glu, Linear, Moe, Norm, Rope, Split, layer_op, layer_ops
+from llamacli.models.config import ModelConfig
 from llamacli.testing import SHAPES, model_metadata, tensor_shapes
 
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from llamacli.models.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig
 from llamacli.errors import CorruptFileError, MissingMetadataError, UnknownArchitectureError
 from llamacli.ggufio.file import open_gguf
+from llamacli.models.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig
 
 
 def test_smollm2(smollm2):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llamacli.errors import UsageError
-from llamacli.engine.generate import Model
-from llamacli.models.kv_cache import cache_row_bytes, check_cache_types, parse_cache_type, q8_0_roundtrip
-from llamacli.models.block import run as forward
-
 from clirun import run
+from llamacli.engine.generate import Model
+from llamacli.errors import UsageError
+from llamacli.models.block import run as forward
+from llamacli.models.kv_cache import cache_row_bytes, check_cache_types, parse_cache_type, q8_0_roundtrip
 
 
 def q8_0_ref(x: np.ndarray) -> np.ndarray:
@@ -122,8 +121,8 @@ def test_ring_keeps_only_prefixes_whose_window_is_still_held():
 
 
 def test_kv_cache_bytes_count_the_rings():
-    from llamacli.models.config import ModelConfig
     from llamacli.backends.memory_fit import largest_ctx
+    from llamacli.models.config import ModelConfig
     from llamacli.testing import SHAPES, model_metadata
 
     cfg = ModelConfig.from_gguf(model_metadata(SHAPES["gemma3-270m"], 262144))

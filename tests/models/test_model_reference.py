@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
-from llamacli.models.config import ModelConfig  # noqa: E402
 from llamacli.ggufio.file import open_gguf  # noqa: E402
 from llamacli.models.block import run as forward  # noqa: E402
+from llamacli.models.config import ModelConfig  # noqa: E402
 
 TOL = 1e-3
 

@@ -13,19 +13,17 @@ import json
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as QT
-from gguf import quants as gq
+from gguf import GGMLQuantizationType as QT, quants as gq
 
+from clirun import run
 from llamacli.backends.numpy_backend import NumpyBackend, host_bytes
-from llamacli.models.config import ModelConfig
 from llamacli.errors import CorruptFileError, MissingMetadataError, UnknownArchitectureError
 from llamacli.ggufio.file import open_gguf
 from llamacli.models.block import Moe, layer_op
+from llamacli.models.config import ModelConfig
 from llamacli.models.moe import route
-from llamacli.testing import SHAPES, model_metadata, random_quant_rows, variant, write_model
 from llamacli.models.weights import layer_tensor_names, model_specs
-
-from clirun import run
+from llamacli.testing import SHAPES, model_metadata, random_quant_rows, variant, write_model
 
 STD = 0.08  # as test_architectures: logits far from ties
 

@@ -22,16 +22,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 import clirun
 from clirun import run, run_subprocess
-from fake_sources import GGUF, GGUF_SHA, Server, hub_headers, user_models
-from fake_sources import partial_files as parts
-
-from llamacli.registry import cache, pypi, registry, sources
-from llamacli.registry import download as dl
+from fake_sources import GGUF, GGUF_SHA, Server, hub_headers, partial_files as parts, user_models
 from llamacli import progress as progress_bars
-from llamacli.registry.cache import is_cached, model_path
 from llamacli.errors import DownloadError, ModelNotFoundError, UsageError
+from llamacli.registry import cache, download as dl, pypi, registry, sources
+from llamacli.registry.cache import is_cached, model_path
 from llamacli.registry.registry import load_registry, lookup, pull_model, remove_model
 from llamacli.textio import printable
 

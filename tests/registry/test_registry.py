@@ -14,16 +14,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from fake_sources import GGUF, GGUF_SHA, Route, user_models
-from fake_sources import partial_files as leftovers
 
-from llamacli.registry import registry
-from llamacli.testing import data as testdata
-from llamacli.registry import download as dl
-from llamacli.paths import cache_home
-from llamacli.registry.cache import is_cached, model_path
+from fake_sources import GGUF, GGUF_SHA, Route, partial_files as leftovers, user_models
 from llamacli.cli import main
 from llamacli.errors import DownloadError, ModelNotFoundError, UsageError
+from llamacli.paths import cache_home
+from llamacli.registry import download as dl, registry
+from llamacli.registry.cache import is_cached, model_path
 from llamacli.registry.hf_download import split_hf
 from llamacli.registry.registry import (
     builtin_registry_path,
@@ -33,6 +30,7 @@ from llamacli.registry.registry import (
     remove_model,
     resolve_model,
 )
+from llamacli.testing import data as testdata
 
 pytestmark = pytest.mark.usefixtures("download_sandbox")
 

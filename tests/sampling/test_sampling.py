@@ -8,8 +8,7 @@ from collections import deque
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llamacli.errors import NumericalError, UsageError
 from llamacli.sampling.sampling import (

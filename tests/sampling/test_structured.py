@@ -15,12 +15,11 @@ import pytest
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
-from llamacli.engine import generate
-from llamacli.engine.generate import Model
-from llamacli.testing import variant
-from llamacli.sampling.structured import Constraint, grammar_constraint, json_object_constraint, json_schema_constraint
-
-from clirun import run
+from clirun import run  # noqa: E402
+from llamacli.engine import generate  # noqa: E402
+from llamacli.engine.generate import Model  # noqa: E402
+from llamacli.sampling.structured import Constraint, grammar_constraint, json_object_constraint, json_schema_constraint  # noqa: E402
+from llamacli.testing import variant  # noqa: E402
 
 COMPACT = {"whitespace_flexible": False}  # llguidance option: no free whitespace (random logits love it)
 

@@ -190,8 +190,9 @@ def test_concurrent_clients_each_get_their_own_answer(client):
 
 
 def test_logprobs(client):
-    from llamacli.engine.generate import Model as M
     import inspect
+
+    from llamacli.engine.generate import Model as M
 
     if "logprobs" not in inspect.signature(M.run).parameters:
         pytest.skip("Model.run has no logprobs in this build")

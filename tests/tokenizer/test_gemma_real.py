@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-from clirun import run
 from test_chat import GEMMA3_OFFICIAL, GEMMA_CONVERSATIONS, transformers_render
 from test_tokenizer import TEXTS
 
+from clirun import run
 from llamacli.chat.template import ChatTemplate, encode_prompt
 from llamacli.ggufio.file import open_gguf
 from llamacli.tokenizer.tokenizer import StreamDecoder, Tokenizer

@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from llamacli.errors import TokenizerError
 from llamacli.ggufio.file import open_gguf
 from llamacli.tokenizer import text_chunks
-from llamacli.tokenizer.tokenizer import CONTROL, StreamDecoder, TokenMatcher, Tokenizer, cut_points
 from llamacli.tokenizer.bpe import PRE_SPLITS
+from llamacli.tokenizer.tokenizer import CONTROL, StreamDecoder, Tokenizer, TokenMatcher, cut_points
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 

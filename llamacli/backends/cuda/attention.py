@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from ...models.block import Attention
 from ...models.config import ROPE_NEOX
 from ...models.kv_cache import ring_span
-from ...models.block import Attention
 from . import loader as K
 from .fusion import AttentionBranch
 from .profile import profiled

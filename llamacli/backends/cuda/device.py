@@ -15,15 +15,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...models import rope as rope_tables
-from ...models.config import ModelConfig
 from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...ggufio.file import GGUFFile
-from ...models.kv_cache import check_cache_types, ring_span
-from ..memory_fit import not_enough_memory, q8_pair_bytes
+from ...models import rope as rope_tables
 from ...models.block import layer_ops
+from ...models.config import ModelConfig
+from ...models.kv_cache import check_cache_types, ring_span
 from ...models.weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights, Progress
+from ..memory_fit import not_enough_memory, q8_pair_bytes
 from . import loader as K
 from .fusion import match_layer
 from .linear import DEQUANT_CHUNK, DeviceMatrix

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from ...errors import BackendError
 from ...models.block import Add, Attention, Glu, Linear, Moe, Norm, Op, Rope, Split
 
-
 DENSE_GLU = ("silu", "gelu_tanh")  # the dense FFN's activations (kernels/matvec.cu _swiglu / _geglu forms)
 
 

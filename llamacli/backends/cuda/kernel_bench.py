@@ -74,7 +74,8 @@ def kernel_benchmarks(be: Any, shapes: tuple, types: tuple, att: tuple[int, int,
             mats = [DeviceMatrix(w.data.ptr, n, k, qt, w.shape[1]) for w in bufs]
             x = cp.random.standard_normal((1, k), dtype=cp.float32)
             y = cp.empty((1, n), cp.float32)
-            t = _time_launches(cp, lambda i: be.matvec((mats[i % copies],), x, 1, y), 60)
+            # (ruff takes `mats` for the name `del` drops below; the lambda runs before that)
+            t = _time_launches(cp, lambda i: be.matvec((mats[i % copies],), x, 1, y), 60)  # noqa: F821
             nbytes = one.nbytes + 4 * (k + n)
             kernel = "mv1_stream" if be.mv1_stream and mv1_stream_ok(mats[:1]) else "mv1"
             rows.append({"kernel": f"{kernel}_{name.lower()}", "shape": f"{n}x{k}", "us": t * 1e6,

@@ -23,11 +23,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from gguf import GGMLQuantizationType as QT
+
 from ...errors import BackendError
 from ...models.block import Moe
 from . import loader as K
-from gguf import GGMLQuantizationType as QT
-
 from .fusion import FfnBranch
 from .linear import MATVEC_TMAX, MV1_ACT8, MV1_WARPS, DeviceMatrix, _lpr, mv1_smem, qname
 from .profile import profiled

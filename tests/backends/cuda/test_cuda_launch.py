@@ -8,8 +8,8 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 from llamacli.backends.cuda import loader as K
 
@@ -255,7 +255,14 @@ def test_mv1_tile_takes_short_q8_0_rows_and_fits_a_block() -> None:
     from pathlib import Path
 
     from llamacli.backends.cuda.linear import (
-        MV1T_MAX_COLS, MV1T_ROWS, MV1T_STAGES, MV1T_STATIC_SMEM, MV1T_WARPS, DeviceMatrix, mv1_tile_grid, mv1_tile_ok,
+        MV1T_MAX_COLS,
+        MV1T_ROWS,
+        MV1T_STAGES,
+        MV1T_STATIC_SMEM,
+        MV1T_WARPS,
+        DeviceMatrix,
+        mv1_tile_grid,
+        mv1_tile_ok,
         mv1_tile_smem,
     )
 
@@ -295,7 +302,11 @@ def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
     from pathlib import Path
 
     from llamacli.backends.cuda.linear import (
-        MV1_WARPS, MV1S_BLOCKS_PER_SM, DeviceMatrix, mv1_stream_grid, mv1_stream_ok,
+        MV1_WARPS,
+        MV1S_BLOCKS_PER_SM,
+        DeviceMatrix,
+        mv1_stream_grid,
+        mv1_stream_ok,
     )
 
     src = (Path(__file__).resolve().parents[3] / "kernels" / "matvec.cu").read_text()

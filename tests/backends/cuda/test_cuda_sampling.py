@@ -10,11 +10,11 @@ import re
 import numpy as np
 import pytest
 
-from llamacli.sampling import sampling as S
 from llamacli.backends.cuda import loader as K
 from llamacli.backends.cuda.sampling import STEP_PARAMS, TOPK_MAX, UniformFeed, on_device, step_params
 from llamacli.backends.numpy_backend import NumpyBackend
 from llamacli.engine.generate import Model
+from llamacli.sampling import sampling as S
 
 
 def test_feed_gives_the_generators_numbers_in_order_at_their_slots() -> None:

@@ -14,11 +14,11 @@ cp = pytest.importorskip("cupy")
 
 from llamacli.backends.cuda import RUNNABLE, CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
-from llamacli.models.config import ModelConfig  # noqa: E402
 from llamacli.ggufio.file import open_gguf  # noqa: E402
 from llamacli.models.block import run as forward  # noqa: E402
-from llamacli.testing import variant  # noqa: E402
+from llamacli.models.config import ModelConfig  # noqa: E402
 from llamacli.models.weights import check_tensors  # noqa: E402
+from llamacli.testing import variant  # noqa: E402
 
 _ok, _why = cuda_available()
 if not _ok:
@@ -469,8 +469,8 @@ def test_fused_prefill_chunk_after_cached_prefix(random_model) -> None:
 def test_mixed_kv_cache_types_are_refused_on_cuda(random_model) -> None:
     """K and V caches of two types: the CUDA backend says so before allocating anything (as llama.cpp's CUDA
     flash attention, it takes one type for both)."""
-    from llamacli.errors import UsageError
     from llamacli.engine.generate import Model
+    from llamacli.errors import UsageError
 
     with pytest.raises(UsageError, match="K and V caches of one type"):
         Model(random_model("small-llama", "Q8_0"), backend="cuda", ctx=64, cache_types=("q8_0", "f16"))

@@ -15,19 +15,24 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
-from llamacli.errors import BackendError, NumericalError  # noqa: E402
-from llamacli.models import rope as rope_tables  # noqa: E402
-from llamacli.sampling import sampling as S  # noqa: E402
-from llamacli.backends.cuda import RUNNABLE, CudaBackend, DeviceMatrix, cuda_available  # noqa: E402
-from llamacli.backends.cuda import linear  # noqa: E402
-from llamacli.backends.cuda import loader as K  # noqa: E402
+from llamacli.backends.cuda import (  # noqa: E402
+    RUNNABLE,
+    CudaBackend,
+    DeviceMatrix,
+    cuda_available,
+    linear,  # noqa: E402
+    loader as K,  # noqa: E402
+)
 from llamacli.backends.cuda.attention import ATT_TC_DIMS, ATT_TC_MIN_T  # noqa: E402
+from llamacli.backends.cuda.fusion import match_layer  # noqa: E402
 from llamacli.backends.cuda.linear import MV1_ACT8, MV1_MIXED  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
-from llamacli.backends.cuda.fusion import match_layer  # noqa: E402
-from llamacli.models.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig  # noqa: E402
-from llamacli.models.block import Attention, layer_op, layer_ops  # noqa: E402
+from llamacli.errors import BackendError, NumericalError  # noqa: E402
 from llamacli.ggufio.quants import dequantize  # noqa: E402
+from llamacli.models import rope as rope_tables  # noqa: E402
+from llamacli.models.block import Attention, layer_op, layer_ops  # noqa: E402
+from llamacli.models.config import ROPE_NEOX, ROPE_NORMAL, ModelConfig  # noqa: E402
+from llamacli.sampling import sampling as S  # noqa: E402
 from llamacli.testing import act8, act8_bound, random_quant_rows  # noqa: E402
 
 _ok, _why = cuda_available()
@@ -1292,8 +1297,8 @@ def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
     the reference's q8_0 cache; two KV heads; the history written through kv_store_q8 (the op path), past a
     window's ring (768 rows: 830 positions wrap it), the scales of the positions before the first step's
     window NaN (in the ring, some in the first tile read: the conversion must mask them)."""
-    from llamacli.models.kv_cache import q8_0_roundtrip
     from llamacli.models.base import LayerPlan
+    from llamacli.models.kv_cache import q8_0_roundtrip
 
     rng = np.random.default_rng(dh + group + window + 3)
     hkv, ctx = 2, 2048

@@ -22,9 +22,16 @@ if not _ok:
 pytestmark = pytest.mark.gpu
 
 from test_gpu_kernels import (  # noqa: E402
-    assert_close, att_branch, att_op, bare, check_prefill_chunks, ext_attention_ref, make_cfg, poisoned, put_positions,
+    assert_close,
+    att_branch,
+    att_op,
+    bare,
+    check_prefill_chunks,
+    ext_attention_ref,
+    make_cfg,
+    poisoned,
+    put_positions,
 )
-
 
 # -- routing ----------------------------------------------------------------------------------------------
 
@@ -69,11 +76,11 @@ def test_decode_router_routes_as_the_reference(tmp_path, spec, n_expert, k) -> N
     e_0), so that logits keep exact ties (lower id first); -inf logits; one expert far ahead; softmax gating
     (qwen3moe, renormalised) and top-k softmax (gpt-oss, its router bias zeroed); every block of the launch
     done and the counter reset for the next step."""
-    from llamacli.backends.cuda import CudaBackend
-    from llamacli.testing import variant, write_model
+    from gguf import GGMLQuantizationType as QT
     from test_gpu_backend import loaded
 
-    from gguf import GGMLQuantizationType as QT
+    from llamacli.backends.cuda import CudaBackend
+    from llamacli.testing import variant, write_model
 
     path = write_model(tmp_path / "m.gguf", variant(spec, n_expert=n_expert, n_expert_used=k), QT.F32)
     _g, cfg, be = loaded(path, CudaBackend(use_graph=False))
@@ -123,8 +130,7 @@ def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
     launch into poisoned outputs (the counter reset by the first) gives the same bits."""
     from gguf import GGMLQuantizationType as QT
 
-    from llamacli.backends.cuda import CudaBackend
-    from llamacli.backends.cuda import loader as K
+    from llamacli.backends.cuda import CudaBackend, loader as K
     from llamacli.backends.cuda.linear import MV1_WARPS, mv1_smem
 
     be = CudaBackend(use_graph=False)  # for its moe_route_f32 launcher
@@ -192,8 +198,8 @@ def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
 
 
 def sink_cfg(dh: int, hkv: int, group: int, window: int):
-    from llamacli.models.config import ROPE_NEOX
     from llamacli.models.base import LayerPlan
+    from llamacli.models.config import ROPE_NEOX
 
     plan = LayerPlan(window=window, sinks=True)
     return make_cfg(n_head=hkv * group, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hkv * group * dh,

@@ -13,14 +13,14 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
-from llamacli.sampling import sampling as S  # noqa: E402
+from test_gpu_backend import _smollm2_path  # noqa: E402  (the real test model, or a skip)
+
 from llamacli.backends.cuda import CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.cuda.sampling import TOPK_MAX, UNIFORM_RING, check_flag  # noqa: E402
-from llamacli.models.config import ROPE_NORMAL, ModelConfig  # noqa: E402
-from llamacli.errors import BackendError, NumericalError  # noqa: E402
 from llamacli.engine.generate import load  # noqa: E402
-
-from test_gpu_backend import _smollm2_path  # noqa: E402  (the real test model, or a skip)
+from llamacli.errors import BackendError, NumericalError  # noqa: E402
+from llamacli.models.config import ROPE_NORMAL, ModelConfig  # noqa: E402
+from llamacli.sampling import sampling as S  # noqa: E402
 
 _ok, _why = cuda_available()
 if not _ok:
