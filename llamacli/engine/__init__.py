@@ -1,3 +1,3 @@
-"""Running a model: forward.py (the forward pass and prefill over a backend), generate.py (Model: load,
+"""Running a model: generate.py (Model: load,
 tokenize, the decode loop, streaming; llamacli.load), chat_session.py (a conversation over the KV cache),
 bench.py (`llamacli bench`'s measurements)."""

@@ -5,6 +5,7 @@
     linear.py     DeviceMatrix, the matvec kernels and their grid rules, the prefill GEMMs (cuBLAS)
     ops.py        embedding, RMSNorm, RoPE, SwiGLU, add: the one-kernel Backend operations
     attention.py  the attention launchers (prefill: CUDA cores, mma.sync, wgmma; decode splits) and sizes
+    fusion.py     a layer's program (models/block.py) read into the fused forms prefill and decode launch
     prefill.py    forward_prompt's fused pass, its buffers and graphs
     decode.py     the fused decode step, its graph capture and look-ahead
     sampling.py   sampling on the device
