@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 from ..ggufio.file import GGUFFile
 from ..models import block
 from ..models.block import Attention, Moe
+from .step import Sampler, SeqStep, StepOut
 
 Progress = Callable[[int, int, str], None]  # (done, total, what) -> None; called while loading
 
@@ -82,6 +83,9 @@ class Backend(ABC):
     prefill_chunk: int | None = None
     # (stage, ms) of the last load() where the backend times its parts (--verbose lists them).
     load_stages: tuple[tuple[str, float], ...] = ()
+    # step(): the sequence whose decode is set up (its Sampler), and the decode form chosen for it
+    _step_sampler: Sampler | None = None
+    _step_kind: str = "logits"
 
     cfg: ModelConfig
     ctx: int
@@ -170,8 +174,60 @@ class Backend(ABC):
     def add(self, x: Any, y: Any) -> Any:
         """x + y (may write into x)."""
 
+    # -- the step contract (backends/step.py) ----------------------------------------------------------------
+    def step(self, batch: Sequence[SeqStep]) -> list[StepOut]:
+        """Run one step of each sequence in `batch` -> its chosen id (and logits where asked), per sequence.
+        A sequence's first step (a Sampler this backend has not seen) prefills its tokens and sets up the
+        decode for its sampler; each later step decodes one token at the next position, through the fastest
+        form the sampler allows: the argmax or the whole sampler inside the step, a constraint's mask applied
+        where the logits are, or the logits to the host (logprobs). One sequence in slot 0 for now."""
+        if len(batch) != 1 or batch[0].slot != 0:
+            raise BackendError(f"the {self.name} backend steps one sequence in cache slot 0 "
+                               f"(got {len(batch)} sequences, slots {sorted({s.slot for s in batch})})")
+        seq = batch[0]
+        s, pos = seq.sampler, seq.start
+        if s is not self._step_sampler:  # a new sequence: its prompt, then the decode set up for its sampler
+            self._step_sampler = None  # (until the prompt's step has run whole)
+            out = self._choose(block.prefill(self, self.cfg, seq.tokens, pos), s)
+            self._step_kind = self._setup_decode(s, pos + len(seq.tokens))
+            self._step_sampler = s
+            return [out]
+        if len(seq.tokens) != 1:
+            raise BackendError(f"a decode step takes one token per sequence, got {len(seq.tokens)}")
+        token, p, rng, hist = seq.tokens[0], s.params, s.rng, s.history
+        if s.mask is not None and not s.logits:  # the mask computed while the step runs
+            return [StepOut(self.decode_allowed(token, pos, s.mask, p, rng, hist))]
+        if s.logits or s.mask is not None:
+            return [self._choose(self.decode(token, pos), s)]
+        if self._step_kind == "greedy":  # the argmax runs inside the step: only the id crosses
+            return [StepOut(self.decode_greedy(token, pos))]
+        if self._step_kind == "sampled":  # so does the sampler (the same ids as sample(), draw for draw)
+            return [StepOut(self.decode_sampled(token, pos))]
+        return [StepOut(self.sample(self.decode(token, pos), p, rng, hist))]
+
+    def _choose(self, logits: Any, s: Sampler) -> StepOut:
+        """The id from a step's logits [1, V] as `s` says; the raw logits (host) too with s.logits."""
+        if s.logits:  # the raw logits come back (logprobs); the id from them, masked by the constraint
+            from ..sampling.sampling import sample
+
+            raw = self.to_host(logits)[-1]
+            x = raw if s.allowed is None else np.where(s.allowed(), raw, np.float32(-np.inf))
+            return StepOut(sample(x, s.params, s.rng, s.history), raw)
+        if s.mask is not None:
+            return StepOut(self.sample_allowed(logits, s.mask(), s.params, s.rng, s.history))
+        return StepOut(self.sample(logits, s.params, s.rng, s.history))
+
+    def _setup_decode(self, s: Sampler, pos: int) -> str:
+        """The decode form for sampler `s` whose first decode step runs at `pos` ("greedy", "sampled",
+        "logits"), made ready (start_sampling: the sampler inside the step; prepare_decode: its graph)."""
+        logits_path = s.logits or s.mask is not None
+        sampled = not logits_path and not s.plain_greedy and self.start_sampling(s.params, s.rng, s.history)
+        kind = "sampled" if sampled else "greedy" if s.plain_greedy and not logits_path else "logits"
+        self.prepare_decode((kind,), pos=pos)
+        return kind
+
     # -- whole steps ---------------------------------------------------------------------------------------
-    # The engine calls these; a GPU backend overrides them with fused kernels and captured graphs.
+    # step() calls these; a GPU backend overrides them with fused kernels and captured graphs.
     def forward_prompt(self, ids: np.ndarray, start: int) -> Any:
         """One prefill pass: host token ids [T] at positions start.. -> logits [1, V] of the last one;
         writes their K/V into the cache (block.prefill calls it per chunk)."""

@@ -22,15 +22,15 @@ import numpy as np
 
 from ..backends import select_backend, start_early
 from ..backends.base import Backend, Progress
+from ..backends.step import Sampler, SeqStep
 from ..background import Background
 from ..chat.reasoning import prompt_opens_think, reply_format, split_reasoning
 from ..errors import ContextOverflowError, ShapeMismatchError, UsageError
 from ..ggufio.file import open_gguf
-from ..models.block import prefill
 from ..models.config import ModelConfig
 from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, check_cache_types, parse_cache_types, ring_keeps
 from ..models.weights import check_tensors
-from ..sampling.sampling import SamplingParams, make_rng, sample
+from ..sampling.sampling import SamplingParams, make_rng
 from ..tokenizer.tokenizer import StreamDecoder, Tokenizer
 
 if TYPE_CHECKING:
@@ -302,79 +302,27 @@ class Model:
         # text a little before is not taken for one; "<|start|>assistant" may take 16 in a small vocabulary.
         c.think_open = prompt_opens_think(self.tokenizer.decode(ids[-8:]))
         c.reasoning_format = reply_format(self.tokenizer.decode(ids[-16:]))
-        rng = make_rng(params.seed)
-        be, cfg = self.backend, self.cfg
-        logits_path = logprobs is not None or constraint is not None  # each step's logits come to pick()
+        history = list(ids)  # the sampler's penalty window: the prompt, then each id taken
+        sampler = Sampler(params, make_rng(params.seed), history, logits=logprobs is not None)
         c.logprobs = [] if logprobs is not None else None
         if constraint is not None:
             from ..sampling.structured import mask_words
 
             constraint.reset()
-            words = mask_words(constraint)
-
-        def pick(step_logits: Any) -> tuple[int, dict[str, Any] | None]:
-            """The next id (and its logprob entry) from one step's logits. The constraint's mask is computed
-            before the logits are read: on CUDA the step is still running then, so the two overlap. Without
-            logprobs the masked logits stay on the device (Backend.sample_allowed: only the id comes back)."""
-            if logprobs is None and constraint is not None:
-                return be.sample_allowed(step_logits, words(), params, rng, history), None
-            allowed = None if constraint is None else constraint.allowed()
-            raw = be.to_host(step_logits)[-1]
-            x = raw if allowed is None else np.where(allowed, raw, np.float32(-np.inf))
-            chosen = sample(x, params, rng, history)
-            return chosen, (None if logprobs is None else _logprob_entry(self.tokenizer, raw, chosen, logprobs))
-
-        # Prefill what the cache does not hold yet (at least the last token, whose logits we need).
-        keep = _common_prefix(self.cached, ids, len(ids) - 1)
-        if not ring_keeps(keep, self.written, self.windows_rows, self.ctx):
-            keep = 0  # a ring no longer holds the window before the first new position
-        t0 = time.perf_counter()
-        self.cached = self.cached[:keep]
-        new = ids[keep:]
-        self.written = max(self.written if keep else -1, len(ids) - 1)  # (before: a failed prefill wrote some)
-        laps.lap("prompt to ids")
-        logits = prefill(be, cfg, new, keep)
-        be.synchronize()  # (the first token's sampling would wait here anyway): prefill and sampling timed apart
-        laps.lap(f"prefill ({len(new)} tokens)")
-        self.cached = list(ids)  # only once the prefill finished
-        history = list(ids)
-        if logits_path:
-            token, entry = pick(logits)
-        else:
-            token, entry = be.sample(logits, params, rng, history), None
-        c.timings.first_token_at = time.perf_counter()
-        laps.lap("first token")
-        c.timings.prompt_ms = (c.timings.first_token_at - t0) * 1e3
-        c.timings.prompt_tokens = len(new)
-
-        # The decode loop: the argmax (greedy) or the whole sampler (start_sampling: after the first token,
-        # whose uniform number came first) inside the step, so that only ids cross; else the step's logits
-        # go to sample() (top-k 0 or > 1024 on CUDA: on the host), or to pick() with logprobs or a
-        # constraint. Its graph is ready before the clock starts (captured at load; again here if dropped).
-        plain_greedy = params.greedy and not params.has_penalties
-        sampled = not logits_path and not plain_greedy and be.start_sampling(params, rng, history)
-        kind = "sampled" if sampled else "greedy" if plain_greedy and not logits_path else "logits"
-        self.written = max(self.written, len(self.cached))  # (a capture's warm-up step writes there)
-        be.prepare_decode((kind,), pos=len(self.cached))
-        if _has_own(be, "prepare_decode") or _has_own(be, "start_sampling"):  # (none on NumPy)
-            laps.lap("decode set-up")
-        c.timings.stages = laps.stages
-        # Generated text continues the prompt: keep the space SentencePiece pieces start with, and print no
-        # control tokens (llama-cli without --special).
+            sampler.allowed, sampler.mask = constraint.allowed, mask_words(constraint)
+        tokens = self._tokens(ids, sampler, max_tokens, constraint, logprobs, c, laps)
+        # The text: ids detokenized as they come, held back while they may begin a stop string. Generated text
+        # continues the prompt: keep the space SentencePiece pieces start with, and print no control tokens
+        # (llama-cli without --special).
         decoder = StreamDecoder(self.tokenizer, special=False, strip_dummy_prefix=False)
         pending = ""  # text held back because it might begin a stop string
         cut = False  # a stop string ended the output: what follows it is dropped
-        t0 = time.perf_counter()
+        t0 = None
         try:
-            while c.finish_reason is None:
-                if max_tokens == 0:
-                    c.finish_reason = "length"
-                    break
-                if token in self.tokenizer.eog_ids:
-                    c.finish_reason = "eos"
-                    break
+            for token, entry in tokens:
+                if t0 is None:  # the decode loop's clock starts with the first id
+                    t0 = time.perf_counter()
                 c.tokens.append(token)
-                history.append(token)
                 if c.logprobs is not None:
                     c.logprobs.append(entry)
                 pending += decoder.feed(token)
@@ -383,34 +331,11 @@ class Model:
                     c.finish_reason, pending = "stop", ""
                 else:
                     before, pending = _hold_back(pending, stop)
-                if constraint is not None and c.finish_reason is None:
-                    constraint.advance(token)
-                    if constraint.is_done:
-                        c.finish_reason = "stop"
                 if before:
                     c.text += before
                     yield before
-                if c.finish_reason is None and (len(c.tokens) >= max_tokens or len(self.cached) >= self.ctx):
-                    c.finish_reason = "length"
-                if c.finish_reason is None:
-                    # Decode: one token at the next position (a captured graph on CUDA), and perhaps the
-                    # following one queued ahead.
-                    pos = len(self.cached)
-                    self.written = max(self.written, pos + 1)
-                    if constraint is not None and logprobs is None:  # the mask computed as the step runs
-                        following = be.decode_allowed(token, pos, words, params, rng, history)
-                    elif logits_path:
-                        following, entry = pick(be.decode(token, pos))
-                    elif plain_greedy:  # the argmax runs inside the step: only the id crosses
-                        following = be.decode_greedy(token, pos)
-                    elif sampled:  # so does the sampler (the same ids as sample() below, draw for draw)
-                        following = be.decode_sampled(token, pos)
-                    else:
-                        following = be.sample(be.decode(token, pos), params, rng, history)
-                    self.cached.append(token)  # only once its K/V are surely written
-                    token = following
-                    c.timings.eval_tokens += 1
-            c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
+                if cut:
+                    break
             if not cut:
                 tail = pending + decoder.flush()
                 if tail:
@@ -418,10 +343,66 @@ class Model:
                     yield tail
         except KeyboardInterrupt:
             c.finish_reason = "interrupted"
-            c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
             raise
         finally:  # also when the consumer stops early: a partial reply is split too
+            tokens.close()
+            if t0 is not None:
+                c.timings.eval_ms = (time.perf_counter() - t0) * 1e3
             c.reasoning, c.text = split_reasoning(c.text, c.think_open, c.reasoning_format)
+
+    def _tokens(self, ids: list[int], sampler: Sampler, max_tokens: int, constraint: Constraint | None,
+                logprobs: int | None, c: Completion, laps: "_Laps") -> Iterator[tuple[int, dict[str, Any] | None]]:
+        """The token generator (ids in, ids out; mlx-lm's generate_step): the prompt's step (a prefill of what
+        the cache does not hold yet, and the first id), then a decode step per id, each through
+        Backend.step. Yields (id, its logprob entry or None) for every id the reply keeps, and sets
+        c.finish_reason when it ends by itself: "eos" (an end-of-generation id, not yielded), "length"
+        (max_tokens, or the context full), "stop" (the constraint complete). The consumer stops it otherwise
+        (a stop string in the text): nothing more is computed then."""
+        be = self.backend
+        # Prefill what the cache does not hold yet (at least the last token, whose logits we need).
+        keep = _common_prefix(self.cached, ids, len(ids) - 1)
+        if not ring_keeps(keep, self.written, self.windows_rows, self.ctx):
+            keep = 0  # a ring no longer holds the window before the first new position
+        t0 = time.perf_counter()
+        self.cached = self.cached[:keep]
+        new = ids[keep:]
+        # (before the step: a failed prefill wrote some; setting up the decode's graph may write position
+        # len(ids), its warm-up step)
+        self.written = max(self.written if keep else -1, len(ids))
+        laps.lap("prompt to ids")
+        out = be.step([SeqStep(new, keep, sampler)])[0]
+        self.cached = list(ids)  # only once the prefill finished
+        c.timings.first_token_at = time.perf_counter()
+        laps.lap(f"prefill ({len(new)} tokens), first token")  # (and the decode's set-up, inside the step)
+        c.timings.prompt_ms = (c.timings.first_token_at - t0) * 1e3
+        c.timings.prompt_tokens = len(new)
+        c.timings.stages = laps.stages
+        token = out.id
+        while True:
+            if max_tokens == 0:
+                c.finish_reason = "length"
+                return
+            if token in self.tokenizer.eog_ids:
+                c.finish_reason = "eos"
+                return
+            sampler.history.append(token)
+            yield token, (None if out.logits is None else _logprob_entry(self.tokenizer, out.logits, token, logprobs))
+            if constraint is not None:
+                constraint.advance(token)
+                if constraint.is_done:
+                    c.finish_reason = "stop"
+                    return
+            if len(c.tokens) >= max_tokens or len(self.cached) >= self.ctx:
+                c.finish_reason = "length"
+                return
+            # Decode: one token at the next position (a captured graph on CUDA), and perhaps the following one
+            # queued ahead.
+            pos = len(self.cached)
+            self.written = max(self.written, pos + 1)
+            out = be.step([SeqStep([token], pos, sampler)])[0]
+            self.cached.append(token)  # only once its K/V are surely written
+            token = out.id
+            c.timings.eval_tokens += 1
 
     def close(self) -> None:
         self.backend.close()

@@ -100,19 +100,19 @@ def test_ctrl_c_keeps_the_partial_reply(model):
 def test_ctrl_c_during_the_prefill_records_no_turn(model, monkeypatch):
     """A Ctrl-C before the prefill finished: no turn in /stats (it used to count the whole prompt as reused),
     the question goes, and the next turn answers as a fresh session would."""
-    import llamacli.engine.generate as gen
+    from llamacli.models import block
 
     s = ChatSession(model, params=GREEDY, max_tokens=6)
-    real = gen.prefill
+    real = block.prefill
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gen, "prefill", interrupted)
+    monkeypatch.setattr(block, "prefill", interrupted)
     with pytest.raises(KeyboardInterrupt):
         s.reply("Hello there")
     assert s.turns == [] and s.messages == [] and s.stats()["reused"] == 0
-    monkeypatch.setattr(gen, "prefill", real)
+    monkeypatch.setattr(block, "prefill", real)
     again = s.reply("Hello there")
     assert again.text == ChatSession(model, params=GREEDY, max_tokens=6).reply("Hello there").text
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from clirun import run
-from llamacli.engine import generate
 from llamacli.engine.generate import Model
 from llamacli.errors import UsageError
+from llamacli.models import block
 
 PROMPT = "The capital of France is"
 
@@ -24,7 +24,7 @@ def model(smollm2):
 def reference_logprobs(model: Model, ids: list[int]) -> np.ndarray:
     """log-softmax of the logits after `ids`, from a prefill of the whole prefix into an empty cache."""
     model.cached = []
-    logits = np.asarray(model.backend.to_host(generate.prefill(model.backend, model.cfg, ids, 0)))[-1]
+    logits = np.asarray(model.backend.to_host(block.prefill(model.backend, model.cfg, ids, 0)))[-1]
     model.cached = []  # the cache now holds this prefix; let the next run start afresh
     x = logits.astype(np.float64)
     return x - (x.max() + np.log(np.exp(x - x.max()).sum()))

@@ -16,8 +16,8 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from clirun import run  # noqa: E402
-from llamacli.engine import generate  # noqa: E402
 from llamacli.engine.generate import Model  # noqa: E402
+from llamacli.models import block  # noqa: E402
 from llamacli.sampling.structured import Constraint, grammar_constraint, json_object_constraint, json_schema_constraint  # noqa: E402
 from llamacli.testing import variant  # noqa: E402
 
@@ -83,7 +83,7 @@ def random_logits(model, monkeypatch):
     def logits(*_args) -> np.ndarray:
         return state["rng"].normal(0.0, 3.0, (1, vocab)).astype(np.float32)
 
-    monkeypatch.setattr(generate, "prefill", lambda be, cfg, ids, keep: logits())
+    monkeypatch.setattr(block, "prefill", lambda be, cfg, ids, keep: logits())
     monkeypatch.setattr(model.backend, "decode", lambda token, pos: logits())
     yield lambda seed: state.__setitem__("rng", np.random.default_rng(seed))
     model.cached = []

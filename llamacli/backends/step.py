@@ -1,0 +1,63 @@
+"""The step contract between the engine and a backend (Backend.step).
+
+The engine hands the backend a batch: for each sequence its new token ids, the position of the first, its cache
+slot, and how its next id is chosen (a Sampler: the sampling settings, the sequence's own seeded generator, the
+ids before the step for the penalties, a constraint's mask); it gets back, per sequence, the chosen id and,
+where the sampler asks, the step's logits. Everything about how a step runs stays inside the backend: prefill
+passes, the captured decode graphs and the step queued ahead of time, sampling on the device.
+
+A sequence's first step (its Sampler not seen before) is its prompt: a prefill of the new ids (whatever their
+number), the first id from the last one's logits, and the backend's decode set up for that sampler. Every
+later step is one token at the next position. A step that raised leaves the sequence to be started again
+with a new Sampler.
+
+Today a batch holds one sequence in cache slot 0 (the backends hold one KV cache); the batching issue runs
+many sequences through the same contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..sampling.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Sampler:
+    """How one sequence's next ids are chosen. The object is the sequence's identity for the backend: a new
+    Sampler starts a new generation (the first step is then the prompt)."""
+
+    params: SamplingParams
+    rng: np.random.Generator  # the sequence's own draws (seeded: reproducible whatever else runs)
+    history: list[int]  # the ids before the step (prompt and generated): the penalties' window; the engine
+    #                     appends each id it takes
+    mask: Callable[[], np.ndarray] | None = None  # a constraint's allowed ids, packed (structured.mask_words):
+    #                                              called while the step runs on the device
+    allowed: Callable[[], np.ndarray] | None = None  # the same as a bool [V] mask (with `logits`)
+    logits: bool = False  # bring each step's raw logits back (logprobs)
+
+    @property
+    def plain_greedy(self) -> bool:
+        return self.params.greedy and not self.params.has_penalties
+
+
+@dataclass
+class SeqStep:
+    """One sequence's part of a step: `tokens` at positions start, start + 1, ... in cache `slot`."""
+
+    tokens: Sequence[int]
+    start: int
+    sampler: Sampler
+    slot: int = 0
+
+
+@dataclass
+class StepOut:
+    """What a step gives back for one sequence: the chosen id, and the raw logits [V] (host) where its sampler
+    asked for them."""
+
+    id: int
+    logits: np.ndarray | None = field(default=None, repr=False)

@@ -1,0 +1,110 @@
+"""The step contract (backends/step.py, Backend.step) on the NumPy backend: a sequence's first step prefills its
+prompt and picks the first id from the last logits; each later step decodes one token; the ids are those of
+the plain forward pass and the host sampler, draw for draw. (The CUDA backend runs the same contract through
+its fused steps: tests/backends/cuda/test_gpu_backend.py compares generations across backends.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamacli.backends.numpy_backend import NumpyBackend
+from llamacli.backends.step import Sampler, SeqStep
+from llamacli.errors import BackendError
+from llamacli.ggufio.file import open_gguf
+from llamacli.models import block
+from llamacli.models.config import ModelConfig
+from llamacli.sampling.sampling import SamplingParams, make_rng, sample
+
+
+def backend(path, ctx=64) -> NumpyBackend:
+    g = open_gguf(path)
+    be = NumpyBackend()
+    be.load(g, ModelConfig.from_gguf(g.metadata, set(g.tensors)), ctx)
+    return be
+
+
+def reference(path, prompt, n, params, seed):
+    """The ids of `n` steps by hand: block.run over the prompt, then over one token at a time, each id drawn
+    by sampling.sample from its own generator."""
+    be = backend(path)
+    rng, history = make_rng(seed), list(prompt)
+    logits = block.run(be, be.cfg, be.token_ids(np.asarray(prompt)), be.positions(0, len(prompt)))
+    ids = []
+    for _ in range(n):
+        tok = sample(be.to_host(logits)[-1], params, rng, history)
+        ids.append(tok)
+        history.append(tok)
+        pos = len(prompt) + len(ids) - 1
+        logits = block.run(be, be.cfg, be.token_ids(np.asarray([tok])), be.positions(pos, 1))
+    return ids
+
+
+def stepped(be, prompt, n, sampler, keep=0):
+    """`n` ids through Backend.step: the prompt's step (its tokens from `keep` on), then n - 1 decode steps."""
+    out = be.step([SeqStep(prompt[keep:], keep, sampler)])
+    ids = [out[0].id]
+    sampler.history.append(ids[-1])
+    for i in range(n - 1):
+        out = be.step([SeqStep([ids[-1]], len(prompt) + i, sampler)])
+        ids.append(out[0].id)
+        sampler.history.append(ids[-1])
+    return ids
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=3),
+    SamplingParams(temperature=0.7, top_k=0, min_p=0.05, repeat_penalty=1.3, seed=5),
+])
+def test_steps_give_the_forward_pass_and_the_sampler_ids(random_model, params) -> None:
+    path = random_model("tiny-llama", "F32")
+    prompt = [5, 9, 2, 40, 7, 7, 1]
+    want = reference(path, prompt, 12, params, params.seed)
+    be = backend(path)
+    got = stepped(be, prompt, 12, Sampler(params, make_rng(params.seed), list(prompt)))
+    assert got == want
+
+
+def test_a_new_sampler_starts_a_new_sequence_over_a_kept_prefix(random_model) -> None:
+    """A second generation (a new Sampler) whose prompt extends the cached ids prefills only the rest, and
+    gives the ids a fresh backend gives for the whole prompt."""
+    path = random_model("tiny-llama", "F32")
+    params = SamplingParams(temperature=0.0)
+    be = backend(path)
+    first = stepped(be, [3, 4, 5], 4, Sampler(params, make_rng(0), [3, 4, 5]))
+    prompt = [3, 4, 5] + first[:3] + [11, 12]
+    again = stepped(be, prompt, 5, Sampler(params, make_rng(0), list(prompt)), keep=6)
+    assert again == stepped(backend(path), prompt, 5, Sampler(params, make_rng(0), list(prompt)))
+
+
+def test_logits_and_masks_come_through_the_step(random_model) -> None:
+    """A sampler that asks for logits gets each step's raw logits (those of the forward pass), and a bool mask
+    (`allowed`) keeps every id inside it."""
+    path = random_model("tiny-llama", "F32")
+    be = backend(path)
+    vocab = be.cfg.vocab_size
+    allowed = np.zeros(vocab, bool)
+    allowed[[7, 19, 23]] = True
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, seed=2), make_rng(2), [1, 2], allowed=lambda: allowed,
+                logits=True)
+    out = be.step([SeqStep([1, 2], 0, s)])[0]
+    ref = backend(path)
+    want = ref.to_host(block.run(ref, ref.cfg, ref.token_ids(np.asarray([1, 2])), ref.positions(0, 2)))[-1]
+    np.testing.assert_allclose(out.logits, want, rtol=1e-5, atol=1e-6)
+    ids = [out.id]
+    for i in range(6):
+        ids.append(be.step([SeqStep([ids[-1]], 2 + i, s)])[0].id)
+    assert set(ids) <= {7, 19, 23}
+
+
+def test_the_contract_refuses_what_this_backend_cannot_run(random_model) -> None:
+    be = backend(random_model("tiny-llama", "F32"))
+    s = Sampler(SamplingParams(temperature=0.0), make_rng(0), [1])
+    with pytest.raises(BackendError, match="one sequence"):
+        be.step([SeqStep([1], 0, s), SeqStep([2], 0, Sampler(s.params, make_rng(0), [2]))])
+    with pytest.raises(BackendError, match="slot 0"):
+        be.step([SeqStep([1], 0, s, slot=1)])
+    be.step([SeqStep([1, 2], 0, s)])
+    with pytest.raises(BackendError, match="one token"):
+        be.step([SeqStep([3, 4], 2, s)])
