@@ -32,9 +32,7 @@
 
 #include "attention_common.cuh"
 
-#define TC_WARPS 4
-#define TC_BC 64
-#define TC_STAGES(D) ((D) <= 64 ? 3 : 2)  // D = 128 at 3 stages (104 KB) fits 2 blocks per SM, not 3
+// TC_WARPS, TC_BC, TC_STAGES(D): llamacli/backends/cuda/constants.py (the loader puts them in front)
 #define TC_BR (TC_WARPS * 16)  // query rows per block
 
 // EXT (attention_tcx*): a sliding window (keys k > pos - window seen; 0: all) and a soft-cap of the base-2

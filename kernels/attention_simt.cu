@@ -37,8 +37,7 @@
 
 #include "attention_common.cuh"
 
-#define ATT_WARPS 8
-#define ATT_RPW 4
+// ATT_WARPS, ATT_RPW: llamacli/backends/cuda/constants.py (the loader puts them in front)
 #define ATT_ROWS (ATT_WARPS * ATT_RPW)
 #define ATT_TILE 32
 

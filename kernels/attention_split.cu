@@ -53,10 +53,7 @@
 #include "attention_common.cuh"
 #include "rope.cuh"
 
-#define SP_WARPS 4
-#define SP_BK 64                           // keys per tile
-#define SP_SOLO 4                          // spans of up to this many tiles: one split, no merge
-#define SP_STAGES(D) ((D) > 128 ? 2 : 3)  // D = 128 at three stages still fits two blocks per SM (G <= 8)
+// SP_WARPS, SP_BK, SP_SOLO, SP_STAGES(D): llamacli/backends/cuda/constants.py (the loader puts them in front)
 #define SP_LOG2E 1.4426950408889634f
 
 template <int D, bool STEP, bool NEOX, bool Q8>

@@ -31,9 +31,7 @@
 
 #include "attention_common.cuh"
 
-#define WG_BC 64  // keys per tile
-#define WG_STAGES(D) ((D) <= 64 ? 3 : 2)  // D = 128 at 3 stages (97 KB) fits 2 blocks per SM, not 3
-#define WG_ONES(D) ((D) <= 64 ? 2048 : 256)  // bytes of fp16 ones: 16 swizzled rows of 64, or 16 x 8
+// WG_BC, WG_STAGES(D), WG_ONES(D): llamacli/backends/cuda/constants.py (the loader puts them in front)
 
 // A TMA descriptor (cuda.h's CUtensorMap: 128 opaque bytes), made on the host by cuTensorMapEncodeTiled.
 struct __align__(64) TmaMap {

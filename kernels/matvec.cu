@@ -55,7 +55,7 @@
 #include "common.cuh"
 #include "quants.cuh"
 
-#define MATVEC_TMAX 8
+// MATVEC_TMAX: llamacli/backends/cuda/constants.py (the loader puts them in front)
 // mv1 prefetches its first weight units into L2 for matrices under these sizes (the SwiGLU form: per matrix).
 // Plain forms under 16 MiB (8B Q4_K_M's QKV and O launches) measured faster at tg128 (8B +1.8%, 1B +0.4%);
 // the SwiGLU form under 4 MiB (16 MiB cost the 1B 2.7%); larger matrices measured slower.
@@ -66,7 +66,7 @@
 // gives them 40-48 registers and issues the loads one unit at a time; (4, 4) measured best at tg128 on the
 // 1B, 8B and Qwen2.5-0.5B Q4_K_M shapes ((2, 4), (4, 3) and (8, 2-3) slower; docs/perf-log.md).
 #define MV1_UNROLL8 4
-#define MV1_MINB8 4
+// MV1_MINB8: llamacli/backends/cuda/constants.py (the loader puts them in front)
 
 // Row n's bytes: the gate and up rows (SWIGLU), or row n of the three stacked segments w0 (n0 rows), w1 (n1
 // rows), w2 (the rest). Both matvec bodies address rows through this.
@@ -914,9 +914,7 @@ MV1_MIXED(q6_k, QQ6_K, q5_k, QQ5_K)
 // at 2.95 TB/s read + write); x read per lane from shared memory (one (row, block) pair a lane, block-wide
 // tiles, partial sums in shared memory): 76-78 us; mv1: ~150 us. Stages and warps (2, 12) 68.7 us, (3, 8) 68.0,
 // (2, 16) 71.4, (2, 20) 74.6, (4, 8) 68.6; at 576 columns (2, 12) 61.6 us, the rest 63-66.
-#define MV1T_ROWS 8
-#define MV1T_STAGES 2
-#define MV1T_WARPS 12
+// MV1T_ROWS, MV1T_STAGES, MV1T_WARPS: llamacli/backends/cuda/constants.py (the loader puts them in front)
 
 #ifndef MATVEC_BODIES_ONLY
 extern "C" __global__ void __launch_bounds__(32 * MV1T_WARPS, 1) mv1_tile_q8_0(
@@ -1013,7 +1011,7 @@ extern "C" __global__ void __launch_bounds__(32 * MV1T_WARPS, 1) mv1_tile_q8_0(
 // Sums in float32 as mv1's; the order of the additions differs (per lane: its chunks in row order).
 #define MV1S_BATCH 8
 #define MV1S_BUFS 2
-#define MV1S_BLOCKS_PER_SM 2
+// MV1S_BLOCKS_PER_SM: llamacli/backends/cuda/constants.py (the loader puts them in front)
 #define MV1S_STAGE_BATCH 2
 
 __device__ __forceinline__ uint4 ld_stream16(const u8* p) {

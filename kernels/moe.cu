@@ -45,8 +45,7 @@
 #include "matvec.cu"
 #include "attention_common.cuh"
 
-#define MOE_EMAX 1024
-#define MOE_KMAX 32
+// MOE_EMAX, MOE_KMAX: llamacli/backends/cuda/constants.py (the loader puts them in front)
 
 // One token's routing by a block (every thread of it calls this, blockDim a multiple of 32): the row's E
 // logits -> ids[0..k), wts[0..k). Each logit's rank (larger first, the lower id on ties, NaN as -inf) is
@@ -346,8 +345,7 @@ __device__ __forceinline__ void mv1_moe_sum(const u8* w, long long eb, const int
 FOR_EACH_QTYPE(MOE_KERNELS)
 
 // ---- many tokens: the grouped GEMM on tensor cores ------------------------------------------------------
-#define MG_BM 64          // pairs per item (4 warps x 16 rows)
-#define MG_BN 128         // weight rows per block (one per thread: each decodes its row's unit per k step)
+// MG_BM, MG_BN: llamacli/backends/cuda/constants.py (the loader puts them in front)
 #define MG_RS (32 + 8)    // shared row stride in halves: 80 bytes, 16-byte aligned, ldmatrix conflict-free
 
 template <class Q, bool GLU, int ACT>

@@ -1,6 +1,7 @@
 """The CUDA backend as a package (CuPy + kernels/*.cu); backend.py assembles CudaBackend from its parts:
 
     loader.py     compiling kernels/<family>.cu (NVRTC, the sm_90a cubin cache), launching, TMA descriptors
+    constants.py  the sizes kernels and launchers share, put in front of every kernel source as #defines
     device.py     is there a GPU, loading (weight arena, KV cache), the memory check, graph capture
     linear.py     DeviceMatrix, the matvec kernels and their grid rules, the prefill GEMMs (cuBLAS)
     ops.py        embedding, RMSNorm, RoPE, SwiGLU, add: the one-kernel Backend operations

@@ -9,7 +9,7 @@
 - kernels/attention_mma.cu: attention_tc*_d<D> (prefill on tensor cores, mma.sync);
 - the _w / tcx forms of the others (attention_w_npl<N>, attention_combine_w, attention_tcx*_d<D>): the same with
   a layer's sliding window and attention soft-cap (gemma) and attention sinks (gpt-oss), launched only on the
-  layers whose plan has one of them (LayerPlan.window, attn_softcap, sinks);
+  layers whose Attention operation has one of them (models/block.py: window, softcap, sinks);
 - kernels/attention_wgmma.cu: attention_wg*_d<D> (prefill on Hopper's wgmma; built for sm_90a).
 
 Every kernel that reads or writes a cache [rows, Hkv, Dh] takes `ring`, its rows: position k lives at row k mod
@@ -36,15 +36,28 @@ from ...models.block import Attention
 from ...models.config import ROPE_NEOX
 from ...models.kv_cache import ring_span
 from . import loader as K
+from .constants import (
+    ATT_RPW,
+    ATT_WARPS,
+    SP_BK,
+    SP_STAGES,
+    SP_WARPS,
+    TC_BC,
+    TC_STAGES,
+    TC_WARPS,
+    WG_BC,
+    WG_ONES,
+    WG_STAGES,
+)
 from .fusion import AttentionBranch
 from .profile import profiled
 
-ATT_ROWS = 32  # attention_simt.cu: query rows per block
-ATT_TC_ROWS, ATT_TC_KEYS = 64, 64  # attention_tc_d*: query rows per block (TC_BR), keys per tile
+ATT_ROWS = ATT_WARPS * ATT_RPW  # attention_simt.cu: query rows per block
+ATT_TC_ROWS, ATT_TC_KEYS = 16 * TC_WARPS, TC_BC  # attention_tc_d*: query rows per block (TC_BR), keys per tile
 ATT_TC_DIMS = (64, 80, 96, 112, 128, 256)  # head dims with a tensor-core prefill kernel
 ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: attention_wg*_d*
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
-SPLIT_KEYS = 64  # attention_split: keys per tile (a split takes whole tiles)
+SPLIT_KEYS = SP_BK  # attention_split: keys per tile (a split takes whole tiles)
 # attention_split: partial values (splits x G x D) the last block of a KV head merges, at most (splits: at least 16).
 # Qwen3-30B-A3B (G 8, D 128) at depth 4096 on an H100: 66 splits 275 tok/s, 32 309, 16 296 (BENCHMARKS.md).
 SPLIT_MERGE_MAX = 1 << 15
@@ -53,14 +66,14 @@ SPLIT_Q8_DIMS = (64, 96, 128, 256)  # head dims with an attention_split_q8 kerne
 SPLIT_STATIC_SMEM = 1024  # attention_split's static shared memory (592 bytes), rounded up
 # attention_split's merge: bytes of its group sums (SP_WARPS x 32 float4s) in the stages, beside its (m, l)
 # pairs (2 x splits x G floats, rounded up to a whole float4: 12 bytes at most, 16 here).
-SPLIT_MERGE_SUMS = 4 * 32 * 16 + 16
+SPLIT_MERGE_SUMS = SP_WARPS * 32 * 16 + 16
 
 
 def split_stage_bytes(dh: int, q8: bool = False) -> int:
     """attention_split*_d<dh>'s K and V stages: SP_STAGES(dh) (2 past head dim 128, else 3) x 64 keys x
     (dh + 8) halves each; the _q8 forms': one converted fp16 K and V tile, then the stages of codes (dh bytes
     a key) and scales (dh / 32 halves a key)."""
-    stages = 2 if dh > 128 else 3
+    stages = SP_STAGES(dh)
     if q8:
         return 2 * SPLIT_KEYS * (dh + 8) * 2 + 2 * stages * SPLIT_KEYS * (dh + dh // 16)
     return 2 * stages * SPLIT_KEYS * (dh + 8) * 2
@@ -76,16 +89,16 @@ def tc_smem(dh: int) -> int:
     """attention_tc*_d<dh>'s dynamic shared memory: K and V tiles of ATT_TC_KEYS rows of dh + 8 halves per
     stage (TC_STAGES: 3 up to head dim 64, else 2), 16 bytes of ints, and past head dim 128 the Q rows of
     the 4 warps (16 rows of dh + 8 halves each)."""
-    q = 4 * 16 * (dh + 8) * 2 if dh > 128 else 0
-    return (3 if dh <= 64 else 2) * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16 + q
+    q = TC_WARPS * 16 * (dh + 8) * 2 if dh > 128 else 0
+    return TC_STAGES(dh) * 2 * ATT_TC_KEYS * (dh + 8) * 2 + 16 + q
 
 
 def wg_smem(dh: int) -> int:
     """attention_wg*_d<dh>'s dynamic shared memory: 1024 for alignment, WG_STAGES(D) (3 up to head dim 64,
     else 2) K and V tiles of 64 keys x dh halves, WG_ONES(D) bytes of ones (2048 up to head dim 64, else
     256), one int (8 bytes with padding) and an 8-byte mbarrier per stage."""
-    stages = 3 if dh <= 64 else 2
-    return 1024 + stages * 2 * 64 * dh * 2 + (2048 if dh <= 64 else 256) + 8 + 8 * stages
+    stages = WG_STAGES(dh)
+    return 1024 + stages * 2 * WG_BC * dh * 2 + WG_ONES(dh) + 8 + 8 * stages
 
 
 def tc_qscale(dh: int, scale: float = 0.0) -> float:

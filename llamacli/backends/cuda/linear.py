@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ...errors import BackendError
 from . import loader as K
+from .constants import MATVEC_TMAX, MV1_MINB8, MV1S_BLOCKS_PER_SM, MV1T_ROWS, MV1T_STAGES, MV1T_WARPS
 from .profile import profiled
 
 RUNNABLE = (
@@ -24,7 +25,6 @@ RUNNABLE = (
     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_NL, QT.IQ4_XS, QT.MXFP4,
 )
 _CUDA_R_32F, _CUDA_R_16F = 0, 2  # cudaDataType (library_types.h)
-MATVEC_TMAX = 8  # kernels/matvec.cu: up to 8 tokens per matvec launch; more go through cuBLAS
 DEQUANT_CHUNK = 1 << 25  # fp16 values per dequantized weight chunk in prefill (64 MiB)
 MV1_WARPS = 8  # kernels/matvec.cu mv1_*: warps per block
 
@@ -110,7 +110,7 @@ def merge_rows(mats: list[DeviceMatrix]) -> list[DeviceMatrix]:
 # plus a scale and a sum per unit; the others stage x as floats (128 bytes) plus a sum.
 MV1_ACT8 = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.MXFP4})
 MV1_MIXED = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})  # kernels/matvec.cu mv1_mixed_<a>_<b>: pairs of these
-MV1_ACT8_BLOCKS_PER_SM = 4  # kernels/matvec.cu MV1_MINB8: the int8 forms' __launch_bounds__ minimum
+MV1_ACT8_BLOCKS_PER_SM = MV1_MINB8  # the int8 forms' __launch_bounds__ minimum
 
 
 def mv1_kernel(ws: tuple[Any, ...]) -> str | None:
@@ -149,7 +149,6 @@ def mv1_groups(rows: int, cols: int, qtype: QT | None = None, sms: int | None = 
 # mv1_stream_<t>): one wave of MV1S_BLOCKS_PER_SM blocks per SM, loads in flight across row ends and the
 # kernel boundary.
 MV1S_TYPES = frozenset({QT.F16, QT.BF16})
-MV1S_BLOCKS_PER_SM = 2  # kernels/matvec.cu MV1S_BLOCKS_PER_SM
 
 
 def mv1_stream_ok(ws: tuple[Any, ...]) -> bool:
@@ -171,7 +170,6 @@ def mv1_stream_grid(rows: int, sms: int) -> int:
 # Short Q8_0 rows by the many (a small model's LM head: Gemma 3's 262,144 x 640) take the tiled one-token matvec
 # (kernels/matvec.cu mv1_tile_q8_0): each warp streams tiles of MV1T_ROWS rows through MV1T_STAGES buffers of
 # its own shared memory; one block of MV1T_WARPS warps per SM.
-MV1T_ROWS, MV1T_STAGES, MV1T_WARPS = 8, 2, 12  # kernels/matvec.cu
 MV1T_MAX_COLS = 1024  # 12 warps x 2 stages x 8 rows of 1088 bytes, plus x: within an H100 block's 227 KiB
 MV1T_STATIC_SMEM = 1024  # its static shared memory (mv1_argmax's keys, block_sum's partials), with a margin
 

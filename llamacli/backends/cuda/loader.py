@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import BackendError, KernelCompileError
+from .constants import defines
 
 log = logging.getLogger("llamacli.kernels")
 
@@ -51,7 +52,8 @@ def kernels_dir() -> Path:
 
 
 def kernel_source(family: str, directory: Path | None = None) -> str:
-    """The text of kernels/<family>.cu with its local includes inlined (each header once)."""
+    """The text of kernels/<family>.cu with its local includes inlined (each header once), after the sizes it
+    shares with the launchers (constants.py's #defines)."""
     root = directory or kernels_dir()
     seen: set[str] = set()
 
@@ -70,7 +72,7 @@ def kernel_source(family: str, directory: Path | None = None) -> str:
 
         return _INCLUDE.sub(include, text).replace("#pragma once", "")
 
-    return expand(f"{family}.cu")
+    return defines() + expand(f"{family}.cu")
 
 
 def compile_ptx(family: str, arch: str = "compute_90", directory: Path | None = None) -> str:

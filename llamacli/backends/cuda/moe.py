@@ -28,12 +28,11 @@ from gguf import GGMLQuantizationType as QT
 from ...errors import BackendError
 from ...models.block import Moe
 from . import loader as K
+from .constants import MG_BM, MG_BN, MOE_EMAX, MOE_KMAX
 from .fusion import FfnBranch
 from .linear import MATVEC_TMAX, MV1_ACT8, MV1_WARPS, DeviceMatrix, _lpr, mv1_smem, qname
 from .profile import profiled
 
-MOE_EMAX, MOE_KMAX = 1024, 32  # kernels/moe.cu: experts per layer and experts per token
-MG_BM, MG_BN = 64, 128  # kernels/moe.cu moe_gemm: pairs per tile, weight rows per block (GLU: half gate, half up)
 _GATING = {"softmax": 0, "topk_softmax": 1}
 _ACT = {"silu": "swiglu", "swiglu_oai": "oai"}
 

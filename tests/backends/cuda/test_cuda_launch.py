@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from llamacli.backends.cuda import loader as K
-
-TERNARY = r"\(\(D\) <= (\d+) \? (\d+) : (\d+)\)"  # a kernel macro's body `((D) <= limit ? wide : narrow)`
+from llamacli.backends.cuda import constants, loader as K
 
 
 def test_launch_structs_match_cuda_h() -> None:
@@ -189,13 +187,12 @@ def test_mv1_kernel_names_mixed_qkv_launches() -> None:
 def test_mv1_groups_keep_int8_launches_to_one_wave() -> None:
     """An int8-activation matrix whose one-group blocks (8 rows each at 4096 columns) would overflow one wave
     (4 blocks per SM) takes two row groups per block; other types, or enough SMs, keep one."""
-    import re
     from pathlib import Path
 
     from llamacli.backends.cuda.linear import MV1_ACT8_BLOCKS_PER_SM, mv1_groups
 
     src = (Path(__file__).resolve().parents[3] / "kernels" / "matvec.cu").read_text()
-    assert re.search(r"^#define MV1_MINB8 (\d+)$", src, re.M).group(1) == str(MV1_ACT8_BLOCKS_PER_SM)
+    assert MV1_ACT8_BLOCKS_PER_SM == constants.MV1_MINB8 and "act8<Q>::value ? MV1_MINB8 : 0" in src
     assert mv1_groups(6144, 4096, QT.Q4_K, 132) == 2  # Llama-3-8B's QKV: 768 blocks > 528
     assert mv1_groups(6144, 4096, QT.Q4_K, 200) == 1
     assert mv1_groups(6144, 4096, QT.Q8_0, 132) == 1
@@ -214,16 +211,15 @@ def test_tensor_core_attention_rows_per_block_match_the_kernel_source() -> None:
     from llamacli.backends.cuda.attention import ATT_TC_DIMS, ATT_TC_ROWS, tc_smem
 
     src = (Path(__file__).resolve().parents[3] / "kernels" / "attention_mma.cu").read_text()
-    define = {k: int(v) for k, v in re.findall(r"^#define (TC_WARPS|TC_BC) (\d+)$", src, re.M)}
-    s_limit, s_wide, s_narrow = map(int, re.search(r"^#define TC_STAGES\(D\) " + TERNARY, src, re.M).groups())
-    warps = define["TC_WARPS"]
+    warps = constants.TC_WARPS
     assert re.search(r"^#define TC_BR \(TC_WARPS \* 16\)", src, re.M)
     assert ATT_TC_ROWS == 16 * warps
     assert re.search(r"constexpr bool QSM = D > 128;", src)  # past 128: the warps' Q rows in shared memory too
+    assert "constexpr int NST = TC_STAGES(D);" in src and "TC_BC" in src
     for dh in ATT_TC_DIMS:
-        stages = s_wide if dh <= s_limit else s_narrow
+        stages = 3 if dh <= 64 else 2  # (constants.TC_STAGES)
         q_rows = warps * 16 * (dh + 8) * 2 if dh > 128 else 0
-        assert tc_smem(dh) == stages * 2 * define["TC_BC"] * (dh + 8) * 2 + 16 + q_rows, dh
+        assert tc_smem(dh) == stages * 2 * 64 * (dh + 8) * 2 + 16 + q_rows, dh
     assert tc_smem(256) <= 227 * 1024  # one block fits an H100 SM's shared memory
 
 
@@ -237,29 +233,23 @@ def test_hopper_attention_shared_memory_matches_the_kernel_source() -> None:
     from llamacli.backends.cuda.attention import ATT_WG_DIMS, wg_smem
 
     src = (Path(__file__).resolve().parents[3] / "kernels" / "attention_wgmma.cu").read_text()
-    bc = int(re.search(r"^#define WG_BC (\d+)", src, re.M).group(1))
-    limit, wide, narrow = map(int, re.search(r"^#define WG_STAGES\(D\) " + TERNARY, src, re.M).groups())
-    o_limit, o_wide, o_narrow = map(int, re.search(r"^#define WG_ONES\(D\) " + TERNARY, src, re.M).groups())
     assert set(ATT_WG_DIMS) == {int(d) for d in re.findall(r"^ATTENTION_WG_KERNEL\((\d+)\)$", src, re.M)}
+    assert "constexpr int NST = WG_STAGES(D);" in src and "WG_ONES(D)" in src
     for dh in ATT_WG_DIMS:
-        stages = wide if dh <= limit else narrow
-        ones = o_wide if dh <= o_limit else o_narrow
-        assert wg_smem(dh) == 1024 + stages * 2 * bc * dh * 2 + ones + 8 + 8 * stages, dh
+        stages, ones = constants.WG_STAGES(dh), constants.WG_ONES(dh)
+        assert wg_smem(dh) == 1024 + stages * 2 * constants.WG_BC * dh * 2 + ones + 8 + 8 * stages, dh
 
 
 def test_mv1_tile_takes_short_q8_0_rows_and_fits_a_block() -> None:
     """mv1_tile serves one packed, 16-byte aligned Q8_0 segment of 32768+ rows of at most MV1T_MAX_COLS
     columns whose shared memory fits the device's per-block limit; its constants are the kernel's, its tiles
     whole multiples of 8 rows (16-byte aligned), its grid a block per SM at most."""
-    import re
     from pathlib import Path
 
     from llamacli.backends.cuda.linear import (
         MV1T_MAX_COLS,
         MV1T_ROWS,
-        MV1T_STAGES,
         MV1T_STATIC_SMEM,
-        MV1T_WARPS,
         DeviceMatrix,
         mv1_tile_grid,
         mv1_tile_ok,
@@ -267,8 +257,6 @@ def test_mv1_tile_takes_short_q8_0_rows_and_fits_a_block() -> None:
     )
 
     src = (Path(__file__).resolve().parents[3] / "kernels" / "matvec.cu").read_text()
-    for name, value in (("MV1T_ROWS", MV1T_ROWS), ("MV1T_STAGES", MV1T_STAGES), ("MV1T_WARPS", MV1T_WARPS)):
-        assert re.search(rf"^#define {name} (\d+)$", src, re.M).group(1) == str(value), name
     assert "__launch_bounds__(32 * MV1T_WARPS, 1) mv1_tile_q8_0(" in src
     assert MV1T_ROWS == 8  # the lane layout (row = lane % 8) and the tiles' 16-byte alignment
 
@@ -298,7 +286,6 @@ def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
     """mv1_stream serves one 16-bit float type in rows of whole 16-byte chunks, every segment 16-byte aligned
     (else mv1 does); its grid is at most one wave of the kernel's blocks per SM, with every warp's row count
     within one of the others' and as few blocks as that allows."""
-    import re
     from pathlib import Path
 
     from llamacli.backends.cuda.linear import (
@@ -310,7 +297,6 @@ def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
     )
 
     src = (Path(__file__).resolve().parents[3] / "kernels" / "matvec.cu").read_text()
-    assert re.search(r"^#define MV1S_BLOCKS_PER_SM (\d+)$", src, re.M).group(1) == str(MV1S_BLOCKS_PER_SM)
     assert "__launch_bounds__(256, MV1S_BLOCKS_PER_SM) mv1_stream_" in src
 
     def m(t: QT, cols: int = 4096, ptr: int = 1 << 20) -> DeviceMatrix:
@@ -332,16 +318,28 @@ def test_mv1_stream_takes_aligned_16_bit_float_rows_in_one_wave() -> None:
     assert mv1_stream_grid(6144, 132) == 256 and mv1_stream_grid(4096, 132) == 256
 
 
-def test_moe_sizes_match_the_kernel_source() -> None:
-    """cuda/moe.py's tile sizes and limits are kernels/moe.cu's."""
+def test_shared_sizes_have_one_source() -> None:
+    """The sizes kernels and launchers share live in constants.py alone: every family's source starts with its
+    #defines, no kernel file defines one of those names itself, every name is used by some kernel, and the
+    launchers' values are the table's (cuda/moe.py's limits and tiles, linear.py's, attention.py's)."""
     import re
+    from pathlib import Path
 
-    from llamacli.backends.cuda import moe as M
+    from llamacli.backends.cuda import attention as A, linear as L, moe as M
 
-    src = K.kernel_source("moe")
-    define = lambda name: int(re.search(rf"#define {name} (\d+)", src).group(1))  # noqa: E731
-    assert (define("MG_BM"), define("MG_BN"), define("MOE_EMAX"), define("MOE_KMAX")) == (
-        M.MG_BM, M.MG_BN, M.MOE_EMAX, M.MOE_KMAX)
+    files = {p.name: p.read_text() for p in (Path(__file__).resolve().parents[3] / "kernels").glob("*.cu*")}
+    for name in constants.NAMES:
+        assert not any(re.search(rf"^\s*#\s*define\s+{name}\b", t, re.M) for t in files.values()), name
+        assert any(re.search(rf"\b{name}\b", t) for t in files.values()), f"{name} is used by no kernel"
+    for family in K.FAMILIES:
+        assert K.kernel_source(family).startswith(constants.defines())
+    assert "#define TC_STAGES(D) ((D) <= 64 ? 3 : 2)" in constants.defines()
+    assert (M.MG_BM, M.MG_BN, M.MOE_EMAX, M.MOE_KMAX) == (constants.MG_BM, constants.MG_BN, constants.MOE_EMAX,
+                                                          constants.MOE_KMAX)
+    assert (L.MATVEC_TMAX, L.MV1S_BLOCKS_PER_SM, L.MV1T_WARPS) == (constants.MATVEC_TMAX,
+                                                                   constants.MV1S_BLOCKS_PER_SM, constants.MV1T_WARPS)
+    assert A.ATT_ROWS == constants.ATT_WARPS * constants.ATT_RPW and A.SPLIT_KEYS == constants.SP_BK
+    assert [constants.SP_STAGES(d) for d in (64, 128, 256)] == [3, 3, 2]
 
 
 def test_check_moe_refuses_what_the_expert_kernels_cannot_read() -> None:

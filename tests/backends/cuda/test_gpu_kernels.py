@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +18,7 @@ from llamacli.backends.cuda import (  # noqa: E402
     RUNNABLE,
     CudaBackend,
     DeviceMatrix,
+    constants,
     cuda_available,
     linear,  # noqa: E402
     loader as K,  # noqa: E402
@@ -713,7 +713,7 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
 
 SPLIT_TOL = (4e-3, 1e-2)  # attention_split: fp16 q and P on tensor cores, as the prefill's (atol, rtol)
 # attention_split: a span of at most SP_SOLO tiles is one split (no merge)
-SP_SOLO = int(re.search(r"^#define SP_SOLO (\d+)", K.kernel_source("attention_split"), re.M).group(1))
+SP_SOLO = constants.SP_SOLO
 
 
 def with_probes(kc: np.ndarray, q: np.ndarray, p: int, n_split: int, group: int) -> np.ndarray:
