@@ -11,7 +11,7 @@
 //   spin_ns      one thread waits `ns` nanoseconds of %globaltimer: the profiler (bench --profile) queues a
 //                step behind it, so the step's kernels then run back to back without host launch gaps
 // In the fused decode step these are folded into the matvec (swiglu, resid, bias arguments); these
-// stand-alone kernels serve the op-by-op path of model.forward (prefill). Best measured: not tuned.
+// stand-alone kernels serve the op-by-op path (models/block.py run). Best measured: not tuned.
 
 #include "common.cuh"
 

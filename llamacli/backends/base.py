@@ -10,6 +10,7 @@ values. Fused CUDA paths are welcome inside a backend; the NumPy backend keeps t
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -177,44 +178,59 @@ class Backend(ABC):
     # -- the step contract (backends/step.py) ----------------------------------------------------------------
     def step(self, batch: Sequence[SeqStep]) -> list[StepOut]:
         """Run one step of each sequence in `batch` -> its chosen id (and logits where asked), per sequence.
-        A sequence's first step (a Sampler this backend has not seen) prefills its tokens and sets up the
-        decode for its sampler; each later step decodes one token at the next position, through the fastest
-        form the sampler allows: the argmax or the whole sampler inside the step, a constraint's mask applied
-        where the logits are, or the logits to the host (logprobs). One sequence in slot 0 for now."""
+        A sequence's first step (its Sampler not started) prefills its tokens and sets up the decode for its
+        sampler; each later step decodes one token at the sequence's next position, through the fastest form
+        the sampler allows: the argmax or the whole sampler inside the step, a constraint's mask applied where
+        the logits are, or the logits to the host (logprobs). One sequence in slot 0 for now."""
         if len(batch) != 1 or batch[0].slot != 0:
             raise BackendError(f"the {self.name} backend steps one sequence in cache slot 0 "
                                f"(got {len(batch)} sequences, slots {sorted({s.slot for s in batch})})")
         seq = batch[0]
         s, pos = seq.sampler, seq.start
-        if s is not self._step_sampler:  # a new sequence: its prompt, then the decode set up for its sampler
-            self._step_sampler = None  # (until the prompt's step has run whole)
+        if s.position < 0:  # a new sequence: its prompt, then the decode set up for its sampler
+            self._step_sampler = None  # (the cache is this sequence's once the prompt's step has run whole)
             out = self._choose(block.prefill(self, self.cfg, seq.tokens, pos), s)
+            t0 = time.perf_counter()
             self._step_kind = self._setup_decode(s, pos + len(seq.tokens))
-            self._step_sampler = s
+            out.setup_ms = (time.perf_counter() - t0) * 1e3
+            s.position, self._step_sampler = pos + len(seq.tokens), s
             return [out]
-        if len(seq.tokens) != 1:
-            raise BackendError(f"a decode step takes one token per sequence, got {len(seq.tokens)}")
-        token, p, rng, hist = seq.tokens[0], s.params, s.rng, s.history
+        if s is not self._step_sampler:
+            raise BackendError("the cache no longer holds this sequence (another ran since, or its last step "
+                               "failed): start it again with a new Sampler")
+        if len(seq.tokens) != 1 or pos != s.position:
+            raise BackendError(f"a decode step takes the one token at the sequence's next position {s.position}, "
+                               f"got {len(seq.tokens)} at {pos}")
+        self._step_sampler = None  # until this step has run whole
+        out = self._decode(seq.tokens[0], pos, s)
+        s.position, self._step_sampler = pos + 1, s
+        return [out]
+
+    def _decode(self, token: int, pos: int, s: Sampler) -> StepOut:
+        p, rng, hist = s.params, s.rng, s.history
         if s.mask is not None and not s.logits:  # the mask computed while the step runs
-            return [StepOut(self.decode_allowed(token, pos, s.mask, p, rng, hist))]
+            return StepOut(self.decode_allowed(token, pos, s.mask, p, rng, hist))
         if s.logits or s.mask is not None:
-            return [self._choose(self.decode(token, pos), s)]
+            return self._choose(self.decode(token, pos), s)
         if self._step_kind == "greedy":  # the argmax runs inside the step: only the id crosses
-            return [StepOut(self.decode_greedy(token, pos))]
+            return StepOut(self.decode_greedy(token, pos))
         if self._step_kind == "sampled":  # so does the sampler (the same ids as sample(), draw for draw)
-            return [StepOut(self.decode_sampled(token, pos))]
-        return [StepOut(self.sample(self.decode(token, pos), p, rng, hist))]
+            return StepOut(self.decode_sampled(token, pos))
+        return StepOut(self.sample(self.decode(token, pos), p, rng, hist))
 
     def _choose(self, logits: Any, s: Sampler) -> StepOut:
-        """The id from a step's logits [1, V] as `s` says; the raw logits (host) too with s.logits."""
+        """The id from a step's logits [1, V] as `s` says; the raw logits (host) too with s.logits. A mask is
+        computed before the logits are read (on a GPU the step is still running then)."""
+        words = s.mask() if s.mask is not None else None
         if s.logits:  # the raw logits come back (logprobs); the id from them, masked by the constraint
             from ..sampling.sampling import sample
+            from ..sampling.structured import unpack_words
 
             raw = self.to_host(logits)[-1]
-            x = raw if s.allowed is None else np.where(s.allowed(), raw, np.float32(-np.inf))
+            x = raw if words is None else np.where(unpack_words(words, raw.shape[-1]), raw, np.float32(-np.inf))
             return StepOut(sample(x, s.params, s.rng, s.history), raw)
-        if s.mask is not None:
-            return StepOut(self.sample_allowed(logits, s.mask(), s.params, s.rng, s.history))
+        if words is not None:
+            return StepOut(self.sample_allowed(logits, words, s.params, s.rng, s.history))
         return StepOut(self.sample(logits, s.params, s.rng, s.history))
 
     def _setup_decode(self, s: Sampler, pos: int) -> str:
@@ -257,7 +273,7 @@ class Backend(ABC):
 
     def start_sampling(self, params: "SamplingParams", rng: np.random.Generator, recent: list[int]) -> bool:
         """Set up decode_sampled for a generation whose first step runs at position len(recent) (`recent`: the
-        ids before it), drawing from `rng` as sample() would; False where this backend cannot (the engine then
+        ids before it), drawing from `rng` as sample() would; False where this backend cannot (step() then
         calls sample(decode(...)))."""
         return False
 

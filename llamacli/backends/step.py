@@ -6,10 +6,11 @@ ids before the step for the penalties, a constraint's mask); it gets back, per s
 where the sampler asks, the step's logits. Everything about how a step runs stays inside the backend: prefill
 passes, the captured decode graphs and the step queued ahead of time, sampling on the device.
 
-A sequence's first step (its Sampler not seen before) is its prompt: a prefill of the new ids (whatever their
+A sequence's first step (its Sampler not started) is its prompt: a prefill of the new ids (whatever their
 number), the first id from the last one's logits, and the backend's decode set up for that sampler. Every
-later step is one token at the next position. A step that raised leaves the sequence to be started again
-with a new Sampler.
+later step is one token at the sequence's next position (Sampler.position, which the backend keeps). A step
+that raised, or a cache another sequence has taken since, leaves the sequence to be started again with a new
+Sampler (the backend refuses it with one line).
 
 Today a batch holds one sequence in cache slot 0 (the backends hold one KV cache); the batching issue runs
 many sequences through the same contract.
@@ -34,10 +35,11 @@ class Sampler:
     rng: np.random.Generator  # the sequence's own draws (seeded: reproducible whatever else runs)
     history: list[int]  # the ids before the step (prompt and generated): the penalties' window; the engine
     #                     appends each id it takes
-    mask: Callable[[], np.ndarray] | None = None  # a constraint's allowed ids, packed (structured.mask_words):
-    #                                              called while the step runs on the device
-    allowed: Callable[[], np.ndarray] | None = None  # the same as a bool [V] mask (with `logits`)
+    mask: Callable[[], np.ndarray] | None = None  # a constraint's allowed ids as uint32 bit words
+    #                                              (structured.mask_words): called while the step runs
     logits: bool = False  # bring each step's raw logits back (logprobs)
+    position: int = field(default=-1, init=False)  # the next position this sequence decodes at (the backend
+    #                                                keeps it); -1: not started
 
     @property
     def plain_greedy(self) -> bool:
@@ -61,3 +63,5 @@ class StepOut:
 
     id: int
     logits: np.ndarray | None = field(default=None, repr=False)
+    setup_ms: float = 0.0  # of the step's time, what the backend spent making its decode ready (the prompt's
+    #                        step: the sampler's upload, a graph's capture), for the engine to time apart

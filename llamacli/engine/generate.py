@@ -309,7 +309,7 @@ class Model:
             from ..sampling.structured import mask_words
 
             constraint.reset()
-            sampler.allowed, sampler.mask = constraint.allowed, mask_words(constraint)
+            sampler.mask = mask_words(constraint)
         tokens = self._tokens(ids, sampler, max_tokens, constraint, logprobs, c, laps)
         # The text: ids detokenized as they come, held back while they may begin a stop string. Generated text
         # continues the prompt: keep the space SentencePiece pieces start with, and print no control tokens
@@ -372,12 +372,16 @@ class Model:
         laps.lap("prompt to ids")
         out = be.step([SeqStep(new, keep, sampler)])[0]
         self.cached = list(ids)  # only once the prefill finished
-        c.timings.first_token_at = time.perf_counter()
-        laps.lap(f"prefill ({len(new)} tokens), first token")  # (and the decode's set-up, inside the step)
+        # The step also made the decode ready (out.setup_ms): timed apart, as neither prompt nor generation
+        done = time.perf_counter()
+        c.timings.first_token_at = done - out.setup_ms / 1e3
+        stage = (f"prefill ({len(new)} tokens), first token", (c.timings.first_token_at - laps.at) * 1e3)
+        own = _has_own(be, "prepare_decode") or _has_own(be, "start_sampling")  # (none on NumPy)
+        laps.lap("", [stage, ("decode set-up", out.setup_ms)] if own else [stage])
         c.timings.prompt_ms = (c.timings.first_token_at - t0) * 1e3
         c.timings.prompt_tokens = len(new)
         c.timings.stages = laps.stages
-        token = out.id
+        token, n = out.id, 0  # n: the ids yielded
         while True:
             if max_tokens == 0:
                 c.finish_reason = "length"
@@ -386,13 +390,14 @@ class Model:
                 c.finish_reason = "eos"
                 return
             sampler.history.append(token)
+            n += 1
             yield token, (None if out.logits is None else _logprob_entry(self.tokenizer, out.logits, token, logprobs))
             if constraint is not None:
                 constraint.advance(token)
                 if constraint.is_done:
                     c.finish_reason = "stop"
                     return
-            if len(c.tokens) >= max_tokens or len(self.cached) >= self.ctx:
+            if n >= max_tokens or len(self.cached) >= self.ctx:
                 c.finish_reason = "length"
                 return
             # Decode: one token at the next position (a captured graph on CUDA), and perhaps the following one
@@ -425,13 +430,13 @@ class _Laps:
 
     def __init__(self) -> None:
         self.stages: list[tuple[str, float]] = []
-        self._t = time.perf_counter()
+        self.at = time.perf_counter()  # when the current stage began
 
     def lap(self, name: str, parts: Sequence[tuple[str, float]] = ()) -> None:
         """`parts`: the stage's own breakdown (stage, ms), listed instead of it where there is one."""
         now = time.perf_counter()
-        self.stages.extend(parts or [(name, (now - self._t) * 1e3)])
-        self._t = now
+        self.stages.extend(parts or [(name, (now - self.at) * 1e3)])
+        self.at = now
 
 
 def load(path: str | Path, backend: str = "auto", ctx: int | None = None, **kw: Any) -> Model:

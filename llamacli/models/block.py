@@ -17,8 +17,8 @@ Weights are named by their LayerWeights field (ModelWeights for the model's own:
 program depends on the config alone and can be printed, compared and cached.
 
 Adding a feature to a layer: a flag in its model module's plan, the operation it implies here, and that
-operation in each executor (an executor that has no fused form for it falls back to running the operations one
-by one; fusion.py says which).
+operation in each executor (until the CUDA backend's fused paths have a form for it, fusion.py refuses such a
+program at load with one line naming the operation).
 """
 
 from __future__ import annotations
@@ -118,8 +118,19 @@ class Add:
 Op = Union[Norm, Linear, Split, Rope, Attention, Glu, Moe, Add]
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=8)
+def programs(cfg: Any) -> tuple[tuple[Op, ...], ...]:
+    """Every block's program, made once per config (a forward pass looks them up once: hashing a config costs
+    tens of microseconds)."""
+    return tuple(_program(cfg, i) for i in range(cfg.n_layer))
+
+
 def layer_ops(cfg: Any, i: int) -> tuple[Op, ...]:
+    """Block i's program."""
+    return programs(cfg)[i]
+
+
+def _program(cfg: Any, i: int) -> tuple[Op, ...]:
     """Block i's program, from its plan cfg.layers[i]: a pre-norm attention block, then a pre-norm FFN block
     (dense or experts), each added into the residual stream."""
     p = cfg.layers[i]
@@ -158,8 +169,8 @@ def run(be: Any, cfg: Any, ids: Any, pos: Any, all_logits: bool = False) -> Any:
     w = be.weights
     t = ids.shape[0]
     x = be.embed(ids)  # [T, D], times cfg.embd_scale (gemma: sqrt(D))
-    for i, L in enumerate(w.layers):
-        x = run_layer(be, cfg, layer_ops(cfg, i), L, x, pos)
+    for ops, L in zip(programs(cfg), w.layers):
+        x = run_layer(be, cfg, ops, L, x, pos)
     if not all_logits:
         x = x[t - 1 :]  # only the last position feeds the next token
     logits = be.matmul(be.rms_norm(x, w.output_norm, cfg.rms_eps), w.output)  # [1 or T, V]
@@ -206,11 +217,6 @@ def prefill(be: Any, cfg: Any, ids: Any, start: int) -> Any:
     for s in range(0, ids.size, n):
         logits = be.forward_prompt(ids[s : s + n], start + s)
     return logits
-
-
-def describe_ops(ops: tuple[Op, ...]) -> str:
-    """A program as one line per operation (for --debug and tests)."""
-    return "\n".join(repr(op) for op in ops)
 
 
 def layer_op(cfg: Any, i: int, kind: type) -> Any:

@@ -15,6 +15,7 @@ from llamacli.ggufio.file import open_gguf
 from llamacli.models import block
 from llamacli.models.config import ModelConfig
 from llamacli.sampling.sampling import SamplingParams, make_rng, sample
+from llamacli.sampling.structured import pack_words
 
 
 def backend(path, ctx=64) -> NumpyBackend:
@@ -79,14 +80,14 @@ def test_a_new_sampler_starts_a_new_sequence_over_a_kept_prefix(random_model) ->
 
 
 def test_logits_and_masks_come_through_the_step(random_model) -> None:
-    """A sampler that asks for logits gets each step's raw logits (those of the forward pass), and a bool mask
-    (`allowed`) keeps every id inside it."""
+    """A sampler that asks for logits gets each step's raw logits (those of the forward pass), and a mask keeps
+    every id inside it, with the logits and without."""
     path = random_model("tiny-llama", "F32")
     be = backend(path)
     vocab = be.cfg.vocab_size
     allowed = np.zeros(vocab, bool)
     allowed[[7, 19, 23]] = True
-    s = Sampler(SamplingParams(temperature=1.0, top_k=0, seed=2), make_rng(2), [1, 2], allowed=lambda: allowed,
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, seed=2), make_rng(2), [1, 2], mask=lambda: pack_words(allowed),
                 logits=True)
     out = be.step([SeqStep([1, 2], 0, s)])[0]
     ref = backend(path)
@@ -96,6 +97,9 @@ def test_logits_and_masks_come_through_the_step(random_model) -> None:
     for i in range(6):
         ids.append(be.step([SeqStep([ids[-1]], 2 + i, s)])[0].id)
     assert set(ids) <= {7, 19, 23}
+    masked = stepped(be, [1, 2, 3], 8, Sampler(SamplingParams(temperature=1.0, top_k=0, seed=4), make_rng(4), [1, 2, 3],
+                                              mask=lambda: pack_words(allowed)))
+    assert set(masked) <= {7, 19, 23}
 
 
 def test_the_contract_refuses_what_this_backend_cannot_run(random_model) -> None:
@@ -108,3 +112,28 @@ def test_the_contract_refuses_what_this_backend_cannot_run(random_model) -> None
     be.step([SeqStep([1, 2], 0, s)])
     with pytest.raises(BackendError, match="one token"):
         be.step([SeqStep([3, 4], 2, s)])
+    with pytest.raises(BackendError, match="next position 2"):
+        be.step([SeqStep([3], 5, s)])
+    be.step([SeqStep([3], 2, s)])
+    other = Sampler(s.params, make_rng(0), [9])
+    be.step([SeqStep([9], 0, other)])  # another sequence takes the cache
+    with pytest.raises(BackendError, match="no longer holds this sequence"):
+        be.step([SeqStep([4], 3, s)])
+
+
+def test_a_failed_step_leaves_the_sequence_to_start_again(random_model, monkeypatch) -> None:
+    be = backend(random_model("tiny-llama", "F32"))
+    s = Sampler(SamplingParams(temperature=0.0), make_rng(0), [1, 2])
+    first = be.step([SeqStep([1, 2], 0, s)])[0].id
+
+    def broken(token, pos):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(be, "decode", broken)
+    with pytest.raises(KeyboardInterrupt):
+        be.step([SeqStep([first], 2, s)])
+    monkeypatch.undo()
+    with pytest.raises(BackendError, match="start it again"):
+        be.step([SeqStep([first], 2, s)])
+    again = Sampler(s.params, make_rng(0), [1, 2])
+    assert be.step([SeqStep([1, 2], 0, again)])[0].id == first

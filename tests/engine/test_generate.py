@@ -95,13 +95,13 @@ def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
     import numpy as np
 
     from llamacli.backends import numpy_backend
-    from llamacli.models import block as model_mod
+    from llamacli.models import block
 
     path = random_model(shape, "F32")
     rng = np.random.default_rng(7)
     be, cfg = _numpy_backend(path, 160)
     ids = rng.integers(0, cfg.vocab_size, size=150)
-    whole = be.to_host(model_mod.run(be, cfg, be.token_ids(ids), be.positions(0, ids.size)))
+    whole = be.to_host(block.run(be, cfg, be.token_ids(ids), be.positions(0, ids.size)))
     k_whole, v_whole = np.array(be.k_cache), np.array(be.v_cache)  # [layer, ctx, Hkv, Dh] (no window: no ring)
 
     for chunk, att_scratch in ((16, numpy_backend.ATT_SCRATCH), (37, 300), (150, 1), (None, 5000)):
@@ -109,10 +109,10 @@ def test_prefill_in_chunks_equals_one_pass(random_model, shape, monkeypatch):
         be.prefill_chunk = chunk
         monkeypatch.setattr(numpy_backend, "ATT_SCRATCH", att_scratch)
         lengths = []
-        real_forward = model_mod.run
-        monkeypatch.setattr(model_mod, "run", lambda b, c, i, p: lengths.append(len(i)) or real_forward(b, c, i, p))
-        got = be.to_host(model_mod.prefill(be, cfg, ids, 0))
-        monkeypatch.setattr(model_mod, "run", real_forward)
+        real_forward = block.run
+        monkeypatch.setattr(block, "run", lambda b, c, i, p: lengths.append(len(i)) or real_forward(b, c, i, p))
+        got = be.to_host(block.prefill(be, cfg, ids, 0))
+        monkeypatch.setattr(block, "run", real_forward)
         n = chunk or ids.size
         assert lengths == [min(n, ids.size - s) for s in range(0, ids.size, n)]
         scale = float(np.abs(whole).max())

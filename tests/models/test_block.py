@@ -26,7 +26,7 @@ def test_every_shape_fuses_on_cuda(shape) -> None:
     cfg = config(shape)
     for i in range(cfg.n_layer):
         ops = layer_ops(cfg, i)
-        fused = match_layer(ops)
+        fused = match_layer(ops, i)
         a, f = fused.attention, fused.ffn
         named = {a.norm, *a.qkv, a.attention, a.out, f.norm, *f.gate_up}
         named |= {op for op in (a.split, a.rope, a.post, f.split, f.glu, f.down, f.post, f.moe) if op is not None}
@@ -75,7 +75,7 @@ def test_plan_flags_become_operations() -> None:
 
 
 def test_block_run_follows_the_program(random_model, monkeypatch) -> None:
-    """block.run executes the program layer_ops gives, not a copy of the layer: the attention output added
+    """block.run executes the programs block.programs gives, not a copy of the layer: the attention output added
     twice into the residual (one more Add in the program) is what a NumPy pass then computes, checked against
     the same pass with that layer's O projection doubled by hand. Tolerance: float32 products, 1e-5 + 1e-4."""
     import numpy as np
@@ -92,11 +92,11 @@ def test_block_run_follows_the_program(random_model, monkeypatch) -> None:
         be.load(g, cfg, 16)
         if double_o:
             be.weights.layers[1].attn_output = be.weights.layers[1].attn_output * 2
-        monkeypatch.setattr(block, "layer_ops", program)
+        monkeypatch.setattr(block, "programs", program)
         return be.to_host(block.run(be, cfg, be.token_ids(np.arange(5)), be.positions(0, 5)))
 
-    real = block.layer_ops
-    twice = lambda c, i: real(c, i) if i != 1 else real(c, i)[:9] + (Add("o"),) + real(c, i)[9:]  # noqa: E731
+    real = block.programs
+    twice = lambda c: tuple(p if i != 1 else p[:9] + (Add("o"),) + p[9:] for i, p in enumerate(real(c)))  # noqa: E731
     want = logits(real, double_o=True)
     np.testing.assert_allclose(logits(twice), want, rtol=1e-4, atol=1e-5)
     assert not np.allclose(logits(real), want, rtol=1e-3)
@@ -119,6 +119,8 @@ def test_fusion_refuses_what_it_cannot_run() -> None:
         match_layer(ops + (Add("f"),))
     with pytest.raises(Unfused, match="projections"):
         match_layer(ops[:1] + (Linear("h", "attn_q", "q", "attn_q_bias"),) + ops[2:])  # a bias on q alone
+    with pytest.raises(Unfused, match="another layer"):
+        match_layer(ops, 1)  # layer 0's program where layer 1's belongs
     moe = layer_ops(config("tiny-qwen3moe"), 0)
     with pytest.raises(Unfused, match="mixture of experts"):
         match_layer(moe[:-1] + (Norm("f", "ffn_post_norm", "f"), moe[-1]))

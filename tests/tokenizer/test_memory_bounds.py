@@ -82,7 +82,7 @@ def test_long_text_tokenizes_in_memory_proportional_to_it(name: str, llama_cpp_m
     code = """
     from llamacli.ggufio.file import open_gguf
     from llamacli.tokenizer.tokenizer import Tokenizer
-    sys.path.insert(0, "tests/tokenizer")
+    sys.path[:0] = ["tests", "tests/tokenizer"]
     from test_memory_bounds import prose
     tok = Tokenizer.from_metadata(open_gguf(sys.argv[1]).metadata)
     tok.encode("warm up")

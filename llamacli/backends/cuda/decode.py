@@ -11,8 +11,9 @@ then the LM head with the final RMSNorm and, when greedy, the
 argmax fused in (kernels/matvec.cu mv1_*), or, when sampled, the device sampler after it (penalties, top-k,
 the draw: sampling.py). Inside the graph the small matvecs and the attention are programmatic dependents
 (sm_90: each starts while the previous kernel finishes), and decode_greedy / decode_sampled queue the next
-step before they read this step's id (look-ahead). The graphs are captured before generation times anything
-(`prepare_decode`: at load, generate.Model).
+step before they read this step's id (look-ahead). The graphs of "greedy" and "sampled" are captured at load
+(`prepare_decode`, engine/generate.Model); a sequence's first step (Backend.step) makes its form ready, timed
+apart from its prompt and its generation.
 """
 
 from __future__ import annotations

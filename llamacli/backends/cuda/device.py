@@ -18,7 +18,7 @@ import numpy as np
 from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...ggufio.file import GGUFFile
 from ...models import rope as rope_tables
-from ...models.block import layer_ops
+from ...models.block import programs
 from ...models.config import ModelConfig
 from ...models.kv_cache import check_cache_types, ring_span
 from ...models.weights import layer_tensor_names, model_specs
@@ -80,7 +80,7 @@ class DeviceMixin:
         check_moe(cfg, gguf)
         # Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py);
         # a program they do not run is refused here, before anything is uploaded.
-        self.fused = tuple(match_layer(layer_ops(cfg, i)) for i in range(cfg.n_layer))
+        self.fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
         for fam in K.FAMILIES:  # compile (or fetch from CuPy's cache) before touching device memory
             if fam != "moe" or moe_family_needed(cfg):  # the expert kernels only for models with experts
                 K.module(fam)

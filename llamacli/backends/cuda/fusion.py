@@ -97,8 +97,9 @@ def _projections(c: _Cursor, src: str, names: tuple[str, ...]) -> tuple[tuple[Li
     return mats, split  # type: ignore[return-value]
 
 
-def match_layer(ops: tuple[Op, ...]) -> FusedLayer:
-    """The two branches of one layer's program, or Unfused naming the first operation that does not fit."""
+def match_layer(ops: tuple[Op, ...], layer: int | None = None) -> FusedLayer:
+    """The two branches of one layer's program, or Unfused naming the first operation that does not fit.
+    `layer`: the index the executors hold the program at (its Attention and Moe must name the same layer)."""
     c = _Cursor(ops)
     norm = c.take(Norm, src="x", heads=False)
     qkv, split = _projections(c, norm.dst, ("q", "k", "v"))
@@ -136,4 +137,6 @@ def match_layer(ops: tuple[Op, ...]) -> FusedLayer:
         raise Unfused(f"the fused CUDA paths run two branches a block, the program goes on with {ops[c.i]!r}")
     if any(g.bias for g in gate_up):
         raise Unfused("the fused CUDA paths have no bias on the FFN's gate / up matrices")
+    if layer is not None and any(op.layer != layer for op in (att, moe) if op is not None):
+        raise Unfused(f"layer {layer}'s program names another layer's cache or experts")
     return FusedLayer(attention, FfnBranch(norm, moe, gate_up, split, glu, down, post))  # type: ignore[arg-type]
