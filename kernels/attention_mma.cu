@@ -27,8 +27,9 @@
 // Accuracy vs the fp32 reference: fp16 Q and P, |err| ~ 1e-3 at unit-variance inputs (tests: atol 4e-3,
 // rtol 1e-2). The CUDA-core kernels (attention_simt.cu) serve short chunks and
 // head dims not a multiple of 16.
-// Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal, fp16 q/K/V/out): attention_tc16_d64 103-105 us
-// (FlashAttention-2, also mma.sync, 119 us); on a Hopper GPU attention_wgmma.cu's kernel serves D 64 and 128.
+// Best measured configuration (B16 H32 T512 D64 causal, fp16 q/K/V/out): attention_tc16_d64, ahead of
+// FlashAttention-2 (also mma.sync); the figures are in docs/perf-log.md. On a Hopper GPU attention_wgmma.cu's
+// kernel serves D 64 and 128.
 
 #include "attention_common.cuh"
 

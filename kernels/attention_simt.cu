@@ -32,8 +32,9 @@
 // The other families: attention_mma.cu (prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128}, tensor
 // cores), attention_wgmma.cu (the same on a Hopper GPU with D 64 or 128, built for sm_90a) and
 // attention_split.cu (decode with G <= 16 and those head dims or 256, and the fused decode step's attention).
-// Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal): this kernel (f32 q and out) ~2,100 us, the
-// tensor-core prefill kernels 67 us (attention_wg16_d64) and 103-105 us (attention_tc16_d64).
+// Best measured (B16 H32 T512 D64 causal; the figures are in docs/perf-log.md): this kernel (f32 q and out) is
+// far slower than the tensor-core prefill kernels (attention_wg16_d64, attention_tc16_d64); it serves what they
+// do not.
 
 #include "attention_common.cuh"
 

@@ -5,7 +5,8 @@
 // attention_wg_d<D> / attention_wg16_d<D> (D = 64, 128): the contract of attention_tc*_d<D> (fp16 q times
 // log2(e)/sqrt(D), f32 or fp16 output) with the caches given as TMA descriptors kmap / vmap instead of
 // pointers (below), on wgmma.mma_async (m64nNk16, fp16 in, fp32 accumulate):
-// twice mma.sync's tensor throughput on the H100, and asynchronous (B16 H32 T512 D64: 67 us vs 104 us).
+// twice mma.sync's tensor throughput on the H100, and asynchronous (well ahead of attention_tc at B16 H32
+// T512 D64: docs/perf-log.md).
 // grid (ceil(T*G / 64), Hkv), block 128 = one warpgroup; warp w owns query rows 16w..16w+15 of the
 // block's 64 (row r -> (t, h) as in attention_npl, longest rows first). Per 64-key tile:
 //   S[64 x 64] = Q K^T: D/16 wgmma with A = the Q fragments in registers (the mma.sync A layout), B = the
@@ -26,8 +27,8 @@
 // Dynamic shared memory: 1024 (alignment) + stages x 2 x 64 x D x 2 + WG_ONES(D) + 8 (one int) + 8 bytes
 // per stage (the mbarriers).
 // On anything but sm_90a the entries exist (the kernel list is the same everywhere) but trap.
-// Best measured on H100 (2026-11-24, B16 H32 T512 D64 causal, fp16 q/K/V/out): attention_wg16_d64 67 us
-// (256 TFLOP/s); torch SDPA fp16 (cuDNN's sm90 flash kernel) 68-72 us.
+// Best measured configuration (B16 H32 T512 D64 causal, fp16 q/K/V/out): attention_wg16_d64, level with or a
+// little ahead of torch SDPA fp16 (cuDNN's sm90 flash kernel); the figures are in docs/perf-log.md.
 
 #include "attention_common.cuh"
 

@@ -42,11 +42,9 @@
 //   Launch: block 256 (8 warps), dynamic shared memory units*132 bytes (x slots + per-unit sums of x; the
 //   int8 forms units*40), grid ceil(N / (groups * 8 * 32/lpr)): a block serves `groups` groups of rows with
 //   one staging of x (2 or 4 where staging x per 8 rows costs as much as the rows; cuda.linear.mv1_groups).
-// Best measured on H100 (2026-11-22, `llamacli bench --kernels`, weights rotated past L2): mv1 at
-// 4096x4096 / 14336x4096 / 4096x14336: F16 16.7 / 47.4 / 50.6 us (2006 / 2480 / 2324 GB/s), Q8_0 11.5 / 29.8 /
-// 35.9 us, Q5_0 10.5 / 23.6 / 34.1 us; with int8 x (row groups as measured best): Q4_K 9.5 / 19.0 / 23.8 us,
-// Q6_K 12.3 / 28.5 / 32.9 us (with float x: Q4_K 10.2 / 24.2 / 31.8, Q6_K 11.8 / 31.1 / 39.0). F16 / BF16
-// rows go through mv1_stream (below) instead: 14336x4096 SwiGLU 81.0 us, 4096x14336 45.8, 6144x4096 22.6. The
+// Best measured configuration (`llamacli bench --kernels`, weights rotated past L2; the figures are in
+// docs/perf-log.md): the int8-activation forms with cuda.linear.mv1_groups's row groups, faster than float x
+// for Q4_K and, on the larger shapes, Q6_K; F16 / BF16 rows go through mv1_stream (below) instead. The
 // quantized types stay under memory speed: each block's x staging and the short per-lane loops (a
 // 4096-column Q4_K row is 128 units: four per lane) keep too few bytes in flight.
 
@@ -57,8 +55,8 @@
 
 // MATVEC_TMAX: llamacli/backends/cuda/constants.py (the loader puts them in front)
 // mv1 prefetches its first weight units into L2 for matrices under these sizes (the SwiGLU form: per matrix).
-// Plain forms under 16 MiB (8B Q4_K_M's QKV and O launches) measured faster at tg128 (8B +1.8%, 1B +0.4%);
-// the SwiGLU form under 4 MiB (16 MiB cost the 1B 2.7%); larger matrices measured slower.
+// Plain forms under 16 MiB (8B Q4_K_M's QKV and O launches) measured faster at tg128 on the 8B and the 1B;
+// the SwiGLU form under 4 MiB (a 16 MiB cap slowed the 1B); larger matrices measured slower (docs/perf-log.md).
 #define MV1_PREFETCH_MAX (16ll << 20)
 #define MV1_PREFETCH_MAX_SWIGLU (4ll << 20)
 // The int8-activation forms: units per lane and iteration (their loads issued together; the float forms: 2),
@@ -492,9 +490,9 @@ __device__ __forceinline__ void quant_half(const float4 (&v)[4], int h, int nh, 
 // uint4, then xd [units] and xsum [units] floats. Each thread rounds whole half-units (16 values), H per
 // pass (H * 4 float4 of x in registers; NORM: also the norm weights, H = 1). Normalised x that fits one pass
 // (K <= 4096 at 256 threads) is read once: sum of squares, block sum, then the rounding from registers.
-// Whole half-units per thread measured 7-9% faster at tg128 (1B, 8B, Qwen2.5-0.5B Q4_K_M) than 8 threads per
-// unit with float4 values, whose dependent shuffle chains (max, non-finite flag, code sum), not its loads,
-// were most of the staging time.
+// Whole half-units per thread measured faster at tg128 (1B, 8B, Qwen2.5-0.5B Q4_K_M; docs/perf-log.md) than 8
+// threads per unit with float4 values, whose dependent shuffle chains (max, non-finite flag, code sum), not
+// its loads, were most of the staging time.
 template <int H, bool NORM>
 __device__ __forceinline__ void stage_xq_halves(const float* __restrict__ x, int K, const float* __restrict__ norm_w,
                                                 float eps, uint4* xq4, const PostIn& pi) {
@@ -902,7 +900,7 @@ MV1_MIXED(q6_k, QQ6_K, q5_k, QQ5_K)
 // a small model (cuda.linear.mv1_tile_ok). mv1 gives a row's 34-byte blocks to its lanes, one block a lane: a
 // 640-column row (Gemma 3's 262,144-row head) keeps 20 of 32 lanes busy, and a block 2-byte aligned is read as
 // 17 two-byte loads whose addresses 34 bytes apart touch a new sector each, so a warp's load moves ~42 useful
-// bytes: the head ran at ~1.2 TB/s. Here each warp walks tiles of MV1T_ROWS consecutive rows (one contiguous,
+// bytes: the head ran far under copy speed. Here each warp walks tiles of MV1T_ROWS consecutive rows (one contiguous,
 // 16-byte aligned byte range): tile t, t + warps in the grid, ..., copied into the warp's own shared memory by
 // 16-byte cp.async chunks (512 contiguous bytes a warp instruction), MV1T_STAGES tiles in flight per warp, no
 // block barrier in the loop. Lane 8a + b takes row b of the tile and its units a, a + 4, ...: the 8 lanes of a
@@ -910,10 +908,10 @@ MV1_MIXED(q6_k, QQ6_K, q5_k, QQ5_K)
 // its own), a block's 34 bytes come as 9 aligned words and a funnel shift, and a row's 4 lanes meet by two
 // shuffles. Grid: one block of MV1T_WARPS warps per SM at most; the first tiles' copies start before
 // pdl_wait(). A unit's math is unit_dot<QQ8_0>'s (four partial sums where it has one).
-// Measured on the H100 (262,144 x 640, weights past L2, CUDA events): 68.7 us (2.60 TB/s; a 178 MB copy runs
-// at 2.95 TB/s read + write); x read per lane from shared memory (one (row, block) pair a lane, block-wide
-// tiles, partial sums in shared memory): 76-78 us; mv1: ~150 us. Stages and warps (2, 12) 68.7 us, (3, 8) 68.0,
-// (2, 16) 71.4, (2, 20) 74.6, (4, 8) 68.6; at 576 columns (2, 12) 61.6 us, the rest 63-66.
+// Measured (262,144 x 640, weights past L2, CUDA events; the figures are in docs/perf-log.md): close to a device
+// copy's rate, faster than x read per lane from shared memory (one (row, block) pair a lane, block-wide tiles,
+// partial sums in shared memory) and about twice as fast as mv1. Stages and warps: (2, 12), (3, 8) and (4, 8)
+// alike, (2, 16) and (2, 20) slower; (2, 12) is kept, the fastest at 576 columns.
 // MV1T_ROWS, MV1T_STAGES, MV1T_WARPS: llamacli/backends/cuda/constants.py (the loader puts them in front)
 
 #ifndef MATVEC_BODIES_ONLY
@@ -992,7 +990,7 @@ extern "C" __global__ void __launch_bounds__(32 * MV1T_WARPS, 1) mv1_tile_q8_0(
 // bias, residual, fused RMSNorm, SwiGLU, argmax; `early` as mv1's) for rows with K % 8 == 0 in 16-byte
 // aligned segments (cuda.linear.mv1_stream_ok). mv1 reads F16 rows as 64-byte units per lane with one pair
 // of units in flight, stages x once per 8 rows, and runs grids of many waves that launch plainly in the
-// decode step (Llama-3-8B F16: 159 tok/s; with this form 179). Here:
+// decode step (this form made Llama-3-8B F16's decode markedly faster: docs/perf-log.md). Here:
 //   - 16-byte chunks, chunk c of a row (values 8c .. 8c+7) read by lane c % 32 of its warp: one load
 //     instruction of a warp reads 512 contiguous bytes;
 //   - one wave: at most MV1S_BLOCKS_PER_SM blocks of 256 threads per SM (cuda.linear.mv1_stream_grid), x
@@ -1002,12 +1000,11 @@ extern "C" __global__ void __launch_bounds__(32 * MV1T_WARPS, 1) mv1_tile_q8_0(
 //     as soon as it is dotted, across row ends;
 //   - the first MV1S_BUFS batches are loaded before pdl_wait(): as a programmatic dependent (the decode step
 //     lets it in early) the block does that while the kernel before it finishes.
-// Measured on the H100 (8B F16 tg128, docs/perf-log.md), (batch, buffers, blocks per SM), x
-// staged one float4 a thread at a time, the next kernel let in after the main loop: (4, 2, 2) 167.4 tok/s,
-// (4, 3, 2) 170.1, (4, 4, 2) 170.5, (6, 3, 2) 171.6, (8, 2, 2) 173.5, (12, 2, 2) 167.4, (8, 3, 1) 158.5,
-// (16, 2, 1) 162.5. With (8, 2, 2) the next streaming kernel let in right after pdl_wait() (`early`; its
-// blocks take the SMs this kernel's leave): 176.8; and x staged 2 float4 a thread at a time
-// (MV1S_STAGE_BATCH): 179.1. Weights prefetched into L2 before pdl_wait() measured slower or the same.
+// Measured on 8B F16 tg128 (the figures are in docs/perf-log.md): (batch, buffers, blocks per SM) = (8, 2, 2)
+// was the best of the shapes tried (x staged one float4 a thread at a time, the next kernel let in after the
+// main loop); with it, the next streaming kernel let in right after pdl_wait() (`early`; its blocks take the
+// SMs this kernel's leave) was faster, and x staged 2 float4 a thread at a time (MV1S_STAGE_BATCH) faster
+// again. Weights prefetched into L2 before pdl_wait() measured slower or the same.
 // Sums in float32 as mv1's; the order of the additions differs (per lane: its chunks in row order).
 #define MV1S_BATCH 8
 #define MV1S_BUFS 2

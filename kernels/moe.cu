@@ -49,9 +49,9 @@
 
 // One token's routing by a block (every thread of it calls this, blockDim a multiple of 32): the row's E
 // logits -> ids[0..k), wts[0..k). Each logit's rank (larger first, the lower id on ties, NaN as -inf) is
-// counted against the whole row at once; k passes of warp reductions took ~5.5 us in Qwen3-30B-A3B's decode
-// router on an H100 (128 experts, 8 chosen). The row is read through L2 (mv1_route: written by other blocks of
-// the same kernel).
+// counted against the whole row at once, not by k passes of warp reductions, which measured slow in
+// Qwen3-30B-A3B's decode router (128 experts, 8 chosen; docs/perf-log.md). The row is read through L2
+// (mv1_route: written by other blocks of the same kernel).
 __device__ __forceinline__ void route_block(const float* row, int E, int k, int gating, int norm, int* ids,
                                             float* wts) {
     __shared__ float4 v4[MOE_EMAX / 4];  // the row, padded with -inf to whole float4s (pads never rank ahead)
@@ -110,8 +110,8 @@ extern "C" __global__ void moe_route_f32(const float* __restrict__ logits, int T
 
 // The decode step's router logits of one token: one warp a row, its lanes reading the row's 16-byte chunks
 // lane, lane + 32, ... so that a warp's load is 512 contiguous bytes (mv1's lane-per-32-value-unit layout
-// spreads one F32 load over 32 lines: the rows took 4-9 us for Qwen3-30B-A3B's 1 MB on an H100); x is
-// normalised and staged as mv1 stages it; logits[n] = row n . x (+ bias[n]).
+// spreads one F32 load over 32 lines, and read Qwen3-30B-A3B's 1 MB of rows far below memory speed:
+// docs/perf-log.md); x is normalised and staged as mv1 stages it; logits[n] = row n . x (+ bias[n]).
 template <class Q>
 __device__ __forceinline__ void route_logits(const u8* w, int E, int K, const float* x, float* logits,
                                              const float* bias, const float* norm_w, float eps) {

@@ -11,7 +11,7 @@
 // rms_norm_add(x, y, s, w, D, eps): gemma's post-norm before the residual add, x[t, :] += RMSNorm(y[t, :] * s[t])
 // * w (s [T] the GEMM's row scales, or NULL: 1). grid T, block 256. (The decode step folds it into the next
 // matvec's input instead: kernels/matvec.cu PostIn.)
-// Best measured on H100: not yet tuned (one block per row: D=576..4096 is latency-bound, ~2-3 us).
+// Best measured on H100: not yet tuned (one block per row: D=576..4096 is latency-bound).
 
 #include "common.cuh"
 

@@ -42,15 +42,15 @@
 //       holds fewer than k; else nothing.
 //   topk_step_f32(x, V, p, vals, ids, cvals, cids, n_part): topk_f32 with k = p->top_k over those n_part * k
 //       candidates (their order is the ids' order, so ties keep the lowest ids as before), or over x where
-//       top_k > TOPK_PART_K. One block reading all V logits four times took ~50 us for a 49,152 vocabulary
-//       (H200, un-captured), most of the sampled step's cost over the greedy one.
+//       top_k > TOPK_PART_K. One block reading all V logits four times was most of the sampled step's cost
+//       over the greedy one (docs/perf-log.md).
 //   sample_step_f32(vals, ids, p, uniforms [p->ring] f64, pos*, out [2] i32): sample_topk_f32 with the
 //       uniform number of this position, uniforms[(pos - p->base) mod ring] (the host fills the ring ahead
 //       from its seeded generator, in draw order: cuda/sampling.py UniformFeed); out = step_ids (id, flag)
 //       and *pos += 1, so the next replay reads them, as the greedy step's fused argmax does.
-// Measured on an H200 (2026-11-26, SmolLM2's 49,152 logits, un-captured): topk_step_f32 over all the logits
-// ~50 us; topk_part_step_f32 + topk_step_f32 over the candidates 10.8 + 16.9 us. The other kernels are one
-// block each and launch-bound (~2-3 us in the captured step).
+// Measured (SmolLM2's 49,152 logits, un-captured; the figures are in docs/perf-log.md): topk_part_step_f32 +
+// topk_step_f32 over the candidates take well under the time of topk_step_f32 over all the logits. The other
+// kernels are one block each and launch-bound.
 
 #include "common.cuh"
 

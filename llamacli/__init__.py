@@ -25,7 +25,7 @@ def run() -> None:
             from .textio import hold_closed_fds
 
             loads = gpu_driver.loads_model(argv)
-            if gpu_driver.wanted(argv):  # the driver starts while the imports below load (~0.3-0.5 s)
+            if gpu_driver.wanted(argv):  # the driver starts while the imports below load
                 hold_closed_fds()  # first: the driver's own descriptors must not take a closed 0-2
                 gpu_driver.start()
             from .cli import main
@@ -52,7 +52,7 @@ def run() -> None:
 def _leave(code: object) -> None:
     """End the process with SystemExit(code)'s status, the standard streams flushed, without the
     interpreter's teardown: after a model's run that is CuPy's memory pools and the GPU's context let go
-    object by object and every module's objects collected (~0.05-0.15 s on the GPU machine: docs/perf-log.md)
+    object by object and every module's objects collected (measurable on the GPU machine: docs/perf-log.md)
     that no one waits for. Nor does it wait for the driver's thread (gpu_driver): _exit ends it as a kill
     would, whatever call it is in. atexit hooks do not run: the CLI registers none, and what it wrote is
     flushed here."""

@@ -1,7 +1,8 @@
 """The CUDA driver's start (cuInit and GPU 0's primary context, the one CuPy's runtime then uses) through
 libcuda directly, on a thread of its own.
 
-ctypes releases the GIL for each call, so the driver's ~0.3-0.5 s overlap whatever Python does meanwhile.
+ctypes releases the GIL for each call, so the driver's slow start (docs/perf-log.md) overlaps whatever Python
+does meanwhile.
 This module imports nothing beyond the standard library: the CLI's entry (llamacli.run) starts the thread
 before typer, rich, NumPy and CuPy load, for the commands that load a model (`wanted`), so the driver's
 start hides behind those imports. backends.start_early waits for that thread (or makes the context itself

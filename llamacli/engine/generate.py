@@ -151,7 +151,7 @@ class Model:
             raise
         self.backend = select_backend(backend, notice, early)
         laps.lap(f"backend start ({self.backend.name})")
-        # The tokenizer is built on a thread of its own (Llama 3's 128k tokens and 280k merges: ~0.6-1.3 s)
+        # The tokenizer is built on a thread of its own (Llama 3's 128k tokens and 280k merges take a while)
         # while the weights upload, whose copies leave the GIL free. Not sooner: beside CuPy's import (the
         # backend's start) the two only take turns at the GIL. A broken vocabulary is reported after the load.
         tokenizer = Background(Tokenizer.from_metadata, md, name="llamacli-tokenizer")

@@ -232,7 +232,7 @@ class _RangeRefused(Exception):
 
 
 def _get(url: str, part: Path, *, bars: Bars, label: str, expect: int | None) -> str:
-    import http.client  # here, not at the top: with ssl they cost every start-up ~20 ms, and most need no network
+    import http.client  # here, not at the top: with ssl they slow every start-up, and most need no network
     import urllib.request
 
     host = urllib.parse.urlsplit(url).netloc or url

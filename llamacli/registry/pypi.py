@@ -154,7 +154,7 @@ def index_url() -> str:
 
 def find_wheel(requirement: str) -> Wheel:
     """The wheel of `name==version` as the index's JSON page (PEP 691) lists it."""
-    import urllib.request  # here: with ssl it costs every start-up ~20 ms (download._get)
+    import urllib.request  # here: with ssl it slows every start-up (download._get)
     if os.environ.get("PIP_NO_INDEX", "").lower() in ("1", "true", "yes", "on"):
         raise _NoIndex("PIP_NO_INDEX is set")
     name, _, version = requirement.partition("==")

@@ -88,7 +88,7 @@ def _probe(keys: list[str]) -> dict[str, int]:
 
 
 def _url_size(url: str) -> int | None:
-    # Here, not at the top: with ssl urllib.request costs every start-up ~20 ms (registry imports this module).
+    # Here, not at the top: with ssl urllib.request slows every start-up (registry imports this module).
     from urllib.request import Request, url2pathname, urlopen
 
     parts = urllib.parse.urlsplit(url)

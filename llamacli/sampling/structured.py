@@ -191,7 +191,7 @@ class _VocabTokenizer:
 
 
 def _lltokenizer(model: Model) -> Any:
-    """The llguidance view of the model's vocabulary, built once per model (about 0.3 s)."""
+    """The llguidance view of the model's vocabulary, built once per model (slow to build: docs/perf-log.md)."""
     cached = getattr(model, "_lltokenizer", None)
     if cached is None:
         llg = require_llguidance()

@@ -263,10 +263,9 @@ def write_model(
     or a mix: "Q4_K_M" (llama.cpp's), "MXFP4_MOE" (gpt-oss's: MXFP4 experts, Q8_0 elsewhere). Tensors are
     generated and written one at a time.
     `fast` (default: models of more than FAST_PARAMS parameters) writes every block type as random valid
-    blocks drawn 8 bytes at a time instead of quantized Gaussians (~1 GB/s of random bytes on one core): the
+    blocks drawn 8 bytes at a time instead of quantized Gaussians (far faster; docs/perf-log.md): the
     real-shape files for speed runs, "qwen3-30b-a3b" at "Q4_K_M" (18.6 GB) and "gpt-oss-20b" at "MXFP4_MOE"
-    (12.1 GB), took 67 s and 49 s on a 2-core VM. Their weights are noise of about the right size: for timing
-    only.
+    (12.1 GB), take about a minute each. Their weights are noise of about the right size: for timing only.
     For broken-file tests: `metadata` overrides keys (None deletes one), `drop_tensors` leaves tensors
     out, `tensor_types` forces the type of named tensors."""
     spec = SHAPES[spec] if isinstance(spec, str) else spec
@@ -334,7 +333,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], t: QT, rng: np.random.Gene
     if name == "token_embd.weight":
         std = max(std, 0.5)  # embeddings carry the signal: keep them larger than matrices
     # Generate in slices so that a 128k x 4096 embedding does not need a float32 copy at once; fast random
-    # blocks come in one piece (a few hundred MB at most, and three times faster than slices joined).
+    # blocks come in one piece (a few hundred MB at most, and faster than slices joined).
     step = rows if fast and t not in _NUMPY_TYPES and t != QT.BF16 else max(1, (1 << 24) // cols)
     parts = [random_quant_rows(t, min(step, rows - r), cols, rng, std, fast) for r in range(0, rows, step)]
     return np.concatenate(parts) if len(parts) > 1 else parts[0]

@@ -5,8 +5,8 @@ use (in the package so the GPU machine can use it too).
   quantize (MXFP4 included) are quantized from Gaussian floats; the K- and IQ-types get random quants with
   small finite scales, rescaled so that values have about the requested standard deviation. With
   fast=True (speed-run files of billions of weights) every block type is random bytes with its scale set,
-  drawn 8 bytes at a time: about 1 GB/s on one core, where quantizing Q8_0 runs at 35 MB/s and MXFP4 at
-  4 MB/s. gguf.quants.dequantize is the reference for all of them.
+  drawn 8 bytes at a time: far faster than quantizing (Q8_0, and MXFP4 slower still; docs/perf-log.md).
+  gguf.quants.dequantize is the reference for all of them.
 - `tensor_type(name, shape, qtype, n_layer)`: the type of one tensor in a model of a type or of a mix
   ("Q4_K_M", "MXFP4_MOE").
 - `act8(x)`, `act8_bound(h, wref)`: the int8 activations of the MV1_ACT8 kernels, and the most they move a dot.
@@ -55,7 +55,7 @@ WEIGHT_TYPES = (
 
 
 def random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
-    """n random bytes as uint8, drawn as uint64 (three times faster than drawing bytes)."""
+    """n random bytes as uint8, drawn as uint64 (faster than drawing bytes)."""
     words = rng.integers(0, np.iinfo(np.uint64).max, size=-(-n // 8), dtype=np.uint64, endpoint=True)
     return words.view(np.uint8)[:n]
 

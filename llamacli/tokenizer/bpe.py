@@ -129,8 +129,8 @@ def build_bpe(md: dict[str, Any], ids: dict[str, int], family: str, ignore_merge
     if not isinstance(merges, list):
         raise TokenizerError("missing metadata key 'tokenizer.ggml.merges' (a BPE vocabulary needs its merges)")
     # Each merge is "left right", split at its first space after the first character (a left token may begin
-    # with a space). str.partition splits them all at once where none begins with a space (Llama 3's 280k
-    # merges: 0.06 s against 0.16 s for a loop of find()); otherwise, or for a malformed one, the loop.
+    # with a space). str.partition splits them all at once where none begins with a space (on Llama 3's 280k
+    # merges faster than a loop of find(): docs/perf-log.md); otherwise, or for a malformed one, the loop.
     parts = [m.partition(" ") for m in merges] if all(type(m) is str for m in merges) else None
     if parts is None or not all(a and sep for a, sep, _ in parts):
         parts = []

@@ -59,7 +59,8 @@ ATT_WG_DIMS = (64, 128)  # of those, with a Hopper (wgmma, sm_90a) kernel: atten
 ATT_TC_MIN_T = 16  # shorter prefill chunks stay on the fp32 CUDA-core kernel
 SPLIT_KEYS = SP_BK  # attention_split: keys per tile (a split takes whole tiles)
 # attention_split: partial values (splits x G x D) the last block of a KV head merges, at most (splits: at least 16).
-# Qwen3-30B-A3B (G 8, D 128) at depth 4096 on an H100: 66 splits 275 tok/s, 32 309, 16 296 (BENCHMARKS.md).
+# On Qwen3-30B-A3B (G 8, D 128) at depth 4096 the 32 splits of this cap measured faster than 66 or 16
+# (docs/perf-log.md).
 SPLIT_MERGE_MAX = 1 << 15
 SPLIT_MAX_G = 16  # attention_split: query heads per KV head (the rows of one MMA tile)
 SPLIT_Q8_DIMS = (64, 96, 128, 256)  # head dims with an attention_split_q8 kernel (an 8-bit cache)

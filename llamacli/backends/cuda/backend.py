@@ -13,8 +13,8 @@ transfers), linear.py (matvec / GEMM), ops.py, attention.py, moe.py (mixtures of
 decode.py, sampling.py (device sampling) and profile.py (bench --profile); loader.py compiles and launches the
 kernels.
 
-Measured on the H100 (BENCHMARKS.md): SmolLM2-135M-Instruct Q4_1 tg128 1,742 tok/s, pp512 261,099
-tok/s; `llamacli bench --profile` breaks a step down by kernel family.
+The current figures are in BENCHMARKS.md, their history in docs/perf-log.md; `llamacli bench --profile`
+breaks a step down by kernel family.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from .sampling import check_flag
 
 log = logging.getLogger("llamacli.cuda")
 
-# The captured decode step's programmatic launches (_step_kernels; measured on the H100, BENCHMARKS.md):
+# The captured decode step's programmatic launches (_step_kernels; the thresholds that measured best,
+# docs/perf-log.md):
 PDL_MAX_BYTES = 16 << 20  # matvecs under this many weight bytes (and the attention) launch as dependents
 PDL_EARLY_BYTES = 2 << 20  # a kernel lets the next start early when the next reads under this many bytes
 # The captured steps by what follows the LM head: (the argmax fused into it, the device sampler after it).
@@ -128,10 +129,10 @@ class DecodeMixin:
         # plainly (there it measured slower). `early` tells a kernel to let the next one start right after
         # its own pdl_wait() rather than after its main loop: right for a next kernel that is latency-bound
         # (a matrix under pdl_early_bytes) and for a streaming one, whose blocks then take each SM a block of
-        # this kernel leaves and load their first weights during this kernel's tail (8B F16 tg128 176.8 t/s
-        # vs 173.5 when it waited); an mv1 matvec whose blocks wait on SMs busy with this one streamed slower.
-        # Measured on the H100 (BENCHMARKS.md), tg128 against plain launches: SmolLM2 +17%, Qwen2.5-0.5B
-        # +9-10%, Llama-3.2-1B +4%, 8B F16 177 vs 159 t/s.
+        # this kernel leaves and load their first weights during this kernel's tail (faster on the 8B F16
+        # than when it waited); an mv1 matvec whose blocks wait on SMs busy with this one streamed slower.
+        # Against plain launches this measured faster at tg128 on every model tried, the most on the smallest
+        # (SmolLM2); the figures are in docs/perf-log.md.
         step: list[tuple[str, int, bool, Callable[[bool], None]]] = []
 
         def mv(name: str, ws: tuple[DeviceMatrix, ...], src: Any, dst: Any, **kw: Any) -> None:
@@ -331,8 +332,8 @@ class DecodeMixin:
         """The fused decode step with the argmax fused into the LM head: only the chosen id comes back.
 
         With graphs on, the following step is queued before this one's id is read: the device already holds
-        its inputs (this step's id and pos + 1), so the GPU does not wait for the host between tokens (~20 us
-        a token on the H100, BENCHMARKS.md). That step writes position pos + 1's K/V for the predicted token;
+        its inputs (this step's id and pos + 1), so the GPU does not wait for the host between tokens (the
+        round trip this hides: docs/perf-log.md). That step writes position pos + 1's K/V for the predicted token;
         the next call, (that id, pos + 1), takes its result, and any other call or launch recomputes (positions
         past pos must hold nothing the caller needs: true of generation, which extends the cache one token a
         time). Each result leaves the device through its own pinned slot, copied between the two steps."""

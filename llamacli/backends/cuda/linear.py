@@ -127,13 +127,13 @@ def mv1_kernel(ws: tuple[Any, ...]) -> str | None:
 def mv1_groups(rows: int, cols: int, qtype: QT | None = None, sms: int | None = None) -> int:
     """Row groups per mv1 block (kernels/matvec.cu), one staging of x for all: where staging x costs as
     much as the rows (long rows: 57 KB of x at 14336 columns; short rows: a lane's whole share is one or two
-    units) and the matrix has rows enough to keep every SM busy. Measured on the H100 (BENCHMARKS.md):
-    tg128 +3-6% on the 0.5B/1B shapes, +12% on 8B Q4_K_M; 4096-column matrices were slower with 2 (float
-    x). The int8-activation forms also take 4 on 4096-column matrices of 12288 rows or more (Q4_K
-    14336x4096 19.0 us vs 23.3, its SwiGLU 33.9 vs 40.4); 2 where one group per block would need
-    more than one wave of blocks on `sms` multiprocessors (MV1_ACT8_BLOCKS_PER_SM each: the 8B's 6144-row
-    QKV launch, 768 blocks on 132 SMs, tg +1.3%); and 8 on a small model's int8 LM head (Llama-3.2-1B's Q6_K
-    128256x2048: tg128 1,372 vs 1,363 with 4)."""
+    units) and the matrix has rows enough to keep every SM busy: faster at tg128 on the 0.5B, 1B and 8B
+    Q4_K_M shapes; 4096-column matrices were slower with 2 (float x). The int8-activation forms also take 4
+    on 4096-column matrices of 12288 rows or more (faster than 1 or 2 there: Q4_K 14336x4096 and its SwiGLU);
+    2 where one group per block would need more than one wave of blocks on `sms` multiprocessors
+    (MV1_ACT8_BLOCKS_PER_SM each: the 8B's 6144-row QKV launch, 768 blocks on 132 SMs); and 8 on a small
+    model's int8 LM head (Llama-3.2-1B's Q6_K 128256x2048: a little faster than 4). The figures are in
+    docs/perf-log.md."""
     if cols <= 2048 and rows >= 32768:  # the LM head of a small model
         return 8 if qtype in MV1_ACT8 else 4
     if qtype in MV1_ACT8 and 4096 <= cols < 8192 and rows >= 12288:

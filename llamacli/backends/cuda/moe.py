@@ -14,8 +14,8 @@ crosses to the host and the decode step stays one captured graph.
 - One token (`moe_step`, inside the captured decode step): router matvec (+ RMSNorm) and routing in one
   launch (mv1_route_<t>; other router types: mv1 then moe_route_f32) | mv1_moe gate/up (+ RMSNorm,
   activation; grid y = the k slots) | mv1_moe down whose last block of each row range adds the weighted sum
-  into the residual (mv1_moe_<t>_sum: moe_combine_f32's sums without its launch; 4% of a Qwen3-30B-A3B step,
-  0.134 ms of 3.234, measured by leaving the combine out on an H200).
+  into the residual (mv1_moe_<t>_sum: moe_combine_f32's sums without its launch, a measurable share of a
+  Qwen3-30B-A3B step, found by leaving the combine out: docs/perf-log.md).
 """
 
 from __future__ import annotations
@@ -43,17 +43,17 @@ ROUTE_FUSED = frozenset({QT.F32, QT.F16, QT.BF16})  # router types with mv1_rout
 def expert_groups(qtype: QT) -> int:
     """mv1 row groups per block of the decode step's expert matvecs: x is staged (and normalised) once per
     block, and an expert's matrix is small, so the int8-activation types share one staging between 2 groups.
-    Measured on the H100 (tg at depth 512, groups gate/up, down): Qwen3-30B-A3B Q4_K_M 279 tok/s with 1, 1;
-    301 with 2, 2; 302 with 4, 4; gpt-oss-20b MXFP4 (float x) 352 with 1, 1, 348 with 2, 2, 341 with 4, 4."""
+    Measured at depth 512 (docs/perf-log.md): on Qwen3-30B-A3B Q4_K_M, 2 groups for gate/up and down clearly
+    beat 1, and 4 gained nothing more; gpt-oss-20b's MXFP4, then staged as float x, was fastest with 1."""
     return 2 if qtype in MV1_ACT8 else 1
 
 
 def down_lpr(cols: int) -> int:
     """Lanes per row of the decode step's expert down matvec: linear._lpr, halved until each lane dots at least
     three units, so that a short row (Qwen3-30B-A3B's 768 columns: 24 units) keeps loads in flight. Measured
-    on an H200 (greedy tok/s at depth 512): Qwen3-30B-A3B Q4_K_M 311.9 with 32 lanes a row, 330.2 with 16,
-    334.6 with 8, 324.6 with 4; gpt-oss-20b (2880 columns) 427.7 with 32 and 16. The gate/up form dots two
-    rows a lane and stays with _lpr (16 lanes there: 297.6 against 311.9)."""
+    greedy at depth 512 (docs/perf-log.md): Qwen3-30B-A3B's 768-column rows were fastest with 8 lanes a row
+    (32 the slowest, 16 and 4 between); gpt-oss-20b's 2880-column rows the same with 32 and 16. The gate/up
+    form dots two rows a lane and stays with _lpr (16 lanes there measured slower)."""
     units, lpr = -(-cols // 32), _lpr(cols)
     while lpr > 1 and units < 3 * lpr:
         lpr //= 2
