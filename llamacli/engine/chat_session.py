@@ -239,12 +239,18 @@ class ChatSession:
     def save(self, path: str | Path) -> int:
         """Write the conversation as JSON; returns the number of messages. The file is replaced atomically:
         the text goes to a temporary file beside it, reaches the disk (fsync), then takes the file's name, so
-        a full disk or a crash leaves the previous conversation intact."""
+        a full disk or a crash leaves the previous conversation intact. Only a regular file or a new path is
+        written: the rename would turn a device, a FIFO or a socket into a regular file, and put a file in
+        place of a symbolic link (or, through it, replace whatever it points to)."""
         messages = self.messages
         data = (json.dumps(messages, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
         target = _checked_path(path)
         try:
-            _replace_atomically(os.path.realpath(target), data)  # through a symlink: its target is the file
+            kind = _not_regular(target)
+            if kind:
+                raise ConversationFileError(f"cannot write {path}: it is {kind}, not a regular file (save to a "
+                                            "regular file or a new path)")
+            _replace_atomically(target, data)
         except OSError as exc:
             raise ConversationFileError(f"cannot write {path}: {exc.strerror or exc}") from None
         return len(messages)
@@ -281,6 +287,20 @@ def _checked_path(path: str | Path) -> str:
     if "\0" in name:
         raise ConversationFileError(f"{name!r} is not a file name: it holds a NUL byte")
     return name
+
+
+def _not_regular(path: str) -> str | None:
+    """What `path` is when it exists and is not a regular file ("a symbolic link", "a directory", ...); None for
+    a regular file or a path that does not exist (the link itself is looked at, not what it points to)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _replace_atomically(path: str, data: bytes) -> None:

@@ -279,15 +279,21 @@ def _int(body: dict, name: str, default: Any) -> Any:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        raise ApiError(f"{name} must be an integer, got {v!r}", param=name)
+        r = repr(v)
+        raise ApiError(f"{name} must be an integer, got {r if len(r) <= 40 else r[:30] + '...'}", param=name)
     return v
 
 
 def _number(body: dict, name: str) -> float:
     v = body.get(name)
-    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
-        raise ApiError(f"{name} must be a finite number, got {v!r}", param=name)
-    return float(v)
+    try:
+        x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an integer of hundreds of digits
+        x = math.inf
+    if not math.isfinite(x):
+        r = repr(v)
+        raise ApiError(f"{name} must be a finite number, got {r if len(r) <= 40 else r[:30] + '...'}", param=name)
+    return x
 
 
 def _bool(body: dict, name: str, default: Any) -> Any:

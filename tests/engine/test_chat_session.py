@@ -376,11 +376,32 @@ def test_save_replaces_atomically_and_keeps_permissions(tmp_path, monkeypatch):
     s.save(f)
     assert json.loads(f.read_text(encoding="utf-8")) == s.messages
     assert os.stat(f).st_mode & 0o777 == 0o640 and os.listdir(tmp_path) == ["c.json"]
-    link = tmp_path / "link.json"
+
+
+
+def test_save_writes_only_a_regular_file_or_a_new_path(tmp_path):
+    """A symbolic link (to a file or anywhere), a directory, a FIFO: refused with one line, left as they were;
+    the file a link points to keeps its text. A regular file or a new path is written."""
+    import os
+
+    s = ChatSession(FakeModel(ctx=64))
+    s.reply("hello there")
+    f = tmp_path / "c.json"
+    f.write_text("[]", encoding="utf-8")
+    link, dangling, fifo, folder = (tmp_path / n for n in ("link.json", "dangling.json", "fifo", "folder"))
     link.symlink_to(f)
-    s.reply("once more")
-    s.save(link)  # through a symlink: the file it points to is updated, the link stays a link
-    assert link.is_symlink() and json.loads(f.read_text(encoding="utf-8")) == s.messages
+    dangling.symlink_to(tmp_path / "elsewhere.json")
+    os.mkfifo(fifo)
+    folder.mkdir()
+    for path, kind in ((link, "a symbolic link"), (dangling, "a symbolic link"), (fifo, "a FIFO"),
+                       (folder, "a directory")):
+        with pytest.raises(ConversationFileError, match=f"it is {kind}, not a regular file") as info:
+            s.save(path)
+        assert "\n" not in str(info.value)
+    assert link.is_symlink() and dangling.is_symlink() and not (tmp_path / "elsewhere.json").exists()
+    assert f.read_text(encoding="utf-8") == "[]" and os.path.exists(fifo) and not os.path.isfile(fifo)
+    assert folder.is_dir() and s.save(f) == 2 and json.loads(f.read_text(encoding="utf-8")) == s.messages
+    assert s.save(tmp_path / "new.json") == 2
 
 
 def test_save_never_touches_the_process_umask(tmp_path, monkeypatch):

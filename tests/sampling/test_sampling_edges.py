@@ -51,6 +51,24 @@ def test_penalties_float32_cannot_hold_are_refused(bad, word):
         SamplingParams(**bad).validate()
 
 
+BIG = 10**400  # a JSON number of 401 digits: float() overflows on it
+
+
+@pytest.mark.parametrize("bad, word", [
+    (dict(temperature=BIG), "temperature"), (dict(temperature=-BIG), "temperature"),
+    (dict(repeat_penalty=BIG), "repeat penalty"), (dict(presence_penalty=-BIG), "presence penalty"),
+    (dict(top_k=BIG), "top-k"), (dict(top_k=2**31), "top-k"), (dict(repeat_last_n=2**31), "repeat-last-n"),
+    (dict(seed=2**64), "seed"), (dict(seed=-BIG), "seed"),
+])
+def test_numbers_no_kernel_or_float_holds_are_refused_briefly(bad, word):
+    """Integers past what a float, an int32 count or a 64-bit seed holds are refused in one short sentence
+    (the value cut, not printed in full), where a float() once overflowed into an internal error."""
+    with pytest.raises(UsageError, match=word) as exc:
+        SamplingParams(**bad).validate()
+    assert len(str(exc.value)) < 160
+    assert SamplingParams(top_k=2**31 - 1, repeat_last_n=2**31 - 1, seed=2**64 - 1).validate()
+
+
 @pytest.mark.parametrize("option", [["--repeat-penalty", "1e-50"], ["--repeat-penalty", "1e-320"],
                                     ["--presence-penalty", "1e300"], ["--frequency-penalty", "-1e300"]])
 def test_cli_refuses_them_in_one_line(random_model, option):

@@ -130,7 +130,10 @@ def test_bad_requests_get_openai_errors_and_the_server_lives(served, client):
     assert e.value.status_code == 400
     for body in ({"messages": [{"role": "user", "content": "hi"}], "top_p": 5},
                  {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"},
-                 {"messages": "hi"}, {"messages": [{"role": "user", "content": "x " * 600}]}):
+                 {"messages": "hi"}, {"messages": [{"role": "user", "content": "x " * 600}]},
+                 *({"messages": [{"role": "user", "content": "hi"}], name: sign * 10**400}  # 401 digits
+                   for name in ("temperature", "top_p", "repeat_penalty", "top_k", "seed") for sign in (1, -1)),
+                 {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -10**400}):
         status, err = raw(served[0], "/v1/chat/completions", body)
         assert status == 400 and set(err["error"]) == {"message", "type", "param", "code"}, err
     status, err = raw(served[0], "/v1/nothing", {})
