@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..errors import UsageError
 from ..serve.server import listen, make_server, need_extra
-from ..textio import printable
+from ..textio import printable, read_text
 from .app import (
     BackendOpt,
     CacheTypeKOpt,
@@ -32,7 +33,12 @@ def serve(
     model: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free one).")] = 8080,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require `Authorization: Bearer KEY` on every request.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="LLAMACLI_API_KEY", show_envvar=True,
+        help="Require `Authorization: Bearer KEY` on every request (the environment variable keeps it out of "
+             "the process list).")] = None,
+    api_key_file: Annotated[Optional[str], typer.Option(
+        "--api-key-file", help="Read the key from the first line of this file (llama-server's option).")] = None,
     ctx: CtxOpt = None,
     backend: BackendOpt = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices or request log on stderr.")] = False,
@@ -48,6 +54,15 @@ def serve(
         fail(f"--port must lie in 0..65535, got {port}")
     if ctx is not None and ctx <= 0:
         fail(f"--ctx must be positive, got {ctx}")
+    if not host.strip():  # '' would bind every interface
+        fail("--host is empty: give an address (127.0.0.1: this machine only, 0.0.0.0: every interface)")
+    if api_key_file is not None:
+        if api_key is not None:
+            fail("give the key once: --api-key (or LLAMACLI_API_KEY) or --api-key-file")
+        lines = read_text(api_key_file, "API key file", UsageError, limit=1 << 16).splitlines()
+        api_key = lines[0] if lines else ""
+        if not api_key.strip():
+            fail(f"the API key file {printable(api_key_file)} starts with an empty line")
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty")
     need_extra()

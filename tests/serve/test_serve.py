@@ -249,8 +249,58 @@ def test_reasoning_content_of_a_thinking_model(tmp_path):
 # -- the command ---------------------------------------------------------------------------------------------
 
 
-def test_serve_refuses_bad_options_with_one_line(tmp_path):
+def test_serve_refuses_bad_options_with_one_line(tmp_path, monkeypatch):
     r = run("serve", str(tmp_path / "none.gguf"), "--port", "70000")
     assert r.code == 2 and "--port" in r.one_line_error()
     r = run("serve", str(tmp_path / "none.gguf"), "--port", "0", "--backend", "numpy")
     assert r.code == 2 and r.one_line_error()
+    for host in ("", "  "):  # '' would bind every interface and print http://:PORT
+        r = run("serve", str(tmp_path / "none.gguf"), "--host", host)
+        assert r.code == 2 and "--host is empty" in r.one_line_error()
+    empty, key = tmp_path / "empty.key", tmp_path / "k.key"
+    empty.write_text("\nsecret\n")
+    key.write_text("s3cret\n")
+    r = run("serve", str(tmp_path / "none.gguf"), "--api-key-file", str(empty))
+    assert r.code == 2 and "starts with an empty line" in r.one_line_error()
+    r = run("serve", str(tmp_path / "none.gguf"), "--api-key-file", str(key), "--api-key", "x")
+    assert r.code == 2 and "give the key once" in r.one_line_error()
+    r = run("serve", str(tmp_path / "none.gguf"), "--api-key-file", str(tmp_path / "missing.key"))
+    assert r.code == 2 and "API key file" in r.one_line_error()
+    monkeypatch.setenv("LLAMACLI_API_KEY", " ")
+    r = run("serve", str(tmp_path / "none.gguf"))
+    assert r.code == 2 and "--api-key is empty" in r.one_line_error()  # the variable is read
+
+
+@pytest.mark.parametrize("how", ["file", "env"])
+def test_the_command_takes_its_key_from_a_file_or_the_environment(random_model, tmp_path, how):
+    """`llamacli serve --api-key-file K` (llama-server's option) and LLAMACLI_API_KEY, so that the key need not
+    show in the process list: the server they start refuses a request without it and answers one with it."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    key = tmp_path / "k.key"
+    key.write_text("s3cret-from-a-file\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "llamacli", "serve", str(random_model()), "--backend", "numpy", "--port", "0"]
+    if how == "file":
+        args += ["--api-key-file", str(key)]
+    else:
+        env["LLAMACLI_API_KEY"] = "s3cret-from-a-file"
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url, deadline = None, time.monotonic() + 90
+        while url is None and time.monotonic() < deadline:
+            line = p.stderr.readline()
+            if not line:
+                break
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
+            url = found.group(1) if found else None
+        assert url, "the server did not start"
+        assert raw(url, "/v1/models", key=None)[0] == 401
+        assert raw(url, "/v1/models", key="wrong")[0] == 401
+        assert raw(url, "/v1/models", key="s3cret-from-a-file")[0] == 200
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
