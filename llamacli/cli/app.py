@@ -118,7 +118,9 @@ FlashAttnOpt = Annotated[bool, typer.Option(
     "--flash-attn", "-fa", help="As llama.cpp's (on/off/auto may follow); a no-op: CUDA attention is always fused.")]
 
 # Sampling options, shared by generate and chat (each command gives its defaults in its signature).
-MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", "--n-predict", help="Most tokens to generate.")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", "--n-predict",
+                                           help="Most tokens to generate (-1: until the end of the text or a full "
+                                                "context).")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling, in (0, 1] (1 = off).")]

@@ -57,8 +57,8 @@ def sampling_params(max_tokens: int, ctx: int | None, greedy: bool, temperature:
     """The options generate and chat share, checked: one-line errors for values that cannot work."""
     from ..sampling.sampling import SamplingParams
 
-    if max_tokens < 0:
-        fail(f"--max-tokens must be >= 0, got {max_tokens}")
+    if max_tokens < -1:
+        fail(f"--max-tokens must be >= 0, or -1 (until the end of the text or a full context), got {max_tokens}")
     if ctx is not None and ctx <= 0:
         fail(f"--ctx must be positive, got {ctx}")
     return SamplingParams(
@@ -198,6 +198,8 @@ def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = Fals
     from ..chat.reasoning import ReplyRouter
     from ..engine.generate import Completion
 
+    max_tokens = m.ctx if max_tokens == -1 else max_tokens  # -1 (llama.cpp's): until the end or a full context
+
     if verbose:
         dim(f"backend {m.backend.name}, context {m.ctx}")
         dim(startup_line(m))
@@ -334,6 +336,7 @@ def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = 
 
     if not quiet:
         think_notice(m, think)
+    max_tokens = m.ctx if max_tokens == -1 else max_tokens  # -1 (llama.cpp's): until the end or a full context
     session = ChatSession(m, system=system, params=params, max_tokens=max_tokens, think=think,
                           constraint=constraint)
     ChatLoop(session, err, interactive=sys.stdin.isatty(), quiet=quiet, as_json=as_json).run()

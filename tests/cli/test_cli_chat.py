@@ -140,7 +140,7 @@ def test_sampling_options_match_generate():
             assert g.default == c.default, name
 
 
-@pytest.mark.parametrize("args,words", [(["--ctx", "0"], "ctx"), (["-n", "-1"], "max-tokens"), (["--top-p", "2"], "top-p")])
+@pytest.mark.parametrize("args,words", [(["--ctx", "0"], "ctx"), (["-n", "-2"], "max-tokens"), (["--top-p", "2"], "top-p")])
 def test_invalid_options(smollm2, args, words):
     r = chat(smollm2, *args, stdin="hi\n")
     assert r.code == 2 and words in r.one_line_error()

@@ -79,7 +79,7 @@ def test_prompt_from_file_and_stdin(smollm2, tmp_path):
 @pytest.mark.parametrize(
     "args,words",
     [
-        (["-n", "-1"], "max-tokens"),
+        (["-n", "-2"], "max-tokens"),
         (["--top-p", "0"], "top-p"),
         (["--top-p", "1.5"], "top-p"),
         (["--temp", "-1"], "temperature"),
@@ -176,3 +176,17 @@ def test_ctrl_c_exits_130_with_text_and_timings(smollm2):
     assert (first + out).strip()
     assert "eval time" in err
     assert err.strip().splitlines()[-1] == "error: interrupted"
+
+
+def test_n_minus_one_generates_until_the_end_or_a_full_context(random_model):
+    """-n -1 (llama.cpp's): no limit of its own; the reply ends at an end-of-generation id or when the context
+    is full (here a 24-position context and a random model, which rarely says end)."""
+    import json
+
+    r = run("generate", "-m", str(random_model()), *NP, "-p", "hi there", "--raw", "--greedy", "-n", "-1",
+            "--ctx", "24", "--json")
+    assert r.code == 0, r.err
+    done = json.loads(r.out)
+    assert done["finish_reason"] in ("length", "eos")
+    used = len(done["prompt_tokens"]) + len(done["tokens"])  # the last id is sampled, never written: ctx + 1
+    assert used <= 25 and (done["finish_reason"] == "eos" or used == 25)
