@@ -205,3 +205,21 @@ def test_the_entry_holds_closed_descriptors_before_the_driver_starts(monkeypatch
     with pytest.raises(Left):
         entry()
     assert order == ["hold", "start"]
+
+
+def test_a_machine_without_an_nvidia_driver_is_told_so(monkeypatch):
+    """With CuPy installed and no NVIDIA driver, CUDA reports an "insufficient driver"; the notice says what is
+    true: no NVIDIA GPU here. With a driver that fails, the reason and the nvidia-smi hint stay."""
+    cupy = pytest.importorskip("cupy")
+    from llamacli.backends.cuda import device
+
+    def no_devices():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", no_devices)
+    monkeypatch.setattr(device, "nvidia_driver_present", lambda: False)
+    ok, why = device.cuda_available()
+    assert not ok and why == "no NVIDIA GPU found (this machine has no NVIDIA driver)"
+    monkeypatch.setattr(device, "nvidia_driver_present", lambda: True)
+    ok, why = device.cuda_available()
+    assert not ok and "insufficient" in why and "nvidia-smi" in why

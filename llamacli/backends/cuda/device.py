@@ -10,6 +10,7 @@ the memory map in chunks; the 1-D tensors (norms, biases) as float32 arrays. The
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -33,6 +34,20 @@ from .prefill import PREFILL_CHUNK
 _ALIGN = 256
 
 
+def nvidia_driver_present() -> bool:
+    """Whether the NVIDIA driver is installed here: its kernel module (/proc/driver/nvidia) or its user-space
+    library (libcuda.so.1, which every CUDA program loads)."""
+    import ctypes
+
+    if os.path.exists("/proc/driver/nvidia/version"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def cuda_available(context: bool = False) -> tuple[bool, str]:
     """(True, device name) if CuPy imports and sees a GPU, else (False, what is missing and how to fix it).
     `context`: also create the device's primary context (cudaFree(0)), which any thread's later CUDA calls
@@ -47,6 +62,8 @@ def cuda_available(context: bool = False) -> tuple[bool, str]:
     try:
         n = cp.cuda.runtime.getDeviceCount()
     except Exception as exc:
+        if not nvidia_driver_present():  # no driver at all: CUDA calls that "insufficient driver"
+            return False, "no NVIDIA GPU found (this machine has no NVIDIA driver)"
         return False, f"no usable NVIDIA GPU or driver ({exc}); `nvidia-smi` should list a GPU"
     if n == 0:
         return False, "CuPy found no NVIDIA GPU"
