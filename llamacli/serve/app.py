@@ -82,8 +82,10 @@ class Engine:
                 "cached_tokens": len(self.model.cached), "context": self.model.ctx}
 
 
-def build_app(engine: Engine, api_key: str | None = None) -> Starlette:
-    """The routes over `engine`; with `api_key`, every request must carry `Authorization: Bearer KEY`."""
+def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False) -> Starlette:
+    """The routes over `engine`; with `api_key`, every request must carry `Authorization: Bearer KEY`.
+    A browser's cross-origin request is refused (_SameOrigin), and with `loopback` (the server listens on
+    this machine only) so is a request addressed to any other host name (a DNS-rebinding page's)."""
 
     async def chat_completions(request: Request) -> Response:
         return await _guarded(engine, request, _complete(engine, request, chat=True))
@@ -111,7 +113,58 @@ def build_app(engine: Engine, api_key: str | None = None) -> Starlette:
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key is not None:
         app.add_middleware(_KeyCheck, key=api_key)
+    app.add_middleware(_SameOrigin, loopback=loopback)  # (added last: it runs first)
     return app
+
+
+class _SameOrigin:
+    """What a web page in a browser could send is refused with 403 before anything else runs:
+    - a request carrying an Origin other than the server's own (the browser names the page's origin on a
+      cross-site POST, which it sends without asking when the body is text/plain or a form);
+    - on a loopback server, a request whose Host is not this machine's (localhost, 127.0.0.0/8, [::1]): a page
+      whose own name has been made to resolve to 127.0.0.1 (DNS rebinding) is same-origin to itself.
+    Clients that are not browsers (curl, the openai library) send no Origin and the Host they dialled."""
+
+    def __init__(self, app, loopback: bool):
+        self.app, self.loopback = app, loopback
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+            origin = headers.get(b"origin")
+            why = None
+            if self.loopback and not _loopback_name(host):
+                why = "this server answers only requests addressed to this machine (localhost, 127.0.0.1, [::1])"
+            elif origin is not None and _netloc(origin.decode("latin-1")) != host:
+                why = "cross-origin requests from web pages are not served"
+            if why is not None:
+                await _error(ApiError(why, 403, kind="permission_error"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _netloc(origin: str) -> str:
+    """An Origin header's host[:port], lower-case ("null" and anything unparsable: "")."""
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(origin.strip()).netloc.lower()
+    except ValueError:
+        return ""
+
+
+def _loopback_name(host: str) -> bool:
+    """Whether a Host header (name[:port], [v6][:port]) names this machine: localhost or a loopback address."""
+    import ipaddress
+
+    name = host.rpartition("]")[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0]
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 class _KeyCheck:

@@ -36,10 +36,12 @@ def listen(host: str, port: int) -> socket.socket:
 def make_server(model, name: str, sock: socket.socket, api_key: str | None = None, log=None):
     """A uvicorn server for `model` on `sock` (not started): server.run([sock]) serves until stopped."""
     uvicorn = need_extra()
+    import ipaddress
+
     from .app import Engine, build_app
 
     engine = Engine(model, name, log)
-    app = build_app(engine, api_key)
+    app = build_app(engine, api_key, loopback=ipaddress.ip_address(sock.getsockname()[0]).is_loopback)
     config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=3, server_header=False)
     server = uvicorn.Server(config)

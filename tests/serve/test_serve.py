@@ -304,3 +304,35 @@ def test_the_command_takes_its_key_from_a_file_or_the_environment(random_model, 
     finally:
         p.terminate()
         p.wait(timeout=30)
+
+
+def test_web_pages_cannot_use_a_loopback_server(served):
+    """A cross-site page's request (an Origin not the server's own: a text/plain POST needs no preflight) and a
+    DNS-rebinding page's (a Host that is not this machine) get 403 before anything runs; clients that send the
+    Host they dialled and no Origin, or the server's own origin, are served."""
+    url = served[0]
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+
+    def send(method: str, headers: dict, body: bytes | None = None) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            conn.putrequest(method, "/v1/models" if body is None else "/v1/completions", skip_host=True)
+            for k, v in {"Authorization": f"Bearer {KEY}", **headers}.items():
+                conn.putheader(k, v)
+            if body is not None:
+                conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders(body)
+            return conn.getresponse().status
+        finally:
+            conn.close()
+
+    post = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    assert send("GET", {"Host": f"evil.example:{port}"}) == 403
+    assert send("GET", {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}) == 403
+    assert send("POST", {"Host": f"127.0.0.1:{port}", "Origin": "http://evil.example",
+                         "Content-Type": "text/plain"}, post) == 403
+    assert send("POST", {"Host": f"127.0.0.1:{port}", "Origin": "null", "Content-Type": "text/plain"}, post) == 403
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "127.0.0.1"):
+        assert send("GET", {"Host": host}) == 200, host
+    assert send("POST", {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}",
+                         "Content-Type": "application/json"}, post) == 200
