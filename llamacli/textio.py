@@ -26,6 +26,13 @@ from .units import human_bytes
 MAX_TEXT_BYTES = 64 << 20
 
 
+def brief(value: object, limit: int = 40) -> str:
+    """repr(value) cut to `limit` characters, for a value from a request or a file in an error message (a
+    number may be thousands of digits long)."""
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[: limit - 10]}... ({len(r)} characters)"
+
+
 def read_text(path: str, what: str, error: type[BadInputError] = UsageError, limit: int | None = None) -> str:
     """The UTF-8 text of the file `path` ('-': standard input), named `what` in errors ("prompt file"), of at
     most `limit` bytes (MAX_TEXT_BYTES)."""

@@ -210,7 +210,7 @@ class Backend(ABC):
         p, rng, hist = s.params, s.rng, s.history
         if s.mask is not None and not s.logits:  # the mask computed while the step runs
             return StepOut(self.decode_allowed(token, pos, s.mask, p, rng, hist))
-        if s.logits or s.mask is not None:
+        if s.logits:  # (with or without a mask: _choose applies it on the host)
             return self._choose(self.decode(token, pos), s)
         if self._step_kind == "greedy":  # the argmax runs inside the step: only the id crosses
             return StepOut(self.decode_greedy(token, pos))

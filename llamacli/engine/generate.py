@@ -302,8 +302,8 @@ class Model:
         # text a little before is not taken for one; "<|start|>assistant" may take 16 in a small vocabulary.
         c.think_open = prompt_opens_think(self.tokenizer.decode(ids[-8:]))
         c.reasoning_format = reply_format(self.tokenizer.decode(ids[-16:]))
-        history = list(ids)  # the sampler's penalty window: the prompt, then each id taken
-        sampler = Sampler(params, make_rng(params.seed), history, logits=logprobs is not None)
+        # (history: the penalty window, the prompt and then each id taken)
+        sampler = Sampler(params, make_rng(params.seed), history=list(ids), logits=logprobs is not None)
         c.logprobs = [] if logprobs is not None else None
         if constraint is not None:
             from ..sampling.structured import mask_words
@@ -373,19 +373,18 @@ class Model:
         out = be.step([SeqStep(new, keep, sampler)])[0]
         self.cached = list(ids)  # only once the prefill finished
         # The step also made the decode ready (out.setup_ms): timed apart, as neither prompt nor generation
-        done = time.perf_counter()
-        c.timings.first_token_at = done - out.setup_ms / 1e3
+        c.timings.first_token_at = time.perf_counter() - out.setup_ms / 1e3
         stage = (f"prefill ({len(new)} tokens), first token", (c.timings.first_token_at - laps.at) * 1e3)
         own = _has_own(be, "prepare_decode") or _has_own(be, "start_sampling")  # (none on NumPy)
         laps.lap("", [stage, ("decode set-up", out.setup_ms)] if own else [stage])
         c.timings.prompt_ms = (c.timings.first_token_at - t0) * 1e3
         c.timings.prompt_tokens = len(new)
         c.timings.stages = laps.stages
+        if max_tokens == 0:
+            c.finish_reason = "length"
+            return
         token, n = out.id, 0  # n: the ids yielded
         while True:
-            if max_tokens == 0:
-                c.finish_reason = "length"
-                return
             if token in self.tokenizer.eog_ids:
                 c.finish_reason = "eos"
                 return

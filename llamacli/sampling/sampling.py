@@ -69,6 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import NumericalError, UsageError
+from ..textio import brief
 
 __all__ = [
     "SamplingParams",
@@ -117,29 +118,29 @@ class SamplingParams:
     def validate(self) -> SamplingParams:
         """Raise UsageError (one sentence) for a value that cannot work; return self otherwise."""
         t = self.temperature
-        if not _is_real(t) or not (0 <= t and _finite(t)):
-            raise UsageError(f"temperature must be a finite number >= 0 (0 = greedy), got {_brief(t)}")
+        if not _is_real(t) or not (0 <= t and is_finite_real(t)):
+            raise UsageError(f"temperature must be a finite number >= 0 (0 = greedy), got {brief(t)}")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= _I32_MAX:
-            raise UsageError(f"top-k must be an integer from 0 to {_I32_MAX} (0 = disabled), got {_brief(self.top_k)}")
+            raise UsageError(f"top-k must be an integer from 0 to {_I32_MAX} (0 = disabled), got {brief(self.top_k)}")
         if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
-            raise UsageError(f"top-p must lie in (0, 1] (1 = disabled), got {_brief(self.top_p)}")
+            raise UsageError(f"top-p must lie in (0, 1] (1 = disabled), got {brief(self.top_p)}")
         if not _is_real(self.min_p) or not (0 <= self.min_p <= 1):
-            raise UsageError(f"min-p must lie in [0, 1] (0 = disabled), got {_brief(self.min_p)}")
+            raise UsageError(f"min-p must lie in [0, 1] (0 = disabled), got {brief(self.min_p)}")
         r = self.repeat_penalty
-        if not _is_real(r) or not (0 < r and _finite(r)):
-            raise UsageError(f"repeat penalty must be a finite number > 0 (1 = disabled), got {_brief(r)}")
+        if not _is_real(r) or not (0 < r and is_finite_real(r)):
+            raise UsageError(f"repeat penalty must be a finite number > 0 (1 = disabled), got {brief(r)}")
         if not _F32_TINY <= r <= _F32_MAX:
             raise UsageError(f"repeat penalty must lie in [{_F32_TINY:.3g}, {_F32_MAX:.3g}] (float32), got {r!r}")
         if not _is_int(self.repeat_last_n) or not -1 <= self.repeat_last_n <= _I32_MAX:
             raise UsageError(f"repeat-last-n must be an integer from -1 to {_I32_MAX} (0 = none, -1 = whole "
-                             f"context), got {_brief(self.repeat_last_n)}")
+                             f"context), got {brief(self.repeat_last_n)}")
         for name, v in (("presence penalty", self.presence_penalty), ("frequency penalty", self.frequency_penalty)):
-            if not _is_real(v) or not _finite(v):
-                raise UsageError(f"{name} must be a finite number, got {_brief(v)}")
+            if not is_finite_real(v):
+                raise UsageError(f"{name} must be a finite number, got {brief(v)}")
             if abs(v) > _F32_MAX:
                 raise UsageError(f"{name} must lie in [{-_F32_MAX:.3g}, {_F32_MAX:.3g}] (float32), got {v!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= _U64_MAX):
-            raise UsageError(f"seed must be an integer from 0 to {_U64_MAX}, got {_brief(self.seed)}")
+            raise UsageError(f"seed must be an integer from 0 to {_U64_MAX}, got {brief(self.seed)}")
         return self
 
 
@@ -150,18 +151,15 @@ def _is_int(v: object) -> bool:
 _I32_MAX, _U64_MAX = 2**31 - 1, 2**64 - 1  # counts the kernels take as int32; seeds as llama.cpp's and OpenAI's
 
 
-def _finite(v: numbers.Real) -> bool:
-    """A finite real that a float holds (an integer of hundreds of digits does not: float() overflows)."""
+def is_finite_real(v: object) -> bool:
+    """A real number (not a bool) that a float holds finitely: an integer of hundreds of digits is not one
+    (float() overflows on it), nor are inf and NaN."""
+    if not _is_real(v):
+        return False
     try:
         return math.isfinite(float(v))
     except OverflowError:
         return False
-
-
-def _brief(v: object) -> str:
-    """repr(v), cut to 40 characters (a value from a request may be thousands of digits long)."""
-    r = repr(v)
-    return r if len(r) <= 40 else f"{r[:30]}... ({len(r)} characters)"
 
 
 def _is_real(v: object) -> bool:

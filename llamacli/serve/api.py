@@ -5,7 +5,6 @@ JSON objects the `openai` client reads. No HTTP here, and no model work: app.py 
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
 import time
 import uuid
@@ -14,7 +13,8 @@ from typing import Any
 
 from ..chat.reasoning import parse_effort
 from ..errors import BadInputError, ContextOverflowError, LlamacliError
-from ..sampling.sampling import SamplingParams
+from ..sampling.sampling import SamplingParams, is_finite_real
+from ..textio import brief
 
 MAX_STOP = 16  # OpenAI takes 4; llama-server takes more
 MAX_TOP_LOGPROBS = 20  # as OpenAI
@@ -279,21 +279,15 @@ def _int(body: dict, name: str, default: Any) -> Any:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        r = repr(v)
-        raise ApiError(f"{name} must be an integer, got {r if len(r) <= 40 else r[:30] + '...'}", param=name)
+        raise ApiError(f"{name} must be an integer, got {brief(v)}", param=name)
     return v
 
 
 def _number(body: dict, name: str) -> float:
     v = body.get(name)
-    try:
-        x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
-    except OverflowError:  # an integer of hundreds of digits
-        x = math.inf
-    if not math.isfinite(x):
-        r = repr(v)
-        raise ApiError(f"{name} must be a finite number, got {r if len(r) <= 40 else r[:30] + '...'}", param=name)
-    return x
+    if not is_finite_real(v):  # (an integer of hundreds of digits too: no float holds it)
+        raise ApiError(f"{name} must be a finite number, got {brief(v)}", param=name)
+    return float(v)
 
 
 def _bool(body: dict, name: str, default: Any) -> Any:
