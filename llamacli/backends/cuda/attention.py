@@ -156,8 +156,8 @@ class AttentionMixin:
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         ext = layer_ext(op)
-        wx = (K.i32(op.window), K.f32(op.softcap)) if ext else ()  # the _w kernels' extra arguments
-        sinks = (K.ptr(self.sinks(op)), K.i32(kc.shape[0])) if ext else ()  # (+ the ring)
+        # the _w kernels' extra arguments
+        wx = dict(window=op.window, softcap=op.softcap, sinks=self.sinks(op), ring=kc.shape[0]) if ext else {}
         w_ = "_w" if ext else ""
         if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
             # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e) x the query scale), as
@@ -173,14 +173,14 @@ class AttentionMixin:
         npl = values_per_lane(dh)
         smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
         grid = (K.cdiv(t * cfg.n_group, ATT_ROWS), hkv, n_split)
-        K.launch("attention_simt", f"attention{w_}_npl{npl}", grid, (256,),
-                 (K.ptr(q), K.i32(q_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
-                  K.i32(dh), K.f32(cfg.query_scale), K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim),
-                  K.ptr(part_o), K.ptr(part_ml), K.i32(n_split), *wx, *sinks), shared=smem)
+        K.launch("attention_simt", f"attention{w_}_npl{npl}", grid, (256,), shared=smem, q=q, q_stride=q_stride,
+                 kc=kc, vc=vc, pos=pos, T=t, Hq=hq, Hkv=hkv, Dh=dh, scale=cfg.query_scale, chunk=chunk, out=out,
+                 out_stride=cfg.q_dim, part_o=part_o, part_ml=part_ml, n_split=n_split, **wx)
         if n_split > 1:
+            cx = {k: wx[k] for k in ("window", "sinks")} if ext else {}
             K.launch("attention_simt", f"attention_combine{w_}", (t * hq,), (max(32, K.cdiv(dh, 32) * 32),),
-                     (K.ptr(part_o), K.ptr(part_ml), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(dh), K.i32(n_split),
-                      K.i32(chunk), K.ptr(out), K.i32(cfg.q_dim), *wx[:1], *sinks[:1]))
+                     part_o=part_o, part_ml=part_ml, pos=pos, T=t, Hq=hq, Dh=dh, n_split=n_split, chunk=chunk,
+                     out=out, out_stride=cfg.q_dim, **cx)
 
     def sinks(self, op: Attention | None) -> Any:
         """The attention sinks [Hq] of op's layer (gpt-oss), or None (also for kernel tests without weights)."""
@@ -197,39 +197,33 @@ class AttentionMixin:
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         kc, vc = self.readable(kc, vc, pos, t)
         f16 = "16" if out.dtype == self.cp.float16 else ""
+        rows = dict(q=q16, q_stride=q16_stride, pos=pos, T=t, Hq=hq, Hkv=hkv, out=out, out_stride=cfg.q_dim)
         if layer_ext(op):  # the soft-cap in the kernel's base-2 units: c log2(e)
-            args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq),
-                    K.i32(hkv), K.ptr(out), K.i32(cfg.q_dim), K.i32(op.window),
-                    K.f32(op.softcap * math.log2(math.e)), K.ptr(self.sinks(op)),
-                    K.i32(kc.shape[0]))
             K.launch("attention_mma", f"attention_tcx{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv),
-                     (128,), args, shared=tc_smem(dh))
+                     (128,), shared=tc_smem(dh), kc=kc, vc=vc, window=op.window,
+                     cap2=op.softcap * math.log2(math.e), sinks=self.sinks(op), ring=kc.shape[0], **rows)
             return
         if self.attention_wg and dh in ATT_WG_DIMS:  # 64 query rows per block, one warpgroup
             # K and V by the tensor copy engine: each cache a [rows, hkv * dh] matrix in [64 x 64] boxes.
-            rows = kc.size // (hkv * dh)
-            maps = [K.tensor_map_2d(x.data.ptr, rows, hkv * dh, 64, 64) for x in (kc, vc)]
-            args = (K.ptr(q16), K.i32(q16_stride), *maps, K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv), K.ptr(out),
-                    K.i32(cfg.q_dim))
-            K.launch("attention_wgmma", f"attention_wg{f16}_d{dh}", (K.cdiv(t * cfg.n_group, 64), hkv), (128,), args,
-                     shared=wg_smem(dh))
+            n_rows = kc.size // (hkv * dh)
+            kmap, vmap = (K.tensor_map_2d(x.data.ptr, n_rows, hkv * dh, 64, 64) for x in (kc, vc))
+            K.launch("attention_wgmma", f"attention_wg{f16}_d{dh}", (K.cdiv(t * cfg.n_group, 64), hkv), (128,),
+                     shared=wg_smem(dh), kmap=kmap, vmap=vmap, **rows)
             return
-        args = (K.ptr(q16), K.i32(q16_stride), K.ptr(kc), K.ptr(vc), K.ptr(pos), K.i32(t), K.i32(hq), K.i32(hkv),
-                K.ptr(out), K.i32(cfg.q_dim))
         K.launch("attention_mma", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
-                 args, shared=tc_smem(dh))
+                 shared=tc_smem(dh), kc=kc, vc=vc, **rows)
 
     def split_args(self, op: Attention | None, pos: Any, n_split: int, part_o: Any, part_ml: Any,
-                   kc: Any, vc: Any) -> tuple[Any, ...]:
+                   kc: Any, vc: Any) -> dict[str, Any]:
         """attention_split*'s arguments from kc to counters (op's window, soft-cap and sinks; none without)."""
         cfg = self.cfg
         window = op.window if op is not None else 0
         cap2 = op.softcap * math.log2(math.e) if op is not None else 0.0
         if getattr(self, "attention_counters", None) is None:
             self.attention_counters = self.cp.zeros(cfg.n_head_kv, self.cp.uint32)
-        return (K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0]), K.ptr(pos), K.i32(cfg.n_head),
-                K.i32(cfg.n_head_kv), K.f32(tc_qscale(cfg.head_dim, cfg.attn_scale)), K.i32(window), K.f32(cap2),
-                K.ptr(self.sinks(op)), K.ptr(part_o), K.ptr(part_ml), K.ptr(self.attention_counters))
+        return dict(kc=kc, vc=vc, ring=kc.shape[0], pos=pos, Hq=cfg.n_head, Hkv=cfg.n_head_kv,
+                    qscale=tc_qscale(cfg.head_dim, cfg.attn_scale), window=window, cap2=cap2, sinks=self.sinks(op),
+                    part_o=part_o, part_ml=part_ml, counters=self.attention_counters)
 
     def attend_split(self, op: Attention | None, q: Any, kc: Any, vc: Any, pos: Any, out: Any, n_split: int,
                      part_o: Any, part_ml: Any) -> None:
@@ -239,8 +233,8 @@ class AttentionMixin:
         cfg = self.cfg
         q8 = kc.dtype == self.cp.uint8  # an 8-bit cache (device.alloc_kv_cache)
         K.launch("attention_split", f"attention_split{'_q8' if q8 else ''}_d{cfg.head_dim}", (cfg.n_head_kv, n_split),
-                 (128,), (K.ptr(q), *self.split_args(op, pos, n_split, part_o, part_ml, kc, vc), K.ptr(out)),
-                 shared=split_smem(cfg.head_dim, cfg.n_group, q8))
+                 (128,), shared=split_smem(cfg.head_dim, cfg.n_group, q8), q=q, out=out,
+                 **self.split_args(op, pos, n_split, part_o, part_ml, kc, vc))
 
     def attend_step(self, branch: AttentionBranch, qkv: Any, att: Any, early: bool) -> None:
         """The fused decode step's attention of one layer's attention branch (fusion.py; attention_split_step_
@@ -258,12 +252,10 @@ class AttentionMixin:
             qn, kn = (getattr(L, n.weight) for n in branch.head_norms)
         q8 = self.k_cache[layer].dtype == self.cp.uint8
         K.launch("attention_split", f"attention_split_step{'_q8' if q8 else ''}_{mode}_d{cfg.head_dim}",
-                 (cfg.n_head_kv, n_split), (128,),
-                 (K.ptr(qkv), *self.split_args(op, self.step_pos, n_split, self._part_o, self._part_ml,
-                                               self.k_cache[layer], self.v_cache[layer]),
-                  K.ptr(att), K.i32(dims), K.ptr(inv_freq), K.f32(attn), K.ptr(qn), K.ptr(kn),
-                  K.f32(cfg.rms_eps), K.i32(early)),
-                 shared=split_smem(cfg.head_dim, cfg.n_group, q8))
+                 (cfg.n_head_kv, n_split), (128,), shared=split_smem(cfg.head_dim, cfg.n_group, q8), qkv=qkv,
+                 out=att, rope_dim=dims, inv_freq=inv_freq, attn=attn, qn=qn, kn=kn, eps=cfg.rms_eps, early=early,
+                 **self.split_args(op, self.step_pos, n_split, self._part_o, self._part_ml, self.k_cache[layer],
+                                   self.v_cache[layer]))
 
     def split_fits(self) -> bool:
         """attention_split serves the head shape: up to 16 query heads per KV head, a head dim with a kernel,
@@ -309,9 +301,9 @@ class AttentionMixin:
         cfg = self.cfg
         q8 = kc.dtype == self.cp.uint8
         n = t * cfg.kv_dim * (2 if q8 else 1)  # threads
-        K.launch("attention_simt", "kv_store_q8" if q8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,),
-                 (K.ptr(k_ptr), K.i32(stride), K.ptr(v_ptr), K.i32(stride), K.i32(t), K.i32(cfg.n_head_kv),
-                  K.i32(cfg.head_dim), K.ptr(pos), K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0])))
+        K.launch("attention_simt", "kv_store_q8" if q8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,), k=k_ptr,
+                 k_stride=stride, v=v_ptr, v_stride=stride, T=t, Hkv=cfg.n_head_kv, Dh=cfg.head_dim, pos=pos, kc=kc,
+                 vc=vc, ring=kc.shape[0])
 
     def store_q8(self, layer: int, qkv: Any, stride: int, pos: Any, t: int) -> None:
         """An 8-bit cache's rows of the t positions `pos` from the rotated K and V in qkv's rows (`stride` floats
@@ -332,7 +324,6 @@ class AttentionMixin:
         cfg = self.cfg
         ring, hkv, dh = kc.shape[0], cfg.n_head_kv, cfg.head_dim
         k16, v16 = (x[:ring] for x in self.kv16)
-        K.launch("attention_simt", "kv_dequant_q8", (min(K.cdiv(ring * hkv * dh // 8, 256), 2048),), (256,),
-                 (K.ptr(kc), K.ptr(vc), K.i32(ring), K.i32(hkv), K.i32(dh), K.ptr(pos), K.i32(t), K.ptr(k16),
-                  K.ptr(v16)))
+        K.launch("attention_simt", "kv_dequant_q8", (min(K.cdiv(ring * hkv * dh // 8, 256), 2048),), (256,), kc=kc,
+                 vc=vc, ring=ring, Hkv=hkv, Dh=dh, pos=pos, T=t, k16=k16, v16=v16)
         return k16, v16

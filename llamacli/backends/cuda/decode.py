@@ -176,17 +176,15 @@ class DecodeMixin:
                 if a.head_norms is not None:  # qwen3: per-head RMSNorm of q and k, in place, before the RoPE
                     qn, kn = (getattr(L, n.weight) for n in a.head_norms)
                     step.append(("q/k norm", 0, False, lambda early, qn=qn, kn=kn: K.launch(
-                        "norm", "head_rms_norm", (1, hq + hkv), (min(1024, K.cdiv(dh, 32) * 32),),
-                        (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.ptr(qn), K.ptr(kn),
-                         K.f32(cfg.rms_eps)))))
+                        "norm", "head_rms_norm", (1, hq + hkv), (min(1024, K.cdiv(dh, 32) * 32),), x=qkv,
+                        stride=qkv.shape[1], Hq=hq, Hkv=hkv, Dh=dh, wq=qn, wk=kn, eps=cfg.rms_eps)))
                 dims, table, attn = self.rope_args(a.rope)
                 kc, vc = self.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
                 step.append(("RoPE+KV", 0, False, lambda early, dims=dims, table=table, attn=attn, kc=kc, vc=vc:
                              K.launch("rope", f"rope_store_{mode}", (1, hq + 2 * hkv),
-                                      (max(32, K.cdiv(dh // 2, 32) * 32),),
-                                      (K.ptr(qkv), K.i32(qkv.shape[1]), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(dims),
-                                       K.ptr(self.step_pos), K.ptr(table), K.f32(attn), K.ptr(kc), K.ptr(vc),
-                                       K.i32(kc.shape[0])))))
+                                      (max(32, K.cdiv(dh // 2, 32) * 32),), qkv=qkv, stride=qkv.shape[1], Hq=hq,
+                                      Hkv=hkv, Dh=dh, rope_dim=dims, pos=self.step_pos, inv_freq=table, attn=attn,
+                                      kc=kc, vc=vc, ring=kc.shape[0])))
                 step.append(("RoPE+KV", 0, False, lambda early, i=i: self.store_q8(i, qkv, qkv.shape[1],
                                                                                   self.step_pos, 1)))
                 step.append(("attention", 0, False, lambda early, i=i, op=a.attention: self.attend(
@@ -217,8 +215,7 @@ class DecodeMixin:
                 mv("norm+FFN", (uw,), src, g[1], norm=norm, post=pd)
                 glu = "geglu_f32" if act == "gelu_tanh" else "swiglu_f32"
                 step.append(("norm+FFN", 0, False, lambda early, g=g, glu=glu: K.launch(
-                    "elementwise", glu, (K.cdiv(cfg.n_ff, 256),), (256,),
-                    (K.ptr(g[0]), K.ptr(g[1]), K.ptr(ff), K.i64(cfg.n_ff)))))
+                    "elementwise", glu, (K.cdiv(cfg.n_ff, 256),), (256,), g=g[0], u=g[1], y=ff, n=cfg.n_ff)))
             down = getattr(L, fb.down.weight)
             if fb.post is not None:
                 mv("norm+FFN", (down,), ff, self._blk)
@@ -232,8 +229,8 @@ class DecodeMixin:
                                                                           cfg.final_softcap)))
             if greedy:  # argmax_f32 writes step_ids [id, NaN/+inf seen] and advances step_pos, as mv1's argmax
                 step.append(("argmax", 0, False, lambda early: K.launch(
-                    "sampling", "argmax_f32", (1,), (1024,),
-                    (K.ptr(self.step_logits), K.i32(cfg.vocab_size), K.ptr(self.step_ids), K.ptr(self.step_pos)))))
+                    "sampling", "argmax_f32", (1,), (1024,), x=self.step_logits, V=cfg.vocab_size, out=self.step_ids,
+                    pos_inc=self.step_pos)))
         else:
             mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), src, self.step_logits,
                norm=w.output_norm, argmax=greedy, post=pd)
@@ -385,8 +382,8 @@ class DecodeMixin:
             self._dev_state = None
             return self.sample_allowed(self.step_logits, mask, params, rng, recent)
         self._mask_kernel(self.step_logits, mask)
-        K.launch("sampling", "argmax_f32", (1,), (1024,),
-                 (K.ptr(self._masked), K.i32(self.cfg.vocab_size), K.ptr(self.step_ids), K.ptr(self.step_pos)))
+        K.launch("sampling", "argmax_f32", (1,), (1024,), x=self._masked, V=self.cfg.vocab_size, out=self.step_ids,
+                 pos_inc=self.step_pos)
         slot = self._copy_ids()
         queued = self._can_queue(pos, "logits")
         if queued:

@@ -48,7 +48,7 @@ def _random_weight(cp: Any, qtype: QT, n: int, k: int) -> Any:
 def _time_launches(cp: Any, launch: Any, reps: int) -> float:
     """Seconds per launch: `reps` launches queued behind a spin kernel, CUDA events around them."""
     launch(0)  # warm up (module load)
-    K.launch("elementwise", "spin_ns", (1,), (1,), (K.i64(5_000_000),))
+    K.launch("elementwise", "spin_ns", (1,), (1,), ns=5_000_000)
     a, b = cp.cuda.Event(), cp.cuda.Event()
     a.record()
     for i in range(reps):

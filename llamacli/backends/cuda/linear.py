@@ -246,11 +246,11 @@ class LinearMixin:
                 part = w.slice_rows(r0, n)
                 units = n * K.cdiv(k, 32)
                 K.launch("dequant", f"dequant_{qname(w.qtype)}", (min(K.cdiv(units, 256), 65535),), (256,),
-                         (K.ptr(part.ptr), K.i64(n), K.i32(k), K.ptr(buf)))
+                         w=part.ptr, N=n, K=k, out=buf)
                 self._gemm16(x16, buf.data.ptr, n, k, y, r0)
         n_all = y.size
-        K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n_all, 256), 4096),), (256,),
-                 (K.ptr(y), K.ptr(scale), K.ptr(bias), K.i64(n_all), K.i32(w.rows)))
+        K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n_all, 256), 4096),), (256,), y=y, scale=scale,
+                 b=bias, n=n_all, N=w.rows)
         return y
 
     def _to_f16_scaled(self, x: Any) -> tuple[Any, Any]:
@@ -261,7 +261,7 @@ class LinearMixin:
         t, k = x.shape
         x16 = cp.empty((t, k), dtype=cp.float16)
         scale = cp.empty(t, dtype=cp.float32)
-        K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,), (K.ptr(x), K.ptr(x16), K.ptr(scale), K.i32(k)))
+        K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,), x=x, x16=x16, scale=scale, k=k)
         return x16, scale
 
     def _gemm16(self, x16: Any, w_ptr: int, n_rows: int, k: int, y: Any, col0: int) -> None:
@@ -312,33 +312,28 @@ class LinearMixin:
         n1 = ws[1].rows if len(ws) > 1 else 0
         if t == 1 and self.mv1_stream and mv1_stream_ok(ws):
             K.launch("matvec", f"mv1_stream_{qname(w0.qtype)}", (mv1_stream_grid(n, self.n_sms),), (32 * MV1_WARPS,),
-                     (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
-                      K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps),
-                      K.ptr(self._am if argmax else None), K.i32(early), K.ptr(post)),
-                     shared=mv1_smem(w0.qtype, w0.cols))
+                     shared=mv1_smem(w0.qtype, w0.cols), w0=segs[0], w1=segs[1], w2=segs[2], n0=n0, n1=n1, N=n,
+                     K=w0.cols, x=x, y=y, bias=bias, resid=resid, norm_w=norm, eps=self.cfg.rms_eps,
+                     am=self._am if argmax else None, early=early, post=post)
             return
         if t == 1 and mv1_tile_ok(ws, self.smem_block):
             K.launch("matvec", "mv1_tile_q8_0", (mv1_tile_grid(n, self.n_sms),), (32 * MV1T_WARPS,),
-                     (K.ptr(w0.ptr), K.i32(n), K.i32(w0.cols), K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid),
-                      K.ptr(norm), K.f32(self.cfg.rms_eps), K.ptr(self._am if argmax else None), K.i32(early),
-                      K.ptr(post)),
-                     shared=mv1_tile_smem(w0.cols))
+                     shared=mv1_tile_smem(w0.cols), w=w0.ptr, N=n, K=w0.cols, x=x, y=y, bias=bias, resid=resid,
+                     norm_w=norm, eps=self.cfg.rms_eps, am=self._am if argmax else None, early=early, post=post)
             return
         if t == 1:
             groups = mv1_groups(n, w0.cols, w0.qtype, self.n_sms)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", kernel, (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
-                     (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
-                      K.ptr(x), K.ptr(y), K.ptr(bias), K.ptr(resid), K.ptr(norm), K.f32(self.cfg.rms_eps), K.i32(lpr),
-                      K.i32(groups), K.ptr(self._am if argmax else None), K.i32(early), K.ptr(post)),
-                     shared=mv1_smem(w0.qtype, w0.cols))
+                     shared=mv1_smem(w0.qtype, w0.cols), w0=segs[0], w1=segs[1], w2=segs[2], n0=n0, n1=n1, N=n,
+                     K=w0.cols, x=x, y=y, bias=bias, resid=resid, norm_w=norm, eps=self.cfg.rms_eps, lpr=lpr,
+                     groups=groups, am=self._am if argmax else None, early=early, post=post)
             return
         if norm is not None or argmax or post is not None:
             raise BackendError("fused RMSNorm / argmax / post-norm need one token")
         rows_per_block = 4 * (32 // lpr)
-        K.launch("matvec", f"matvec_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (128,),
-                 (K.ptr(segs[0]), K.ptr(segs[1]), K.ptr(segs[2]), K.i32(n0), K.i32(n1), K.i32(n), K.i32(w0.cols),
-                  K.ptr(x), K.i32(t), K.ptr(y), K.ptr(bias), K.ptr(resid), K.i32(lpr)))
+        K.launch("matvec", f"matvec_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (128,), w0=segs[0], w1=segs[1],
+                 w2=segs[2], n0=n0, n1=n1, N=n, K=w0.cols, x=x, T=t, y=y, bias=bias, resid=resid, lpr=lpr)
 
     def matvec_swiglu(self, wg: DeviceMatrix, wu: DeviceMatrix, x: Any, t: int, y: Any, norm: Any = None,
                       early: bool = False, act: str = "silu", post: Any = None) -> None:
@@ -349,22 +344,18 @@ class LinearMixin:
         lpr = _lpr(wg.cols)
         if t == 1 and self.mv1_stream and mv1_stream_ok((wg, wu)):
             K.launch("matvec", f"mv1_stream_{qname(wg.qtype)}_{glu}", (mv1_stream_grid(wg.rows, self.n_sms),),
-                     (32 * MV1_WARPS,),
-                     (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
-                      K.f32(self.cfg.rms_eps), K.i32(early), K.ptr(post)),
-                     shared=mv1_smem(wg.qtype, wg.cols))
+                     (32 * MV1_WARPS,), shared=mv1_smem(wg.qtype, wg.cols), wg=wg.ptr, wu=wu.ptr, N=wg.rows,
+                     K=wg.cols, x=x, y=y, norm_w=norm, eps=self.cfg.rms_eps, early=early, post=post)
             return
         if t == 1:
             groups = mv1_groups(wg.rows, wg.cols, wg.qtype, self.n_sms)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", f"mv1_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
-                     (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.ptr(y), K.ptr(norm),
-                      K.f32(self.cfg.rms_eps), K.i32(lpr), K.i32(groups), K.i32(early), K.ptr(post)),
-                     shared=mv1_smem(wg.qtype, wg.cols))
+                     shared=mv1_smem(wg.qtype, wg.cols), wg=wg.ptr, wu=wu.ptr, N=wg.rows, K=wg.cols, x=x, y=y,
+                     norm_w=norm, eps=self.cfg.rms_eps, lpr=lpr, groups=groups, early=early, post=post)
             return
         if norm is not None or post is not None:
             raise BackendError("fused RMSNorm / post-norm need one token")
         rows_per_block = 4 * (32 // lpr)
-        K.launch("matvec", f"matvec_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (128,),
-                 (K.ptr(wg.ptr), K.ptr(wu.ptr), K.i32(wg.rows), K.i32(wg.cols), K.ptr(x), K.i32(t), K.ptr(y),
-                  K.i32(lpr)))
+        K.launch("matvec", f"matvec_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (128,), wg=wg.ptr,
+                 wu=wu.ptr, N=wg.rows, K=wg.cols, x=x, T=t, y=y, lpr=lpr)

@@ -11,8 +11,10 @@ with NVRTC for that target (CuPy can only name `sm_XY`) into a cubin cached unde
 the source, the options and the NVRTC version, and loaded with RawModule(path=...); elsewhere as above. Every
 other family, the other attention families included, is compiled by CuPy for the device's `sm_XY`.
 
-Launchers live next to the get_function call and compute grid and block there. With logging at DEBUG (the
-CLI's --debug) every launch is logged: name, grid, block, dynamic shared memory.
+`launch(family, kernel, grid, block, shared=..., **args)` is every kernel's typed launcher: the arguments go by
+the names the kernel's declaration gives them and are converted to its C types (declarations.py). The caller
+computes grid and block. With logging at DEBUG (the CLI's --debug) every launch is logged: name, grid, block,
+dynamic shared memory.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 
 from ...errors import BackendError, KernelCompileError
 from .constants import defines
+from .declarations import signature
 
 log = logging.getLogger("llamacli.kernels")
 
@@ -185,22 +188,26 @@ def launch_count() -> int:
     return _launches[0]
 
 
-def launch(family: str, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared: int = 0) -> None:
-    """Launch kernels/<family>.cu:<name> on the current stream (inside `dependent_launches()`, a kernel of
-    PDL_KERNELS with programmatic stream serialization)."""
-    fn = function(family, name)
+def launch(family: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], /, shared: int = 0,
+           **args: Any) -> None:
+    """Launch kernels/<family>.cu:<kernel> on the current stream with its arguments by name, converted to the
+    types its declaration gives (declarations.py; a missing, unknown or ill-typed one is a TypeError before
+    the launch). Inside `dependent_launches()` a kernel of PDL_KERNELS goes out with programmatic stream
+    serialization."""
+    values = signature(family, kernel).pack(kernel, args)
+    fn = function(family, kernel)
     _launches[0] += 1
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("launch %s grid=%s block=%s shared=%d", name, grid, block, shared)
-    if shared and _smem_limit.get((family, name), 0) < shared:
+        log.debug("launch %s grid=%s block=%s shared=%d", kernel, grid, block, shared)
+    if shared and _smem_limit.get((family, kernel), 0) < shared:
         # Dynamic plus static shared memory above 48 KiB only once raised (cudaFuncSetAttribute; once per kernel
         # and size): set for any dynamic size, since a kernel's static part is not known here.
         fn.max_dynamic_shared_size_bytes = shared
-        _smem_limit[(family, name)] = shared
-    if _pdl[0] and name.startswith(PDL_KERNELS):
-        launch_dependent(fn, grid, block, args, shared)
+        _smem_limit[(family, kernel)] = shared
+    if _pdl[0] and kernel.startswith(PDL_KERNELS):
+        launch_dependent(fn, grid, block, values, shared)
     else:
-        fn(grid, block, args, shared_mem=shared)
+        fn(grid, block, values, shared_mem=shared)
 
 
 # -- programmatic dependent launch ---------------------------------------------------------------------------
@@ -252,15 +259,16 @@ class LaunchConfig(ctypes.Structure):  # cuda.h CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
 
 
-_CTYPE_OF = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
+_CTYPE_OF = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.uint32: ctypes.c_uint32,
+             np.float32: ctypes.c_float, np.float64: ctypes.c_double}
 
 
 def kernel_params(args: tuple) -> tuple[Any, list]:
-    """cuLaunchKernelEx's void** kernelParams for arguments made by the helpers below (np.uint64 pointers,
-    np.int32 / np.int64 / np.float32 scalars) -> (the array, the values it points into: keep both alive)."""
+    """cuLaunchKernelEx's void** kernelParams for arguments as declarations.Signature.pack makes them (np.uint64
+    pointers, NumPy scalars) -> (the array, the values it points into: keep both alive)."""
     bad = [type(a).__name__ for a in args if type(a) not in _CTYPE_OF]
     if bad:
-        raise TypeError(f"kernel arguments must come from ptr/i32/i64/f32, got {', '.join(bad)}")
+        raise TypeError(f"programmatic launches take pointers and scalars, got {', '.join(bad)}")
     values = [_CTYPE_OF[type(a)](a) for a in args]
     return (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values]), values
 
@@ -343,20 +351,6 @@ def tensor_map_2d(address: int, rows: int, cols: int, box_rows: int, box_cols: i
     out = raw[at : at + TENSOR_MAP.itemsize].view(TENSOR_MAP)
     out.flags.writeable = False
     return out
-
-
-# -- argument helpers ----------------------------------------------------------------------------------------
-
-i32, i64, f32 = np.int32, np.int64, np.float32
-
-
-def ptr(x: Any) -> np.uint64:
-    """A device pointer argument: a cupy array, a raw int, or None (NULL)."""
-    if x is None:
-        return np.uint64(0)
-    if isinstance(x, (int, np.integer)):
-        return np.uint64(x)
-    return np.uint64(x.data.ptr)
 
 
 def cdiv(a: int, b: int) -> int:

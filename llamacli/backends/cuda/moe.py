@@ -145,8 +145,8 @@ class MoEMixin:
     def _moe_group(self, b: SimpleNamespace, p: int, tile: int) -> int:
         """Group the p pairs of b.ids by expert into tiles of up to `tile` -> the grid's bound on the tiles."""
         e_n = self.cfg.n_expert
-        K.launch("moe", "moe_group", (1,), (1024,),
-                 (K.ptr(b.ids), K.i32(p), K.i32(e_n), K.i32(tile), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items)))
+        K.launch("moe", "moe_group", (1,), (1024,), ids=b.ids, P=p, E=e_n, tile=tile, list=b.pairs, items=b.items,
+                 n_items=b.n_items)
         return K.cdiv(p, tile) + min(e_n, p)
 
     def _moe_matvec(self, h: Any, t: int, op: Moe, out: Any) -> None:
@@ -163,14 +163,12 @@ class MoEMixin:
         g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
         lpr = _lpr(d)
         K.launch("moe", f"matvec_moe_{qname(g.qtype)}_{_ACT[op.activation]}", (K.cdiv(f, 4 * (32 // lpr)), grid_y),
-                 (128,),
-                 (K.ptr(g.ptr), K.ptr(u.ptr), K.i64(eb), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k),
-                  K.i32(f), K.i32(d), K.ptr(h), K.ptr(b.ff), K.ptr(L.ffn_gate_exps_bias), K.ptr(L.ffn_up_exps_bias),
-                  K.i32(lpr)))
+                 (128,), wg=g.ptr, wu=u.ptr, eb=eb, list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=f, K=d,
+                 x=h, y=b.ff, bg=L.ffn_gate_exps_bias, bu=L.ffn_up_exps_bias, lpr=lpr)
         lpr = _lpr(f)
-        K.launch("moe", f"matvec_moe_{qname(dn.qtype)}", (K.cdiv(d, 4 * (32 // lpr)), grid_y), (128,),
-                 (K.ptr(dn.ptr), K.i64(eb_down), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k), K.i32(d),
-                  K.i32(f), K.ptr(b.ff), K.i32(1), K.ptr(b.y), K.ptr(L.ffn_down_exps_bias), K.i32(lpr)))
+        K.launch("moe", f"matvec_moe_{qname(dn.qtype)}", (K.cdiv(d, 4 * (32 // lpr)), grid_y), (128,), w=dn.ptr,
+                 eb=eb_down, list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=d, K=f, x=b.ff, x_per_pair=1,
+                 y=b.y, bias=L.ffn_down_exps_bias, lpr=lpr)
         self._moe_combine(b.y, b.wts, out, t)
 
     def _moe_gemm(self, h16: int, sc: Any, t: int, op: Moe, out: Any) -> None:
@@ -186,32 +184,30 @@ class MoEMixin:
         b = self._moe_buffers(t)
         self._gemm_weights(h16, t, [L.ffn_gate_inp], b.logits.data.ptr, e_n)
         n = t * e_n
-        K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n, 256), 4096),), (256,),
-                 (K.ptr(b.logits), K.ptr(sc), K.ptr(L.ffn_gate_inp_bias), K.i64(n), K.i32(e_n)))
+        K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n, 256), 4096),), (256,), y=b.logits, scale=sc,
+                 b=L.ffn_gate_inp_bias, n=n, N=e_n)
         self._moe_route(b.logits, t, b.ids, b.wts, op.gating)
         p = t * k
         grid_y = self._moe_group(b, p, MG_BM)
         g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
         K.launch("moe", f"moe_gemm_{qname(g.qtype)}_{_ACT[op.activation]}", (K.cdiv(f, MG_BN // 2), grid_y), (128,),
-                 (K.ptr(g.ptr), K.ptr(u.ptr), K.i64(eb), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k),
-                  K.i32(f), K.i32(d), K.ptr(h16), K.ptr(sc), K.ptr(b.ff), K.ptr(L.ffn_gate_exps_bias),
-                  K.ptr(L.ffn_up_exps_bias)))
-        K.launch("elementwise", "to_f16_rowscale_f32", (p,), (256,), (K.ptr(b.ff), K.ptr(b.ff16), K.ptr(b.sc), K.i32(f)))
-        K.launch("moe", f"moe_gemm_{qname(dn.qtype)}", (K.cdiv(d, MG_BN), grid_y), (128,),
-                 (K.ptr(dn.ptr), K.i64(eb_down), K.ptr(b.pairs), K.ptr(b.items), K.ptr(b.n_items), K.i32(k), K.i32(d),
-                  K.i32(f), K.ptr(b.ff16), K.ptr(b.sc), K.i32(1), K.ptr(b.y), K.ptr(L.ffn_down_exps_bias)))
+                 wg=g.ptr, wu=u.ptr, eb=eb, list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=f, K=d, x16=h16,
+                 xsc=sc, y=b.ff, bg=L.ffn_gate_exps_bias, bu=L.ffn_up_exps_bias)
+        K.launch("elementwise", "to_f16_rowscale_f32", (p,), (256,), x=b.ff, x16=b.ff16, scale=b.sc, k=f)
+        K.launch("moe", f"moe_gemm_{qname(dn.qtype)}", (K.cdiv(d, MG_BN), grid_y), (128,), w=dn.ptr, eb=eb_down,
+                 list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=d, K=f, x16=b.ff16, xsc=b.sc, x_per_pair=1,
+                 y=b.y, bias=L.ffn_down_exps_bias)
         self._moe_combine(b.y, b.wts, out, t)
 
     def _moe_route(self, logits: Any, t: int, ids: Any, wts: Any, gating: str) -> None:
         cfg = self.cfg
-        K.launch("moe", "moe_route_f32", (t,), (32,),
-                 (K.ptr(logits), K.i32(t), K.i32(cfg.n_expert), K.i32(cfg.n_expert_used), K.i32(_GATING[gating]),
-                  K.i32(int(cfg.expert_weights_norm)), K.ptr(ids), K.ptr(wts)))
+        K.launch("moe", "moe_route_f32", (t,), (32,), logits=logits, T=t, E=cfg.n_expert, k=cfg.n_expert_used,
+                 gating=_GATING[gating], norm=int(cfg.expert_weights_norm), ids=ids, wts=wts)
 
     def _moe_combine(self, y: Any, wts: Any, x: Any, t: int) -> None:
         d = self.cfg.n_embd
-        K.launch("moe", "moe_combine_f32", (K.cdiv(d, 256), t), (256,),
-                 (K.ptr(y), K.ptr(wts), K.ptr(x), K.i32(t), K.i32(d), K.i32(self.cfg.n_expert_used)))
+        K.launch("moe", "moe_combine_f32", (K.cdiv(d, 256), t), (256,), y=y, wts=wts, x=x, T=t, N=d,
+                 k=self.cfg.n_expert_used)
 
     # -- the decode step -------------------------------------------------------------------------------------
     def alloc_moe_step(self) -> None:
@@ -243,11 +239,9 @@ class MoEMixin:
 
             def router(early: bool) -> None:  # one warp a router row
                 K.launch("moe", f"mv1_route_{qname(r.qtype)}", (K.cdiv(e_n, MV1_WARPS),), (32 * MV1_WARPS,),
-                         (K.ptr(r.ptr), K.i32(e_n), K.i32(d), K.ptr(x), K.ptr(self._moe_logits),
-                          K.ptr(L.ffn_gate_inp_bias), K.ptr(norm), K.f32(cfg.rms_eps),
-                          K.i32(k), K.i32(_GATING[op.gating]), K.i32(int(cfg.expert_weights_norm)),
-                          K.ptr(self._moe_done), K.ptr(self._moe_ids), K.ptr(self._moe_wts)),
-                         shared=mv1_smem(r.qtype, d))
+                         shared=mv1_smem(r.qtype, d), w=r.ptr, E=e_n, K=d, x=x, logits=self._moe_logits,
+                         bias=L.ffn_gate_inp_bias, norm_w=norm, eps=cfg.rms_eps, k=k, gating=_GATING[op.gating],
+                         norm=int(cfg.expert_weights_norm), done=self._moe_done, ids=self._moe_ids, wts=self._moe_wts)
 
             add("norm+router", r.nbytes, router)
         else:
@@ -261,20 +255,16 @@ class MoEMixin:
         def gate_up(early: bool) -> None:
             lpr, groups = _lpr(d), expert_groups(g.qtype)
             K.launch("moe", f"mv1_moe_{qname(g.qtype)}_{act}", (K.cdiv(f, MV1_WARPS * (32 // lpr) * groups), k),
-                     (32 * MV1_WARPS,),
-                     (K.ptr(g.ptr), K.ptr(u.ptr), K.i64(eb), K.ptr(self._moe_ids), K.i32(f), K.i32(d), K.ptr(x),
-                      K.ptr(self._moe_ff), K.ptr(norm), K.f32(cfg.rms_eps), K.i32(lpr), K.i32(groups),
-                      K.ptr(L.ffn_gate_exps_bias), K.ptr(L.ffn_up_exps_bias), K.i32(early)),
-                     shared=mv1_smem(g.qtype, d))
+                     (32 * MV1_WARPS,), shared=mv1_smem(g.qtype, d), wg=g.ptr, wu=u.ptr, eb=eb, ids=self._moe_ids,
+                     N=f, K=d, x=x, y=self._moe_ff, norm_w=norm, eps=cfg.rms_eps, lpr=lpr, groups=groups,
+                     bg=L.ffn_gate_exps_bias, bu=L.ffn_up_exps_bias, early=early)
 
         def down(early: bool) -> None:  # and x += the weighted sum of the k rows (the last block of each range)
             lpr, groups = down_lpr(f), expert_groups(dn.qtype)
             K.launch("moe", f"mv1_moe_{qname(dn.qtype)}_sum", (K.cdiv(d, MV1_WARPS * (32 // lpr) * groups), k),
-                     (32 * MV1_WARPS,),
-                     (K.ptr(dn.ptr), K.i64(eb_down), K.ptr(self._moe_ids), K.i32(d), K.i32(f), K.ptr(self._moe_ff),
-                      K.ptr(self._moe_y), K.ptr(L.ffn_down_exps_bias), K.i32(lpr), K.i32(groups), K.i32(early),
-                      K.ptr(self._moe_wts), K.ptr(x), K.ptr(self._moe_sum_cnt)),
-                     shared=mv1_smem(dn.qtype, f))
+                     (32 * MV1_WARPS,), shared=mv1_smem(dn.qtype, f), w=dn.ptr, eb=eb_down, ids=self._moe_ids, N=d,
+                     K=f, x=self._moe_ff, y=self._moe_y, bias=L.ffn_down_exps_bias, lpr=lpr, groups=groups,
+                     early=early, wts=self._moe_wts, out=x, cnt=self._moe_sum_cnt)
 
         add("experts", k * 2 * eb, gate_up)
         add("experts", k * eb_down, down)

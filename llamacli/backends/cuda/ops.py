@@ -28,12 +28,12 @@ class OpsMixin:
 
     def _embed(self, ids: Any, w: DeviceMatrix, out: Any, t: int) -> None:
         units = K.cdiv(w.cols, 32)
-        K.launch("dequant", f"embed_{qname(w.qtype)}", (t, K.cdiv(units, 128)), (128,),
-                 (K.ptr(ids), K.ptr(w.ptr), K.i32(w.cols), K.ptr(out)))
+        K.launch("dequant", f"embed_{qname(w.qtype)}", (t, K.cdiv(units, 128)), (128,), ids=ids, w=w.ptr, K=w.cols,
+                 out=out)
         if self.cfg.embd_scale != 1.0:  # gemma: rows times sqrt(D), as the reference's float32 product
             n = t * w.cols
-            K.launch("elementwise", "scale_f32", (min(K.cdiv(n, 256), 4096),), (256,),
-                     (K.ptr(out), K.ptr(out), K.f32(self.cfg.embd_scale), K.i64(n)))
+            K.launch("elementwise", "scale_f32", (min(K.cdiv(n, 256), 4096),), (256,), x=out, y=out,
+                     s=self.cfg.embd_scale, n=n)
 
     @profiled("norm")
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
@@ -45,7 +45,7 @@ class OpsMixin:
     def _rms_norm(self, x: Any, weight: Any, eps: float, out: Any) -> None:
         d = x.shape[-1]
         rows = x.size // d
-        K.launch("norm", "rms_norm_f32", (rows,), (256,), (K.ptr(x), K.ptr(weight), K.ptr(out), K.i32(d), K.f32(eps)))
+        K.launch("norm", "rms_norm_f32", (rows,), (256,), x=x, w=weight, y=out, D=d, eps=eps)
 
     @profiled("RoPE")
     def rope(self, x: Any, pos: Any, local: bool = False) -> Any:
@@ -54,9 +54,8 @@ class OpsMixin:
         t, h, dh = out.shape
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
         table, attn = (self.inv_freq_local, 1.0) if local else (self.inv_freq, cfg.rope_attn_factor)
-        K.launch("rope", f"rope_{mode}", (t, h), (max(32, K.cdiv(dh // 2, 32) * 32),),
-                 (K.ptr(out), K.i32(h * dh), K.i32(h), K.i32(dh), K.i32(cfg.rope_dim), K.ptr(pos),
-                  K.ptr(table), K.f32(attn)))
+        K.launch("rope", f"rope_{mode}", (t, h), (max(32, K.cdiv(dh // 2, 32) * 32),), x=out, stride=h * dh, H=h,
+                 Dh=dh, rope_dim=cfg.rope_dim, pos=pos, inv_freq=table, attn=attn)
         return out
 
     @profiled("FFN")
@@ -71,8 +70,7 @@ class OpsMixin:
         gate, up = self._f32(gate), self._f32(up)
         out = self.cp.empty_like(gate)
         n = gate.size
-        K.launch("elementwise", kernel, (min(K.cdiv(n, 256), 4096),), (256,),
-                 (K.ptr(gate), K.ptr(up), K.ptr(out), K.i64(n)))
+        K.launch("elementwise", kernel, (min(K.cdiv(n, 256), 4096),), (256,), g=gate, u=up, y=out, n=n)
         return out
 
     @profiled("LM head")
@@ -84,14 +82,12 @@ class OpsMixin:
 
     def _softcap(self, x: Any, out: Any, cap: float) -> None:
         n = x.size
-        K.launch("elementwise", "softcap_f32", (min(K.cdiv(n, 256), 4096),), (256,),
-                 (K.ptr(x), K.ptr(out), K.f32(cap), K.i64(n)))
+        K.launch("elementwise", "softcap_f32", (min(K.cdiv(n, 256), 4096),), (256,), x=x, y=out, c=cap, n=n)
 
     @profiled("other (residual add)")
     def add(self, x: Any, y: Any) -> Any:
         x, y = self._f32(x), self._f32(y)
         out = self.cp.empty_like(x)
         n = x.size
-        K.launch("elementwise", "add_f32", (min(K.cdiv(n, 256), 4096),), (256,),
-                 (K.ptr(x), K.ptr(y), K.ptr(out), K.i64(n)))
+        K.launch("elementwise", "add_f32", (min(K.cdiv(n, 256), 4096),), (256,), a=x, b=y, y=out, n=n)
         return out

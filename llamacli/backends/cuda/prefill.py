@@ -137,7 +137,7 @@ class PrefillMixin:
                 n = min(cap - filled, m.rows - r)
                 units = n * K.cdiv(k, 32)
                 K.launch("dequant", f"dequant_{qname(m.qtype)}", (min(K.cdiv(units, 256), 65535),), (256,),
-                         (K.ptr(m.ptr + r * m.row_bytes), K.i64(n), K.i32(k), K.ptr(dq + 2 * filled * k)))
+                         w=m.ptr + r * m.row_bytes, N=n, K=k, out=dq + 2 * filled * k)
                 filled, r = filled + n, r + n
                 if filled == cap:
                     flush()
@@ -156,15 +156,14 @@ class PrefillMixin:
         sec = self._section
 
         def norm16(weight: Any) -> None:  # h16, sc = fp16 RMSNorm(x) * weight with its row scales
-            K.launch("norm", "rms_norm_f16", (t,), (256,), (K.ptr(x), K.ptr(weight), h16, K.ptr(sc), K.i32(d), K.f32(eps)))
+            K.launch("norm", "rms_norm_f16", (t,), (256,), x=x, w=weight, y=h16, scale=sc, D=d, eps=eps)
 
         def add_scaled() -> None:  # x += y * sc (rows)
-            K.launch("elementwise", "rowscale_add_f32", (min(K.cdiv(t * d, 256), 4096),), (256,),
-                     (K.ptr(x), K.ptr(y), K.ptr(sc), K.i64(t * d), K.i32(d)))
+            K.launch("elementwise", "rowscale_add_f32", (min(K.cdiv(t * d, 256), 4096),), (256,), x=x, y=y, s=sc,
+                     n=t * d, N=d)
 
         def post_add(weight: Any, scale: Any) -> None:  # x += RMSNorm(y * scale (rows; None: 1)) * weight
-            K.launch("norm", "rms_norm_add", (t,), (256,),
-                     (K.ptr(x), K.ptr(y), K.ptr(scale), K.ptr(weight), K.i32(d), K.f32(eps)))
+            K.launch("norm", "rms_norm_add", (t,), (256,), x=x, y=y, s=scale, w=weight, D=d, eps=eps)
 
         with sec("embedding"):
             self._embed(b.ids, w.token_embd, x, t)
@@ -178,16 +177,15 @@ class PrefillMixin:
             with sec("RoPE"):  # + the bias, and q/k norms where the plan has them; no rotation on NoPE layers
                 dims, table, attn = self.rope_args(a.rope)
                 kc, vc = self.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
-                args = (K.ptr(qkv), K.i32(nqkv), K.i32(hq), K.i32(hkv), K.i32(dh), K.i32(dims),
-                        K.ptr(b.pos), K.ptr(table), K.f32(attn), K.ptr(kc), K.ptr(vc), K.i32(kc.shape[0]),
-                        K.ptr(sc), K.ptr(bias), K.ptr(h16 if tc else None), K.i32(cfg.q_dim),
-                        K.f32(tc_qscale(dh, cfg.attn_scale)))
+                args = dict(qkv=qkv, stride=nqkv, Hq=hq, Hkv=hkv, Dh=dh, rope_dim=dims, pos=b.pos, inv_freq=table,
+                            attn=attn, kc=kc, vc=vc, ring=kc.shape[0], scale=sc, bias=bias, q16=h16 if tc else None,
+                            q16_stride=cfg.q_dim, qscale=tc_qscale(dh, cfg.attn_scale))
                 if a.head_norms is not None:
                     qn, kn = (getattr(L, n.weight) for n in a.head_norms)
-                    kernel, args = f"rope_store_pf_qkn_{mode}", (*args, K.ptr(qn), K.ptr(kn), K.f32(eps))
+                    kernel, args = f"rope_store_pf_qkn_{mode}", {**args, "qn": qn, "kn": kn, "eps": eps}
                 else:
                     kernel = f"rope_store_pf_{mode}"
-                K.launch("rope", kernel, (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),), args)
+                K.launch("rope", kernel, (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),), **args)
                 self.store_q8(i, qkv, nqkv, b.pos, t)
             with sec("attention"):
                 if tc:  # q16 in h16 (the QKV GEMM is done with it), written by rope_store_pf
@@ -196,8 +194,8 @@ class PrefillMixin:
                     att = y[: t * cfg.q_dim].reshape(t, cfg.q_dim)
                     self.attend(qkv, nqkv, self.k_cache[i], self.v_cache[i], b.pos, t, att, 1, self.ctx, None, None,
                                 op=a.attention)
-                    K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,),
-                             (K.ptr(att), K.ptr(b.att16), K.ptr(sc), K.i32(cfg.q_dim)))
+                    K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,), x=att, x16=b.att16, scale=sc,
+                             k=cfg.q_dim)
             with sec("O-proj"):
                 if a.post is not None:  # gemma: x += RMSNorm(Wo att (x the row scale unless tc)) * w_post
                     self._gemm_weights(b.att16.data.ptr, t, o_w, y.data.ptr, d)
@@ -218,7 +216,7 @@ class PrefillMixin:
             with sec("FFN"):
                 self._gemm_weights(h16, t, gu_w, gu.data.ptr, 2 * f)
                 glu = "geglu_f16_rowscale" if fb.glu.activation == "gelu_tanh" else "swiglu_f16_rowscale"
-                K.launch("elementwise", glu, (t,), (256,), (K.ptr(gu), K.ptr(sc), K.i32(f), h16, K.ptr(sc)))
+                K.launch("elementwise", glu, (t,), (256,), gu=gu, s_in=sc, F=f, y16=h16, s_out=sc)
                 self._gemm_weights(h16, t, down_w, y.data.ptr, d)
                 if fb.post is not None:
                     post_add(getattr(L, fb.post.weight), sc)

@@ -69,7 +69,7 @@ class ProfileMixin:
         the work, so the kernels run back to back as in a graph replay (no host launch gaps); if queueing
         takes longer than the spin, the gaps show up in the total but not in the sections."""
         cp = self.cp
-        K.launch("elementwise", "spin_ns", (1,), (1,), (K.i64(int(spin_ms * 1e6)),))
+        K.launch("elementwise", "spin_ns", (1,), (1,), ns=int(spin_ms * 1e6))
         self._prof = []
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record()

@@ -151,26 +151,23 @@ class SamplingMixin:
                 window = window[-params.repeat_last_n :]
             if window.size:
                 hist = cp.asarray(window)
-                K.launch("sampling", "penalties_f32", (1,), (1024,),
-                         (K.ptr(x), K.ptr(hist), K.i32(window.size), K.i32(v), K.ptr(self._pen_counts),
-                          K.f32(params.repeat_penalty), K.f32(params.frequency_penalty),
-                          K.f32(params.presence_penalty)))
+                K.launch("sampling", "penalties_f32", (1,), (1024,), x=x, hist=hist, n=window.size, V=v,
+                         cnt=self._pen_counts, repeat=params.repeat_penalty, freq=params.frequency_penalty,
+                         present=params.presence_penalty)
         if params.greedy:
             out = cp.empty(2, dtype=cp.int32)
-            K.launch("sampling", "argmax_f32", (1,), (1024,), (K.ptr(x), K.i32(v), K.ptr(out), K.ptr(None)))
+            K.launch("sampling", "argmax_f32", (1,), (1024,), x=x, V=v, out=out, pos_inc=None)
             host = out.get()
             check_flag(int(host[1]), v)
             return int(host[0])
         k = min(params.top_k, v)
-        K.launch("sampling", "topk_f32", (1,), (1024,),
-                 (K.ptr(x), K.i32(v), K.i32(k), K.ptr(self._topk_vals), K.ptr(self._topk_ids)))
+        K.launch("sampling", "topk_f32", (1,), (1024,), x=x, V=v, k=k, vals=self._topk_vals, ids=self._topk_ids)
         # top-p, min-p, temperature and the draw over the k candidates, on the device too (sampling.cu):
         # the host's seeded generator supplies the one uniform number, and only the id comes back.
         out = self._sample_out
         log_min_p = math.log(params.min_p) if params.min_p > 0 else -math.inf
-        K.launch("sampling", "sample_topk_f32", (1,), (1024,),
-                 (K.ptr(self._topk_vals), K.ptr(self._topk_ids), K.i32(k), np.float64(params.top_p),
-                  np.float64(log_min_p), np.float64(params.temperature), np.float64(rng.random()), K.ptr(out)))
+        K.launch("sampling", "sample_topk_f32", (1,), (1024,), vals=self._topk_vals, ids=self._topk_ids, k=k,
+                 top_p=params.top_p, log_min_p=log_min_p, temperature=params.temperature, u=rng.random(), out=out)
         token, flag = (int(a) for a in out.get())
         check_flag(flag, v)
         return token
@@ -192,8 +189,8 @@ class SamplingMixin:
         np.copyto(self._mask_stage, words, casting="no")
         self._mask_words.data.copy_from_host_async(self._mask_stage.ctypes.data, self._mask_stage.nbytes)
         self._mask_event.record()
-        K.launch("sampling", "mask_logits_f32", (K.cdiv(v, 256),), (256,),
-                 (K.ptr(self._f32(logits[-1])), K.ptr(self._mask_words), K.i32(v), K.ptr(self._masked)))
+        K.launch("sampling", "mask_logits_f32", (K.cdiv(v, 256),), (256,), x=self._f32(logits[-1]),
+                 words=self._mask_words, V=v, y=self._masked)
 
     # -- inside the decode step ----------------------------------------------------------------------------
     def start_sampling(self, params: Any, rng: np.random.Generator, recent: Sequence[int]) -> bool:
@@ -246,21 +243,18 @@ class SamplingMixin:
         launch list (decode._step_kernels' (section, bytes, streams, launch(early)) entries)."""
         x = self.step_logits
         step.append(("sampling", 0, False, lambda early: K.launch(
-            "sampling", "penalties_step_f32", (1,), (1024,),
-            (K.ptr(x), K.ptr(self._hist), K.ptr(self.step_pos), K.ptr(self.step_ids), K.i32(V),
-             K.ptr(self._pen_counts), K.ptr(self._step_params)))))
+            "sampling", "penalties_step_f32", (1,), (1024,), x=x, hist=self._hist, pos_p=self.step_pos,
+            ids=self.step_ids, V=V, cnt=self._pen_counts, p=self._step_params)))
         n_part = K.cdiv(V, TOPK_PART)
         step.append(("sampling", 0, False, lambda early: K.launch(
-            "sampling", "topk_part_step_f32", (n_part,), (1024,),
-            (K.ptr(x), K.i32(V), K.ptr(self._step_params), K.ptr(self._part_vals), K.ptr(self._part_ids)))))
+            "sampling", "topk_part_step_f32", (n_part,), (1024,), x=x, V=V, p=self._step_params,
+            cvals=self._part_vals, cids=self._part_ids)))
         step.append(("sampling", 0, False, lambda early: K.launch(
-            "sampling", "topk_step_f32", (1,), (1024,),
-            (K.ptr(x), K.i32(V), K.ptr(self._step_params), K.ptr(self._topk_vals), K.ptr(self._topk_ids),
-             K.ptr(self._part_vals), K.ptr(self._part_ids), K.i32(n_part)))))
+            "sampling", "topk_step_f32", (1,), (1024,), x=x, V=V, p=self._step_params, vals=self._topk_vals,
+            ids=self._topk_ids, cvals=self._part_vals, cids=self._part_ids, n_part=n_part)))
         step.append(("sampling", 0, False, lambda early: K.launch(
-            "sampling", "sample_step_f32", (1,), (1024,),
-            (K.ptr(self._topk_vals), K.ptr(self._topk_ids), K.ptr(self._step_params), K.ptr(self._uniforms),
-             K.ptr(self.step_pos), K.ptr(self.step_ids)))))
+            "sampling", "sample_step_f32", (1,), (1024,), vals=self._topk_vals, ids=self._topk_ids,
+            p=self._step_params, uniforms=self._uniforms, pos_p=self.step_pos, out=self.step_ids)))
 
 
 def check_flag(flag: int, vocab: int) -> None:

@@ -1089,8 +1089,8 @@ def test_geglu_f16_rowscale_and_rms_norm_add() -> None:
     gu[1] *= 4000.0  # a row past fp16's range once multiplied: its scale must grow
     s_in = np.array([1, 2, 0.5, 4, 1], np.float32)
     y16, s_out = cp.full((t, f), cp.nan, cp.float16), poisoned(t)
-    K.launch("elementwise", "geglu_f16_rowscale", (t,), (256,),
-             (K.ptr(cp.asarray(gu)), K.ptr(cp.asarray(s_in)), K.i32(f), K.ptr(y16), K.ptr(s_out)))
+    K.launch("elementwise", "geglu_f16_rowscale", (t,), (256,), gu=cp.asarray(gu), s_in=cp.asarray(s_in), F=f,
+             y16=y16, s_out=s_out)
     g, u = gu[:, :f] * s_in[:, None], gu[:, f:] * s_in[:, None]
     want = gelu_tanh(g) * u
     got = y16.get().astype(np.float64) * s_out.get()[:, None]
@@ -1103,8 +1103,8 @@ def test_geglu_f16_rowscale_and_rms_norm_add() -> None:
         ys = y * sc[:, None]
         want = x + ys / np.sqrt(np.mean(ys.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6) * w
         xd = cp.asarray(x)
-        K.launch("norm", "rms_norm_add", (t,), (256,), (K.ptr(xd), K.ptr(cp.asarray(y)),
-                 K.ptr(None if scale is None else cp.asarray(scale)), K.ptr(cp.asarray(w)), K.i32(d), K.f32(1e-6)))
+        K.launch("norm", "rms_norm_add", (t,), (256,), x=xd, y=cp.asarray(y),
+                 s=None if scale is None else cp.asarray(scale), w=cp.asarray(w), D=d, eps=1e-6)
         assert_close(xd.get(), want, 1e-5, 1e-5, f"rms_norm_add scale={scale is not None}")
 
 

@@ -166,10 +166,9 @@ def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
             ids, wts = cp.full(k, -1, cp.int32), poisoned(k)
             logits[:n_expert] = cp.nan
             K.launch("moe", f"mv1_route_{qtype}", (K.cdiv(n_expert, MV1_WARPS),), (32 * MV1_WARPS,),
-                     (K.ptr(w_dev), K.i32(n_expert), K.i32(cols), K.ptr(x_dev), K.ptr(logits), K.ptr(bias_dev),
-                      K.ptr(nw_dev), K.f32(eps), K.i32(k), K.i32(0 if gating == "softmax" else 1),
-                      K.i32(int(norm)), K.ptr(done), K.ptr(ids), K.ptr(wts)),
-                     shared=mv1_smem(QT[qtype.upper()], cols))
+                     shared=mv1_smem(QT[qtype.upper()], cols), w=w_dev, E=n_expert, K=cols, x=x_dev, logits=logits,
+                     bias=bias_dev, norm_w=nw_dev, eps=eps, k=k, gating=0 if gating == "softmax" else 1,
+                     norm=int(norm), done=done, ids=ids, wts=wts)
             runs.append((logits.get(), ids.get(), wts.get()))
             assert done.get()[0] == 0
         got, got_ids, got_w = runs[0]
