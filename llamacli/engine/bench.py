@@ -96,7 +96,7 @@ def decode_bytes_per_token(model: Model, kv_positions: float) -> float:
 class Bench:
     def __init__(self, model: Model, seed: int = 0):
         self.m, self.be, self.cfg = model, model.backend, model.cfg
-        model.cached = []  # the runs below fill the KV cache with random ids: a later generate starts afresh
+        model.seq.clear()  # the runs below fill the KV cache with random ids: a later generate starts afresh
         self.rng = np.random.default_rng(seed)
 
     def _ids(self, n: int) -> list[int]:
@@ -278,7 +278,7 @@ def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str
     summary (decode_attention_summary)."""
     from ..errors import UsageError
 
-    model.cached = []  # random ids go into the KV cache (as Bench's)
+    model.seq.clear()  # random ids go into the KV cache (as Bench's)
     be, cfg = model.backend, model.cfg
     if not hasattr(be, "profile"):
         raise UsageError(f"--profile needs the CUDA backend (this run uses {be.name}): pass --backend cuda on a machine with a GPU")

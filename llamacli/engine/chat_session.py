@@ -6,7 +6,7 @@
          <think> block, which is what Qwen3-style templates keep of earlier turns)
 
 Prefix reuse. Every turn renders the whole visible conversation again; nothing is appended by hand. The
-cache (`Model.cached`) then holds turn N's prompt plus the reply's ids, and turn N+1's prompt starts with
+cache (`Model.seq`) then holds turn N's prompt plus the reply's ids, and turn N+1's prompt starts with
 exactly those ids when the template writes the finished assistant turn as the model wrote it: for ChatML
 (SmolLM2, Qwen) the reply is followed by `<|im_end|>`, the end token the model generated (which was never
 fed back, so the cache does not hold it), and only `<|im_end|>\n<|im_start|>user ...` is prefilled. Where a
@@ -182,7 +182,7 @@ class ChatSession:
         interrupted: KeyboardInterrupt and closing the iterator early both keep the partial reply)."""
         c = completion if completion is not None else Completion()
         self.history.append({"role": "user", "content": text})
-        held, ids, first = len(self.model.cached), None, self.first
+        held, ids, first = len(self.model.seq), None, self.first
         try:
             ids = self.fit()
             yield from self.model.run(ids, completion=c, max_tokens=self.max_tokens, stop=self.stop, params=self.params,
@@ -222,7 +222,7 @@ class ChatSession:
             "messages": len(self.messages),
             "dropped": self.dropped,
             "context": self.model.ctx,
-            "cached": len(self.model.cached),
+            "cached": len(self.model.seq),
             "replies": len(t),
             "generated": sum(x.generated for x in t),
             "prefilled": sum(x.prefilled for x in t),

@@ -4,10 +4,10 @@ streaming, timings. And the Python API: `llamacli.load(path)` -> Model with .gen
     prompt -> (chat template) -> ids -> prefill(ids not yet in the KV cache) -> logits -> sample -> id
            -> stop? (end-of-generation id, stop string, -n, full context) -> stream text -> decode(id) -> ...
 
-The KV cache remembers which ids it holds (`Model.cached`): a new prompt that starts with them prefills
-only the rest, which is what makes a chat turn cheap. Sliding-window layers keep rings (models/kv_cache.py) that
-forget: a prefix is reused only while every ring still holds its last window (kv_cache.ring_keeps, from the
-highest position written since the cache was last filled from 0), else the prompt is prefilled whole.
+The sequence's cache remembers which ids it holds (`Model.seq`, models/seq_cache.py): a new prompt that starts
+with them prefills only the rest, which is what makes a chat turn cheap. Sliding-window layers keep rings
+(models/kv_cache.py) that forget: a prefix is reused only while every ring still holds its last window, else
+the prompt is prefilled whole (SequenceCache.reusable).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from ..chat.reasoning import prompt_opens_think, reply_format, split_reasoning
 from ..errors import ContextOverflowError, ShapeMismatchError, UsageError
 from ..ggufio.file import open_gguf
 from ..models.config import ModelConfig
-from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, check_cache_types, parse_cache_types, ring_keeps
+from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, check_cache_types, parse_cache_types
+from ..models.seq_cache import SequenceCache, layer_caches
 from ..models.weights import check_tensors
 from ..sampling.sampling import SamplingParams, make_rng
 from ..tokenizer.tokenizer import StreamDecoder, Tokenizer
@@ -174,10 +175,7 @@ class Model:
         # When the CLI looked the model up (registry, cache, any download) before this load: (start, end) in
         # time.perf_counter() seconds, for --verbose's start-up line; None outside the CLI.
         self.lookup: tuple[float, float] | None = None
-        self.cached: list[int] = []  # the ids whose K/V the cache holds, positions 0..len-1
-        self.written = -1  # the highest position whose K/V may have been written since a prefill from 0
-        # (window, cache rows) per layer, as the backend allocated them: rings on sliding-window layers
-        self.windows_rows = list(zip((plan.window for plan in self.cfg.layers), self.cfg.cache_rows(self.ctx)))
+        self.seq = SequenceCache(layer_caches(self.cfg, self.ctx), self.ctx)  # the backend's cache slot 0
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self._chat = None
 
@@ -360,18 +358,14 @@ class Model:
         (a stop string in the text): nothing more is computed then."""
         be = self.backend
         # Prefill what the cache does not hold yet (at least the last token, whose logits we need).
-        keep = _common_prefix(self.cached, ids, len(ids) - 1)
-        if not ring_keeps(keep, self.written, self.windows_rows, self.ctx):
-            keep = 0  # a ring no longer holds the window before the first new position
+        seq = self.seq
+        keep = seq.reusable(ids)
         t0 = time.perf_counter()
-        self.cached = self.cached[:keep]
+        seq.start(keep, len(ids))
         new = ids[keep:]
-        # (before the step: a failed prefill wrote some; setting up the decode's graph may write position
-        # len(ids), its warm-up step)
-        self.written = max(self.written if keep else -1, len(ids))
         laps.lap("prompt to ids")
-        out = be.step([SeqStep(new, keep, sampler)])[0]
-        self.cached = list(ids)  # only once the prefill finished
+        out = be.step([SeqStep(new, keep, sampler, seq.slot)])[0]
+        seq.filled(ids)  # only once the prefill finished
         # The step also made the decode ready (out.setup_ms): timed apart, as neither prompt nor generation
         c.timings.first_token_at = time.perf_counter() - out.setup_ms / 1e3
         stage = (f"prefill ({len(new)} tokens), first token", (c.timings.first_token_at - laps.at) * 1e3)
@@ -396,15 +390,15 @@ class Model:
                 if constraint.is_done:
                     c.finish_reason = "stop"
                     return
-            if n >= max_tokens or len(self.cached) >= self.ctx:
+            if n >= max_tokens or seq.full:
                 c.finish_reason = "length"
                 return
             # Decode: one token at the next position (a captured graph on CUDA), and perhaps the following one
             # queued ahead.
-            pos = len(self.cached)
-            self.written = max(self.written, pos + 1)
-            out = be.step([SeqStep([token], pos, sampler)])[0]
-            self.cached.append(token)  # only once its K/V are surely written
+            pos = len(seq)
+            seq.decoding(pos)
+            out = be.step([SeqStep([token], pos, sampler, seq.slot)])[0]
+            seq.append(token)  # only once its K/V are surely written
             token = out.id
             c.timings.eval_tokens += 1
 
@@ -478,15 +472,6 @@ def _logprob_entry(tokenizer: Tokenizer, logits: np.ndarray, chosen: int, n: int
 def _token_text(tokenizer: Tokenizer, tid: int) -> str:
     """A token's text as generated output prints it (a lone UTF-8 fragment becomes U+FFFD)."""
     return tokenizer.decode([tid], strip_dummy_prefix=False)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y or n >= limit:
-            break
-        n += 1
-    return n
 
 
 def _split_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:

@@ -79,7 +79,7 @@ class Engine:
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "model": self.name, "scheduling": "one request at a time, in arrival order",
                 "busy": self.busy, "queue_length": self.waiting, "served": self.served,
-                "cached_tokens": len(self.model.cached), "context": self.model.ctx}
+                "cached_tokens": len(self.model.seq), "context": self.model.ctx}
 
 
 def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False) -> Starlette:

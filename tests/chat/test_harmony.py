@@ -463,7 +463,7 @@ def test_serve_returns_reasoning_content_and_streams_it(oss, monkeypatch):
             msg = r.choices[0].message
             assert (msg.content, getattr(msg, "reasoning_content", None)) == ("Four.", "Add two and two.")
             assert r.choices[0].finish_reason == "stop"
-            assert "Reasoning: medium" in model.tokenizer.decode(model.cached)
+            assert "Reasoning: medium" in model.tokenizer.decode(model.seq.ids)
             deltas = [(getattr(ev.choices[0].delta, "reasoning_content", None) or "",
                        ev.choices[0].delta.content or "")
                       for ev in client.chat.completions.create(stream=True, **kw) if ev.choices]
@@ -472,9 +472,9 @@ def test_serve_returns_reasoning_content_and_streams_it(oss, monkeypatch):
             assert not any("<|" in d[0] + d[1] for d in deltas)
             r = client.chat.completions.create(reasoning_effort="high", **kw)
             assert r.choices[0].message.content == "Four."
-            assert "Reasoning: high" in model.tokenizer.decode(model.cached)
+            assert "Reasoning: high" in model.tokenizer.decode(model.seq.ids)
             client.chat.completions.create(reasoning_effort="Minimal", **kw)  # read as the CLI reads it
-            assert "Reasoning: low" in model.tokenizer.decode(model.cached)
+            assert "Reasoning: low" in model.tokenizer.decode(model.seq.ids)
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(extra_body={"chat_template_kwargs": {"reasoning_effort": "max"}}, **kw)
             assert "reasoning_effort" in str(e.value)

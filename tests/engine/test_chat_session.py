@@ -9,8 +9,9 @@ import json
 import pytest
 
 from llamacli.engine.chat_session import ChatSession, ConversationFileError, check_messages
-from llamacli.engine.generate import Completion, Model, Timings, _common_prefix
+from llamacli.engine.generate import Completion, Model, Timings
 from llamacli.errors import ContextOverflowError
+from llamacli.models.seq_cache import LayerCache, SequenceCache, common_prefix
 from llamacli.sampling.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -29,7 +30,7 @@ def two_turns(model):
     """A greedy two-turn chat, with what the cache held after turn 1."""
     s = ChatSession(model, params=GREEDY, max_tokens=N)
     first = s.reply("Hi")
-    after_first = list(model.cached)
+    after_first = list(model.seq.ids)
     second = s.reply("What is the capital of France?")
     return s, first, after_first, second
 
@@ -54,7 +55,7 @@ def test_greedy_reply_equals_completion_of_the_rendered_prompt(model, two_turns)
     s, first, _, second = two_turns
     ids = model.chat_ids(s.messages[:3])  # user, assistant, user: what `generate` would get as one prompt
     assert ids == second.prompt_tokens
-    model.cached = []  # no reuse: a full prefill, as a fresh `generate` does
+    model.seq.clear()  # no reuse: a full prefill, as a fresh `generate` does
     one_shot = model.complete(ids, max_tokens=N, temperature=0.0)
     assert one_shot.text == second.text and one_shot.tokens == second.tokens
     assert one_shot.timings.prompt_tokens == len(ids)
@@ -73,7 +74,7 @@ def test_reset_keeps_the_system_prompt_and_its_cache(model):
     s.max_tokens = 1
     s.reply("Hi")
     system_ids = model.tokenize("<|im_start|>system\nYou are a pirate.", special=True)
-    assert s.turns[-1].reused == _common_prefix(b.prompt_tokens + b.tokens, system_ids, 10**9)
+    assert s.turns[-1].reused == common_prefix(b.prompt_tokens + b.tokens, system_ids, 10**9)
 
 
 def test_ctrl_c_keeps_the_partial_reply(model):
@@ -153,7 +154,7 @@ class FakeModel:
     scripted; the cache behaves as Model.run's (longest common prefix, reply ids appended)."""
 
     def __init__(self, ctx: int, reply: str = "fine thanks"):
-        self.ctx, self.cached, self.reply, self.vocab = ctx, [], reply, {}
+        self.ctx, self.seq, self.reply, self.vocab = ctx, SequenceCache([LayerCache()], ctx), reply, {}
 
     def _id(self, word: str) -> int:
         return self.vocab.setdefault(word, len(self.vocab))
@@ -165,11 +166,11 @@ class FakeModel:
         return ids + [self._id("<assistant>")] if add_generation_prompt else ids
 
     def run(self, ids, *, completion, max_tokens, stop, params, constraint=None):
-        keep = _common_prefix(self.cached, ids, len(ids) - 1)
+        keep = self.seq.reusable(ids)
         c = completion
         c.prompt_tokens, c.timings = list(ids), Timings(prompt_tokens=len(ids) - keep)
         c.tokens = [self._id(w) for w in self.reply.split()][:max_tokens]
-        self.cached = list(ids) + c.tokens
+        self.seq.filled(list(ids) + c.tokens)
         c.text, c.finish_reason = self.reply, "eos"
         yield self.reply
 

@@ -23,9 +23,9 @@ def model(smollm2):
 
 def reference_logprobs(model: Model, ids: list[int]) -> np.ndarray:
     """log-softmax of the logits after `ids`, from a prefill of the whole prefix into an empty cache."""
-    model.cached = []
+    model.seq.clear()
     logits = np.asarray(model.backend.to_host(block.prefill(model.backend, model.cfg, ids, 0)))[-1]
-    model.cached = []  # the cache now holds this prefix; let the next run start afresh
+    model.seq.clear()  # the cache now holds this prefix; let the next run start afresh
     x = logits.astype(np.float64)
     return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
 

@@ -170,7 +170,7 @@ def test_generate_reuses_a_prefix_only_while_the_rings_hold_it(random_model, mon
     """Model.run keeps the longest common prefix of the cache unless a ring has overwritten the window before
     it (kv_cache.ring_keeps): then the prompt is prefilled whole. Either way the top-5 logprobs of every step
     are a fresh model's; keeping the prefix regardless gives others (the check that the fallback matters)."""
-    from llamacli.engine import generate
+    from llamacli.models import seq_cache
 
     path = random_model("tiny-gemma3", "F32")
     rng = np.random.default_rng(11)
@@ -193,7 +193,7 @@ def test_generate_reuses_a_prefix_only_while_the_rings_hold_it(random_model, mon
     assert c.timings.prompt_tokens == len(b)  # prefilled whole
     np.testing.assert_allclose(top(c), want, rtol=0, atol=1e-4)
 
-    monkeypatch.setattr(generate, "ring_keeps", lambda *a: True)
+    monkeypatch.setattr(seq_cache, "ring_keeps", lambda *a: True)
     m.complete(a, max_tokens=4, temperature=0)
     c = m.complete(b, max_tokens=6, temperature=0, logprobs=5)
     assert c.timings.prompt_tokens == len(b) - 100
@@ -215,8 +215,8 @@ def test_generate_reuses_a_prefix_after_the_ring_wrapped_and_swa_full_keeps_all(
     m = _ring_model(path, monkeypatch, True)
     first = m.complete(a, max_tokens=4, temperature=0)
     b = a + first.tokens + [int(x) for x in rng.integers(3, 200, size=9)]
-    held = len(m.cached)
-    assert held > 2 * 128 and b[:held] == m.cached
+    held = len(m.seq)
+    assert held > 2 * 128 and b[:held] == m.seq.ids
     c = m.complete(b, max_tokens=5, temperature=0, logprobs=5)
     assert c.timings.prompt_tokens == len(b) - held
     fresh = _ring_model(path, monkeypatch, True).complete(b, max_tokens=5, temperature=0, logprobs=5)

@@ -86,7 +86,7 @@ def random_logits(model, monkeypatch):
     monkeypatch.setattr(block, "prefill", lambda be, cfg, ids, keep: logits())
     monkeypatch.setattr(model.backend, "decode", lambda token, pos: logits())
     yield lambda seed: state.__setitem__("rng", np.random.default_rng(seed))
-    model.cached = []
+    model.seq.clear()
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))

@@ -172,7 +172,7 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation(served, client):
         assert time.monotonic() < deadline, "the generation went on after its client left"
         time.sleep(0.05)
     prompt = len(model.tokenize("Once upon a time"))
-    assert len(model.cached) < prompt + 100
+    assert len(model.seq) < prompt + 100
     assert ask(client, "Say hi.").choices[0].message.content
 
 

@@ -141,7 +141,7 @@ def test_logits_match_transformers_past_the_window(pair) -> None:
     rng = np.random.default_rng(5)
     for n in (7, 600):
         ids = [2] + rng.integers(3, 262_000, size=n - 1).tolist()
-        ours.cached = []
+        ours.seq.clear()
         got = ours.backend.to_host(prefill(ours.backend, ours.cfg, ids, 0))[-1]
         with torch.no_grad():
             want = hf(torch.tensor([ids])).logits[0, -1].numpy()

@@ -171,7 +171,7 @@ def read_declarations(source: str, family: str) -> tuple[Signature, ...]:
 @lru_cache(maxsize=None)
 def declarations(family: str, directory: Path | None = None) -> tuple[Signature, ...]:
     """The kernels declared in kernels/<family>.cu itself (not in the headers it includes)."""
-    from .loader import kernels_dir
+    from ...paths import kernels_dir
 
     path = (directory or kernels_dir()) / f"{family}.cu"
     return read_declarations(path.read_text(encoding="utf-8"), family)

@@ -257,7 +257,7 @@ def test_smollm2_greedy_64_tokens_identical() -> None:
         assert got.tokens == want, prompt
         # and the fused, graph-replayed decode step
         ids = gpu.prompt_ids(prompt)
-        gpu.cached = []
+        gpu.seq.clear()
         be, cfg = gpu.backend, gpu.cfg
         _, fused = greedy_run(be, cfg, ids, len(want))
         _, fused2 = greedy_run(be, cfg, ids, len(want), fused=True)
@@ -333,7 +333,7 @@ def greedy_matches_up_to_near_ties(ref, gpu, prompt, n_tokens: int) -> None:
         assert len(got) == len(want), prompt
         return
     ids = ref.tokenize(prompt) + want[:n]
-    ref.cached = []
+    ref.seq.clear()
     logits = ref.backend.to_host(prefill(ref.backend, ref.cfg, ids, 0))[-1]
     assert logits[want[n]] - logits[got[n]] < NEAR_TIE, (prompt, n, logits[want[n]] - logits[got[n]])
 

@@ -150,12 +150,12 @@ def _sampled_settings() -> list[dict]:
 
 def _host(m, prompt, n, settings):
     """generate with each step's logits sampled on the host by llamacli.sampling.sampling (logprobs moves them there)."""
-    m.cached = []
+    m.seq.clear()
     return m.complete(prompt, max_tokens=n, logprobs=0, **settings).tokens
 
 
 def _device(m, prompt, n, settings):
-    m.cached = []
+    m.seq.clear()
     return m.complete(prompt, max_tokens=n, **settings).tokens
 
 
@@ -280,11 +280,11 @@ def test_constrained_generation_on_the_device_equals_the_host_path(random_model)
     prompt = [1, 30, 31, 32]
     for settings in (dict(temperature=0.0), dict(temperature=0.0, repeat_penalty=1.3),
                      dict(temperature=0.9, seed=4), dict(temperature=1.5, top_k=0, seed=5)):
-        m.cached = []
+        m.seq.clear()
         want = m.complete(prompt, max_tokens=48, constraint=constraint, logprobs=0, **settings)
         for graph in (True, False):
             m.backend.use_graph = graph
-            m.cached = []
+            m.seq.clear()
             got = m.complete(prompt, max_tokens=48, constraint=constraint, **settings)
             assert got.tokens == want.tokens and got.finish_reason == want.finish_reason, (settings, graph)
         m.backend.use_graph = True

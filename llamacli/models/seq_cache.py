@@ -1,0 +1,116 @@
+"""A sequence's cache: what one cache slot keeps per layer, which ids it holds, and what a new prompt may reuse.
+
+Per layer a slot keeps one of two kinds of memory:
+
+- **KV rows** (`LayerCache.kind == "kv"`): a row per position on a global layer, or a ring of the last rows on a
+  sliding-window layer (kv_cache.ring_rows). Rows can be rewound: a prompt that shares a prefix with what the
+  slot holds starts after it, as long as every ring still holds that prefix's last window (kv_cache.ring_keeps).
+- **A recurrent state** (`"recurrent"`: the linear-attention layers of hybrid models, Qwen3.5's Gated DeltaNet: a
+  short convolution window and a d_k x d_v state per head): its size does not grow with the context, but it is
+  the state *after* the last position only, so it cannot be rewound. A prompt resumes from it at the end of what
+  the slot holds (a chat's next turn), or at a position whose state was stored (`snapshots`, which the backend
+  records where it chooses to keep one); any other prompt starts from 0.
+
+SequenceCache is the engine's record of one slot: its layers' kinds, the ids it holds (positions 0..len-1),
+and the highest position written since it was last filled from 0 (what a ring may have overwritten past the
+ids it holds: a failed step, a decode graph's warm-up). The backend keeps the memory itself, one slot per
+sequence it can hold (SeqStep.slot); today's architectures have KV layers only and the backends one slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .config import ModelConfig
+from .kv_cache import ring_keeps
+
+KINDS = ("kv", "recurrent")
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """What one layer keeps per sequence: KV rows (`rows` of them, a ring when `window` > 0 and rows < ctx) or
+    a recurrent state."""
+
+    kind: str = "kv"
+    window: int = 0
+    rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown layer cache kind {self.kind!r}")
+
+
+def layer_caches(cfg: ModelConfig, ctx: int) -> tuple[LayerCache, ...]:
+    """Each layer's cache at a context of `ctx` positions, as the backends allocate it (ModelConfig.cache_rows)."""
+    return tuple(LayerCache("kv", plan.window, rows) for plan, rows in zip(cfg.layers, cfg.cache_rows(ctx)))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """The number of leading ids a and b share, at most `limit`."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y or n >= limit:
+            break
+        n += 1
+    return n
+
+
+class SequenceCache:
+    """The ids one cache slot holds for one sequence, and the positions a new prompt may start from."""
+
+    def __init__(self, layers: Sequence[LayerCache], ctx: int, slot: int = 0):
+        self.layers = tuple(layers)
+        self.ctx = ctx
+        self.slot = slot
+        self.ids: list[int] = []  # the ids whose K/V (and state) the slot holds, positions 0..len-1
+        self.written = -1  # the highest position whose K/V may have been written since a fill from 0
+        self.snapshots: set[int] = set()  # positions p where every recurrent layer's state after p - 1 is stored
+        self._rings = [(c.window, c.rows) for c in self.layers if c.kind == "kv"]
+        self.recurrent = any(c.kind == "recurrent" for c in self.layers)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def full(self) -> bool:
+        return len(self.ids) >= self.ctx
+
+    def reusable(self, ids: Sequence[int]) -> int:
+        """How many leading ids of a new prompt the slot can keep: the prefix it shares with them, short of the
+        prompt's last id (whose logits the step needs), cut back to a position every layer can resume from:
+        each ring still holding the window before it, each recurrent state stored there."""
+        keep = common_prefix(self.ids, ids, len(ids) - 1)
+        if self.recurrent:
+            points = {p for p in self.snapshots | {len(self.ids)} if p <= keep}
+            keep = max(points, default=0)
+        if not ring_keeps(keep, self.written, self._rings, self.ctx):
+            keep = 0
+        return keep
+
+    def start(self, keep: int, n_ids: int) -> None:
+        """Before a prompt's step that keeps the first `keep` ids and runs the prompt to `n_ids` positions: the
+        ids past `keep` are dropped now (a failed step leaves them unknown), and the step may write up to
+        position n_ids (the decode's warm-up step at n_ids included)."""
+        del self.ids[keep:]
+        self.snapshots = {p for p in self.snapshots if p <= keep}
+        self.written = max(self.written if keep else -1, n_ids)
+
+    def filled(self, ids: Sequence[int]) -> None:
+        """After the prompt's step ran whole: the slot holds `ids`."""
+        self.ids = list(ids)
+
+    def decoding(self, pos: int) -> None:
+        """Before a decode step at `pos` (it writes that position; a step queued ahead may write the next)."""
+        self.written = max(self.written, pos + 1)
+
+    def append(self, token: int) -> None:
+        """After a decode step ran whole: its token's K/V are in the slot."""
+        self.ids.append(token)
+
+    def clear(self) -> None:
+        """Forget what the slot holds (its memory was overwritten outside the engine, or a fresh start is wanted):
+        the next prompt starts from 0."""
+        self.ids = []
+        self.snapshots = set()

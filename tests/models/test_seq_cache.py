@@ -1,0 +1,71 @@
+"""A sequence's cache record (models/seq_cache.py): which ids a slot holds and where a new prompt may start."""
+
+from __future__ import annotations
+
+import pytest
+
+from llamacli.models.config import ModelConfig
+from llamacli.models.seq_cache import LayerCache, SequenceCache, common_prefix, layer_caches
+from llamacli.testing import SHAPES, model_metadata
+
+
+def test_layer_caches_are_what_the_backends_allocate() -> None:
+    cfg = ModelConfig.from_gguf(model_metadata(SHAPES["gemma3-270m"], 32768))
+    layers = layer_caches(cfg, 32768)
+    assert [c.rows for c in layers] == cfg.cache_rows(32768)
+    assert [c.window for c in layers] == [plan.window for plan in cfg.layers]
+    assert {c.kind for c in layers} == {"kv"}
+    assert any(c.rows < 32768 for c in layers) and any(c.rows == 32768 for c in layers)  # rings and full layers
+    with pytest.raises(ValueError, match="unknown layer cache kind"):
+        LayerCache("ssm")
+
+
+def test_common_prefix_stops_at_the_first_difference_or_the_limit() -> None:
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9], 10) == 2
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4], 2) == 2
+    assert common_prefix([], [1], 5) == 0
+
+
+def test_a_kv_slot_keeps_the_shared_prefix_short_of_the_last_id() -> None:
+    seq = SequenceCache([LayerCache("kv", 0, 64)], ctx=64)
+    assert seq.reusable([5, 6, 7]) == 0  # holds nothing
+    seq.start(0, 3)
+    seq.filled([5, 6, 7])
+    seq.decoding(3)
+    seq.append(8)
+    assert seq.ids == [5, 6, 7, 8] and len(seq) == 4 and not seq.full
+    assert seq.reusable([5, 6, 7, 8, 9]) == 4  # a chat's next turn
+    assert seq.reusable([5, 6, 7, 8]) == 3  # the same prompt: its last id runs again for its logits
+    assert seq.reusable([5, 6, 1, 2]) == 2  # rewound to the first difference
+    seq.start(2, 4)
+    assert seq.ids == [5, 6]  # a step that fails from here leaves the slot holding what it kept
+    seq.clear()
+    assert seq.reusable([5, 6, 1, 2]) == 0
+
+
+def test_a_ring_that_overwrote_the_window_before_the_prefix_forgets_it() -> None:
+    # window 4 in a ring of 8 rows, 32 positions: position p sits in row p mod 8
+    seq = SequenceCache([LayerCache("kv", 4, 8), LayerCache("kv", 0, 32)], ctx=32)
+    ids = list(range(20))
+    seq.start(0, 20)
+    seq.filled(ids)
+    assert seq.written == 20
+    # keys 13..15 before position 16 sit in rows 5..7, which positions 21..23 would overwrite: still held
+    assert seq.reusable(ids[:16] + [99, 98]) == 16
+    # keys 9..11 before position 12: rows 1..3, overwritten by positions 17..19
+    assert seq.reusable(ids[:12] + [99]) == 0
+
+
+def test_a_recurrent_slot_resumes_only_at_its_end_or_a_stored_state() -> None:
+    seq = SequenceCache([LayerCache("recurrent"), LayerCache("kv", 0, 64)], ctx=64)
+    assert seq.recurrent
+    seq.start(0, 10)
+    seq.filled(list(range(10)))
+    assert seq.reusable(list(range(12))) == 10  # extends what it holds: the state after position 9
+    assert seq.reusable(list(range(8)) + [50, 51]) == 0  # the state cannot be rewound to position 8
+    seq.snapshots.add(4)
+    assert seq.reusable(list(range(8)) + [50, 51]) == 4  # a stored state at 4 serves
+    seq.start(4, 6)  # what lies past 4 is dropped, its snapshots too
+    assert seq.ids == [0, 1, 2, 3] and seq.snapshots == {4}
+    seq.start(2, 3)
+    assert seq.snapshots == set()
