@@ -80,6 +80,11 @@ class ContextOverflowError(BadInputError):
     """A prompt longer than the context window."""
 
 
+class GrammarError(BadInputError):
+    """A JSON schema or grammar (--json-schema, --grammar, response_format) that llguidance cannot compile or
+    follow, or one past the bounds llamacli puts on them (sampling/grammar_limits.py)."""
+
+
 # -- runtime failures (exit 1) ---------------------------------------------------------------------------
 
 

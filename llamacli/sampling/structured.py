@@ -20,6 +20,12 @@ vLLM/SGLang's structured output), chosen over xgrammar and outlines-core because
 llguidance is an optional extra (`pip install 'llamacli[structured]'`), imported only when a constraint is
 built: the rest of the library works without it.
 
+Every schema and grammar, whichever way it comes (--json-schema, --grammar, the server's response_format, a
+Lark grammar's %json), goes the same way before llguidance sees it in this process: static bounds
+(grammar_limits.py), then a worker process that compiles it and computes its first masks under a deadline and
+a memory limit (grammar_sandbox.py); only then is it compiled here, in a thread with a large stack. A schema or
+grammar that fails any of these is a GrammarError: one line, exit 2 on the command line, 400 from the server.
+
 A Constraint is stateful (it tracks the text so far); `Model.run` calls `reset()` before it starts, so one
 constraint can serve successive runs, one at a time.
 """
@@ -31,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import BackendError, LlamacliError, UsageError
+from ..errors import BackendError, GrammarError, LlamacliError, UsageError
+from . import grammar_limits, grammar_sandbox
 
 if TYPE_CHECKING:
     from ..tokenizer.tokenizer import Tokenizer
@@ -53,7 +60,7 @@ _CONTROL = 3  # tokenizer.ggml.token_type of control tokens (<|im_end|>, <s>): n
 
 
 class ConstraintError(LlamacliError):
-    """The grammar engine reached a state it cannot leave (a runtime failure, not bad input)."""
+    """A token the constraint had not allowed reached it (a runtime failure, not bad input: the sampler's)."""
 
 
 class Model(Protocol):
@@ -97,9 +104,11 @@ class GrammarConstraint:
         self._words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
 
     def _matcher(self) -> Any:
-        matcher = require_llguidance().LLMatcher(self._tokenizer, self._grammar, log_level=0)
+        llg = require_llguidance()
+        # (on a large stack: the worker compiled this grammar on a much smaller one, grammar_sandbox.py)
+        matcher = grammar_sandbox.compile_with_stack(lambda: llg.LLMatcher(self._tokenizer, self._grammar, log_level=0))
         if matcher.is_error():
-            raise UsageError(f"invalid grammar: {_first_line(matcher.get_error())}")
+            raise GrammarError(f"invalid grammar: {_first_line(matcher.get_error())}")
         return matcher
 
     def reset(self) -> None:
@@ -111,7 +120,8 @@ class GrammarConstraint:
 
     def allowed_words(self) -> np.ndarray:
         self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-        self._check()
+        if self._m.is_error():  # the grammar, not the sampler: one of llguidance's own limits, a dead end
+            raise GrammarError(f"the output constraint failed: {_first_line(self._m.get_error())}")
         if self._vocab % 32:  # llguidance's words cover its own vocabulary size: no id past ours
             self._words[-1] &= np.uint32((1 << (self._vocab % 32)) - 1)
         return self._words
@@ -202,14 +212,6 @@ def _lltokenizer(model: Model) -> Any:
     return cached
 
 
-def _checked(grammar: str, what: str) -> str:
-    """`grammar` (llguidance's form) if llguidance accepts it, else a one-line UsageError."""
-    bad, messages = require_llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
-    if bad:
-        raise UsageError(f"invalid {what}: {_one_line(messages[0] if messages else 'rejected by llguidance')}")
-    return grammar
-
-
 def _one_line(message: str) -> str:
     return " ".join(str(message).split())[:500]
 
@@ -220,23 +222,19 @@ def _first_line(message: str) -> str:
 
 
 def schema_grammar(schema: dict[str, Any] | str) -> str:
-    """The llguidance grammar for a JSON schema (a dict, or its JSON text), checked."""
+    """The llguidance grammar for a JSON schema (a dict, or its JSON text), checked: within the static bounds,
+    then compiled and started in the worker process (cached by content). GrammarError otherwise."""
     if isinstance(schema, str):
         schema = load_json_schema(schema)
-    try:
-        grammar = require_llguidance().LLMatcher.grammar_from_json_schema(schema)
-    except (ValueError, TypeError, RecursionError) as e:
-        raise UsageError(f"invalid JSON schema: {_one_line(str(e))}") from None
-    return _checked(grammar, "JSON schema")
+    require_llguidance()
+    return grammar_sandbox.tried("schema", grammar_limits.check_schema(schema), "JSON schema")
 
 
 def text_grammar(grammar_text: str) -> str:
-    """The llguidance grammar for a GBNF or Lark grammar text, checked."""
-    try:
-        grammar = require_llguidance().grammar_from("grammar", grammar_text)
-    except (ValueError, TypeError, RecursionError) as e:
-        raise UsageError(f"invalid grammar: {_one_line(str(e))}") from None
-    return _checked(grammar, "grammar")
+    """The llguidance grammar for a GBNF or Lark grammar text, checked as schema_grammar checks a schema."""
+    require_llguidance()
+    grammar_limits.check_grammar(grammar_text)
+    return grammar_sandbox.tried("grammar", grammar_text, "grammar")
 
 
 def constraint_for(model: Model, grammar: str) -> GrammarConstraint:
@@ -248,7 +246,9 @@ def load_json_schema(text: str) -> dict[str, Any]:
     """A JSON schema from its text; UsageError unless it is a JSON object."""
     try:
         schema = json.loads(text)
-    except (ValueError, RecursionError) as e:
+    except RecursionError:
+        raise GrammarError("invalid JSON schema: it nests arrays and objects too deeply to read") from None
+    except ValueError as e:
         raise UsageError(f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise UsageError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")

@@ -210,7 +210,9 @@ async def _read_body(request: Request) -> Any:
             raise ApiError(f"the request body is larger than {MAX_BODY >> 20} MiB", 413)
     try:
         return json.loads(data)
-    except (ValueError, RecursionError):
+    except RecursionError:
+        raise ApiError("the request body nests arrays and objects too deeply to read") from None
+    except ValueError:
         raise ApiError("the request body is not valid JSON") from None
 
 
