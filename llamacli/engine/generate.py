@@ -361,11 +361,11 @@ class Model:
         seq = self.seq
         keep = seq.reusable(ids)
         t0 = time.perf_counter()
-        seq.start(keep, len(ids))
+        seq.begin_prompt(keep, len(ids))
         new = ids[keep:]
         laps.lap("prompt to ids")
         out = be.step([SeqStep(new, keep, sampler, seq.slot)])[0]
-        seq.filled(ids)  # only once the prefill finished
+        seq.prompt_done(ids)  # only once the prefill finished
         # The step also made the decode ready (out.setup_ms): timed apart, as neither prompt nor generation
         c.timings.first_token_at = time.perf_counter() - out.setup_ms / 1e3
         stage = (f"prefill ({len(new)} tokens), first token", (c.timings.first_token_at - laps.at) * 1e3)
@@ -396,9 +396,9 @@ class Model:
             # Decode: one token at the next position (a captured graph on CUDA), and perhaps the following one
             # queued ahead.
             pos = len(seq)
-            seq.decoding(pos)
+            seq.begin_decode(pos)
             out = be.step([SeqStep([token], pos, sampler, seq.slot)])[0]
-            seq.append(token)  # only once its K/V are surely written
+            seq.token_done(token)  # only once its K/V are surely written
             token = out.id
             c.timings.eval_tokens += 1
 

@@ -7,9 +7,10 @@ Per layer a slot keeps one of two kinds of memory:
   slot holds starts after it, as long as every ring still holds that prefix's last window (kv_cache.ring_keeps).
 - **A recurrent state** (`"recurrent"`: the linear-attention layers of hybrid models, Qwen3.5's Gated DeltaNet: a
   short convolution window and a d_k x d_v state per head): its size does not grow with the context, but it is
-  the state *after* the last position only, so it cannot be rewound. A prompt resumes from it at the end of what
-  the slot holds (a chat's next turn), or at a position whose state was stored (`snapshots`, which the backend
-  records where it chooses to keep one); any other prompt starts from 0.
+  the state *after* the last position it ran, which a failed step or a step run ahead of time (the decode's
+  warm-up, the look-ahead) moves on in place, so it cannot be rewound. A prompt resumes only at a position
+  whose state the backend stored (`stored(pos)`: at the end of a prompt, say, so that a chat's next turn
+  continues from it); any other prompt starts from 0.
 
 SequenceCache is the engine's record of one slot: its layers' kinds, the ids it holds (positions 0..len-1),
 and the highest position written since it was last filled from 0 (what a ring may have overwritten past the
@@ -67,7 +68,7 @@ class SequenceCache:
         self.ids: list[int] = []  # the ids whose K/V (and state) the slot holds, positions 0..len-1
         self.written = -1  # the highest position whose K/V may have been written since a fill from 0
         self.snapshots: set[int] = set()  # positions p where every recurrent layer's state after p - 1 is stored
-        self._rings = [(c.window, c.rows) for c in self.layers if c.kind == "kv"]
+        self._kv_layers = [(c.window, c.rows) for c in self.layers if c.kind == "kv"]
         self.recurrent = any(c.kind == "recurrent" for c in self.layers)
 
     def __len__(self) -> int:
@@ -83,13 +84,12 @@ class SequenceCache:
         each ring still holding the window before it, each recurrent state stored there."""
         keep = common_prefix(self.ids, ids, len(ids) - 1)
         if self.recurrent:
-            points = {p for p in self.snapshots | {len(self.ids)} if p <= keep}
-            keep = max(points, default=0)
-        if not ring_keeps(keep, self.written, self._rings, self.ctx):
+            keep = max((p for p in self.snapshots if p <= keep), default=0)
+        if not ring_keeps(keep, self.written, self._kv_layers, self.ctx):
             keep = 0
         return keep
 
-    def start(self, keep: int, n_ids: int) -> None:
+    def begin_prompt(self, keep: int, n_ids: int) -> None:
         """Before a prompt's step that keeps the first `keep` ids and runs the prompt to `n_ids` positions: the
         ids past `keep` are dropped now (a failed step leaves them unknown), and the step may write up to
         position n_ids (the decode's warm-up step at n_ids included)."""
@@ -97,20 +97,27 @@ class SequenceCache:
         self.snapshots = {p for p in self.snapshots if p <= keep}
         self.written = max(self.written if keep else -1, n_ids)
 
-    def filled(self, ids: Sequence[int]) -> None:
+    def prompt_done(self, ids: Sequence[int]) -> None:
         """After the prompt's step ran whole: the slot holds `ids`."""
         self.ids = list(ids)
 
-    def decoding(self, pos: int) -> None:
+    def begin_decode(self, pos: int) -> None:
         """Before a decode step at `pos` (it writes that position; a step queued ahead may write the next)."""
         self.written = max(self.written, pos + 1)
 
-    def append(self, token: int) -> None:
+    def token_done(self, token: int) -> None:
         """After a decode step ran whole: its token's K/V are in the slot."""
         self.ids.append(token)
 
+    def stored(self, pos: int) -> None:
+        """The backend stored every recurrent layer's state after position pos - 1 (a snapshot): a prompt that
+        shares pos ids with the slot may resume there."""
+        if not 0 < pos <= len(self.ids):
+            raise ValueError(f"a snapshot at {pos} of a slot holding {len(self.ids)} ids")
+        self.snapshots.add(pos)
+
     def clear(self) -> None:
         """Forget what the slot holds (its memory was overwritten outside the engine, or a fresh start is wanted):
-        the next prompt starts from 0."""
+        the next prompt starts from 0 (begin_prompt(0, n) then resets `written`)."""
         self.ids = []
         self.snapshots = set()

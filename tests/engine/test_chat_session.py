@@ -170,7 +170,7 @@ class FakeModel:
         c = completion
         c.prompt_tokens, c.timings = list(ids), Timings(prompt_tokens=len(ids) - keep)
         c.tokens = [self._id(w) for w in self.reply.split()][:max_tokens]
-        self.seq.filled(list(ids) + c.tokens)
+        self.seq.prompt_done(list(ids) + c.tokens)
         c.text, c.finish_reason = self.reply, "eos"
         yield self.reply
 

@@ -6,9 +6,14 @@ gives the Signature of a concrete kernel (`mv1_q4_k_swiglu`); `pack(**args)` tak
 parameter's own name and converts it to the C type the declaration gives:
 
 - a pointer from a cupy array, a raw address (int) or None (NULL);
-- `int` / `long long` from an integer in the type's range (a float is refused, not truncated);
-- `float` / `double` from a real number;
-- a by-value `__grid_constant__` struct (a TMA descriptor) from the NumPy array holding its bytes.
+- `int` / `long long` / `unsigned int` from an integer (or a bool: a flag) in the type's range (a float is
+  refused, not truncated);
+- `float` / `double` from a real number (NumPy's rounding: a double past float's range becomes inf);
+- a by-value `__grid_constant__` struct (a TMA descriptor) from the NumPy array holding its bytes, of the
+  struct's size.
+
+Pointers are not checked against the array's element type: kernels read byte arenas and fp16 pairs through
+typed pointers on purpose.
 
 A missing, unknown or ill-typed argument is a TypeError naming the kernel and the parameter, raised before
 anything reaches the driver. The declaration is the one source: a parameter added to a kernel is a keyword
@@ -21,7 +26,7 @@ only paste the name; a C parser would be a dependency for forty lines of regular
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
@@ -35,18 +40,24 @@ _SCALARS = {"int": (np.int32, 31), "long long": (np.int64, 63), "unsigned int": 
 _REALS = {"float": np.float32, "double": np.float64}
 
 
+_U64 = 1 << 64
+_STRUCT_BYTES = {"TmaMap": 128}  # by-value structs a kernel takes: cuda.h's CUtensorMap is 128 opaque bytes
+
+
 def _pointer(x: Any) -> np.uint64:
+    t = type(x)
+    if t is int:
+        if 0 <= x < _U64:
+            return np.uint64(x)
+        raise OverflowError("an address outside 0 .. 2**64 - 1")
     if x is None:
         return np.uint64(0)
-    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
-        if not 0 <= int(x) < 1 << 64:
-            raise OverflowError("an address outside 0 .. 2**64 - 1")
-        return np.uint64(x)
-    data = getattr(x, "data", None)
-    address = getattr(data, "ptr", None)
-    if not isinstance(address, int):
-        raise TypeError(f"a device array, an address or None, not {type(x).__name__}")
-    return np.uint64(address)
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        address = getattr(getattr(x, "data", None), "ptr", None)
+        if type(address) is not int:
+            raise TypeError(f"a device array, an address or None, not {t.__name__}")
+        return np.uint64(address)
+    return _pointer(int(x))
 
 
 def _integer(ctype: str) -> Callable[[Any], Any]:
@@ -54,11 +65,13 @@ def _integer(ctype: str) -> Callable[[Any], Any]:
     lo, hi = (0, (1 << bits) - 1) if ctype.startswith("unsigned") else (-(1 << bits), (1 << bits) - 1)
 
     def convert(x: Any) -> Any:
-        if not isinstance(x, (int, np.integer)):
-            raise TypeError(f"an integer, not {type(x).__name__}")
-        if not lo <= int(x) <= hi:
-            raise OverflowError(f"{int(x)} outside {ctype}'s range")
-        return make(x)
+        if type(x) is not int:  # (a bool is an int: a flag such as `early`)
+            if not isinstance(x, (int, np.integer, np.bool_)):
+                raise TypeError(f"an integer, not {type(x).__name__}")
+            x = int(x)
+        if lo <= x <= hi:
+            return make(x)
+        raise OverflowError(f"{x} outside {ctype}'s range")
 
     return convert
 
@@ -67,17 +80,22 @@ def _real(ctype: str) -> Callable[[Any], Any]:
     make = _REALS[ctype]
 
     def convert(x: Any) -> Any:
-        if not isinstance(x, (int, float, np.integer, np.floating)) or isinstance(x, (bool, np.bool_)):
-            raise TypeError(f"a real number, not {type(x).__name__}")
-        return make(x)
+        t = type(x)
+        if t is float or t is int or (isinstance(x, (int, float, np.integer, np.floating))
+                                      and not isinstance(x, (bool, np.bool_))):
+            return make(x)
+        raise TypeError(f"a real number, not {t.__name__}")
 
     return convert
 
 
 def _by_value(struct: str) -> Callable[[Any], Any]:
+    size = _STRUCT_BYTES.get(struct)
+
     def convert(x: Any) -> Any:
-        if not isinstance(x, np.ndarray):
-            raise TypeError(f"the bytes of a {struct} as a NumPy array, not {type(x).__name__}")
+        if not isinstance(x, np.ndarray) or (size is not None and x.nbytes != size):
+            what = f"{type(x).__name__} of {x.nbytes} bytes" if isinstance(x, np.ndarray) else type(x).__name__
+            raise TypeError(f"the {size} bytes of a {struct} as a NumPy array, not {what}")
         return x
 
     return convert
@@ -121,7 +139,9 @@ class Signature:
     family: str
     pattern: str
     params: tuple[Param, ...]
-    _converters: tuple[tuple[str, Callable[[Any], Any]], ...] = field(repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_converters", tuple((p.name, _converter(p)) for p in self.params))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -130,17 +150,22 @@ class Signature:
     def pack(self, kernel: str, args: dict[str, Any]) -> tuple:
         """The kernel's arguments in declaration order, each converted to its C type."""
         try:
-            values = tuple(convert(args[name]) for name, convert in self._converters)
+            values = tuple([convert(args[name]) for name, convert in self._converters])
         except KeyError:
-            missing = [n for n in self.names if n not in args]
-            raise TypeError(f"{kernel}: missing argument(s) {', '.join(missing)}") from None
+            raise TypeError(self._mismatch(kernel, args)) from None
         except (TypeError, OverflowError, ValueError) as exc:
             bad = next(n for n, c in self._converters if not _converts(c, args[n]))
             raise TypeError(f"{kernel}: argument {bad}: {exc}") from None
         if len(args) != len(values):
-            unknown = sorted(set(args) - set(self.names))
-            raise TypeError(f"{kernel}: unknown argument(s) {', '.join(unknown)}")
+            raise TypeError(self._mismatch(kernel, args))
         return values
+
+    def _mismatch(self, kernel: str, args: dict[str, Any]) -> str:
+        missing = [n for n in self.names if n not in args]
+        unknown = sorted(set(args) - set(self.names))
+        parts = ([f"missing argument(s) {', '.join(missing)}"] if missing else []) + (
+            [f"unknown argument(s) {', '.join(unknown)}"] if unknown else [])
+        return f"{kernel}: {'; '.join(parts)}"
 
 
 def _converts(convert: Callable[[Any], Any], x: Any) -> bool:
@@ -164,7 +189,7 @@ def read_declarations(source: str, family: str) -> tuple[Signature, ...]:
     for m in _DECL.finditer(text):
         pattern, plist = m.group(1), m.group(2).strip()
         params = tuple(_param(p) for p in plist.split(",")) if plist and plist != "void" else ()
-        out.append(Signature(family, pattern, params, tuple((p.name, _converter(p)) for p in params)))
+        out.append(Signature(family, pattern, params))
     return tuple(out)
 
 
