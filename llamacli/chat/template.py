@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import TemplateError
+from ..tokenizer.tokenizer import TooManyTokens
 from . import template_sandbox
 from .template_sandbox import DEFAULT_MAX_CHARS, DEFAULT_TIMEOUT_S, MAX_RANGE, MAX_SOURCE_CHARS  # noqa: F401 (API)
 
@@ -209,13 +210,16 @@ def chat_messages(user: str, system: str | None = None) -> list[dict[str, str]]:
     return messages + [{"role": "user", "content": user}]
 
 
-def encode_prompt(tokenizer: Any, prompt: str, *, add_bos: bool | None = None) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: str, *, add_bos: bool | None = None, limit: int | None = None) -> list[int]:
     """Token ids of a rendered chat prompt: special-token strings become their ids, and BOS is added as the
-    file says (add_bos None) unless the template already wrote it. No EOS: the model answers next."""
-    ids = tokenizer.encode(prompt, special=True, add_bos=False, add_eos=False)
+    file says (add_bos None) unless the template already wrote it. No EOS: the model answers next. `limit`:
+    more ids than that (BOS counted) is the tokenizer's TooManyTokens, found without tokenizing it whole."""
+    ids = tokenizer.encode(prompt, special=True, add_bos=False, add_eos=False, limit=limit)
     want_bos = tokenizer.add_bos if add_bos is None else add_bos
     if want_bos and tokenizer.bos_id is not None and not (ids and ids[0] == tokenizer.bos_id):
         ids.insert(0, tokenizer.bos_id)
+        if limit is not None and len(ids) > limit:
+            raise TooManyTokens(limit, len(ids))
     return ids
 
 

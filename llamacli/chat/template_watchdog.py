@@ -37,9 +37,10 @@ def memory_budget(max_chars: int) -> int:
     return max(MIN_MEMORY_BYTES, 32 * max_chars)
 
 
-def _anonymous_memory() -> Callable[[], int] | None:
+def _anonymous_memory() -> Callable[[], int | None] | None:
     """A cheap reader of the process's resident anonymous memory in bytes (resident minus file-backed pages,
-    so touching a memory-mapped model does not count), or None where /proc is missing."""
+    so touching a memory-mapped model does not count), or None where /proc is missing. The reader gives None
+    when it cannot open the file (a server out of file descriptors): that reading is skipped."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -49,9 +50,12 @@ def _anonymous_memory() -> Callable[[], int] | None:
     os.close(fd)
     page = os.sysconf("SC_PAGE_SIZE")
 
-    def read() -> int:
-        with open("/proc/self/statm", "rb") as f:
-            fields = f.read().split()
+    def read() -> int | None:
+        try:
+            with open("/proc/self/statm", "rb") as f:
+                fields = f.read().split()
+        except OSError:
+            return None
         return (int(fields[1]) - int(fields[2])) * page
 
     return read
@@ -73,14 +77,16 @@ class Watchdog:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.done = self.fired = False
-        self.base = _MEMORY() if _MEMORY else 0
+        self.base = _MEMORY() if _MEMORY else None  # (None: memory not watched)
         self.thread = threading.Thread(target=self._watch, daemon=True, name="template-watchdog")
 
     def _watch(self) -> None:
         while not self.stop.wait(max(0.0, min(POLL_S, self.deadline - time.monotonic()))):
             reason = Timeout if time.monotonic() >= self.deadline else None
-            if reason is None and _MEMORY and _MEMORY() - self.base > self.budget:
-                reason = OutOfMemory
+            if reason is None and _MEMORY and self.base is not None:
+                now = _MEMORY()
+                if now is not None and now - self.base > self.budget:
+                    reason = OutOfMemory
             if reason is not None:
                 self._fire(reason)
                 # Once more if the render is still running half a second later: an exception that lands inside

@@ -82,7 +82,7 @@ def serve(
         try:
             server.run(sockets=[sock])
         finally:
-            server.engine.pool.shutdown(wait=True, cancel_futures=True)
+            server.engine.close()
             m.close()
     finally:
         sock.close()

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..errors import BadInputError, ContextOverflowError
 from ..sampling.sampling import SamplingParams
 from ..textio import read_text
+from ..tokenizer.tokenizer import TooManyTokens
 from .generate import Completion, Model
 
 ROLES = ("system", "user", "assistant")
@@ -135,40 +136,50 @@ class ChatSession:
         """The ids of the window, after dropping the oldest exchanges if it does not fit (see the module doc).
         The drop is found by binary search over where the window may start (a prompt gets shorter as the
         window starts later): a few renders, not one per dropped exchange, so a long conversation loaded
-        into a small context does not render itself thousands of times."""
+        into a small context does not render itself thousands of times. A window that cannot fit is known
+        as such from its length or partway through tokenizing it (Tokenizer.encode's limit): a huge pasted
+        message costs a context's worth of tokenizing, not its own size's."""
         budget = self.model.ctx - self.reserve
-        ids = self.model.chat_ids(self.window(), think=self.think)
-        if len(ids) <= budget:
+        ids = self._window_ids(budget)
+        if ids is not None:
             return ids
         before = self.first
         starts = self._exchange_starts()
-        rendered: dict[int, list[int]] = {}
+        rendered: dict[int, list[int] | None] = {}
 
-        def ids_from(k: int) -> list[int]:
+        def ids_from(k: int) -> list[int] | None:  # (None: more than the budget)
             if k not in rendered:
                 self.first = starts[k]
-                rendered[k] = self.model.chat_ids(self.window(), think=self.think)
+                rendered[k] = self._window_ids(budget)
             return rendered[k]
 
         lo, hi = 0, len(starts) - 1  # the earliest start whose prompt fills at most half the budget, else the last
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(ids_from(mid)) <= budget // 2:
+            found = ids_from(mid)
+            if found is not None and len(found) <= budget // 2:
                 hi = mid
             else:
                 lo = mid + 1
         if starts:
             ids = ids_from(lo)
             self.first = starts[lo]
-        if len(ids) > budget:
+        if ids is None:
             self.first = before
             raise ContextOverflowError(
-                f"the message needs {len(ids)} tokens with the system prompt; the context holds {self.model.ctx}, "
-                f"{self.reserve} of them kept for the reply: shorten it or raise --ctx"
+                f"the message needs more than {budget} tokens with the system prompt; the context holds "
+                f"{self.model.ctx}, {self.reserve} of them kept for the reply: shorten it or raise --ctx"
             )
         self.notice(f"context full: dropped the {self.first - before} oldest messages (the system prompt stays); "
                     f"prefilling the conversation again")
         return ids
+
+    def _window_ids(self, budget: int) -> list[int] | None:
+        """The window's ids, or None where they number more than `budget`."""
+        try:
+            return self.model.chat_ids(self.window(), think=self.think, limit=budget)
+        except TooManyTokens:
+            return None
 
     def _exchange_starts(self) -> list[int]:
         """Where the window may start once exchanges leave it, oldest drop first: each user message after

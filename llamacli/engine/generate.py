@@ -32,7 +32,7 @@ from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, check_cache_types, parse
 from ..models.seq_cache import SequenceCache, layer_caches
 from ..models.weights import check_tensors
 from ..sampling.sampling import SamplingParams, make_rng
-from ..tokenizer.tokenizer import StreamDecoder, Tokenizer
+from ..tokenizer.tokenizer import StreamDecoder, Tokenizer, TooManyTokens
 
 if TYPE_CHECKING:
     from ..sampling.structured import Constraint
@@ -180,8 +180,11 @@ class Model:
         self._chat = None
 
     # -- text <-> ids -------------------------------------------------------------------------------------
-    def tokenize(self, text: str, *, special: bool = False, add_bos: bool | None = None) -> list[int]:
-        return self.tokenizer.encode(text, special=special, add_bos=add_bos)
+    def tokenize(self, text: str, *, special: bool = False, add_bos: bool | None = None,
+                 limit: int | None = None) -> list[int]:
+        """Token ids of `text`; with `limit`, more than that many is TooManyTokens, found without tokenizing a
+        long text whole (Tokenizer.encode)."""
+        return self.tokenizer.encode(text, special=special, add_bos=add_bos, limit=limit)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -205,11 +208,12 @@ class Model:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
     def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                 think: bool | str | None = None) -> list[int]:
-        """Token ids of a rendered conversation: special tokens parsed, BOS added unless the template wrote it."""
+                 think: bool | str | None = None, limit: int | None = None) -> list[int]:
+        """Token ids of a rendered conversation: special tokens parsed, BOS added unless the template wrote it;
+        `limit` as in tokenize."""
         from ..chat.template import encode_prompt
 
-        return encode_prompt(self.tokenizer, self.render_chat(messages, add_generation_prompt, think))
+        return encode_prompt(self.tokenizer, self.render_chat(messages, add_generation_prompt, think), limit=limit)
 
     @property
     def thinks(self) -> bool:
@@ -220,18 +224,18 @@ class Model:
         return template_thinks(self.chat_template.text)
 
     def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None,
-                   think: bool | str | None = None) -> list[int]:
+                   think: bool | str | None = None, limit: int | None = None) -> list[int]:
         """The ids for a prompt: through the chat template (when the file has one, or `system` is given),
-        or as plain text with `raw`."""
+        or as plain text with `raw`; `limit` as in tokenize."""
         if raw:
             if system is not None:
                 raise UsageError("--system needs the chat template; it cannot be combined with --raw")
-            return self.tokenize(prompt)
+            return self.tokenize(prompt, limit=limit)
         if self.gguf.metadata.get("tokenizer.chat_template") is None and system is None:
-            return self.tokenize(prompt)  # a base model: plain completion
+            return self.tokenize(prompt, limit=limit)  # a base model: plain completion
         from ..chat.template import chat_messages
 
-        return self.chat_ids(chat_messages(prompt, system), think=think)
+        return self.chat_ids(chat_messages(prompt, system), think=think, limit=limit)
 
     # -- generation -------------------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **kw: Any) -> Iterator[str]:
@@ -281,7 +285,19 @@ class Model:
         if type(max_tokens) is not int or max_tokens < 0:
             raise UsageError(f"max tokens must be an integer >= 0, got {max_tokens!r}")
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]  # one string is one stop string
-        ids = list(prompt) if not isinstance(prompt, str) else self.prompt_ids(prompt, raw=raw, system=system, think=think)
+        if isinstance(prompt, str):
+            # Without --truncate, a prompt that cannot fit is refused as soon as that is clear: from its length, or
+            # partway through tokenizing it (a 60 MB file costs a context's worth of tokenizing, not 60 MB's).
+            try:
+                ids = self.prompt_ids(prompt, raw=raw, system=system, think=think,
+                                      limit=None if truncate else self.ctx - 1)
+            except TooManyTokens as exc:
+                raise ContextOverflowError(
+                    f"the prompt has more than {exc.limit:,} tokens (at least {exc.at_least:,}), the context holds "
+                    f"{self.ctx}: shorten it, raise --ctx, or pass --truncate to keep its tail"
+                ) from None
+        else:
+            ids = list(prompt)
         if not ids:
             raise UsageError("the prompt is empty (no tokens to start from)")
         if len(ids) >= self.ctx:

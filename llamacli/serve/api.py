@@ -15,6 +15,7 @@ from ..chat.reasoning import parse_effort
 from ..errors import BadInputError, ContextOverflowError, LlamacliError
 from ..sampling.sampling import SamplingParams, is_finite_real
 from ..textio import brief
+from ..tokenizer.tokenizer import TooManyTokens
 
 MAX_STOP = 16  # OpenAI takes 4; llama-server takes more
 MAX_TOP_LOGPROBS = 20  # as OpenAI
@@ -84,7 +85,14 @@ def read_job(model, body: Any, chat: bool) -> Job:
     n = _int(body, "n", 1)
     if n != 1:
         raise ApiError("only n = 1 is supported (one model, one answer per request)", param="n")
-    ids = _chat_ids(model, body) if chat else _prompt_ids(model, body)
+    # A prompt that cannot fit is refused before it is tokenized whole: from its length, or partway through
+    # (Tokenizer.encode's limit), so that a huge one costs a context's worth of work, not its own size's.
+    limit = model.ctx - 1
+    try:
+        ids = _chat_ids(model, body, limit) if chat else _prompt_ids(model, body, limit)
+    except TooManyTokens as exc:
+        raise ApiError(f"the prompt has more than {limit:,} tokens (at least {exc.at_least:,}), the context holds "
+                       f"{model.ctx}", param="messages" if chat else "prompt", code="context_length_exceeded") from None
     if len(ids) >= model.ctx:
         raise ApiError(f"the prompt has {len(ids)} tokens, the context holds {model.ctx}",
                        param="messages" if chat else "prompt", code="context_length_exceeded")
@@ -102,7 +110,7 @@ def read_job(model, body: Any, chat: bool) -> Job:
     return job
 
 
-def _chat_ids(model, body: dict) -> list[int]:
+def _chat_ids(model, body: dict, limit: int) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", param="messages")
@@ -115,7 +123,7 @@ def _chat_ids(model, body: dict) -> list[int]:
         think = _bool(kwargs, "enable_thinking", None)
         think = _effort(kwargs, "chat_template_kwargs.reasoning_effort", think)
     think = _effort(body, "reasoning_effort", think)  # OpenAI's field, over the template's keyword
-    return model.chat_ids(clean, think=think)
+    return model.chat_ids(clean, think=think, limit=limit)
 
 
 def _effort(body: dict, param: str, think: bool | str | None) -> bool | str | None:
@@ -155,15 +163,18 @@ def _message(m: Any, i: int) -> dict[str, str]:
     return out
 
 
-def _prompt_ids(model, body: dict) -> list[int]:
-    """A completion prompt: a string, a list holding one string, or token ids (as OpenAI takes them)."""
+def _prompt_ids(model, body: dict, limit: int) -> list[int]:
+    """A completion prompt: a string, a list holding one string, or token ids (as OpenAI takes them); more
+    than `limit` ids is TooManyTokens."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError("prompt is empty", param="prompt")
-        return model.tokenize(prompt)
+        return model.tokenize(prompt, limit=limit)
+    if isinstance(prompt, list) and len(prompt) > limit:
+        raise TooManyTokens(limit, len(prompt))
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         vocab = model.cfg.vocab_size
         if not all(0 <= t < vocab for t in prompt):

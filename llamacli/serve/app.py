@@ -1,12 +1,20 @@
 """The HTTP side of `llamacli serve`: a Starlette app over one loaded Model.
 
-    request -> api key? -> body (bounded) -> api.read_job -> queue (one at a time) -> worker thread:
-            Model.run, one token per step -> disconnected? stop : text -> JSON answer or SSE chunks
+    request -> api key? -> body (bounded) -> a preparing lane: JSON, api.read_job (template, tokens)
+            -> queue (one at a time) -> worker thread: Model.run, one token per step
+            -> disconnected? stop : text -> JSON answer or SSE chunks
 
 One model, one worker thread: every call into the model runs on that thread (CUDA state stays with one
 thread), and requests wait their turn on an asyncio lock, in arrival order. The Model keeps its KV cache
 between requests, so a chat client that resends the conversation prefills only the new turn. Between two
 tokens the request is asked whether its client is still there; one that left stops its generation.
+
+Before its turn, a request is read and prepared (parsed, rendered, tokenized) off the event loop, in one of
+two lanes, each a thread taking requests in arrival order: bodies up to SMALL_BODY in one, larger ones in
+the other, so that a client sending megabytes never holds up a small request. A prompt that cannot fit the
+context is refused from its length or partway through tokenizing it (api.read_job), so each request costs at
+most a context's worth of tokenizing. Large bodies held at once share LARGE_BODIES bytes; past that a
+request is answered 503 at once. Slow and idle connections are connections.py's business.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -31,6 +39,8 @@ from ..textio import printable
 from .api import ApiError, Job, api_error, chunk, finish_reason, read_job, response, usage_chunk
 
 MAX_BODY = 16 << 20  # bytes: a long conversation fits; a runaway upload does not
+SMALL_BODY = 256 << 10  # bytes: a body up to this is prepared in the small lane
+LARGE_BODIES = 64 << 20  # bytes of bodies larger than SMALL_BODY held at once (read, parsed, tokenized)
 _END = object()
 
 
@@ -40,6 +50,9 @@ class Engine:
     def __init__(self, model, name: str, log: Callable[[str], None] | None = None):
         self.model, self.name = model, name
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-serve")
+        self.lanes = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-prepare-small"),
+                      ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-prepare-large"))
+        self.large_bytes = 0  # held by bodies larger than SMALL_BODY (LARGE_BODIES at most)
         self.lock = asyncio.Lock()
         self.waiting = 0  # requests queued behind the one running
         self.busy = False
@@ -48,6 +61,16 @@ class Engine:
 
     async def call(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def prepare(self, data: bytes | bytearray, chat: bool) -> Job:
+        """The body as a Job, in the lane for its size (see the module doc)."""
+        lane = self.lanes[len(data) > SMALL_BODY]
+        return await asyncio.get_running_loop().run_in_executor(lane, _read_job, self.model, data, chat)
+
+    def close(self) -> None:
+        """Stop the worker and the lanes: what is queued is dropped, what runs finishes."""
+        for pool in (*self.lanes, self.pool):
+            pool.shutdown(wait=True, cancel_futures=True)
 
     async def pieces(self, job: Job, c: Completion, request: Request) -> AsyncIterator[str]:
         """The text of `job` as it is generated, its turn in the queue taken first. A client that left stops
@@ -187,41 +210,74 @@ class _KeyCheck:
 
 async def _guarded(engine: Engine, request: Request, work) -> Response:
     """The handler's answer, or its failure in OpenAI's error shape (Starlette's catch-all handler would
-    also print the traceback)."""
+    also print the traceback). A client that left while sending its body gets nothing (there is no one to
+    answer) and no log line."""
     try:
         return await work
+    except ClientDisconnect:
+        return Response(status_code=400)
     except Exception as exc:  # noqa: BLE001
         err = api_error(exc)
-        if err.status >= 500:
+        if err.status >= 500 and err.status != 503:
             engine.log(f"error in {request.method} {request.url.path}: {type(exc).__name__}: {exc}")
         return _error(err)
 
 
+class _BodyRefused(ApiError):
+    """A body refused before it was all read: the answer closes the connection (the rest of the body would
+    otherwise be read as the next request)."""
+
+
 def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    headers = {"Connection": "close"} if isinstance(exc, _BodyRefused) else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-async def _read_body(request: Request) -> Any:
-    """The JSON body, at most MAX_BODY bytes."""
-    data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > MAX_BODY:
-            raise ApiError(f"the request body is larger than {MAX_BODY >> 20} MiB", 413)
+async def _read_body(engine: Engine, request: Request) -> tuple[bytearray, int]:
+    """The body, at most MAX_BODY bytes, and the bytes of LARGE_BODIES it holds (release them with
+    engine.large_bytes -= held): a body past SMALL_BODY takes its share as it grows, and is refused with 503
+    where the others leave no room."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise _BodyRefused(f"the request body is larger than {MAX_BODY >> 20} MiB", 413)
+    data, held = bytearray(), 0
     try:
-        return json.loads(data)
+        async for part in request.stream():
+            data += part
+            if len(data) > MAX_BODY:
+                raise _BodyRefused(f"the request body is larger than {MAX_BODY >> 20} MiB", 413)
+            if len(data) > SMALL_BODY:
+                more = len(data) - held
+                if engine.large_bytes + more > LARGE_BODIES:
+                    raise _BodyRefused("the server is busy reading other large requests; try again shortly", 503,
+                                       kind="server_error", code="overloaded")
+                engine.large_bytes += more
+                held += more
+    except BaseException:
+        engine.large_bytes -= held
+        raise
+    return data, held
+
+
+def _read_job(model, data: bytes | bytearray, chat: bool) -> Job:
+    """The JSON body as a Job (api.read_job), on a lane's thread: parsing megabytes takes a while too."""
+    try:
+        body = json.loads(data)
     except RecursionError:
         raise ApiError("the request body nests arrays and objects too deeply to read") from None
     except ValueError:
         raise ApiError("the request body is not valid JSON") from None
+    return read_job(model, body, chat)
 
 
 async def _complete(engine: Engine, request: Request, chat: bool) -> Response:
     t0 = time.perf_counter()
-    body = await _read_body(request)
-    # Rendering the template and tokenizing take a while on a long conversation: off the event loop (which
-    # keeps serving /health and streams), beside the worker (the tokenizer is safe to share).
-    job = await asyncio.get_running_loop().run_in_executor(None, read_job, engine.model, body, chat)
+    data, held = await _read_body(engine, request)
+    try:
+        job = await engine.prepare(data, chat)
+    finally:
+        engine.large_bytes -= held
+        del data
     if job.stream:
         return StreamingResponse(_events(engine, job, request, t0), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

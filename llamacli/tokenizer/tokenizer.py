@@ -32,14 +32,14 @@ import operator
 import re
 from typing import Any, Iterable, Iterator
 
-from ..errors import TokenizerError
+from ..errors import ContextOverflowError, TokenizerError
 from .bpe import build_bpe, byte_alphabet, pre_type
 from .spm import BYTE, CONTROL, HEX_BYTE, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, build_spm
 from .text_chunks import TokenMatcher, cut_points, glued_pairs, pieces
 
 __all__ = [
     "BYTE", "CONTROL", "NORMAL", "SUPPORTED_MODELS", "UNKNOWN", "UNUSED", "USER_DEFINED",
-    "StreamDecoder", "TokenMatcher", "Tokenizer", "cut_points",
+    "StreamDecoder", "TokenMatcher", "Tokenizer", "TooManyTokens", "cut_points",
 ]
 
 SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
@@ -68,6 +68,17 @@ _FIM_TEXTS = {
     "eom": ("<|eom_id|>",),
 }
 _WHITESPACE = re.compile(r"[ \t\n\v\f\r]*")  # what a Phi-3 special token eats after it (_strip_rules)
+_UNSET = object()
+
+
+class TooManyTokens(ContextOverflowError):
+    """encode(text, limit=N) found more than N ids: before tokenizing (the text's length alone says so, see
+    Tokenizer.min_tokens) or partway (tokenizing stops at the piece that passes N). `at_least`: the ids
+    counted or bounded when it stopped."""
+
+    def __init__(self, limit: int, at_least: int):
+        super().__init__(f"the text has more than {limit:,} tokens (at least {at_least:,})")
+        self.limit, self.at_least = limit, at_least
 
 
 class Tokenizer:
@@ -143,6 +154,7 @@ class Tokenizer:
         self._matchers: dict[bool, TokenMatcher | None] = {}
         self._glued: frozenset[tuple[str, str]] | None = None
         self._piece_cache: dict[int, bytes] = {}
+        self._bound: Any = _UNSET  # _byte_bound(), found when first needed
 
         if self.kind == "bpe":
             self._bpe = build_bpe(md, self._ids, family, bool(ignore_merges), self._byte_level)
@@ -226,11 +238,16 @@ class Tokenizer:
         return self._ids.get(text)
 
     def encode(
-        self, text: str, *, add_bos: bool | None = None, special: bool = False, add_eos: bool | None = None
+        self, text: str, *, add_bos: bool | None = None, special: bool = False, add_eos: bool | None = None,
+        limit: int | None = None,
     ) -> list[int]:
         """Token ids of `text`. add_bos/add_eos None: as the file says (tokenizer.ggml.add_bos_token...).
         special=True turns control tokens written in the text (<|im_start|>, <s>) into their ids; user-defined
-        tokens always are (as in llama.cpp and HF tokenizers)."""
+        tokens always are (as in llama.cpp and HF tokenizers).
+
+        `limit=N`: a text with more than N ids (BOS and EOS counted) raises TooManyTokens, without tokenizing
+        it whole: at once where its length alone says so (min_tokens), else at the piece that passes N. So a
+        prompt that cannot fit a context costs at most a context's worth of tokenizing, whatever its size."""
         if not isinstance(text, str):
             raise TokenizerError(f"can only tokenize text, got {type(text).__name__}")
         add_bos = self.add_bos if add_bos is None else add_bos
@@ -239,23 +256,70 @@ class Tokenizer:
             raise TokenizerError("the vocabulary has no BOS token")
         if add_eos and self.eos_id is None:
             raise TokenizerError("the vocabulary has no EOS token")
+        ends = int(add_bos) + int(add_eos)
+        if limit is not None and (least := self.min_tokens(text) + ends) > limit:
+            raise TooManyTokens(limit, least)
         ids: list[int] = [self.bos_id] if add_bos else []  # type: ignore[list-item]
         # SPM (llama.cpp): a space before the first fragment and before every fragment after a special token.
         prefix = self.kind == "spm" and self.add_space_prefix
         after_special = True
         same: dict[int, int] = {}  # one int object per distinct id: a long text's list holds pointers, not ints
+        room = None if limit is None else limit - int(add_eos)  # ids allowed before the EOS
         for part in self._partition(text, special):
             if isinstance(part, int):
                 ids.append(part)
                 after_special = True
-                continue
-            for k, piece in enumerate(pieces(part, self._cut_is_safe)):
-                piece_ids = self._encode_piece(" " + piece if k == 0 and prefix and after_special else piece)
-                ids.extend(map(same.setdefault, piece_ids, piece_ids))
-            after_special = False
+            else:
+                for k, piece in enumerate(pieces(part, self._cut_is_safe)):
+                    piece_ids = self._encode_piece(" " + piece if k == 0 and prefix and after_special else piece)
+                    ids.extend(map(same.setdefault, piece_ids, piece_ids))
+                    if room is not None and len(ids) > room:
+                        break
+                after_special = False
+            if room is not None and len(ids) > room:
+                raise TooManyTokens(limit, len(ids) + int(add_eos))  # type: ignore[arg-type]
         if add_eos:
             ids.append(self.eos_id)  # type: ignore[arg-type]
         return ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the ids of `text` (BOS and EOS aside), from its length alone: the UTF-8 bytes that
+        the vocabulary can spell, over max_token_bytes; 0 where the vocabulary gives no such bound."""
+        bound = self._byte_bound()
+        if bound is None or not text:
+            return 0
+        most, dropped = bound
+        data = text.encode("utf-8", "surrogatepass")
+        return -(-len(data.translate(None, dropped) if dropped else data) // most)
+
+    @property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of text one token can stand for, where every byte of a text ends up in a token, so
+        that a text of B bytes has at least B / max_token_bytes ids (min_tokens); None where the vocabulary
+        gives no such bound (see _byte_bound)."""
+        bound = self._byte_bound()
+        return None if bound is None else bound[0]
+
+    def _byte_bound(self) -> tuple[int, bytes] | None:
+        """(max_token_bytes, the bytes of a text that may end up in no token), found once. A token's spelling is
+        at least as long in UTF-8 as the text it matches (a byte-level character is one byte of text, "\u2581"
+        one space, <0xXX> one byte), so its length bounds what it covers. Bytes that may end up in no token
+        are not counted: those a byte-level vocabulary cannot spell (`tokenizers` leaves them out; SmolLM2
+        lacks a few control bytes and the bytes UTF-8 never uses), and whitespace where special tokens eat the
+        whitespace after them (Phi-3). No bound where SentencePiece or gemma4 lacks some of the 256 <0xXX> byte
+        tokens: a run of unknown characters becomes one <unk>."""
+        if self._bound is _UNSET:
+            self._bound = None
+            dropped = b" \t\n\v\f\r" if self._rstrip else b""
+            if self._byte_level:
+                dropped += bytes(b for b, c in enumerate(byte_alphabet()[1]) if c not in self._ids)
+                complete = True
+            else:
+                hexes = (self._ids.get(f"<0x{b:02X}>") for b in range(256))
+                complete = all(i is not None and (self.kind != "spm" or self._types[i] == BYTE) for i in hexes)
+            if complete:
+                self._bound = (max(len(t.encode("utf-8", "surrogatepass")) for t in self._tokens), dropped)
+        return self._bound  # type: ignore[return-value]
 
     def _encode_piece(self, text: str) -> list[int]:
         try:

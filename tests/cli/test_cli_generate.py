@@ -113,6 +113,26 @@ def test_context_overflow_and_truncate(smollm2):
     assert r.code == 0 and len(obj["prompt_tokens"]) == 63
 
 
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(random_model, smollm2, tmp_path):
+    """-f with tens of megabytes (tokenizing them whole took a second a megabyte before the context check):
+    refused at once, plain (--raw) and through the chat template, with one line; a prompt that fits the
+    context but not at the first glance of its length is refused partway; --truncate still keeps the tail."""
+    model = random_model("tiny-llama", vocab_file=smollm2)  # SmolLM2's tokenizer, quick weights
+    sentence = "The quick brown fox jumps over the lazy dog. "
+    for size, extra in ((40 << 20, ("--raw",)), (6 << 20, ())):
+        big = tmp_path / f"prompt-{size}.txt"
+        big.write_text(sentence * (size // len(sentence)))
+        t0 = time.monotonic()
+        r = gen(model, "-f", str(big), "--ctx", "256", "-n", "1", *extra)
+        seconds = time.monotonic() - t0
+        assert seconds < 8, f"{size >> 20} MiB refused after {seconds:.1f} s"
+        assert r.code == 2 and "the prompt has more than 255 tokens" in r.one_line_error()
+    r = gen(model, "-p", sentence * 60, "--raw", "--ctx", "256", "-n", "1")  # 600 tokens in 2.7 KB
+    assert r.code == 2 and "the prompt has more than 255 tokens" in r.one_line_error()
+    r = gen(model, "-p", sentence * 60, "--raw", "--ctx", "256", "-n", "1", "--truncate", "--json", "-q")
+    assert r.code == 0 and len(json.loads(r.out)["prompt_tokens"]) == 255
+
+
 def test_context_full_is_length(smollm2):
     r = gen(smollm2, "-p", "The capital of France is", "--raw", "--ctx", "12", "-n", "100", "--greedy", "--json", "-q")
     obj = json.loads(r.out)

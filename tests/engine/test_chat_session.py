@@ -13,6 +13,7 @@ from llamacli.engine.generate import Completion, Model, Timings
 from llamacli.errors import ContextOverflowError
 from llamacli.models.seq_cache import LayerCache, SequenceCache, common_prefix
 from llamacli.sampling.sampling import SamplingParams
+from llamacli.tokenizer.tokenizer import TooManyTokens
 
 GREEDY = SamplingParams(temperature=0.0)
 N = 16
@@ -159,11 +160,14 @@ class FakeModel:
     def _id(self, word: str) -> int:
         return self.vocab.setdefault(word, len(self.vocab))
 
-    def chat_ids(self, messages, add_generation_prompt=True, think=None):
+    def chat_ids(self, messages, add_generation_prompt=True, think=None, limit=None):
         ids = []
         for m in messages:
             ids += [self._id("<" + m["role"] + ">"), *map(self._id, m["content"].split()), self._id("<end>")]
-        return ids + [self._id("<assistant>")] if add_generation_prompt else ids
+        ids = ids + [self._id("<assistant>")] if add_generation_prompt else ids
+        if limit is not None and len(ids) > limit:
+            raise TooManyTokens(limit, len(ids))
+        return ids
 
     def run(self, ids, *, completion, max_tokens, stop, params, constraint=None):
         keep = self.seq.reusable(ids)
@@ -207,6 +211,23 @@ def test_a_message_too_long_for_the_context_changes_nothing():
     with pytest.raises(ContextOverflowError, match="raise --ctx"):
         s.reply(" ".join(["word"] * 40))
     assert (s.history, s.first) == before
+
+
+def test_a_pasted_message_of_megabytes_is_refused_before_it_is_tokenized(random_model, smollm2):
+    """6 MiB pasted into a chat (tokenizing it whole took some 6 s): refused at once, the conversation as it
+    was; messages that fit go on."""
+    import time
+
+    with Model(random_model("tiny-llama", vocab_file=smollm2), backend="numpy", ctx=256) as m:
+        s = ChatSession(m, max_tokens=4)
+        s.reply("hello")
+        before = (list(s.history), s.first)
+        t0 = time.monotonic()
+        with pytest.raises(ContextOverflowError, match="needs more than"):
+            s.reply("The quick brown fox jumps over the lazy dog. " * ((6 << 20) // 45))
+        assert time.monotonic() - t0 < 3
+        assert (s.history, s.first) == before
+        assert s.reply("and again").tokens
 
 
 def test_a_failed_turn_undoes_the_trim_it_needed():

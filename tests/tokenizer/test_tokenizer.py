@@ -16,7 +16,7 @@ from llamacli.errors import TokenizerError
 from llamacli.ggufio.file import open_gguf
 from llamacli.tokenizer import text_chunks
 from llamacli.tokenizer.bpe import PRE_SPLITS
-from llamacli.tokenizer.tokenizer import CONTROL, StreamDecoder, Tokenizer, TokenMatcher, cut_points
+from llamacli.tokenizer.tokenizer import CONTROL, StreamDecoder, Tokenizer, TokenMatcher, TooManyTokens, cut_points
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
@@ -438,3 +438,49 @@ def test_spm_proto_equals_the_field_by_field_serialization() -> None:
         got = S._spm_model_proto(tokens, scores, types, unk)
         want = reference(tokens, scores, types, unk)
         assert got[: len(want)] == want  # (then the unknown piece where there is none, and the unchanged specs)
+
+
+# -- a limit on the ids: refused before tokenizing a long text whole --------------------------------------------
+
+
+@pytest.mark.parametrize("name", REQUIRED + BONUS + ["smollm2"])
+def test_min_tokens_bounds_the_ids_and_a_limit_refuses_only_what_passes_it(name: str, vocab, smol: Tokenizer) -> None:
+    """min_tokens (from the text's bytes alone) never exceeds the real count, with or without special tokens;
+    encode(limit=N) gives the same ids when they number N or fewer, and TooManyTokens when one more."""
+    tok = smol if name == "smollm2" else vocab(name)
+    specials = ("<|im_start|>", "<|im_end|>", "<s>", "</s>", "<|end|>", "<|endoftext|>", "\x04\x06\x13", "\xff")
+    texts = _random_texts(len(name) + 7, 60, specials) + TEXTS + ["☃" * 300, " " * 2000, "\n" * 900, "a" * 5000]
+    assert tok.max_token_bytes is not None  # each of these vocabularies gives a bound
+    for text in texts:
+        for special in (False, True):
+            ids = tok.encode(text, special=special)
+            assert tok.min_tokens(text) + tok.add_bos + tok.add_eos <= len(ids), (text, special)
+            assert tok.encode(text, special=special, limit=len(ids)) == ids
+            with pytest.raises(TooManyTokens):
+                tok.encode(text, special=special, limit=len(ids) - 1)
+    prose = TEXTS[6] * 2000  # every byte of plain prose counts (Phi-3: but its spaces)
+    assert tok.min_tokens(prose) >= len(prose.replace(" ", "")) // tok.max_token_bytes > 0
+
+
+def test_a_vocabulary_that_folds_unknown_text_gives_no_bound(vocab, llama_cpp_models: Path) -> None:
+    """SentencePiece without byte tokens turns a run of unknown characters into one <unk>: no bound from the
+    length there (a long run of them is a handful of ids, and must not be refused)."""
+    from llamacli.tokenizer.tokenizer import BYTE, NORMAL
+
+    md = dict(open_gguf(llama_cpp_models / "ggml-vocab-llama-spm.gguf").metadata)
+    md["tokenizer.ggml.token_type"] = [NORMAL if t == BYTE else t for t in md["tokenizer.ggml.token_type"]]
+    tok = Tokenizer.from_metadata(md)
+    assert tok.max_token_bytes is None and tok.min_tokens("☃" * 5000) == 0
+    assert len(tok.encode("☃" * 5000, limit=10)) <= 10
+
+
+def test_a_limit_stops_tokenizing_partway(smol: Tokenizer) -> None:
+    """Past the limit, tokenizing stops at the piece that passes it: here before it reaches a stretch without
+    a cut that would be refused whole (so the error is TooManyTokens, not that one)."""
+    text = "word " * 30_000 + "x" * (text_chunks.MAX_STRETCH_CHARS + 1)
+    assert smol.min_tokens(text) < 20_000  # the length alone does not tell
+    with pytest.raises(TokenizerError, match="one stretch"):
+        smol.encode(text)
+    with pytest.raises(TooManyTokens) as caught:
+        smol.encode(text, limit=20_000)
+    assert 20_000 < caught.value.at_least < 30_000
