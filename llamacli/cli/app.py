@@ -21,6 +21,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperOption
 
 from ..errors import Interrupted, LlamacliError, OutputError, UsageError
 from ..textio import printable, standard_streams
@@ -30,8 +31,9 @@ from .parser import HabitCommand, HabitGroup
 app = typer.Typer(
     name="llamacli",
     help="Run GGUF language models on NVIDIA GPUs (CuPy + our CUDA kernels), with a NumPy reference backend.",
-    epilog="Also: list and ls (= models), show (= inspect). llama.cpp's -c, -n, -s, -f and --temp work as there; "
-    "-ngl and -fa are accepted.",
+    epilog="Also: list and ls (= models), show (= inspect). llama.cpp's -m, -p, -f, -c, -n, -s, -t, --temp, "
+    "--grammar and --ignore-eos work as there; -ngl and -fa are accepted. --debug and -v work before or after "
+    "the command.",
     cls=HabitGroup,
     context_settings={"help_option_names": ["-h", "--help"]},
     no_args_is_help=True,
@@ -54,7 +56,11 @@ err = _Console(stderr=True, highlight=False, soft_wrap=True)
 # Tables on stdout keep their full width when piped (rich would cut them at 80 columns).
 out = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout is None or sys.stdout.isatty() else 240)
 
-_state = {"debug": False}
+# --debug, -v; -t as given, the count it came to and the environment variable it came from (None: not one)
+_state: dict = {"debug": False, "verbose": False, "threads": None, "threads_set": None, "threads_from": None}
+
+DEBUG_HELP = "Show tracebacks and log kernel launches."
+VERBOSE_HELP = "Say more on stderr: the backend, the chat template, start-up stages, prompt tokens."
 
 
 def _version(value: bool) -> None:
@@ -63,22 +69,50 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _set_flag(name: str, on: bool) -> None:
+    """--debug or -v/--verbose, before the command's name (the root's options) or after it (every command's)."""
+    if not on:
+        return
+    _state[name] = True
+    if name == "debug":
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
+
+
+def is_verbose() -> bool:
+    """Whether -v/--verbose was given, before or after the command's name."""
+    return _state["verbose"]
+
+
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks and log kernel launches.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help=VERBOSE_HELP)] = False,
     version: Annotated[
         Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = None,
 ) -> None:
     """llamacli: GGUF inference from readable Python."""
-    _state["debug"] = debug
-    if debug:
-        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
+    # (main() may run again in one process: tests)
+    _state.update(debug=False, verbose=False, threads=None, threads_set=None, threads_from=None)
+    _set_flag("debug", debug)
+    _set_flag("verbose", verbose)
+
+
+class Command(HabitCommand):
+    """A command with llama.cpp's option habits that also takes --debug and -v/--verbose after its name (the
+    root takes them before it), so that they work wherever a user puts them."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        for names, key, text in ((["--verbose", "-v"], "verbose", VERBOSE_HELP), (["--debug"], "debug", DEBUG_HELP)):
+            self.params.append(TyperOption(
+                param_decls=names, is_flag=True, default=False, expose_value=False, help=text,
+                callback=lambda ctx, param, value, key=key: _set_flag(key, bool(value))))
 
 
 def command(name: str | None = None, **kw):
-    """`app.command`, parsed with llama.cpp's option habits (llamacli/cli/parser.py)."""
-    return app.command(name, cls=HabitCommand, **kw)
+    """`app.command`, parsed with llama.cpp's option habits (llamacli/cli/parser.py), with --debug and -v."""
+    return app.command(name, cls=Command, **kw)
 
 
 def dim(message: str) -> None:
@@ -99,6 +133,7 @@ ModelOpt = Annotated[
 ]
 BackendOpt = Annotated[str, typer.Option("--backend", help="auto (CUDA when available), cuda or numpy.")]
 ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help="The model, as -m takes it.", show_default=False)]
+PromptArg = Annotated[Optional[str], typer.Argument(metavar="PROMPT", help="The prompt, as -p takes it.", show_default=False)]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", "--ctx-size", help="Context size (default: the model's, at most 4096).")]
 CacheTypeKOpt = Annotated[str, typer.Option(
     "--cache-type-k", "-ctk", metavar="TYPE",
@@ -132,13 +167,50 @@ FrequencyPenaltyOpt = Annotated[float, typer.Option("--frequency-penalty")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", "-s", help="Seed for reproducible sampling.")]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Always take the most likely token (temperature 0).")]
 JsonSchemaOpt = Annotated[Optional[str], typer.Option(
-    "--json-schema", metavar="FILE|JSON",
-    help="Constrain the output to JSON valid against this JSON Schema (a file, or the schema itself); "
-         "needs the optional llguidance package (pip install 'llamacli[structured]').")]
+    "--json-schema", "-j", metavar="JSON|FILE",
+    help="Constrain the output to JSON valid against this JSON Schema (the schema itself, as llama.cpp's, or a "
+         "file); needs the optional llguidance package (pip install 'llamacli[structured]').")]
+JsonSchemaFileOpt = Annotated[Optional[str], typer.Option(
+    "--json-schema-file", "-jf", metavar="FILE", help="As --json-schema, the schema read from a file ('-': stdin).")]
 GrammarOpt = Annotated[Optional[str], typer.Option(
-    "--grammar", metavar="FILE",
-    help="Constrain the output to a grammar in llama.cpp's GBNF (root ::= ...) or Lark (start: ...) syntax, "
-         "as llguidance reads them.")]
+    "--grammar", metavar="GRAMMAR",
+    help="Constrain the output to this grammar, its text as llama.cpp's --grammar takes it: GBNF (root ::= ...) "
+         "or Lark (start: ...), as llguidance reads them. A grammar in a file: --grammar-file.")]
+GrammarFileOpt = Annotated[Optional[str], typer.Option(
+    "--grammar-file", metavar="FILE", help="As --grammar, the grammar read from a file ('-': stdin).")]
+IgnoreEosOpt = Annotated[bool, typer.Option(
+    "--ignore-eos", help="Go on past the end of the text, as llama.cpp's: end-of-text tokens are never sampled, "
+                         "so the output runs to -n (or a full context).")]
+StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")]
+RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")]
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt text.")]
+PromptFileOpt = Annotated[Optional[str], typer.Option(
+    "--prompt-file", "-f", "--file", help="Read the prompt from a file ('-' for stdin).")]
+TruncateOpt = Annotated[bool, typer.Option("--truncate", help="Keep the tail of a prompt longer than the context.")]
+
+
+def _threads_option(value: Optional[int]) -> Optional[int]:
+    """-t's callback: the count (or the default) applied while the options are read, before the command's body
+    first imports numpy, so that where threadpoolctl is missing the environment variables still work."""
+    from ..cpu_threads import THREAD_VARIABLES, check_threads, set_threads
+
+    try:
+        check_threads(value)
+    except ValueError as exc:
+        fail(f"--threads {exc}")
+    value = None if value == -1 else value  # llama.cpp's -1: the default
+    named = next((v for v in THREAD_VARIABLES if os.environ.get(v, "").strip()), None) if value is None else None
+    _state.update(threads=value, threads_set=set_threads(value), threads_from=named)
+    return value
+
+
+
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", "-t", metavar="N", callback=_threads_option,
+    help="CPU threads for the NumPy backend's matrix products (its BLAS), as llama.cpp's -t. Default (or -1): "
+         "half the CPUs, less those other programs keep busy (a busy CPU stalls every BLAS thread), at least 1; "
+         "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS, where set, instead.")]
+# (A command need not pass `threads` on: the callback applied it; load_model says what it came to.)
 LogprobsOpt = Annotated[Optional[int], typer.Option(
     "--logprobs", metavar="N",
     help="With --json: each token's log-probability and the N (0-20) most likely alternatives, as "
@@ -164,7 +236,8 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
     """Resolve, open and upload a model, with a progress bar on stderr. `gpu_layers` and `flash_attn` are
     llama.cpp's -ngl and -fa: checked, then explained in a notice once the backend is known. A context the
     user chose (`user_ctx`) past the trained length is warned about once the model is loaded. `cache_types`:
-    -ctk / -ctv (models/kv_cache.py), checked before anything is looked up; `swa_full`: --swa-full."""
+    -ctk / -ctv (models/kv_cache.py), checked before anything is looked up; `swa_full`: --swa-full. -t was
+    applied as it was read (ThreadsOpt); what it came to is said here."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..engine.generate import Model, context_warning
@@ -173,6 +246,7 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
 
     check_gpu_layers(gpu_layers)
     cache_types = parse_cache_types(*cache_types)
+    threads_notice(quiet)
     looked_up = time.perf_counter()
     path = local_model(model)
     if path is None:  # a name: the registry and the cache, and the download on first use
@@ -200,6 +274,18 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
         if warning:
             err.print(warning, style="yellow", markup=False)
     return m
+
+
+def threads_notice(quiet: bool) -> None:
+    """What -t came to, once the model is loading: ignored (said unless --quiet), or the count (--verbose)."""
+    given, applied = _state.get("threads"), _state.get("threads_set")
+    if applied is None and given is not None and not quiet:
+        dim(f"--threads {given} is ignored: numpy was loaded before it and threadpoolctl is missing "
+            "(pip install threadpoolctl)")
+    elif applied is not None and is_verbose():
+        source = "" if given is not None else f" (from {_state['threads_from']})" if _state.get("threads_from") else \
+            " (the default; -t N to choose)"
+        dim(f"CPU threads: {applied}{source}")
 
 
 def check_gpu_layers(value: str | None) -> None:

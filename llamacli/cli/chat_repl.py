@@ -31,18 +31,35 @@ from ..textio import json_text, printable, read_line
 
 PROMPT, MORE = ">>> ", "... "
 
-HELP = """commands:
-  /help            this list
-  /exit, /quit     leave (Ctrl-D does too)
-  /reset           forget the conversation, keep the system prompt
-  /system [TEXT]   show the system prompt, or replace it
-  /save FILE       write the conversation as JSON (a list of {"role", "content"} messages)
-  /load FILE       replace the conversation (and system prompt) with one saved by /save
-  /stats           context use, KV-cache reuse and speed
+HELP = """commands (ollama's spellings work too):
+  /help, /?                  this list
+  /exit, /quit, /bye         leave (Ctrl-D does too)
+  /reset, /clear             forget the conversation, keep the system prompt
+  /system [TEXT]             show the system prompt, or replace it (also: /set system TEXT)
+  /set parameter NAME VALUE  change a sampling setting for the next replies: temperature, top_k, top_p,
+                             min_p, seed, num_predict (-n), repeat_penalty, repeat_last_n,
+                             presence_penalty, frequency_penalty, stop (one or more words; none: no stop)
+  /set think, /set nothink   turn a thinking model's think block on or off
+  /save FILE                 write the conversation as JSON (a list of {"role", "content"} messages)
+  /load FILE                 replace the conversation (and system prompt) with one saved by /save
+  /stats                     context use, KV-cache reuse and speed
 Ctrl-C stops a reply (its partial text stays in the conversation); at the prompt it discards the line,
 and twice in a row it leaves. End a line with \\ to continue the message on the next line."""
 
-COMMANDS = ("/help", "/exit", "/quit", "/reset", "/system", "/save", "/load", "/stats")
+COMMANDS = ("/help", "/?", "/exit", "/quit", "/bye", "/reset", "/clear", "/system", "/set", "/save", "/load", "/stats")
+ALIASES = {"/?": "/help", "/quit": "/exit", "/bye": "/exit", "/clear": "/reset"}
+
+# /set parameter NAME: ollama's names (and ours, -n's and the option names with - or _) -> the SamplingParams
+# field (or "max_tokens", "stop") and the type of its value.
+PARAMETERS: dict[str, tuple[str, type]] = {
+    "temperature": ("temperature", float), "temp": ("temperature", float),
+    "top_k": ("top_k", int), "top_p": ("top_p", float), "min_p": ("min_p", float), "seed": ("seed", int),
+    "repeat_penalty": ("repeat_penalty", float), "repeat_last_n": ("repeat_last_n", int),
+    "presence_penalty": ("presence_penalty", float), "frequency_penalty": ("frequency_penalty", float),
+    "num_predict": ("max_tokens", int), "n_predict": ("max_tokens", int), "max_tokens": ("max_tokens", int),
+    "stop": ("stop", str),
+}
+SET_USAGE = "/set parameter NAME VALUE, /set system TEXT, /set think or /set nothink (/help lists the names)"
 
 
 class ChatLoop:
@@ -105,7 +122,7 @@ class ChatLoop:
             return True
         word, _, arg = line.strip().partition(" ")
         if word in COMMANDS:
-            return self.command(word, arg.strip())
+            return self.command(ALIASES.get(word, word), arg.strip())
         if word.startswith("/") and self.interactive and "\n" not in line:
             self.err.print(f"unknown command {word} (/help lists them)", markup=False)
             return True
@@ -136,7 +153,56 @@ class ChatLoop:
         elif name == "/stats":
             for line in stats_lines(s.stats()):
                 self.err.print(line, markup=False)
+        elif name == "/set":
+            self.set_command(arg)
         return True
+
+    def set_command(self, arg: str) -> None:
+        """ollama's /set: parameter NAME VALUE, system TEXT, think, nothink."""
+        s = self.session
+        what, _, rest = arg.partition(" ")
+        rest = rest.strip()
+        if what == "system" and rest:
+            s.set_system(rest)
+            self.dim("system prompt set")
+        elif what in ("think", "nothink") and not rest:
+            s.think = what == "think"
+            self.dim(f"thinking {'on' if s.think else 'off'} for the next replies"
+                     + ("" if s.model.thinks else " (the model's chat template has no think block: it changes nothing)"))
+        elif what == "parameter":
+            name, value = self.set_parameter(rest)
+            self.dim(f"set {name} to {value}")
+        else:
+            raise UsageError(f"usage: {SET_USAGE}")
+
+    def set_parameter(self, arg: str) -> tuple[str, str]:
+        """/set parameter NAME VALUE: a sampling setting (checked as the options are) for the next replies."""
+        from dataclasses import replace
+
+        name, _, value = arg.partition(" ")
+        value = value.strip()
+        key = name.lower().replace("-", "_")
+        if key == "num_ctx":
+            raise UsageError("num_ctx is the context, set when the model loads: --ctx N")
+        if key not in PARAMETERS or (not value and key != "stop"):
+            raise UsageError(f"usage: /set parameter NAME VALUE, NAME one of {', '.join(sorted(PARAMETERS))}")
+        field, kind = PARAMETERS[key]
+        s = self.session
+        if field == "stop":
+            s.stop = tuple(value.split())
+            return "stop", " ".join(printable(x) for x in s.stop) or "(none)"
+        try:
+            number = kind(value)
+        except ValueError:
+            raise UsageError(f"/set parameter {name} takes {'an integer' if kind is int else 'a number'}, got "
+                             f"{value!r}") from None
+        if field == "max_tokens":
+            if number < -1:
+                raise UsageError(f"{name} must be >= 0, or -1 (until the end of the text or a full context)")
+            s.max_tokens = s.model.ctx if number == -1 else number
+        else:
+            s.params = replace(s.params, **{field: number}).validate()
+        return field, value
 
     # -- a turn -----------------------------------------------------------------------------------------------
     def turn(self, text: str) -> None:

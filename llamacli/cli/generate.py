@@ -3,13 +3,14 @@ ollama's). They share the sampling options and load the model the same way (app.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated, Optional
 
 import typer
 
-from ..errors import Interrupted
-from ..textio import json_text, read_text
+from ..errors import Interrupted, UsageError
+from ..textio import json_text, printable, read_text
 from .app import (
     BackendOpt,
     CacheTypeKOpt,
@@ -18,8 +19,11 @@ from .app import (
     FlashAttnOpt,
     FrequencyPenaltyOpt,
     GpuLayersOpt,
+    GrammarFileOpt,
     GrammarOpt,
     GreedyOpt,
+    IgnoreEosOpt,
+    JsonSchemaFileOpt,
     JsonSchemaOpt,
     LogprobsOpt,
     MaxTokensOpt,
@@ -27,19 +31,27 @@ from .app import (
     ModelArg,
     ModelOpt,
     PresencePenaltyOpt,
+    PromptArg,
+    PromptFileOpt,
+    PromptOpt,
+    RawOpt,
     ReasoningEffortOpt,
     RepeatLastNOpt,
     RepeatPenaltyOpt,
     SeedOpt,
+    StopOpt,
     SwaFullOpt,
     TemperatureOpt,
     ThinkOpt,
+    ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    TruncateOpt,
     command,
     dim,
     err,
     fail,
+    is_verbose,
     load_model,
 )
 
@@ -49,6 +61,15 @@ def pick_model(positional: str | None, option: str | None) -> str | None:
     if positional is not None and option is not None:
         fail(f"the model is given twice ({positional!r} and -m {option!r}): give it once")
     return positional if positional is not None else option
+
+
+def model_and_text(first: str | None, second: str | None, option: str | None,
+                   text_given: bool = False) -> tuple[str | None, str | None]:
+    """The arguments MODEL [TEXT] beside -m: with -m, a lone argument is the text (`run -m m.gguf "Hi"`),
+    unless an option gave the text (`text_given`: then it names the model a second time)."""
+    if option is not None and first is not None and second is None and not text_given:
+        return option, first
+    return pick_model(first, option), second
 
 
 def sampling_params(max_tokens: int, ctx: int | None, greedy: bool, temperature: float, top_k: int, top_p: float,
@@ -83,36 +104,101 @@ def think_setting(think: bool | None, effort: str | None) -> bool | str | None:
         fail(f"--reasoning-effort {exc}")
 
 
-def think_notice(m, think: bool | str | None) -> None:
-    """--think/--no-think/--reasoning-effort reach the chat template (enable_thinking, reasoning_effort); say
-    what a template makes of them when that is not what the flag says, instead of leaving the user to guess."""
+def _think_flag(think: bool | str | None) -> str | None:
     if think is None:
-        return
+        return None
+    return f"--reasoning-effort {think}" if isinstance(think, str) else "--think" if think else "--no-think"
+
+
+def prompt_notices(m, think: bool | str | None, *, raw: bool = False, system: str | None = None,
+                   chat: bool = False) -> list[str]:
+    """How the prompt reaches the model, where that is not what the user may expect, one line each: a base
+    model's file has no chat template (its prompt goes in as plain text; a conversation or --system takes a
+    built-in format it may not know), and --think/--no-think/--reasoning-effort reach the chat template
+    (enable_thinking, reasoning_effort), which may not use them or not be used at all."""
     from ..chat.reasoning import template_takes_effort
 
-    flag = f"--reasoning-effort {think}" if isinstance(think, str) else "--think" if think else "--no-think"
-    if not m.thinks:
-        dim(f"{flag} is ignored: the model's chat template has no think block")
+    flag = _think_flag(think)
+    if raw:
+        return [f"{flag} is ignored: --raw sends the prompt without the chat template"] if flag else []
+    if not chat and system is None and not m.has_chat_template:
+        also = f"; {flag} is ignored" if flag else ""
+        return [f"the model's file has no chat template (a base model): the prompt goes in as plain text, for the "
+                f"model to continue{also}"]
+    lines = []
+    if not m.has_chat_template:
+        what = "the conversation takes" if chat else "--system puts the prompt in"
+        lines.append(f"the model's file has no chat template (a base model): {what} the built-in "
+                     f"{m.chat_template.source.removeprefix('builtin:')} format, which it may not follow")
+    if flag is None:
+        pass
+    elif not m.thinks:
+        lines.append(f"{flag} is ignored: the model's chat template has no think block")
     elif template_takes_effort(m.chat_template.text):
         if think is False:
-            dim("this model always reasons: --no-think asks for low reasoning effort")
+            lines.append("this model always reasons: --no-think asks for low reasoning effort")
     elif isinstance(think, str):
-        dim(f"{flag} turns thinking on: the model's chat template has no effort levels")
+        lines.append(f"{flag} turns thinking on: the model's chat template has no effort levels")
+    return lines
 
 
-def read_constraint(json_schema: str | None, grammar: str | None) -> str | None:
-    """The grammar that --json-schema or --grammar asks for, read and checked before the model loads (None
-    without either). A --json-schema value that starts with '{' is the schema itself, else a file."""
-    if json_schema is None and grammar is None:
+def template_line(m, *, raw: bool = False, system: str | None = None, chat: bool = False) -> str:
+    """--verbose's word on the chat template: which one, or why there is none."""
+    if raw:
+        return "chat template: none (--raw)"
+    if not m.has_chat_template and not chat and system is None:
+        return "chat template: none (the file has none: the prompt goes in as plain text)"
+    source = m.chat_template.source
+    return f"chat template: {source}" + ("" if m.has_chat_template else " (the file has none)")
+
+
+def read_constraint(json_schema: str | None, grammar: str | None, *, json_schema_file: str | None = None,
+                    grammar_file: str | None = None, quiet: bool = False) -> str | None:
+    """The grammar that --json-schema(-file) or --grammar(-file) asks for, read and checked before the model
+    loads (None without any). --json-schema takes the schema itself (or, starting with anything but '{', a
+    file); --grammar takes the grammar's text, as llama.cpp's. A --grammar value that is no grammar but names
+    a file is read as one with a notice (it took a file before it took text): --grammar-file says so plainly."""
+    given = {name: value for name, value in (("--json-schema", json_schema), ("--json-schema-file", json_schema_file),
+                                              ("--grammar", grammar), ("--grammar-file", grammar_file))
+             if value is not None}
+    if not given:
         return None
-    if json_schema is not None and grammar is not None:
-        fail("give at most one of --json-schema and --grammar")
-    from ..sampling.structured import schema_grammar, text_grammar
+    if len(given) > 1:
+        fail(f"give at most one of --json-schema, --json-schema-file, --grammar and --grammar-file (got "
+             f"{' and '.join(given)})")
+    from ..sampling.structured import require_llguidance, schema_grammar, text_grammar
 
-    if grammar is not None:
-        return text_grammar(read_text(grammar, "grammar file"))
-    text = json_schema if json_schema.lstrip().startswith("{") else read_text(json_schema, "JSON schema file")
-    return schema_grammar(text)
+    if grammar_file is not None:
+        return text_grammar(read_text(grammar_file, "grammar file"))
+    if json_schema_file is not None:
+        return schema_grammar(read_text(json_schema_file, "JSON schema file"))
+    if json_schema is not None:
+        text = json_schema if json_schema.lstrip().startswith("{") else read_text(json_schema, "JSON schema file")
+        return schema_grammar(text)
+    assert grammar is not None
+    require_llguidance()  # (its absence is no reason to try the value as a file)
+    try:
+        return text_grammar(grammar)
+    except UsageError as exc:
+        if not _names_file(grammar):
+            if "\n" in grammar.strip():
+                raise
+            raise UsageError(f"{exc} (--grammar takes the grammar's text; a grammar file: --grammar-file FILE)") from None
+    compiled = text_grammar(read_text(grammar, "grammar file"))
+    if not quiet:
+        dim(f"--grammar takes the grammar's text, as llama.cpp's: read the file {printable(grammar)} as the grammar, "
+            "as before (--grammar-file FILE says so)")
+    return compiled
+
+
+def _names_file(value: str) -> bool:
+    """Whether `value` names something that can be read as a file (a regular file, a pipe, /dev/stdin)."""
+    if value == "-":
+        return True
+    try:
+        return os.path.exists(value) and not os.path.isdir(value)
+    except (OSError, ValueError):
+        return False
 
 
 def build_constraint(m, grammar: str | None):
@@ -124,20 +210,23 @@ def build_constraint(m, grammar: str | None):
     return constraint_for(m, grammar)
 
 
-def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    if (prompt is None) == (prompt_file is None):
-        fail("give the prompt with exactly one of --prompt or --prompt-file")
+def read_prompt(prompt: str | None, prompt_file: str | None, positional: str | None = None) -> str:
+    """The prompt from the PROMPT argument, -p or -f: exactly one of them."""
+    given = [x for x in (positional, prompt, prompt_file) if x is not None]
+    if len(given) != 1:
+        fail("give the prompt once: as the PROMPT argument, with --prompt (-p) or with --prompt-file (-f)")
     if prompt_file is None:
-        return prompt  # type: ignore[return-value]
+        return given[0]
     return read_text(prompt_file, "prompt file")
 
 
 @command()
 def generate(
     model_arg: ModelArg = None,
+    prompt_arg: PromptArg = None,
     model: ModelOpt = None,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt text.")] = None,
-    prompt_file: Annotated[Optional[str], typer.Option("--prompt-file", "-f", "--file", help="Read the prompt from a file ('-' for stdin).")] = None,
+    prompt: PromptOpt = None,
+    prompt_file: PromptFileOpt = None,
     max_tokens: MaxTokensOpt = 256,
     temperature: TemperatureOpt = 0.8,
     top_k: TopKOpt = 40,
@@ -149,14 +238,15 @@ def generate(
     frequency_penalty: FrequencyPenaltyOpt = 0.0,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
+    ignore_eos: IgnoreEosOpt = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
-    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
+    raw: RawOpt = False,
+    stop: StopOpt = None,
     ctx: CtxOpt = None,
-    truncate: Annotated[bool, typer.Option("--truncate", help="Keep the tail of a prompt longer than the context.")] = False,
+    truncate: TruncateOpt = False,
     backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of streaming.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the template used and the prompt tokens.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings or notices on stderr.")] = False,
     gpu_layers: GpuLayersOpt = None,
     flash_attn: FlashAttnOpt = False,
@@ -166,33 +256,43 @@ def generate(
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
+    json_schema_file: JsonSchemaFileOpt = None,
     grammar: GrammarOpt = None,
+    grammar_file: GrammarFileOpt = None,
     logprobs: LogprobsOpt = None,
 ) -> None:
     """Generate a continuation of a prompt. Text streams to stdout; timings go to stderr.
-    The model may come first (`llamacli generate model.gguf -p hi`) or with -m.
-    --json-schema / --grammar mask sampling so that the output follows them (it ends once complete)."""
-    model = pick_model(model_arg, model)
-    text = read_prompt(prompt, prompt_file)
+    The model may come first (`llamacli generate model.gguf -p hi`) or with -m; the prompt with -p, -f or
+    after the model. --json-schema / --grammar mask sampling so that the output follows them (it ends once
+    complete)."""
+    model, prompt_arg = model_and_text(model_arg, prompt_arg, model, prompt is not None or prompt_file is not None)
+    text = read_prompt(prompt, prompt_file, prompt_arg)
     think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
-    if logprobs is not None:
-        if not 0 <= logprobs <= 20:
-            fail(f"--logprobs must be from 0 to 20, got {logprobs}")
-        if not as_json:
-            fail("--logprobs needs --json (the log-probabilities are part of the JSON object)")
-    spec = read_constraint(json_schema, grammar)
-    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn,
-                   cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
+    check_logprobs(logprobs, as_json)
+    spec = read_constraint(json_schema, grammar, json_schema_file=json_schema_file, grammar_file=grammar_file,
+                           quiet=quiet)
+    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
+                   swa_full=swa_full)
     complete(m, text, params, max_tokens, stop=stop or (), raw=raw, system=system, truncate=truncate,
-             as_json=as_json, verbose=verbose, quiet=quiet, think=think, logprobs=logprobs,
-             constraint=build_constraint(m, spec))
+             as_json=as_json, verbose=is_verbose(), quiet=quiet, think=think, logprobs=logprobs,
+             constraint=build_constraint(m, spec), ignore_eos=ignore_eos)
+
+
+def check_logprobs(logprobs: int | None, as_json: bool) -> None:
+    if logprobs is None:
+        return
+    if not 0 <= logprobs <= 20:
+        fail(f"--logprobs must be from 0 to 20, got {logprobs}")
+    if not as_json:
+        fail("--logprobs needs --json (the log-probabilities are part of the JSON object)")
 
 
 def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = False, system: str | None = None,
              truncate: bool = False, as_json: bool = False, verbose: bool = False, quiet: bool = False,
-             think: bool | str | None = None, logprobs: int | None = None, constraint=None) -> None:
+             think: bool | str | None = None, logprobs: int | None = None, constraint=None,
+             ignore_eos: bool = False) -> None:
     """One completion of `text` on a loaded model, streamed to stdout (generate, and run with a prompt); a
     thinking model's reasoning streams to stderr."""
     from ..chat.reasoning import ReplyRouter
@@ -203,10 +303,10 @@ def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = Fals
     if verbose:
         dim(f"backend {m.backend.name}, context {m.ctx}")
         dim(startup_line(m))
-        if not raw:
-            dim(f"chat template: {m.chat_template.source}")
+        dim(template_line(m, raw=raw, system=system))
     if not quiet:
-        think_notice(m, think)
+        for line in prompt_notices(m, think, raw=raw, system=system):
+            dim(line)
     done = Completion()
 
     def answer(piece: str) -> None:
@@ -216,7 +316,8 @@ def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = Fals
     router = ReplyRouter(done, answer, sys.stderr)
     try:
         pieces = m.run(text, completion=done, max_tokens=max_tokens, stop=stop, params=params, raw=raw,
-                       system=system, truncate=truncate, think=think, logprobs=logprobs, constraint=constraint)
+                       system=system, truncate=truncate, think=think, logprobs=logprobs, constraint=constraint,
+                       ignore_eos=ignore_eos)
         for piece in pieces:
             if not as_json:
                 router.write(piece)
@@ -290,8 +391,11 @@ def chat(
     frequency_penalty: FrequencyPenaltyOpt = 0.0,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
+    ignore_eos: IgnoreEosOpt = False,
+    stop: StopOpt = None,
     ctx: CtxOpt = None,
     backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per reply, one per line, instead of the text.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No per-reply speed lines or notices on stderr.")] = False,
     gpu_layers: GpuLayersOpt = None,
@@ -302,18 +406,22 @@ def chat(
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
+    json_schema_file: JsonSchemaFileOpt = None,
     grammar: GrammarOpt = None,
+    grammar_file: GrammarFileOpt = None,
 ) -> None:
     """Talk with a model (named first, `llamacli chat model.gguf`, or with -m). Each turn prefills only what
     the KV cache does not hold yet; under each reply a dim line on stderr gives its tokens/s. When the context
     fills, the oldest turns are dropped (the system prompt stays) with a notice. -n limits each reply.
 
-    On a terminal: /help lists the commands (/exit, /reset, /system, /save FILE, /load FILE, /stats). Ctrl-C
-    stops a reply and keeps its partial text in the conversation; at the prompt Ctrl-C discards the line
-    and a second Ctrl-C in a row exits (130); Ctrl-D and /exit exit (0).
+    Commands (/help lists them), ollama's spellings too: /exit or /bye, /reset or /clear, /system TEXT or
+    /set system TEXT, /set parameter NAME VALUE (temperature, top_k, top_p, min_p, num_predict, seed, ...),
+    /save FILE, /load FILE, /stats. On a terminal Ctrl-C stops a reply and keeps its partial text in the
+    conversation; at the prompt Ctrl-C discards the line and a second Ctrl-C in a row exits (130); Ctrl-D
+    and /exit exit (0).
 
-    From a pipe or file: one user message per line; stdout carries only the replies, each followed by one
-    newline (`printf 'hi\\nbye\\n' | llamacli chat`).
+    From a pipe or file: one user message (or command) per line; stdout carries only the replies, each
+    followed by one newline (`printf 'hi\\nbye\\n' | llamacli chat`).
 
     --json-schema / --grammar: every reply follows them.
     """
@@ -321,24 +429,30 @@ def chat(
     think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
-    spec = read_constraint(json_schema, grammar)
-    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn,
-                   cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
+    spec = read_constraint(json_schema, grammar, json_schema_file=json_schema_file, grammar_file=grammar_file,
+                           quiet=quiet)
+    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
+                   swa_full=swa_full)
     converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think,
-             constraint=build_constraint(m, spec))
+             constraint=build_constraint(m, spec), stop=stop or (), ignore_eos=ignore_eos)
 
 
 def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = False, quiet: bool = False,
-             think: bool | str | None = None, constraint=None) -> None:
+             think: bool | str | None = None, constraint=None, stop=(), ignore_eos: bool = False) -> None:
     """The chat loop on a loaded model (chat, and run without a prompt)."""
     from ..engine.chat_session import ChatSession
     from .chat_repl import ChatLoop
 
+    if is_verbose():
+        dim(f"backend {m.backend.name}, context {m.ctx}")
+        dim(startup_line(m))
+        dim(template_line(m, chat=True))
     if not quiet:
-        think_notice(m, think)
+        for line in prompt_notices(m, think, chat=True):
+            dim(line)
     max_tokens = m.ctx if max_tokens == -1 else max_tokens  # -1 (llama.cpp's): until the end or a full context
     session = ChatSession(m, system=system, params=params, max_tokens=max_tokens, think=think,
-                          constraint=constraint)
+                          constraint=constraint, stop=stop, ignore_eos=ignore_eos)
     ChatLoop(session, err, interactive=sys.stdin.isatty(), quiet=quiet, as_json=as_json).run()
 
 
@@ -347,10 +461,13 @@ def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = 
 
 @command()
 def run(
-    model: Annotated[str, typer.Argument(
-        metavar="MODEL", help="A GGUF path, a registry name or hf://owner/repo/file.gguf.")],
-    prompt: Annotated[Optional[str], typer.Argument(
-        metavar="PROMPT", help="Answer this once and exit; without it, a chat.", show_default=False)] = None,
+    model_arg: ModelArg = None,
+    prompt_arg: Annotated[Optional[str], typer.Argument(
+        metavar="PROMPT", help="Answer this once and exit (as -p); without a prompt, a chat.",
+        show_default=False)] = None,
+    model: ModelOpt = None,
+    prompt: PromptOpt = None,
+    prompt_file: PromptFileOpt = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
     max_tokens: MaxTokensOpt = 512,
     temperature: TemperatureOpt = 0.8,
@@ -363,8 +480,14 @@ def run(
     frequency_penalty: FrequencyPenaltyOpt = 0.0,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
+    ignore_eos: IgnoreEosOpt = False,
+    raw: Annotated[bool, typer.Option("--raw", help="With a prompt: send it as is, without the chat template.")] = False,
+    stop: StopOpt = None,
     ctx: CtxOpt = None,
+    truncate: Annotated[bool, typer.Option(
+        "--truncate", help="With a prompt: keep the tail of one longer than the context.")] = False,
     backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per reply instead of the text.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings or notices on stderr.")] = False,
     gpu_layers: GpuLayersOpt = None,
@@ -374,15 +497,34 @@ def run(
     swa_full: SwaFullOpt = False,
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    json_schema_file: JsonSchemaFileOpt = None,
+    grammar: GrammarOpt = None,
+    grammar_file: GrammarFileOpt = None,
+    logprobs: LogprobsOpt = None,
 ) -> None:
-    """Run a model as ollama does: with a PROMPT, one reply through the chat template (as `generate`);
-    without one, a conversation (as `chat`)."""
+    """Run a model as ollama does: with a prompt (after the model, or -p / -f), one reply through the chat
+    template (as `generate`); without one, a conversation (as `chat`). The model comes first or with -m."""
+    model, prompt_arg = model_and_text(model_arg, prompt_arg, model, prompt is not None or prompt_file is not None)
+    one = prompt_arg is not None or prompt is not None or prompt_file is not None
+    text = read_prompt(prompt, prompt_file, prompt_arg) if one else None
+    if not one:
+        for given, name in ((raw, "--raw"), (truncate, "--truncate"), (logprobs is not None, "--logprobs")):
+            if given:
+                fail(f"{name} works with a prompt (one reply), not in a chat")
     think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
-    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn,
-                   cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
-    if prompt is None:
-        converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think)
+    check_logprobs(logprobs, as_json)
+    spec = read_constraint(json_schema, grammar, json_schema_file=json_schema_file, grammar_file=grammar_file,
+                           quiet=quiet)
+    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
+                   swa_full=swa_full)
+    constraint = build_constraint(m, spec)
+    if text is None:
+        converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think, constraint=constraint,
+                 stop=stop or (), ignore_eos=ignore_eos)
     else:
-        complete(m, prompt, params, max_tokens, system=system, as_json=as_json, quiet=quiet, think=think)
+        complete(m, text, params, max_tokens, stop=stop or (), raw=raw, system=system, truncate=truncate,
+                 as_json=as_json, verbose=is_verbose(), quiet=quiet, think=think, logprobs=logprobs,
+                 constraint=constraint, ignore_eos=ignore_eos)

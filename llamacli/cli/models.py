@@ -15,23 +15,28 @@ from .app import (
     CtxOpt,
     FlashAttnOpt,
     GpuLayersOpt,
+    ModelArg,
     ModelOpt,
     SwaFullOpt,
+    ThreadsOpt,
     command,
     dim,
     err,
     fail,
+    is_verbose,
     load_model,
     out,
 )
+from .generate import model_and_text, pick_model
 
 # -- inspect -----------------------------------------------------------------------------------------------
 
 
 @command()
 def inspect(
-    model: Annotated[str, typer.Argument(
-        metavar="MODEL", help="A GGUF file, a registry name or hf://owner/repo/file.gguf.")],
+    model_arg: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL", help="A GGUF file, a registry name or hf://owner/repo/file.gguf.", show_default=False)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="The model, as MODEL.")] = None,
     tensors: Annotated[bool, typer.Option("--tensors", help="Add the tensor table.")] = False,
     metadata: Annotated[bool, typer.Option("--metadata", help="Add every metadata key (long arrays abbreviated).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
@@ -40,6 +45,9 @@ def inspect(
     """Show what is inside a GGUF file: architecture, sizes, quantization mix, tokenizer, memory needs."""
     from .inspect import inspect_model, render_summary
 
+    model = pick_model(model_arg, model)
+    if model is None:
+        fail("name the model to inspect: llamacli inspect MODEL (or -m MODEL)")
     if ctx is not None and ctx <= 0:
         fail(f"--ctx must be positive, got {ctx}")
     from ..registry.registry import resolve_model
@@ -75,8 +83,9 @@ def models_(
         table.add_column(column, no_wrap=column != "DESCRIPTION")
     for r in rows:
         name = r["name"] + (" (default)" if r["default"] else "")
-        gated = " [gated: needs HF_TOKEN]" if r["gated"] else ""
-        cells = (name, r["parameters"], human_size(r["size"]), "yes" if r["cached"] else "-", r["description"] + gated)
+        notes = " [base model: continues text, no chat template]" if r["base"] else ""
+        notes += " [gated: needs HF_TOKEN]" if r["gated"] else ""
+        cells = (name, r["parameters"], human_size(r["size"]), "yes" if r["cached"] else "-", r["description"] + notes)
         table.add_row(*(Text(printable(c)) for c in cells))  # Text: a "[" in a description is not markup
     out.print(table, markup=False)
     err.print(f"cache: {cache_home()}", markup=False)
@@ -110,10 +119,13 @@ def rm(
 
 @command()
 def tokenize(
-    model: Annotated[
-        str, typer.Option("--model", "-m", help="A GGUF path (a vocabulary-only one will do) or a registry name.")
-    ],
-    text: Annotated[Optional[str], typer.Option("--text", "-t", help="The text to tokenize.")] = None,
+    model_arg: ModelArg = None,
+    text_arg: Annotated[Optional[str], typer.Argument(
+        metavar="TEXT", help="The text to tokenize (as -p).", show_default=False)] = None,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="A GGUF path (a vocabulary-only one will do) or a registry name.")] = None,
+    text: Annotated[Optional[str], typer.Option(
+        "--text", "--prompt", "-p", help="The text to tokenize (llama-tokenize's -p).")] = None,
     file: Annotated[Optional[str], typer.Option("--file", "-f", help="Read the text from a file ('-': stdin).")] = None,
     special: Annotated[
         bool,
@@ -125,18 +137,25 @@ def tokenize(
     ] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="With --chat: a system message.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help='Print {"ids": [...], "pieces": [...]}.')] = False,
-    verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="One 'id piece' line per token; say which chat template.")
-    ] = False,
+    threads: ThreadsOpt = None,
 ) -> None:
-    """Show the token ids of a text (or of a chat prompt with --chat), as the model's tokenizer makes them."""
+    """Show the token ids of a text (or of a chat prompt with --chat), as the model's tokenizer makes them:
+    `llamacli tokenize MODEL "text"`, or with -m and -p/--text/-f. -v prints one 'id piece' line per token
+    and, with --chat, which chat template."""
     from ..chat.template import ChatTemplate, chat_messages, encode_prompt
     from ..ggufio.file import open_gguf
     from ..registry.registry import resolve_model
     from ..tokenizer.tokenizer import Tokenizer
 
+    model, text_arg = model_and_text(model_arg, text_arg, model, text is not None or file is not None)
+    if model is None:
+        fail("name the model: llamacli tokenize MODEL TEXT (or -m MODEL -p TEXT)")
+    if text_arg is not None and text is not None:
+        fail("the text is given twice (the TEXT argument and --text/-p): give it once")
+    text = text_arg if text_arg is not None else text
     if (text is None) == (file is None):
-        fail("give the text with exactly one of --text or --file")
+        fail("give the text once: as the TEXT argument, with --text/-p or with --file/-f")
+    verbose = is_verbose()
     if system is not None and not chat:
         fail("--system needs --chat")
     if file is not None:
@@ -170,6 +189,7 @@ def tokenize(
 
 @command()
 def bench(
+    model_arg: ModelArg = None,
     model: ModelOpt = None,
     n_prompt: Annotated[str, typer.Option("--n-prompt", "-p", help="Prompt sizes for prefill tests, comma-separated.")] = "512",
     n_gen: Annotated[str, typer.Option("--n-gen", "-n", help="Token counts for decode tests, comma-separated.")] = "128",
@@ -178,6 +198,7 @@ def bench(
     reps: Annotated[int, typer.Option("--repetitions", "-r", help="Timed repetitions after one warm-up.")] = 5,
     ctx: CtxOpt = None,
     backend: BackendOpt = "auto",
+    threads: ThreadsOpt = None,
     output: Annotated[str, typer.Option("--output", "-o", help="md, json or csv.")] = "md",
     profile: Annotated[bool, typer.Option("--profile", help="Instead: one prefill (the first -p size) and one decode step by kernel family (CUDA).")] = False,
     kernels: Annotated[bool, typer.Option("--kernels", help="Instead: kernel micro-benchmarks (matvecs, attention prefill vs torch SDPA); no model needed (CUDA).")] = False,
@@ -200,6 +221,7 @@ def bench(
         run_profile,
     )
 
+    model = pick_model(model_arg, model)
     if output not in ("md", "json", "csv"):
         fail(f"--output must be md, json or csv, got {output!r}")
     if reps < 1:

@@ -16,15 +16,20 @@ from .app import (
     CacheTypeKOpt,
     CacheTypeVOpt,
     CtxOpt,
+    FlashAttnOpt,
+    GpuLayersOpt,
     ModelArg,
     ModelOpt,
     SwaFullOpt,
+    ThreadsOpt,
+    check_gpu_layers,
     command,
     dim,
     fail,
+    is_verbose,
     load_model,
 )
-from .generate import pick_model
+from .generate import pick_model, prompt_notices, startup_line, template_line
 
 
 @command()
@@ -42,6 +47,9 @@ def serve(
     ctx: CtxOpt = None,
     backend: BackendOpt = "auto",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices or request log on stderr.")] = False,
+    threads: ThreadsOpt = None,
+    gpu_layers: GpuLayersOpt = None,
+    flash_attn: FlashAttnOpt = False,
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     swa_full: SwaFullOpt = False,
@@ -65,16 +73,23 @@ def serve(
             fail(f"the API key file {printable(api_key_file)} starts with an empty line")
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty")
+    check_gpu_layers(gpu_layers)
     need_extra()
     sock = listen(host, port)
     try:
-        m = load_model(model, backend, ctx, quiet, cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
+        m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
+                       swa_full=swa_full)
         from ..serve.app import stderr_log
 
         server = make_server(m, m.path.stem, sock, api_key, None if quiet else stderr_log)
         where = sock.getsockname()
         url_host = printable(f"[{host}]" if ":" in host else host)
+        if is_verbose():
+            dim(startup_line(m))
+            dim(template_line(m, chat=True) + " (/v1/chat/completions; /v1/completions sends prompts as they are)")
         if not quiet:
+            for line in prompt_notices(m, None, chat=True):
+                dim(line)
             if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
                 dim(f"listening on {printable(host)} without --api-key: anyone who reaches this port can use the model")
             dim(f"serving {printable(m.path.name)} ({m.backend.name}, context {m.ctx}) on http://{url_host}:{where[1]}/v1; "

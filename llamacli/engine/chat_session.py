@@ -87,8 +87,10 @@ class ChatSession:
         notice: Callable[[str], None] | None = None,
         think: bool | None = None,
         constraint: Any = None,
+        ignore_eos: bool = False,
     ):
         self.model = model
+        self.ignore_eos = ignore_eos  # replies run to max_tokens (Model.run's ignore_eos)
         self.constraint = constraint  # structured.Constraint: every reply follows it
         self.think = think  # enable_thinking for the template (None: its default)
         self.params = (params or SamplingParams()).validate()
@@ -197,7 +199,7 @@ class ChatSession:
         try:
             ids = self.fit()
             yield from self.model.run(ids, completion=c, max_tokens=self.max_tokens, stop=self.stop, params=self.params,
-                                      constraint=self.constraint)
+                                      constraint=self.constraint, **({"ignore_eos": True} if self.ignore_eos else {}))
         except (KeyboardInterrupt, GeneratorExit):
             if c.finish_reason is None:  # closed after the reply had ended: its own reason stands
                 c.finish_reason = "interrupted"

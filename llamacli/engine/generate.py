@@ -16,7 +16,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -216,6 +216,13 @@ class Model:
         return encode_prompt(self.tokenizer, self.render_chat(messages, add_generation_prompt, think), limit=limit)
 
     @property
+    def has_chat_template(self) -> bool:
+        """Whether the file has a chat template of its own. Without one (a base model) a prompt goes in as plain
+        text; a conversation, or a prompt with a system message, takes the built-in format chat_template names."""
+        text = self.gguf.metadata.get("tokenizer.chat_template")
+        return isinstance(text, str) and bool(text.strip())
+
+    @property
     def thinks(self) -> bool:
         """Whether the chat template knows think blocks (Qwen3, SmolLM3, the R1 distills) or reasoning efforts
         (gpt-oss)."""
@@ -226,12 +233,12 @@ class Model:
     def prompt_ids(self, prompt: str, *, raw: bool = False, system: str | None = None,
                    think: bool | str | None = None, limit: int | None = None) -> list[int]:
         """The ids for a prompt: through the chat template (when the file has one, or `system` is given),
-        or as plain text with `raw`; `limit` as in tokenize."""
+        or as plain text with `raw` or without a template in the file; `limit` as in tokenize."""
         if raw:
             if system is not None:
                 raise UsageError("--system needs the chat template; it cannot be combined with --raw")
             return self.tokenize(prompt, limit=limit)
-        if self.gguf.metadata.get("tokenizer.chat_template") is None and system is None:
+        if not self.has_chat_template and system is None:
             return self.tokenize(prompt, limit=limit)  # a base model: plain completion
         from ..chat.template import chat_messages
 
@@ -264,6 +271,7 @@ class Model:
         think: bool | str | None = None,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
+        ignore_eos: bool = False,
         **sampling: Any,
     ) -> Iterator[str]:
         """The engine. Yields text as it completes (a thinking model's <think> block included: feed it to a
@@ -277,7 +285,9 @@ class Model:
         `constraint` (sampling/structured.py) masks every step to the ids it allows; once it says the output is
         complete, generation ends with finish_reason "stop". Logprobs move each step's logits to the host; a
         constraint alone sends its mask the other way (each step still waits for the id, as the mask of the
-        next depends on it)."""
+        next depends on it). `ignore_eos` (llama.cpp's --ignore-eos) masks the end-of-generation ids out of every
+        step, so the reply runs to max_tokens or a full context; that takes the masked step as a constraint
+        does (a constraint that allows nothing but an end still ends)."""
         laps = _Laps()  # --verbose's stages of this prompt
         params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
         if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
@@ -324,6 +334,8 @@ class Model:
 
             constraint.reset()
             sampler.mask = mask_words(constraint)
+        if ignore_eos and self.tokenizer.eog_ids:
+            sampler.mask = _without(self.tokenizer.eog_ids, self.cfg.vocab_size, sampler.mask)
         tokens = self._tokens(ids, sampler, max_tokens, constraint, logprobs, c, laps)
         # The text: ids detokenized as they come, held back while they may begin a stop string. Generated text
         # continues the prompt: keep the space SentencePiece pieces start with, and print no control tokens
@@ -427,6 +439,25 @@ class Model:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _without(ids: Iterable[int], vocab: int, words: Callable[[], np.ndarray] | None) -> Callable[[], np.ndarray]:
+    """A step mask (uint32 bit words, structured.pack_words) that drops `ids` from every step, and from the ids
+    `words` (a constraint's mask) allows; where that leaves nothing, the constraint's own mask."""
+    from ..sampling.structured import pack_words
+
+    keep = np.ones(vocab, dtype=bool)
+    keep[[i for i in ids if 0 <= i < vocab]] = False
+    fixed = pack_words(keep)
+    if words is None:
+        return lambda: fixed
+
+    def masked() -> np.ndarray:
+        allowed = words()
+        both = allowed & fixed
+        return both if both.any() else allowed
+
+    return masked
 
 
 def _has_own(backend: Backend, method: str) -> bool:

@@ -23,6 +23,7 @@ class ModelEntry:
     sha256: str | None = None  # lowercase hex, when known for certain
     license: str = ""
     gated: bool = False
+    base: bool = False  # a base (pretrained) model: no chat template, it continues text
     origin: str = ""  # the file the table came from
     cache_path: Path | None = field(default=None, compare=False)  # set for hf:// specs; else models/<name>.gguf
 

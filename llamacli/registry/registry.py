@@ -45,7 +45,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 SOURCE_KINDS = ("hf", "url", "pypi", "pypi_parts")
-_FIELDS = {"description", "architecture", "parameters", "size", "sha256", "license", "gated", *SOURCE_KINDS}
+_FIELDS = {"description", "architecture", "parameters", "size", "sha256", "license", "gated", "base", *SOURCE_KINDS}
 REGISTRY_MAX_BYTES = 4 << 20  # a models.toml of a few thousand entries is some 2 MiB
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -167,9 +167,11 @@ def _entry(path: Path, name: str, table: dict[str, Any]) -> ModelEntry:
         raise UsageError(f"{where}: `sha256` must be 64 hex digits")
     if "pypi_parts" in table and (size is None or sha256 is None):
         raise UsageError(f"{where}: a pypi_parts source needs `size` and `sha256`, the only check of the whole file")
-    gated = table.get("gated", False)
+    gated, base = table.get("gated", False), table.get("base", False)
     if not isinstance(gated, bool):
         raise UsageError(f"{where}: `gated` must be true or false")
+    if not isinstance(base, bool):
+        raise UsageError(f"{where}: `base` must be true or false")
     return ModelEntry(
         name=name,
         sources=sources,
@@ -180,6 +182,7 @@ def _entry(path: Path, name: str, table: dict[str, Any]) -> ModelEntry:
         sha256=sha256.lower() if sha256 else None,
         license=table.get("license", ""),
         gated=gated,
+        base=base,
         origin=str(path),
     )
 
@@ -354,6 +357,7 @@ def list_models() -> list[dict[str, Any]]:
                 "sha256": entry.sha256,
                 "license": entry.license,
                 "gated": entry.gated,
+                "base": entry.base,
                 "sources": {kind: spec for kind, spec in entry.sources},
                 "cached": is_cached(entry),
                 "path": str(model_path(entry)),

@@ -85,6 +85,7 @@ def read_job(model, body: Any, chat: bool) -> Job:
     n = _int(body, "n", 1)
     if n != 1:
         raise ApiError("only n = 1 is supported (one model, one answer per request)", param="n")
+    refuse_tools(body)
     # A prompt that cannot fit is refused before it is tokenized whole: from its length, or partway through
     # (Tokenizer.encode's limit), so that a huge one costs a context's worth of work, not its own size's.
     limit = model.ctx - 1
@@ -108,6 +109,23 @@ def read_job(model, body: Any, chat: bool) -> Job:
     if job.logprobs is not None or job.constraint is not None:
         _check_run_takes(model, job)
     return job
+
+
+def refuse_tools(body: dict) -> None:
+    """Tool calling is not implemented yet (the agents' issue will): a request that offers tools, asks for a
+    tool call or carries a tool's turn is refused with 400, rather than answered as if it had none. The
+    work that implements tools removes this function and its call in read_job."""
+    for name, offers_none in (("tools", (None, [])), ("functions", (None, [])), ("tool_choice", (None, "none", "auto")),
+                              ("function_call", (None, "none", "auto"))):
+        if body.get(name) not in offers_none:
+            why = "" if name == "tools" else f" ({name})"
+            raise ApiError(f"tools are not supported yet{why}", param=name, code="unsupported_parameter")
+    messages = body.get("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        if isinstance(m, dict) and (m.get("role") in ("tool", "function") or m.get("tool_calls") not in (None, [])
+                                    or m.get("function_call") is not None):
+            raise ApiError(f"messages[{i}]: tools are not supported yet (a tool call or a tool's result)",
+                           param=f"messages[{i}]", code="unsupported_parameter")
 
 
 def _chat_ids(model, body: dict, limit: int) -> list[int]:

@@ -49,12 +49,12 @@ def test_chat_on_smollm2(smollm2: Path) -> None:
 
 
 def test_plain_and_verbose_output(smollm2: Path, smol_tok: Tokenizer) -> None:
-    r = run("tokenize", "-m", str(smollm2), "-t", "Hello world")
+    r = run("tokenize", "-m", str(smollm2), "-p", "Hello world")
     assert r.code == 0 and r.out == " ".join(map(str, smol_tok.encode("Hello world"))) + "\n"
-    r = run("tokenize", "-m", str(smollm2), "-t", "Hello world", "--verbose")
+    r = run("tokenize", "-m", str(smollm2), "-p", "Hello world", "--verbose")
     assert r.code == 0
     assert [line.split(None, 1) for line in r.out.splitlines()] == [["19556", '"Hello"'], ["905", '"Ġworld"']]
-    r = run("tokenize", "-m", str(smollm2), "--chat", "-t", "x", "--verbose", "--json")
+    r = run("tokenize", "-m", str(smollm2), "--chat", "-p", "x", "--verbose", "--json")
     assert r.code == 0 and "chat template: gguf" in r.err
     json.loads(r.out)
 
@@ -69,27 +69,28 @@ def test_file_and_stdin(smollm2: Path, smol_tok: Tokenizer, tmp_path: Path) -> N
 
 def test_vocab_only_files_bos_and_fallback_template(llama_cpp_models: Path) -> None:
     spm = str(llama_cpp_models / "ggml-vocab-llama-spm.gguf")  # no tensors, add_bos_token = true
-    assert tokenize_json("-m", spm, "-t", "Hello")["ids"] == [1, 15043]
-    assert tokenize_json("-m", spm, "-t", "Hello", "--no-bos")["ids"] == [15043]
-    r = run("tokenize", "-m", spm, "--chat", "-t", "Hello", "--json", "--verbose")
+    assert tokenize_json("-m", spm, "-p", "Hello")["ids"] == [1, 15043]
+    assert tokenize_json("-m", spm, "-p", "Hello", "--no-bos")["ids"] == [15043]
+    r = run("tokenize", "-m", spm, "--chat", "-p", "Hello", "--json", "--verbose")
     assert r.code == 0 and "builtin:llama2" in r.err
     ids = json.loads(r.out)["ids"]
     assert ids[0] == 1 and ids[1] != 1  # the template's <s> is the BOS, once
     qwen = str(llama_cpp_models / "ggml-vocab-qwen2.gguf")
-    assert tokenize_json("-m", qwen, "--chat", "-t", "Hello")["ids"][0] == 151644  # <|im_start|>
+    assert tokenize_json("-m", qwen, "--chat", "-p", "Hello")["ids"][0] == 151644  # <|im_start|>
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--model", "/no/such/model.gguf", "--text", "x"], "no such file"),
-        (["--model", "MODEL"], "exactly one of --text or --file"),
-        (["--model", "MODEL", "--text", "x", "--file", "y"], "exactly one of --text or --file"),
+        (["--model", "MODEL"], "give the text once"),
+        (["--model", "MODEL", "--text", "x", "--file", "y"], "give the text once"),
+        (["MODEL", "x", "--text", "y"], "the text is given twice"),
         (["--model", "MODEL", "--file", "/no/such/input.txt"], "no such input file"),
         (["--model", "MODEL", "--file", "BADFILE"], "not UTF-8"),
         (["--model", "MODEL", "--text", "x", "--system", "s"], "--system needs --chat"),
         (["--model", "BERT", "--text", "x"], "unsupported tokenizer model 'bert'"),
-        (["--text", "x"], "--model"),
+        (["--text", "x"], "name the model"),
         (["--model", "MODEL", "--text", "x", "--bogus"], "bogus"),
     ],
 )
@@ -107,7 +108,7 @@ def test_errors_are_one_line(args: list[str], message: str, smollm2: Path, llama
 def test_not_a_gguf_file(tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")
-    r = run("tokenize", "-m", str(junk), "-t", "x")
+    r = run("tokenize", "-m", str(junk), "-p", "x")
     assert r.code == 2 and "not a GGUF file" in r.one_line_error()
 
 

@@ -79,7 +79,7 @@ def test_inspect_json_escapes_and_round_trips(evil):
 
 
 @pytest.mark.parametrize("argv", [
-    ["tokenize", "-m", "{evil}", "--chat", "-t", "hi"],
+    ["tokenize", "-m", "{evil}", "--chat", "-p", "hi"],
     ["generate", "-m", "{evil}", "-p", "hi", "--backend", "numpy", "-n", "2"],
 ])
 def test_template_messages_are_escaped_in_the_error_line(evil, argv):
@@ -100,5 +100,5 @@ def test_a_real_process_escapes_too(evil):
     r = run_subprocess("inspect", evil)
     assert r.code == 0 and READABLE + ESCAPED in r.out
     assert_clean(r.out + r.err)
-    r = run_subprocess("tokenize", "-m", evil, "--chat", "-t", "hi")
+    r = run_subprocess("tokenize", "-m", evil, "--chat", "-p", "hi")
     assert r.code == 2 and ESCAPED_LINE in r.one_line_error()

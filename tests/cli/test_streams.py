@@ -119,8 +119,8 @@ def commands(model: str) -> list[list[str]]:
     gen = ["-m", model, "--backend", "numpy", "-n", "4", "--seed", "1", "-q"]
     return [
         ["inspect", model], ["inspect", model, "--json"], ["inspect", model, "--metadata", "--tensors"],
-        ["tokenize", "-m", model, "-t", "hello"], ["tokenize", "-m", model, "-t", "hello", "-v"],
-        ["tokenize", "-m", model, "-t", "hello", "--json"],
+        ["tokenize", "-m", model, "-p", "hello"], ["tokenize", "-m", model, "-p", "hello", "-v"],
+        ["tokenize", "-m", model, "-p", "hello", "--json"],
         ["generate", *gen, "-p", "hello"], ["generate", *gen, "-p", "hello", "--json"],
         ["chat", *gen], ["chat", *gen, "--json"],
         ["bench", "-m", model, "--backend", "numpy", "-p", "4", "-n", "2", "-r", "1"],

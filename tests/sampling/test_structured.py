@@ -252,7 +252,8 @@ def test_cli_chat_grammar(smollm2, tmp_path):
     (["--json-schema", '{"type":'], "not valid JSON"),
     (["--json-schema", '{"type": "frob"}'], "invalid JSON schema"),
     (["--json-schema", "[1, 2]"], "no such JSON schema file"),
-    (["--grammar", "/nonexistent/g.gbnf"], "no such grammar file"),
+    (["--grammar-file", "/nonexistent/g.gbnf"], "no such grammar file"),
+    (["--grammar", "/nonexistent/g.gbnf"], "--grammar-file FILE"),
     (["--json-schema", "{}", "--grammar", "x"], "at most one"),
 ])
 def test_cli_bad_constraint_is_one_line_error(smollm2, args, says):

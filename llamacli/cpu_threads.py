@@ -1,0 +1,86 @@
+"""How many CPU threads the NumPy backend's BLAS (and any OpenMP pool) may use: `-t/--threads`, as llama.cpp's.
+
+The NumPy backend's matrix products run in the BLAS numpy was built with (OpenBLAS in numpy's wheels), whose
+threads wait for each other by spinning. When other programs keep the CPUs busy, a thread that loses its CPU
+holds up the rest: on a busy machine decode slows down many times over with two threads where one thread
+keeps its pace (docs/perf-log.md). So the default is modest: half the CPUs this process may run on (about
+the physical cores on machines with two hardware threads a core, llama.cpp's default), less the CPUs the
+load average says other programs keep busy, and at least one.
+
+The limit is set with threadpoolctl, which finds the BLAS and OpenMP libraries numpy (and anything else)
+has loaded and calls their own set-threads functions, so it works whenever numpy was imported. Without
+threadpoolctl (an install that left it out), the libraries' environment variables do the job where numpy
+is not imported yet (the CLI imports it only once the options are read); otherwise the request cannot be
+carried out and `set_threads` says so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# The variables the BLAS and OpenMP libraries read when they load.
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
+MAX_THREADS = 1024
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def busy_cpus() -> int:
+    """The CPUs other programs keep busy, as the last minute's load average says (0 where it is unknown)."""
+    try:
+        return int(round(os.getloadavg()[0]))
+    except (AttributeError, OSError):
+        return 0
+
+
+def default_threads(cpus: int | None = None, busy: int | None = None) -> int:
+    """Half the available CPUs, less the busy ones, at least 1 (see the module doc)."""
+    cpus = available_cpus() if cpus is None else cpus
+    busy = busy_cpus() if busy is None else busy
+    return max(1, min(cpus // 2, cpus - busy))
+
+
+def check_threads(n: int | None) -> None:
+    """A thread count the user gave: a positive number, or -1 for the default (llama.cpp's spelling of it);
+    ValueError otherwise."""
+    if n is not None and n != -1 and not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"must be from 1 to {MAX_THREADS}, or -1 for the default, got {n}")
+
+
+def set_threads(n: int | None = None) -> int | None:
+    """Limit the BLAS and OpenMP pools to `n` threads. Without `n` (or with -1): the environment's OPENBLAS_NUM_THREADS (or
+    another of THREAD_VARIABLES) where one is set, as the libraries themselves would, else default_threads().
+    Returns the count in force, or None when it cannot be set (numpy already loaded and threadpoolctl
+    missing)."""
+    check_threads(n)
+    if n is None or n == -1:
+        given = next((os.environ[v] for v in THREAD_VARIABLES if os.environ.get(v, "").strip()), None)
+        if given is not None:
+            return int(given) if given.strip().isdigit() else None  # the libraries read it themselves
+        n = default_threads()
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        if "numpy" in sys.modules:
+            return None
+        for name in THREAD_VARIABLES:
+            os.environ[name] = str(n)
+        return n
+    threadpool_limits(limits=n)  # stays in force: the returned object restores only when used as a context
+    return n
+
+
+def blas_threads() -> int | None:
+    """The thread count of the first BLAS library loaded (None where threadpoolctl or BLAS is missing)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return None
+    return next((int(i["num_threads"]) for i in threadpool_info() if i.get("user_api") == "blas"), None)
