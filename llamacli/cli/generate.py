@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import Interrupted, UsageError
+from ..errors import BadInputError, Interrupted, UsageError
 from ..textio import json_text, printable, read_text
 from .app import (
     BackendOpt,
@@ -179,7 +179,7 @@ def read_constraint(json_schema: str | None, grammar: str | None, *, json_schema
     require_llguidance()  # (its absence is no reason to try the value as a file)
     try:
         return text_grammar(grammar)
-    except UsageError as exc:
+    except BadInputError as exc:  # (GrammarError: not a grammar, or past the bounds put on one)
         if not _names_file(grammar):
             if "\n" in grammar.strip():
                 raise
