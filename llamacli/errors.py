@@ -109,6 +109,10 @@ class NumericalError(LlamacliError):
     """NaN or inf where numbers must be finite (logits of a broken model)."""
 
 
+class FileChangedError(LlamacliError):
+    """A model file that shrank or was replaced while it was being read (another program cut it short)."""
+
+
 class DownloadError(LlamacliError):
     pass
 

@@ -4,8 +4,8 @@
 No single operation may build something large. Python runs `'x' * n`, `str.join`, `'%*s' % ...`,
 `json.dumps` as one C call that no deadline can interrupt, so every operation a template reaches that can
 make its output much larger than its input (string and bytes methods, the `%` and `{}` formats, `*`, `+`,
-`~`, `**`, big-integer division, and the filters center, indent, format, replace, join, wordwrap, urlize,
-round, batch, sum, list, ...) is checked BEFORE it runs: the size it would produce is worked out from
+`~`, `**`, big-integer division, and the filters center, indent, format, replace, join, wordwrap, round,
+batch, sum, list, ...) is checked BEFORE it runs: the size it would produce is worked out from
 its arguments (a format's widths, precisions and fields; a replacement's count; an indent's lines) and
 refused past `max_chars`. What cannot grow by more than a small factor (upper, escape, tojson) is checked
 on its result. Quadratic built-ins are replaced by linear ones (`sum` of lists) or refused (division of
@@ -215,14 +215,6 @@ def _check_wordwrap(env: Sandbox, a: dict) -> int:
     return n * (9 + len(wrap if isinstance(wrap, str) else "\n"))
 
 
-def _check_urlize(env: Sandbox, a: dict) -> int:
-    """Each word may become a link: about 50 characters of markup plus its rel/target, and itself twice."""
-    s = str(a["value"])
-    words = s.count(" ") + s.count("\n") + s.count("\t") + 1
-    extra = sum(len(str(a.get(k) or "")) for k in ("rel", "target"))
-    return 2 * len(s) + words * (50 + extra)
-
-
 def _check_round(env: Sandbox, a: dict) -> int | None:
     """round(x, precision) computes 10 ** precision: a precision of millions is a huge power."""
     precision = a["precision"]
@@ -246,7 +238,6 @@ FILTER_CHECKS: dict[str, Callable[[Sandbox, dict], int | None]] = {
     "replace": lambda env, a: method_size(str(a["s"]), "replace", (str(a["old"]), str(a["new"])), {}),
     "join": _check_join,
     "wordwrap": _check_wordwrap,
-    "urlize": _check_urlize,
     "round": _check_round,
     "batch": _check_batch,
     "escape": lambda env, a: 5 * len(a["s"]) if isinstance(a["s"], str) else None,

@@ -15,6 +15,12 @@ per-platform code; resource limits do not exist on Windows. So the bounds are tw
    once the deadline passes or the memory budget is spent (template_watchdog.py). Because layer 1 keeps
    each C call small, the deadline holds to within one such call.
 
+Layer 2 cannot stop a single C call, so layer 1 also covers the calls whose TIME grows faster than their
+input: `strip`/`lstrip`/`rstrip`/`trim` with a long set of characters (CPython scans the set once per
+character: two million of each is hours in one call) run through a set in Python code, `striptags` is a
+linear walk whatever MarkupSafe is installed (2.0's was a backtracking regex), and `urlize` is refused: its regular expressions backtrack quadratically on one long word (`')' * 30000` runs 26 s in
+one match), and no chat template makes HTML links.
+
 range() holds at most MAX_RANGE items; the rendered output streams out of generate() and stops at
 max_chars; an attribute the sandbox refuses raises at once (Jinja's default would print an empty string).
 """
@@ -33,6 +39,7 @@ import jinja2
 import jinja2.ext
 import jinja2.filters
 import jinja2.nodes
+import markupsafe
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter, SecurityError
 
@@ -53,6 +60,7 @@ DEFAULT_TIMEOUT_S = 5.0  # real templates render in milliseconds (1000 turns: we
 MAX_RANGE = 100_000  # jinja2.sandbox.MAX_RANGE
 MAX_SOURCE_CHARS = 128 * 1024  # real templates are < 20 KB; 128 Ki characters compile in about a second
 MAX_INT_BITS = 4096  # a product, power or quotient of integers larger than this is refused
+STRIP_SET_CHARS = 64  # strip() with more characters than this goes through a set (_strip)
 
 
 # -- compiling and rendering -------------------------------------------------------------------------------------
@@ -175,7 +183,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             namespace=_Namespace,
         )
         self.filters["tojson"] = _tojson
-        self.filters.update(sum=self._sum, list=self._list, wordcount=_wordcount)
+        self.filters.update(sum=self._sum, list=self._list, wordcount=_wordcount, trim=_trim, striptags=_striptags,
+                            urlize=_urlize)
         for name, check in FILTER_CHECKS.items():
             self.filters[name] = self._checked_filter(self.filters[name], name, check)
         for name in RESULT_CHECKED_FILTERS:
@@ -257,6 +266,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         owner = getattr(__obj, "__self__", None)
         name = getattr(__obj, "__name__", "")
         what = f"{name or 'a call'}()"
+        if isinstance(owner, (str, bytes, bytearray)) and name in ("strip", "lstrip", "rstrip") and len(args) == 1:
+            return _strip(owner, args[0], name)
+        if isinstance(owner, markupsafe.Markup) and name == "striptags" and not args:
+            return _striptags(owner)
         if isinstance(owner, (str, bytes, bytearray)) and name == "join" and args:
             items = __self.take(args[0], what)
             __self.bound(None, what, size_of(items, __self.max_chars) + len(owner) * max(len(items) - 1, 0))
@@ -333,6 +346,55 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 def _wordcount(s: Any) -> int:
     """Jinja's wordcount without the list of every word (a long text would hold millions of strings)."""
     return sum(1 for _ in re.finditer(r"\w+", str(s)))
+
+
+# -- calls whose time grows faster than their input, in C ---------------------------------------------------------
+
+
+def _strip(s: Any, chars: Any, how: str) -> Any:
+    """s.strip(chars) (or lstrip, rstrip) in time linear in both: CPython looks each character of `s` up in
+    `chars` by scanning it, one C call of len(s) * len(chars) steps. Past STRIP_SET_CHARS characters the
+    ends are walked here, against a set, where the watchdog reaches."""
+    if not isinstance(chars, (str, bytes, bytearray)) or len(chars) <= STRIP_SET_CHARS or \
+            isinstance(chars, str) != isinstance(s, str):
+        return getattr(s, how)(chars)  # (None, a short set, or the wrong type: Python's own answer)
+    keep = set(chars)
+    start, end = 0, len(s)
+    if how != "rstrip":
+        while start < end and s[start] in keep:
+            start += 1
+    if how != "lstrip":
+        while end > start and s[end - 1] in keep:
+            end -= 1
+    return s[start:end]
+
+
+def _trim(value: Any, chars: Any = None) -> str:
+    """Jinja's trim filter through _strip."""
+    return _strip(jinja2.filters.soft_str(value), chars, "strip")
+
+
+def _striptags(value: Any) -> str:
+    """Jinja's striptags (MarkupSafe's Markup.striptags) as a linear walk with str.find, the way MarkupSafe 3
+    does it, whichever MarkupSafe is installed: 2.0 removed tags with the regex (<!--.*?-->|<[^>]*>),
+    quadratic on an unclosed '<' repeated, in one C call; 2.1 copied the whole text once per tag."""
+    if hasattr(value, "__html__"):
+        value = value.__html__()
+    text, parts, pos = str(value), [], 0
+    while (start := text.find("<", pos)) != -1:
+        closer = "-->" if text.startswith("<!--", start) else ">"
+        end = text.find(closer, start + 4 if closer == "-->" else start)
+        if end == -1:  # unclosed: the rest stays as it is
+            break
+        parts.append(text[pos:start])
+        pos = end + len(closer)
+    parts.append(text[pos:])
+    return markupsafe.Markup(" ".join("".join(parts).split())).unescape()
+
+
+def _urlize(*args: Any, **kwargs: Any) -> str:
+    raise Limit("the urlize filter is not available in chat templates (its regular expressions can run for "
+                "minutes on one long word, in a call the deadline cannot stop)")
 
 
 class _GenerationTag(jinja2.ext.Extension):

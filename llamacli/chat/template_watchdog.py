@@ -39,8 +39,8 @@ def memory_budget(max_chars: int) -> int:
 
 def _anonymous_memory() -> Callable[[], int | None] | None:
     """A cheap reader of the process's resident anonymous memory in bytes (resident minus file-backed pages,
-    so touching a memory-mapped model does not count), or None where /proc is missing. The reader gives None
-    when it cannot open the file (a server out of file descriptors): that reading is skipped."""
+    so pages mapped from files, such as shared libraries, do not count), or None where /proc is missing. The
+    reader gives None when it cannot open the file (a server out of file descriptors): that reading is skipped."""
     if not sys.platform.startswith("linux"):
         return None
     try:

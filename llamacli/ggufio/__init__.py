@@ -1,3 +1,3 @@
-"""GGUF files: file.py opens and validates one (the bounded header walk, memory-mapped tensors; cursor.py
+"""GGUF files: file.py opens and validates one (the bounded header walk, tensors read on demand; cursor.py
 reads the header's values), metadata.py reads its metadata values and keeps arrays compact, quants.py
 dequantizes tensors with gguf.quants. (Named ggufio, not gguf: its modules import the PyPI package `gguf`.)"""

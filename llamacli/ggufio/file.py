@@ -1,13 +1,21 @@
-"""Open and validate a GGUF file: metadata as a read-only mapping (metadata.py), tensors as memory-mapped
-arrays.
+"""Open and validate a GGUF file: metadata as a read-only mapping (metadata.py), tensor data read on demand.
 
 The header is read by one bounded walk (`_scan_header`): every count and length is checked against the
 bytes left in the file (and against caps no real file comes near) before anything is allocated or looped
-over, every tensor's data range against the file size and against the others. Tensor data stays in a
-read-only memory map (a multi-GB file is not read into RAM). Why not gguf.GGUFReader: it trusts its header
-(a count of 2^40 array items makes it loop for ever) and builds one numpy object per array item, far slower
-on a 151k-token Qwen2 vocabulary than this reader (docs/perf-log.md). It stays the independent reference:
-tests/ggufio/test_gguf_file.py checks that both read the same values.
+over, every tensor's data range against the file size and against the others. Why not gguf.GGUFReader: it
+trusts its header (a count of 2^40 array items makes it loop for ever) and builds one numpy object per
+array item, far slower on a 151k-token Qwen2 vocabulary than this reader (docs/perf-log.md). It stays the
+independent reference: tests/ggufio/test_gguf_file.py checks that both read the same values.
+
+Nothing is memory-mapped. Opening reads only the header; a tensor's bytes are read (plain reads, READ_CHUNK
+at a time, so Ctrl-C is seen between them) when a backend asks for them, and the backends keep what they
+read (the NumPy backend in RAM, the CUDA backend on the GPU), so nothing touches the file once a model is
+loaded. A map would be one copy less, but a mapped file that another program truncates (a download
+re-fetched, an editor, a full disk) kills the process with SIGBUS at the next touch of a page past the new
+end, inside NumPy where no Python handler can run (CPython's handler only sets a flag and returns to the
+faulting instruction; faulthandler only prints). A read that comes back short is FileChangedError, one
+line, and a file replaced under its name is refused the same way (the file stays open, its identity
+checked when it must be opened again).
 
 Layout (GGUF v2/v3, little-endian; ggml's docs/gguf.md):
     magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
@@ -19,8 +27,10 @@ Layout (GGUF v2/v3, little-endian; ggml's docs/gguf.md):
 from __future__ import annotations
 
 import math
-import mmap
 import os
+import stat
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +40,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import (
     CorruptFileError,
+    FileChangedError,
     ModelNotFoundError,
     NotGGUFError,
     TruncatedFileError,
@@ -48,6 +59,7 @@ MAX_ELEMENTS = 1 << 48  # far beyond any real tensor; keeps byte arithmetic exac
 # are in metadata.py, those on strings in cursor.py.
 MAX_KV = 1 << 16
 MAX_TENSORS = 1 << 20
+READ_CHUNK = 64 << 20  # one read call: Ctrl-C is seen between them
 
 _KNOWN_TENSOR_TYPES = {int(t) for t in GGMLQuantizationType}
 
@@ -81,7 +93,7 @@ class TensorInfo:
 
 class GGUFFile:
     """A validated GGUF file. `metadata` maps keys to plain Python values (arrays read as lists, see Metadata);
-    `tensors` maps name -> TensorInfo."""
+    `tensors` maps name -> TensorInfo; `raw`, `dequantize`, `rows` and `read_bytes` read tensor data."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -89,31 +101,71 @@ class GGUFFile:
             raise ModelNotFoundError(f"no such file: {self.path}")
         if not self.path.is_file():
             raise ModelNotFoundError(f"not a file: {self.path}")
+        self._lock = threading.Lock()
+        self._file = None
         try:
-            self.file_size = self.path.stat().st_size
-            scan = _scan_header(self.path, self.file_size)
+            self._open()
+            self.file_size = self._identity[2]
+            scan = _scan_header(self, self.file_size)
         except OSError as exc:
+            self.close()
             raise ModelNotFoundError(f"cannot read {self.path}: {exc.strerror or exc}") from exc
+        except BaseException:
+            self.close()
+            raise
         self.version: int = scan.version
         self.alignment: int = scan.alignment
         self.data_offset: int = scan.data_offset
         self.metadata = Metadata(scan.metadata)
         self.tensors: dict[str, TensorInfo] = {t.name: t for t in scan.tensors}
-        self._map: np.memmap | None = None
 
-    # -- tensor data ---------------------------------------------------------------------------------
+    # -- reading -------------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        """Open the file (O_NONBLOCK: a FIFO put in its place does not block), closed with this object. Opened
+        again after close(), it must be the same file, of the same size."""
+        f = os.fdopen(os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)),
+                      "rb", buffering=0)
+        finalizer = weakref.finalize(self, f.close)
+        info = os.fstat(f.fileno())
+        identity = (info.st_dev, info.st_ino, info.st_size)
+        if not stat.S_ISREG(info.st_mode):
+            finalizer()
+            raise ModelNotFoundError(f"not a file: {self.path}")
+        if getattr(self, "_identity", identity) != identity:
+            finalizer()
+            raise FileChangedError(f"{self.path} changed since it was opened (another program replaced or "
+                                   "rewrote it); run the command again")
+        self._identity, self._file, self._finalizer = identity, f, finalizer
+
+    def read_bytes(self, offset: int, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """`n` bytes of the file from `offset` as a uint8 array (`out[:n]` when given); FileChangedError when
+        the file no longer holds them (cut short while it was being read)."""
+        buf = np.empty(n, np.uint8) if out is None else out[:n]
+        view = memoryview(buf).cast("B")
+        with self._lock:
+            if self._file is None:
+                self._open()
+            done = 0
+            try:
+                while done < n:
+                    self._file.seek(offset + done)
+                    got = self._file.readinto(view[done : done + min(READ_CHUNK, n - done)])
+                    if not got:
+                        break
+                    done += got
+            except OSError as exc:
+                raise FileChangedError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        if done < n:
+            raise FileChangedError(f"{self.path} is shorter than when it was opened: another program cut it to "
+                                   f"{offset + done} of {self.file_size} bytes while it was being read")
+        return buf
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor's data as a view into the memory map (nothing is read yet): float32/float16/intN
-        arrays of `shape` for the plain types, else uint8 [..., row_bytes] (whole blocks per row)."""
+        """The tensor's data, read into memory: float32/float16/intN arrays of `shape` for the plain types,
+        else uint8 [..., row_bytes] (whole blocks per row)."""
         info = self.tensors[name]
-        if self._map is None:
-            self._map = np.memmap(self.path, mode="r")
-        data = self._map[info.offset : info.offset + info.n_bytes]
-        dtype = _PLAIN_DTYPES.get(info.type)
-        if dtype is not None:
-            return data.view(dtype).reshape(info.shape)
-        return data.reshape(*info.shape[:-1], info.row_bytes)
+        return _typed(self.read_bytes(info.offset, info.n_bytes), info)
 
     def dequantize(self, name: str) -> np.ndarray:
         """The whole tensor as float32, shape `tensors[name].shape`."""
@@ -123,11 +175,21 @@ class GGUFFile:
         return dequantize(self.raw(name), info.type).reshape(info.shape)
 
     def rows(self, name: str, ids: np.ndarray | list[int]) -> np.ndarray:
-        """Rows `ids` of a 2-D tensor as float32 [len(ids), cols], dequantizing only those rows."""
-        from .quants import gather_rows
+        """Rows `ids` of a 2-D tensor as float32 [len(ids), cols], reading and dequantizing only those rows."""
+        from .quants import dequantize
 
         info = self.tensors[name]
-        return gather_rows(self.raw(name), info.type, ids, info.shape[-1])
+        idx = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n_rows, n_cols = info.shape[0], info.shape[-1]
+        if idx.size == 0:
+            return np.zeros((0, n_cols), dtype=np.float32)
+        if idx.min() < 0 or idx.max() >= n_rows:
+            raise IndexError(f"row index out of range [0, {n_rows})")
+        data = np.empty((idx.size, info.row_bytes), np.uint8)
+        for k, i in enumerate(idx.tolist()):
+            self.read_bytes(info.offset + i * info.row_bytes, info.row_bytes, out=data[k])
+        dtype = _PLAIN_DTYPES.get(info.type)
+        return dequantize(data.view(dtype) if dtype is not None else data, info.type).reshape(idx.size, n_cols)
 
     # -- convenience ---------------------------------------------------------------------------------
 
@@ -137,7 +199,11 @@ class GGUFFile:
         return arch if isinstance(arch, str) else None
 
     def close(self) -> None:
-        self._map = None
+        """Close the file (a later read opens it again, if it is still the same file)."""
+        with self._lock:
+            if self._file is not None:
+                self._finalizer()
+                self._file = None
 
     def __enter__(self) -> "GGUFFile":
         return self
@@ -161,6 +227,14 @@ _PLAIN_DTYPES = {
 }
 
 
+def _typed(data: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """A tensor's bytes as its array: `shape` of its dtype for the plain types, else uint8 [..., row_bytes]."""
+    dtype = _PLAIN_DTYPES.get(info.type)
+    if dtype is not None:
+        return data.view(dtype).reshape(info.shape)
+    return data.reshape(*info.shape[:-1], info.row_bytes)
+
+
 # -- the bounded header walk ---------------------------------------------------------------------------
 
 
@@ -173,20 +247,15 @@ class _Scan:
     tensors: list[TensorInfo]
 
 
-def _scan_header(path: Path, size: int) -> _Scan:
-    name = path.name
+def _scan_header(gguf: GGUFFile, size: int) -> _Scan:
+    name = gguf.path.name
     if size < 4:
         raise NotGGUFError(f"{name}: not a GGUF file (it has only {size} bytes)")
-    with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        return _walk(Cursor(buf, size, name), name)
-    finally:
-        buf.close()
+    return _walk(Cursor(b"", size, name, lambda offset, n: gguf.read_bytes(offset, n).tobytes()), name)
 
 
 def _walk(cur: Cursor, name: str) -> _Scan:
-    magic = bytes(cur.buf[0:4])
+    magic = cur.load(4)[:4]
     if magic != GGUF_MAGIC:
         raise NotGGUFError(f"{name}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
     cur.pos = 4

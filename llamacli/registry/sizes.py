@@ -108,7 +108,7 @@ def _sizes_file() -> Path:
 def _read_sizes() -> dict[str, int]:
     try:
         with open(in_cache(_sizes_file()), "rb") as f:
-            data = json.loads(f.read(1 << 20))
+            data = dl.read_json(f.read(1 << 20))
     except (OSError, ValueError, UsageError):
         return {}
     if not isinstance(data, dict):

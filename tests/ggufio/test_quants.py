@@ -25,7 +25,7 @@ def test_dequantize_and_gather_match_gguf_quants(tmp_path, qtype):
     rng = np.random.default_rng(int(qtype) + 1000)
     block = GGML_QUANT_SIZES[qtype][0]
     cols = block * (3 if block > 1 else 40) if block < 256 else 512
-    # The writer stores the rows in a file; we read them back through the memory map.
+    # The writer stores the rows in a file; we read them back from it.
     spec = ModelSpec("llama", 1, cols, 4, 4, cols, vocab_size=0)
     path = write_model(tmp_path / "m.gguf", spec, qtype, seed=int(qtype), tensor_types={"token_embd.weight": qtype})
     g = open_gguf(path)

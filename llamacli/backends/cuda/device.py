@@ -2,8 +2,8 @@
 the KV cache), the memory check before any upload, host <-> device transfers, graph capture, and the
 figures bench reads (device name, copy bandwidth).
 
-Weights stay in their GGUF block layout on the device: one arena for the matrices, uploaded straight from
-the memory map in chunks; the 1-D tensors (norms, biases) as float32 arrays. The KV cache is fp16, one
+Weights stay in their GGUF block layout on the device: one arena for the matrices, read from the file in
+chunks and uploaded; the 1-D tensors (norms, biases) as float32 arrays. The KV cache is fp16, one
 [rows, Hkv, Dh] array per layer: ctx rows, or a sliding-window layer's ring (models/kv_cache.py); or 8-bit
 (alloc_kv_cache).
 """
@@ -115,19 +115,20 @@ class DeviceMixin:
         vec_bytes = sum(4 * info.n_elements for info in vecs)
         self._check_memory(cfg, ctx, total + vec_bytes, cache_types)
 
-        # Upload: one arena for the matrices, copied from the memory map in chunks (progress per chunk).
+        # Upload: one arena for the matrices, read from the file in chunks through one host buffer (progress
+        # per chunk). Nothing on the host refers to the file afterwards (ggufio/file.py: no memory map).
         self._arena = cp.empty(max(total, 1), dtype=cp.uint8)
         base = self._arena.data.ptr
         grand = total + vec_bytes
         done = 0
         handles: dict[str, Any] = {}
         chunk = 64 << 20
+        staging = np.empty(min(chunk, max((info.n_bytes for info in mats), default=1)), np.uint8)
         for info in mats:
-            raw = gguf.raw(info.name).reshape(-1).view(np.uint8)
             dst = self._arena[offsets[info.name] : offsets[info.name] + info.n_bytes]
             for s in range(0, info.n_bytes, chunk):
                 e = min(s + chunk, info.n_bytes)
-                dst[s:e].set(np.ascontiguousarray(raw[s:e]))
+                dst[s:e].set(gguf.read_bytes(info.offset + s, e - s, out=staging))  # (synchronous: the buffer is free after)
                 done += e - s
                 report(done, grand, info.name)
             *rows, cols = info.shape
