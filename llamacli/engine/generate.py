@@ -16,7 +16,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -198,22 +198,27 @@ class Model:
         return self._chat
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    think: bool | str | None = None) -> str:
+                    think: bool | str | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """The rendered conversation; `think` True/False reaches the template as enable_thinking (as
         transformers passes it), a reasoning effort ('low', 'medium', 'high') as reasoning_effort to a template
-        that reads it (reasoning.template_variables); None leaves the template's defaults."""
+        that reads it (reasoning.template_variables); None leaves the template's defaults. `tools` (OpenAI's
+        tool entries) reach it as transformers' apply_chat_template passes them."""
         from ..chat.reasoning import template_variables
 
         extra = template_variables(self.chat_template.text, think)
+        if tools:
+            extra["tools"] = tools
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **extra)
 
     def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                 think: bool | str | None = None, limit: int | None = None) -> list[int]:
+                 think: bool | str | None = None, limit: int | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a rendered conversation: special tokens parsed, BOS added unless the template wrote it;
-        `limit` as in tokenize."""
+        `limit` as in tokenize; `tools` as render_chat takes them."""
         from ..chat.template import encode_prompt
 
-        return encode_prompt(self.tokenizer, self.render_chat(messages, add_generation_prompt, think), limit=limit)
+        return encode_prompt(self.tokenizer, self.render_chat(messages, add_generation_prompt, think, tools),
+                             limit=limit)
 
     @property
     def has_chat_template(self) -> bool:
@@ -272,6 +277,7 @@ class Model:
         logprobs: int | None = None,
         constraint: Constraint | None = None,
         ignore_eos: bool = False,
+        keep_special: Collection[int] = (),
         **sampling: Any,
     ) -> Iterator[str]:
         """The engine. Yields text as it completes (a thinking model's <think> block included: feed it to a
@@ -283,7 +289,9 @@ class Model:
         the log-softmax of the model's raw logits (temperature 1, before penalties, top-k/p, min-p and any
         constraint), the distribution OpenAI and llama-server report, not the truncated one sampled from.
         `constraint` (sampling/structured.py) masks every step to the ids it allows; once it says the output is
-        complete, generation ends with finish_reason "stop". Logprobs move each step's logits to the host; a
+        complete, generation ends with finish_reason "stop". `keep_special`: control tokens whose text the
+        output keeps (a tool-call format's markers, such as Mistral's [TOOL_CALLS]; llama.cpp's preserved
+        tokens); other control tokens print nothing. Logprobs move each step's logits to the host; a
         constraint alone sends its mask the other way (each step still waits for the id, as the mask of the
         next depends on it). `ignore_eos` (llama.cpp's --ignore-eos) masks the end-of-generation ids out of every
         step, so the reply runs to max_tokens or a full context; that takes the masked step as a constraint
@@ -340,7 +348,7 @@ class Model:
         # The text: ids detokenized as they come, held back while they may begin a stop string. Generated text
         # continues the prompt: keep the space SentencePiece pieces start with, and print no control tokens
         # (llama-cli without --special).
-        decoder = StreamDecoder(self.tokenizer, special=False, strip_dummy_prefix=False)
+        decoder = StreamDecoder(self.tokenizer, special=False, strip_dummy_prefix=False, keep=keep_special)
         pending = ""  # text held back because it might begin a stop string
         cut = False  # a stop string ended the output: what follows it is dropped
         t0 = None

@@ -220,8 +220,14 @@ class _VocabTokenizer:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         # The plain spelling: no BOS, and no SentencePiece dummy-prefix space (llguidance tokenizes fragments
-        # of the output, which must not gain a leading space).
-        return self._tok._encode_piece(text) if text else []
+        # of the output, which must not gain a leading space); user-defined tokens (Qwen's <tool_call>, <think>)
+        # as themselves, as the model writes them: llguidance allows only this spelling of a forced string.
+        ids: list[int] = []
+        for part in self._tok._partition(text, False) if text else ():
+            ids.extend([part] if isinstance(part, int) else self._tok._encode_piece(part))
+        if b"".join(self._tok._piece_bytes(i) for i in ids) != text.encode("utf-8"):  # (a token that eats the
+            return self._tok._encode_piece(text)  # whitespace after it, Phi-3's: the plain spelling then)
+        return ids
 
 
 def _lltokenizer(model: Model) -> Any:

@@ -16,6 +16,7 @@ from ..errors import BadInputError, ContextOverflowError, LlamacliError
 from ..sampling.sampling import SamplingParams, is_finite_real
 from ..textio import brief
 from ..tokenizer.tokenizer import TooManyTokens
+from . import tool_api
 
 MAX_STOP = 16  # OpenAI takes 4; llama-server takes more
 MAX_TOP_LOGPROBS = 20  # as OpenAI
@@ -41,7 +42,7 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ContextOverflowError):
         return ApiError(str(exc), 400, "messages", "context_length_exceeded")
     if isinstance(exc, BadInputError):
-        return ApiError(str(exc), 400)
+        return ApiError(str(exc), 400, getattr(exc, "param", None))
     if isinstance(exc, LlamacliError):
         return ApiError(str(exc), 500, kind="server_error")
     return ApiError(f"internal error ({type(exc).__name__})", 500, kind="server_error")
@@ -61,6 +62,7 @@ class Job:
     logprobs: int | None = None  # None: none; N: the chosen token's and N alternatives
     constraint: Any = None
     echo_prompt: str = ""
+    tools: Any = None  # a tool_api.ToolJob: the reply is read for tool calls
     id: str = field(default_factory=lambda: "")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -72,6 +74,8 @@ class Job:
             kw["logprobs"] = self.logprobs
         if self.constraint is not None:
             kw["constraint"] = self.constraint
+        if self.tools is not None:
+            kw.update(self.tools.run_kwargs())
         return kw
 
 
@@ -85,12 +89,12 @@ def read_job(model, body: Any, chat: bool) -> Job:
     n = _int(body, "n", 1)
     if n != 1:
         raise ApiError("only n = 1 is supported (one model, one answer per request)", param="n")
-    refuse_tools(body)
     # A prompt that cannot fit is refused before it is tokenized whole: from its length, or partway through
     # (Tokenizer.encode's limit), so that a huge one costs a context's worth of work, not its own size's.
     limit = model.ctx - 1
+    tools = tool_api.read(body) if chat else None
     try:
-        ids = _chat_ids(model, body, limit) if chat else _prompt_ids(model, body, limit)
+        ids = _chat_ids(model, body, limit, tools) if chat else _prompt_ids(model, body, limit)
     except TooManyTokens as exc:
         raise ApiError(f"the prompt has more than {limit:,} tokens (at least {exc.at_least:,}), the context holds "
                        f"{model.ctx}", param="messages" if chat else "prompt", code="context_length_exceeded") from None
@@ -106,29 +110,18 @@ def read_job(model, body: Any, chat: bool) -> Job:
             raise ApiError("stream_options must be an object", param="stream_options")
         job.include_usage = _bool(options, "include_usage", False)
     job.constraint = _constraint(model, body.get("response_format"))
+    job.tools = tool_api.job(model, tools, ids)
+    if job.tools is not None and job.tools.constraint is not None:
+        if job.constraint is not None:
+            raise ApiError("response_format cannot be combined with tools (unless tool_choice is none)",
+                           param="response_format")
+        job.constraint = job.tools.constraint
     if job.logprobs is not None or job.constraint is not None:
         _check_run_takes(model, job)
     return job
 
 
-def refuse_tools(body: dict) -> None:
-    """Tool calling is not implemented yet (the agents' issue will): a request that offers tools, asks for a
-    tool call or carries a tool's turn is refused with 400, rather than answered as if it had none. The
-    work that implements tools removes this function and its call in read_job."""
-    for name, offers_none in (("tools", (None, [])), ("functions", (None, [])), ("tool_choice", (None, "none", "auto")),
-                              ("function_call", (None, "none", "auto"))):
-        if body.get(name) not in offers_none:
-            why = "" if name == "tools" else f" ({name})"
-            raise ApiError(f"tools are not supported yet{why}", param=name, code="unsupported_parameter")
-    messages = body.get("messages")
-    for i, m in enumerate(messages if isinstance(messages, list) else ()):
-        if isinstance(m, dict) and (m.get("role") in ("tool", "function") or m.get("tool_calls") not in (None, [])
-                                    or m.get("function_call") is not None):
-            raise ApiError(f"messages[{i}]: tools are not supported yet (a tool call or a tool's result)",
-                           param=f"messages[{i}]", code="unsupported_parameter")
-
-
-def _chat_ids(model, body: dict, limit: int) -> list[int]:
+def _chat_ids(model, body: dict, limit: int, tools: tool_api.ToolRequest | None = None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", param="messages")
@@ -141,7 +134,8 @@ def _chat_ids(model, body: dict, limit: int) -> list[int]:
         think = _bool(kwargs, "enable_thinking", None)
         think = _effort(kwargs, "chat_template_kwargs.reasoning_effort", think)
     think = _effort(body, "reasoning_effort", think)  # OpenAI's field, over the template's keyword
-    return model.chat_ids(clean, think=think, limit=limit)
+    clean, tool_entries = tool_api.template_input(model, clean, tools)
+    return model.chat_ids(clean, think=think, limit=limit, tools=tool_entries)
 
 
 def _effort(body: dict, param: str, think: bool | str | None) -> bool | str | None:
@@ -178,6 +172,7 @@ def _message(m: Any, i: int) -> dict[str, str]:
     out = {"role": m["role"], "content": content}
     if isinstance(m.get("reasoning_content"), str):
         out["reasoning_content"] = m["reasoning_content"]
+    out.update(tool_api.message_fields(m, where))  # tool_calls, tool_call_id, name
     return out
 
 
@@ -383,7 +378,8 @@ def response(job: Job, c, model_name: str) -> dict[str, Any]:
 
 
 def chunk(job: Job, model_name: str, *, content: str = "", reasoning: str = "", role: bool = False,
-          entries: list[dict] | None = None, finish: str | None = None, text_offset: int = 0) -> dict[str, Any]:
+          entries: list[dict] | None = None, finish: str | None = None, text_offset: int = 0,
+          tool_calls: list[dict] | None = None) -> dict[str, Any]:
     """One streamed chunk (`data: {...}`): the new text, and the finish reason on the last one."""
     if job.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -391,6 +387,8 @@ def chunk(job: Job, model_name: str, *, content: str = "", reasoning: str = "", 
             delta["content"] = content
         if reasoning:
             delta["reasoning_content"] = reasoning
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish,
                                   "logprobs": chat_logprobs(entries) if entries else None}
         kind = "chat.completion.chunk"

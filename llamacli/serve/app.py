@@ -36,6 +36,7 @@ from starlette.routing import Route
 from ..chat.reasoning import make_splitter
 from ..engine.generate import Completion
 from ..textio import printable
+from . import tool_api
 from .api import ApiError, Job, api_error, chunk, finish_reason, read_job, response, usage_chunk
 
 MAX_BODY = 16 << 20  # bytes: a long conversation fits; a runaway upload does not
@@ -282,10 +283,14 @@ async def _complete(engine: Engine, request: Request, chat: bool) -> Response:
         return StreamingResponse(_events(engine, job, request, t0), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     c = Completion()
-    async for _ in engine.pieces(job, c, request):
-        pass
+    pieces = []
+    async for piece in engine.pieces(job, c, request):
+        pieces.append(piece)
     _log_done(engine, request, job, c, t0)
-    return JSONResponse(response(job, c, engine.name))
+    answer = response(job, c, engine.name)
+    if job.tools is not None:  # the reply read for tool calls
+        answer = tool_api.fill_response(answer, job.tools, c, "".join(pieces))
+    return JSONResponse(answer)
 
 
 async def _events(engine: Engine, job: Job, request: Request, t0: float) -> AsyncIterator[str]:
@@ -301,20 +306,24 @@ async def _events(engine: Engine, job: Job, request: Request, t0: float) -> Asyn
     try:
         async for piece in engine.pieces(job, c, request):
             if splitter is None:
-                splitter = make_splitter(c) if job.chat else None
+                splitter = (tool_api.ToolStream(job.tools, c) if job.tools else make_splitter(c)) if job.chat else None
             think, answer = splitter.feed(piece) if splitter else ("", piece)
+            calls = splitter.deltas() if job.tools else None
             entries, sent_logprobs = _new_logprobs(job, c, sent_logprobs)
-            if think or answer or entries:
+            if think or answer or entries or calls:
                 yield _sse(chunk(job, engine.name, content=answer, reasoning=think, entries=entries,
-                                 text_offset=text_offset))
+                                 text_offset=text_offset, tool_calls=calls))
                 text_offset += len(answer)
         if c.finish_reason == "disconnected":
             _log_done(engine, request, job, c, t0)
             return
         think, answer = splitter.finish() if splitter else ("", "")
+        calls = splitter.deltas() if job.tools and splitter else None
+        finish = "tool_calls" if job.tools and splitter and splitter.called and c.finish_reason != "length" \
+            else finish_reason(c)
         entries, sent_logprobs = _new_logprobs(job, c, sent_logprobs)
         yield _sse(chunk(job, engine.name, content=answer, reasoning=think, entries=entries,
-                         finish=finish_reason(c), text_offset=text_offset))
+                         finish=finish, text_offset=text_offset, tool_calls=calls))
         if job.include_usage:
             yield _sse(usage_chunk(job, c, engine.name))
     except Exception as exc:  # noqa: BLE001

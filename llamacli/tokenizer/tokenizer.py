@@ -30,7 +30,7 @@ from __future__ import annotations
 import codecs
 import operator
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Collection, Iterable, Iterator
 
 from ..errors import ContextOverflowError, TokenizerError
 from .bpe import build_bpe, byte_alphabet, pre_type
@@ -436,15 +436,18 @@ class StreamDecoder:
     """Turns ids into text one at a time: feed() returns the text completed so far, never half a UTF-8
     character; the concatenation of every feed() and the final flush() equals tokenizer.decode(all ids)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, special: bool = True, strip_dummy_prefix: bool = True):
+    def __init__(self, tokenizer: Tokenizer, *, special: bool = True, strip_dummy_prefix: bool = True,
+                 keep: Collection[int] = ()):
         self._tok = tokenizer
         self._special = special
+        self._keep = frozenset(keep)  # control tokens printed even with special=False
         self._enabled = strip_dummy_prefix
         self._strip = tokenizer._strips_prefix(strip_dummy_prefix)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        piece, self._strip = self._tok._decode_step(token_id, self._special, self._strip, self._enabled)
+        special = self._special or token_id in self._keep
+        piece, self._strip = self._tok._decode_step(token_id, special, self._strip, self._enabled)
         return self._utf8.decode(piece)
 
     def flush(self) -> str:
