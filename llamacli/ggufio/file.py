@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import (
     CorruptFileError,
@@ -37,6 +36,7 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from .cursor import Cursor
+from .ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 from .metadata import Metadata, read_value
 
 GGUF_MAGIC = b"GGUF"

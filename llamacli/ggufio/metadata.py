@@ -14,10 +14,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType
 
 from ..errors import CorruptFileError
 from .cursor import MAX_STRING_BYTES, Cursor
+from .ggml_types import GGUFValueType
 
 # Bounds that no real file comes near, so that a large file cannot make the header walk build Python objects
 # many times its size (a u8 array becomes 8 bytes per item as a list, an empty string 8 bytes of pointer):
