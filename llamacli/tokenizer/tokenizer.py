@@ -32,6 +32,7 @@ import operator
 import re
 from typing import Any, Iterable, Iterator
 
+from ..collector import paused
 from ..errors import ContextOverflowError, TokenizerError
 from .bpe import build_bpe, byte_alphabet, pre_type
 from .spm import BYTE, CONTROL, HEX_BYTE, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, build_spm
@@ -88,6 +89,10 @@ class Tokenizer:
     pre: str  # tokenizer.ggml.pre ('default' when absent)
 
     def __init__(self, md: dict[str, Any]):
+        with paused():  # ~1M strings, tuples and dicts that stay: no collection walks them (llamacli.collector)
+            self._build(md)
+
+    def _build(self, md: dict[str, Any]) -> None:
         model = md.get("tokenizer.ggml.model")
         if model is None:
             raise TokenizerError("the file has no tokenizer (missing metadata key 'tokenizer.ggml.model')")
