@@ -30,6 +30,7 @@ from __future__ import annotations
 import codecs
 import operator
 import re
+from itertools import repeat
 from typing import Any, Iterable, Iterator
 
 from ..collector import paused
@@ -102,12 +103,15 @@ class Tokenizer:
                 f"(tokenizer.ggml.model; supported: {', '.join(SUPPORTED_MODELS)})"
             )
         tokens = md.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        if not isinstance(tokens, list) or not tokens or not all(map(isinstance, tokens, repeat(str))):
             raise TokenizerError("missing or invalid metadata key 'tokenizer.ggml.tokens'")
         n = len(tokens)
-        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp renames empty tokens
+        if "" in tokens:  # llama.cpp renames empty tokens
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        # Else the metadata's own list, never changed here: while the tokenizer holds it, Metadata keeps it for
+        # the vocabulary's other readers (the chat template's special tokens) instead of decoding it again.
         self._tokens: list[str] = tokens
-        self._ids: dict[str, int] = {t: i for i, t in enumerate(tokens)}
+        self._ids: dict[str, int] = dict(zip(tokens, range(n)))
         if len(self._ids) != n:
             seen: set[str] = set()
             dup = next(t for t in tokens if t in seen or seen.add(t))  # type: ignore[func-returns-value]
