@@ -72,6 +72,11 @@ class Metadata(Mapping[str, Any]):
     def __contains__(self, key: object) -> bool:
         return key in self._values
 
+    def count(self, key: str) -> int | None:
+        """How many items the array `key` holds, without reading them; None where `key` is absent or no array."""
+        value = self._values.get(key)
+        return len(value) if isinstance(value, (np.ndarray, StringArray)) else None
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
@@ -80,6 +85,15 @@ class Metadata(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"Metadata({len(self._values)} keys)"
+
+
+def array_length(md: Mapping[str, Any], key: str) -> int | None:
+    """len() of the array `key` of `md` (a file's Metadata, whose arrays are not decoded for it, or a plain
+    dict of lists); None where `key` holds no array. For those who need a vocabulary's size, not its tokens."""
+    if isinstance(md, Metadata):
+        return md.count(key)
+    value = md.get(key)
+    return len(value) if isinstance(value, list) else None
 
 
 class _List(list):
