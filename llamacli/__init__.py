@@ -12,6 +12,7 @@ def run() -> None:
     while the CLI's own imports (typer, rich, numpy) are still loading ends as every later one does: one line
     and exit code 130, no traceback; so that the GPU's driver starts before those imports where the command
     loads a model (llamacli.gpu_driver); and so that such a command, once done, leaves at once (_leave)."""
+    import gc
     import sys
     import time
 
@@ -22,13 +23,21 @@ def run() -> None:
     try:
         try:
             from . import gpu_driver
+            from .collector import paused
             from .textio import hold_closed_fds
 
             loads = gpu_driver.loads_model(argv)
             if gpu_driver.wanted(argv):  # the driver starts while the imports below load
                 hold_closed_fds()  # first: the driver's own descriptors must not take a closed 0-2
                 gpu_driver.start()
-            from .cli import main
+            # The modules' objects stay: no collection walks them while they load (llamacli.collector), nor
+            # later (frozen, before the collector runs again).
+            with paused():
+                from .cli import main
+
+                if loads:  # the engine's modules (NumPy's among them), which the command imports next
+                    from .engine import generate  # noqa: F401
+                gc.freeze()
         except KeyboardInterrupt:
             sys.stderr.write("error: interrupted\n")
             sys.exit(130)

@@ -19,10 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A layer is a list of modules and packages (a package: every module in it).
 LAYERS: list[tuple[str, list[str]]] = [
     # What every layer may use: errors, sizes in words, where files are, threads, text in and out, progress
-    # bars, the GPU driver's early start, the version, the entry's clock and the CPU threads' count.
+    # bars, the GPU driver's early start, the version, the entry's clock, the CPU threads' count and the
+    # garbage collector's pauses.
     ("foundation", ["llamacli.errors", "llamacli.units", "llamacli.paths", "llamacli.background", "llamacli.textio",
                     "llamacli.progress", "llamacli.gpu_driver", "llamacli.version", "llamacli.startup",
-                    "llamacli.cpu_threads"]),
+                    "llamacli.cpu_threads", "llamacli.collector"]),
     ("ggufio", ["llamacli.ggufio"]),  # reading GGUF files
     ("tokenizer", ["llamacli.tokenizer"]),  # text <-> ids from the file's vocabulary
     ("chat", ["llamacli.chat"]),  # chat templates; reasoning apart from the answer

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from ..errors import BackendError
+from ..ggufio.ggml_types import GGMLQuantizationType
 from ..models.config import ModelConfig
 
 if TYPE_CHECKING:

@@ -14,10 +14,10 @@ import os
 import resource
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from ..errors import HostMemoryError
 from ..ggufio.file import GGUFFile
+from ..ggufio.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from ..ggufio.quants import can_dequantize, gather_rows
 from ..models import rope as rope_tables
 from ..models.block import Attention, Moe

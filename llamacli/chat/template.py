@@ -102,6 +102,9 @@ BUILTIN_TEMPLATES = {
 }
 
 GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3", "gemma3n", "gemma-embedding"})
+# The tokens builtin_for looks for.
+_SIGNS = frozenset({"<start_of_turn>", "<end_of_turn>", "<|start|>", "<|channel|>", "<|message|>", "<|eot_id|>",
+                    "<|start_header_id|>", "<|im_start|>"})
 
 
 def builtin_for(md: dict[str, Any], arch: str | None = None) -> str:
@@ -110,7 +113,9 @@ def builtin_for(md: dict[str, Any], arch: str | None = None) -> str:
     arch = arch or md.get("general.architecture")
     arch = arch if isinstance(arch, str) else None  # a hostile file's array or number names nothing
     tokens = md.get("tokenizer.ggml.tokens")
-    has = {t for t in tokens if isinstance(t, str)}.__contains__ if isinstance(tokens, list) else set().__contains__
+    # Which of the tokens below the vocabulary holds (a scan for each, comparing: no set of all its tokens, and
+    # an unhashable item of a hostile list is only unequal).
+    has = {s for s in _SIGNS if s in tokens}.__contains__ if isinstance(tokens, list) else set().__contains__
     if arch == "qwen2":
         return "chatml"
     if arch in GEMMA_ARCHITECTURES or (has("<start_of_turn>") and has("<end_of_turn>")):

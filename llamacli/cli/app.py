@@ -12,15 +12,13 @@ bench); parser.py reads options as llama.cpp users type them.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import sys
 import time
 import traceback
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from typer.core import TyperOption
 
 from ..errors import Interrupted, LlamacliError, OutputError, UsageError
@@ -43,13 +41,32 @@ app = typer.Typer(
 )
 
 
-class _Console(Console):
-    def on_broken_pipe(self) -> None:
-        """rich's own answer to a reader that left (`| head`) is exit 1. Raise instead, so that it ends as every
-        broken pipe does (main: exit 0 quietly), and drop the unwritten text as rich does after a write, so
-        that a later print in the same process (main() called again) does not repeat it."""
-        del self._buffer[:]
-        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+class _Console:
+    """A rich Console, made when first used: --help, --version and commands that print nothing through it
+    (tokenize) do not import rich. Attributes are the Console's; `console()` is the Console itself."""
+
+    def __init__(self, **options: Any):
+        self._options = options
+        self._console: Any = None
+
+    def console(self) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            class PipeConsole(Console):
+                def on_broken_pipe(self) -> None:
+                    """rich's own answer to a reader that left (`| head`) is exit 1. Raise instead, so that it
+                    ends as every broken pipe does (main: exit 0 quietly), and drop the unwritten text as rich
+                    does after a write, so that a later print in the same process (main() called again) does
+                    not repeat it."""
+                    del self._buffer[:]
+                    raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+            self._console = PipeConsole(**self._options)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.console(), name)
 
 
 err = _Console(stderr=True, highlight=False, soft_wrap=True)
@@ -75,6 +92,8 @@ def _set_flag(name: str, on: bool) -> None:
         return
     _state[name] = True
     if name == "debug":
+        import logging
+
         logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
 
 
@@ -262,7 +281,7 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
     else:
         with Progress(
             TextColumn("loading {task.description}", markup=False), BarColumn(),
-            TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True,
+            TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err.console(), transient=True,
         ) as bar:
             task = bar.add_task(printable(path.name), total=None)
 
@@ -396,9 +415,13 @@ def _is_gpu_out_of_memory(exc: BaseException) -> bool:
 
 
 def _click_errors() -> tuple[type[BaseException], ...]:
-    """Usage errors from the option parser: click's, or the copy of click that newer typer vendors."""
+    """Usage errors from the option parser: those of the copy of click that newer typer vendors, and click's
+    own where typer uses it (older typer) or anything else loaded it; click is not imported only to be
+    listed here (typer, imported above, has loaded whichever it parses with)."""
     found: list[type[BaseException]] = []
     for module in ("typer._click.exceptions", "click.exceptions"):
+        if module == "click.exceptions" and found and "click" not in sys.modules:
+            continue
         try:
             found.append(__import__(module, fromlist=["ClickException"]).ClickException)
         except ImportError:

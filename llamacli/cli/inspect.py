@@ -6,13 +6,13 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from gguf import GGML_QUANT_SIZES
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from ..errors import GGUFError
 from ..ggufio.file import GGUFFile, open_gguf
+from ..ggufio.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 from ..models.base import describe
 from ..models.config import ModelConfig
 from ..models.kv_cache import cache_type_fits
@@ -123,8 +123,6 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
 
 
 def _bpw(type_name: str) -> float:
-    from gguf import GGMLQuantizationType
-
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     return round(size * 8 / block, 3)
 

@@ -142,9 +142,8 @@ def tokenize(
     """Show the token ids of a text (or of a chat prompt with --chat), as the model's tokenizer makes them:
     `llamacli tokenize MODEL "text"`, or with -m and -p/--text/-f. -v prints one 'id piece' line per token
     and, with --chat, which chat template."""
-    from ..chat.template import ChatTemplate, chat_messages, encode_prompt
     from ..ggufio.file import open_gguf
-    from ..registry.registry import resolve_model
+    from ..paths import local_model
     from ..tokenizer.tokenizer import Tokenizer
 
     model, text_arg = model_and_text(model_arg, text_arg, model, text is not None or file is not None)
@@ -161,9 +160,16 @@ def tokenize(
     if file is not None:
         text = read_text(file, "input file")  # exactly as written (\r\n kept), so the ids are the file's
     assert text is not None
-    md = open_gguf(resolve_model(model)).metadata
+    path = local_model(model)
+    if path is None:  # a name: the registry (a path does not import it: see paths.local_model)
+        from ..registry.registry import resolve_model
+
+        path = resolve_model(model)
+    md = open_gguf(path).metadata
     tok = Tokenizer.from_metadata(md)
     if chat:
+        from ..chat.template import ChatTemplate, chat_messages, encode_prompt
+
         template = ChatTemplate.from_metadata(md)
         if verbose:
             why = "" if template.source == "gguf" else " (the file has no tokenizer.chat_template)"

@@ -9,7 +9,6 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from ..serve.server import listen, make_server, need_extra
 from ..textio import printable, read_text
 from .app import (
     BackendOpt,
@@ -74,6 +73,8 @@ def serve(
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty")
     check_gpu_layers(gpu_layers)
+    from ..serve.server import listen, make_server, need_extra
+
     need_extra()
     sock = listen(host, port)
     try:

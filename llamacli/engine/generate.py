@@ -27,6 +27,7 @@ from ..background import Background
 from ..chat.reasoning import prompt_opens_think, reply_format, split_reasoning
 from ..errors import ContextOverflowError, ShapeMismatchError, UsageError
 from ..ggufio.file import open_gguf
+from ..ggufio.metadata import array_length
 from ..models.config import ModelConfig
 from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, check_cache_types, parse_cache_types
 from ..models.seq_cache import SequenceCache, layer_caches
@@ -136,9 +137,9 @@ class Model:
         laps.lap("open + metadata")
         early = start_early(backend)  # the GPU's start on a thread of its own (CuPy's import, its check)
         try:
-            tokens = md.get("tokenizer.ggml.tokens")
-            if isinstance(tokens, list) and len(tokens) != self.cfg.vocab_size:  # llama.cpp refuses these too
-                raise ShapeMismatchError(f"the vocabulary has {len(tokens)} tokens but the model "
+            n_tokens = array_length(md, "tokenizer.ggml.tokens")  # (the tokenizer's thread decodes them)
+            if n_tokens is not None and n_tokens != self.cfg.vocab_size:  # llama.cpp refuses these too
+                raise ShapeMismatchError(f"the vocabulary has {n_tokens} tokens but the model "
                                          f"has {self.cfg.vocab_size} embedding rows")
             if ctx is not None and (type(ctx) is not int or ctx <= 0):
                 raise UsageError(f"context size must be a positive integer, got {ctx!r}")

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import (
     CorruptFileError,
@@ -48,6 +47,7 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from .cursor import Cursor
+from .ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 from .metadata import Metadata, read_value
 
 GGUF_MAGIC = b"GGUF"

@@ -14,10 +14,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType
 
 from ..errors import CorruptFileError
 from .cursor import MAX_STRING_BYTES, Cursor
+from .ggml_types import GGUFValueType
 
 # Bounds that no real file comes near, so that a large file cannot make the header walk build Python objects
 # many times its size (a u8 array becomes 8 bytes per item as a list, an empty string 8 bytes of pointer):
@@ -72,6 +72,11 @@ class Metadata(Mapping[str, Any]):
     def __contains__(self, key: object) -> bool:
         return key in self._values
 
+    def count(self, key: str) -> int | None:
+        """How many items the array `key` holds, without reading them; None where `key` is absent or no array."""
+        value = self._values.get(key)
+        return len(value) if isinstance(value, (np.ndarray, StringArray)) else None
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
@@ -80,6 +85,15 @@ class Metadata(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"Metadata({len(self._values)} keys)"
+
+
+def array_length(md: Mapping[str, Any], key: str) -> int | None:
+    """len() of the array `key` of `md` (a file's Metadata, whose arrays are not decoded for it, or a plain
+    dict of lists); None where `key` holds no array. For those who need a vocabulary's size, not its tokens."""
+    if isinstance(md, Metadata):
+        return md.count(key)
+    value = md.get(key)
+    return len(value) if isinstance(value, list) else None
 
 
 class _List(list):

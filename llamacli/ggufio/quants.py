@@ -2,14 +2,19 @@
 
 A row of a quantized 2-D tensor is a whole number of blocks (ggml-common.h), so any subset of rows can be
 dequantized alone: `gather_rows` is the embedding lookup that never touches the rest of the table.
+
+gguf is imported when a block format is first asked about, not with this module: the CUDA backend reads its
+float32 norms through here, and the `gguf` package's import is the cost ggml_types.py keeps off start-up.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants as _gq
 
 from ..errors import UnsupportedTensorTypeError
+from .ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _PLAIN = {
     GGMLQuantizationType.F32: np.float32,
@@ -18,16 +23,23 @@ _PLAIN = {
 }
 
 
+def _gguf_quants() -> Any:
+    from gguf import quants
+
+    return quants
+
+
 def can_dequantize(qtype: GGMLQuantizationType) -> bool:
     """Types gguf.quants (or a plain cast) can turn into float32."""
     if qtype in _PLAIN:
         return True
+    gq = _gguf_quants()
     try:
-        return _gq._type_traits.get(qtype) is not None  # the classes gguf.quants registers
+        return gq._type_traits.get(qtype) is not None  # the classes gguf.quants registers
     except AttributeError:  # pragma: no cover - older gguf: try a one-block dequantize
         block, size = GGML_QUANT_SIZES[qtype]
         try:
-            _gq.dequantize(np.zeros(size, dtype=np.uint8), qtype)
+            gq.dequantize(np.zeros(size, dtype=np.uint8), qtype)
             return True
         except NotImplementedError:
             return False
@@ -39,7 +51,7 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     if qtype in _PLAIN:
         return np.asarray(data, dtype=np.float32)
     try:
-        return _gq.dequantize(np.asarray(data), qtype).astype(np.float32, copy=False)
+        return _gguf_quants().dequantize(np.asarray(data), qtype).astype(np.float32, copy=False)
     except NotImplementedError:
         raise UnsupportedTensorTypeError(f"cannot dequantize ggml type {qtype.name}") from None
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import CorruptFileError, MissingMetadataError
+from ..ggufio.metadata import array_length
 from .arch import ROPE_NEOX, ROPE_NORMAL, LayerPlan, architecture
 from .kv_cache import DEFAULT as DEFAULT_CACHE, cache_row_bytes, ring_rows
 
@@ -159,8 +160,7 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
     if not 0.0 < rms_eps < 1.0:
         raise CorruptFileError(f"RMS norm epsilon {rms_eps} is out of range")
 
-    tokens = md.get("tokenizer.ggml.tokens")
-    vocab = get("vocab_size", int, default=len(tokens) if isinstance(tokens, list) else None, required=False)
+    vocab = get("vocab_size", int, default=array_length(md, "tokenizer.ggml.tokens"), required=False)
     if vocab is None:
         raise MissingMetadataError(f"missing metadata key '{arch}.vocab_size' (and no tokenizer.ggml.tokens)")
     vocab = positive("vocab_size", vocab, 1 << 22)

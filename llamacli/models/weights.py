@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf import GGMLQuantizationType
-
 from ..errors import MissingTensorError, ShapeMismatchError, UnsupportedTensorTypeError
 from ..ggufio.file import GGUFFile
+from ..ggufio.ggml_types import GGMLQuantizationType
 from .arch import ARCHITECTURES
 from .config import ModelConfig
 

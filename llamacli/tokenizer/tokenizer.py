@@ -30,8 +30,10 @@ from __future__ import annotations
 import codecs
 import operator
 import re
+from itertools import repeat
 from typing import Any, Collection, Iterable, Iterator
 
+from ..collector import paused
 from ..errors import ContextOverflowError, TokenizerError
 from .bpe import build_bpe, byte_alphabet, pre_type
 from .spm import BYTE, CONTROL, HEX_BYTE, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, build_spm
@@ -88,6 +90,10 @@ class Tokenizer:
     pre: str  # tokenizer.ggml.pre ('default' when absent)
 
     def __init__(self, md: dict[str, Any]):
+        with paused():  # ~1M strings, tuples and dicts that stay: no collection walks them (llamacli.collector)
+            self._build(md)
+
+    def _build(self, md: dict[str, Any]) -> None:
         model = md.get("tokenizer.ggml.model")
         if model is None:
             raise TokenizerError("the file has no tokenizer (missing metadata key 'tokenizer.ggml.model')")
@@ -97,12 +103,15 @@ class Tokenizer:
                 f"(tokenizer.ggml.model; supported: {', '.join(SUPPORTED_MODELS)})"
             )
         tokens = md.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        if not isinstance(tokens, list) or not tokens or not all(map(isinstance, tokens, repeat(str))):
             raise TokenizerError("missing or invalid metadata key 'tokenizer.ggml.tokens'")
         n = len(tokens)
-        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp renames empty tokens
+        if "" in tokens:  # llama.cpp renames empty tokens
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        # Else the metadata's own list, never changed here: while the tokenizer holds it, Metadata keeps it for
+        # the vocabulary's other readers (the chat template's special tokens) instead of decoding it again.
         self._tokens: list[str] = tokens
-        self._ids: dict[str, int] = {t: i for i, t in enumerate(tokens)}
+        self._ids: dict[str, int] = dict(zip(tokens, range(n)))
         if len(self._ids) != n:
             seen: set[str] = set()
             dup = next(t for t in tokens if t in seen or seen.add(t))  # type: ignore[func-returns-value]

@@ -19,8 +19,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
+from ...ggufio.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from . import loader as K
 from .attention import ATT_WG_DIMS, tc_qscale
 from .linear import DeviceMatrix, mv1_stream_ok

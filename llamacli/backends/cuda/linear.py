@@ -13,9 +13,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from gguf import GGMLQuantizationType as QT
-
 from ...errors import BackendError
+from ...ggufio.ggml_types import GGMLQuantizationType as QT
 from . import loader as K
 from .constants import MATVEC_TMAX, MV1_MINB8, MV1S_BLOCKS_PER_SM, MV1T_ROWS, MV1T_STAGES, MV1T_WARPS
 from .profile import profiled

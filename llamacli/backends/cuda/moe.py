@@ -23,9 +23,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from gguf import GGMLQuantizationType as QT
-
 from ...errors import BackendError
+from ...ggufio.ggml_types import GGMLQuantizationType as QT
 from ...models.block import Moe
 from . import loader as K
 from .constants import MG_BM, MG_BN, MOE_EMAX, MOE_KMAX

@@ -23,8 +23,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
+from ...ggufio.ggml_types import GGMLQuantizationType as QT
 from ...models.config import ROPE_NEOX
 from ...models.kv_cache import RING_CHUNK
 from . import loader as K
