@@ -35,8 +35,6 @@ def run() -> None:
             with paused():
                 from .cli import main
 
-                if loads:  # the engine's modules (NumPy's among them), which the command imports next
-                    from .engine import generate  # noqa: F401
                 gc.freeze()
         except KeyboardInterrupt:
             sys.stderr.write("error: interrupted\n")
