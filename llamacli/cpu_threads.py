@@ -8,10 +8,10 @@ the physical cores on machines with two hardware threads a core, llama.cpp's def
 load average says other programs keep busy, and at least one.
 
 The limit is set with threadpoolctl, which finds the BLAS and OpenMP libraries numpy (and anything else)
-has loaded and calls their own set-threads functions, so it works whenever numpy was imported. Without
-threadpoolctl (an install that left it out), the libraries' environment variables do the job where numpy
-is not imported yet (the CLI imports it only once the options are read); otherwise the request cannot be
-carried out and `set_threads` says so.
+has loaded and calls their own set-threads functions: it reaches only libraries already loaded. Where numpy
+is not imported yet (the CLI reads its options first), the libraries' environment variables are set as well,
+which they read when they load; without threadpoolctl (an install that left it out) they are the only way,
+and once numpy is loaded the request cannot be carried out and `set_threads` says so.
 """
 
 from __future__ import annotations
@@ -65,16 +65,16 @@ def set_threads(n: int | None = None) -> int | None:
         if given is not None:
             return int(given) if given.strip().isdigit() else None  # the libraries read it themselves
         n = default_threads()
+    loaded = "numpy" in sys.modules
+    if not loaded:  # its BLAS is not loaded yet, so threadpoolctl cannot reach it: the variables do
+        for name in THREAD_VARIABLES:
+            os.environ[name] = str(n)
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
-        if "numpy" in sys.modules:
-            return None
-        for name in THREAD_VARIABLES:
-            os.environ[name] = str(n)
-        return n
-    threadpool_limits(limits=n)  # stays in force: the returned object restores only when used as a context
-    return n
+        return None if loaded else n
+    threadpool_limits(limits=n)  # what is loaded already; stays in force (the object it returns restores the
+    return n  # old limits only when used as a context)
 
 
 def blas_threads() -> int | None:
