@@ -161,6 +161,32 @@ class GGUFFile:
                                    f"{offset + done} of {self.file_size} bytes while it was being read")
         return buf
 
+    def read_at(self, offset: int, n: int, out: np.ndarray) -> np.ndarray:
+        """read_bytes for threads: positioned reads (os.preadv) that neither take the lock nor move the file's
+        position, so several threads may read different parts at once (the CUDA upload). Where the platform
+        has no preadv, read_bytes."""
+        if not hasattr(os, "preadv"):
+            return self.read_bytes(offset, n, out)
+        with self._lock:
+            if self._file is None:
+                self._open()
+            fd = self._file.fileno()
+        buf = out[:n]
+        view = memoryview(buf).cast("B")
+        done = 0
+        try:
+            while done < n:
+                got = os.preadv(fd, [view[done : done + min(READ_CHUNK, n - done)]], offset + done)
+                if not got:
+                    break
+                done += got
+        except OSError as exc:
+            raise FileChangedError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        if done < n:
+            raise FileChangedError(f"{self.path} is shorter than when it was opened: another program cut it to "
+                                   f"{offset + done} of {self.file_size} bytes while it was being read")
+        return buf
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's data, read into memory: float32/float16/intN arrays of `shape` for the plain types,
         else uint8 [..., row_bytes] (whole blocks per row)."""

@@ -120,3 +120,24 @@ def test_reads_past_a_new_end_or_from_a_replaced_file_raise(micro, tmp_path):
         g.raw(last.name)
     r = run("inspect", str(model))  # (the new file itself is fine)
     assert r.code == 0, r.err
+
+
+def test_positioned_reads_from_threads_and_a_cut_file(micro, tmp_path):
+    """read_at (the CUDA upload's reader threads): the same bytes as read_bytes from several threads at once,
+    and FileChangedError for a range the file no longer holds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(micro, model)
+    g = open_gguf(model)
+    infos = sorted(g.tensors.values(), key=lambda t: t.offset)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda t: g.read_at(t.offset, t.n_bytes, np.empty(t.n_bytes, np.uint8)).copy(), infos))
+    assert all(np.array_equal(a, g.read_bytes(t.offset, t.n_bytes)) for a, t in zip(got, infos))
+    last = infos[-1]
+    os.truncate(model, last.offset + 4)
+    with pytest.raises(FileChangedError, match="shorter than when it was opened"):
+        g.read_at(last.offset, last.n_bytes, np.empty(last.n_bytes, np.uint8))
+    g.close()

@@ -77,6 +77,50 @@ def cuda_available(context: bool = False) -> tuple[bool, str]:
     return True, name
 
 
+UPLOAD_CHUNK = 32 << 20  # bytes per read and copy of the weights' upload
+UPLOAD_BUFFERS = 4  # pinned host buffers (and reader threads) in flight
+
+
+def _upload(cp: Any, gguf: GGUFFile, jobs: list[tuple[int, int, int, str]],
+            report: Callable[[int, str], None]) -> int:
+    """Copy file ranges to device addresses: jobs of (file offset, device address, bytes, tensor name). Reader
+    threads fill UPLOAD_BUFFERS pinned buffers with positioned reads (the page cache copies in parallel) while
+    the device copies the ones already read, asynchronously on a stream of its own; a buffer is read into again
+    once its copy has finished. -> the bytes uploaded (report(done, name) after each chunk)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not jobs:
+        return 0
+    n_buf = min(UPLOAD_BUFFERS, len(jobs))
+    size = max(n for _, _, n, _ in jobs)
+    bufs = [np.frombuffer(cp.cuda.alloc_pinned_memory(size), np.uint8, size) for _ in range(n_buf)]
+    events = [cp.cuda.Event(disable_timing=True) for _ in range(n_buf)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    done = 0
+    with ThreadPoolExecutor(n_buf, thread_name_prefix="llamacli-upload") as pool:
+        def read(j: int) -> Any:
+            src, _, n, _ = jobs[j]
+            return pool.submit(gguf.read_at, src, n, bufs[j % n_buf])
+
+        pending = {j: read(j) for j in range(n_buf)}
+        try:
+            for j, (_, dst, n, name) in enumerate(jobs):
+                pending.pop(j).result()  # (FileChangedError: the file was cut short meanwhile)
+                b = j % n_buf
+                cp.cuda.runtime.memcpyAsync(dst, bufs[b].ctypes.data, n, 1, stream.ptr)  # host -> device
+                events[b].record(stream)
+                done += n
+                report(done, name)
+                if j + n_buf < len(jobs):
+                    events[b].synchronize()  # this buffer's copy has landed: read the next chunk into it
+                    pending[j + n_buf] = read(j + n_buf)
+        finally:
+            for f in pending.values():
+                f.cancel()
+            stream.synchronize()  # no copy reads a pinned buffer after this
+    return done
+
+
 class DeviceMixin:
     """Mixed into backend.CudaBackend."""
 
@@ -115,22 +159,16 @@ class DeviceMixin:
         vec_bytes = sum(4 * info.n_elements for info in vecs)
         self._check_memory(cfg, ctx, total + vec_bytes, cache_types)
 
-        # Upload: one arena for the matrices, read from the file in chunks through one host buffer (progress
-        # per chunk). Nothing on the host refers to the file afterwards (ggufio/file.py: no memory map).
+        # Upload: one arena for the matrices, read from the file in chunks (progress per chunk). Nothing on the
+        # host refers to the file afterwards (ggufio/file.py: no memory map).
         self._arena = cp.empty(max(total, 1), dtype=cp.uint8)
         base = self._arena.data.ptr
         grand = total + vec_bytes
-        done = 0
+        jobs = [(info.offset + s, base + offsets[info.name] + s, min(UPLOAD_CHUNK, info.n_bytes - s), info.name)
+                for info in mats for s in range(0, info.n_bytes, UPLOAD_CHUNK)]
+        done = _upload(cp, gguf, jobs, lambda n, name: report(n, grand, name))
         handles: dict[str, Any] = {}
-        chunk = 64 << 20
-        staging = np.empty(min(chunk, max((info.n_bytes for info in mats), default=1)), np.uint8)
         for info in mats:
-            dst = self._arena[offsets[info.name] : offsets[info.name] + info.n_bytes]
-            for s in range(0, info.n_bytes, chunk):
-                e = min(s + chunk, info.n_bytes)
-                dst[s:e].set(gguf.read_bytes(info.offset + s, e - s, out=staging))  # (synchronous: the buffer is free after)
-                done += e - s
-                report(done, grand, info.name)
             *rows, cols = info.shape
             handles[info.name] = DeviceMatrix(base + offsets[info.name], int(np.prod(rows)), cols, info.type,
                                               info.row_bytes)
