@@ -168,8 +168,9 @@ def mask_words(constraint: Constraint) -> Callable[[], np.ndarray]:
 
 
 # llguidance takes a list of end tokens (LLTokenizer's eos_token, which _lltokenizer passes every
-# end-of-generation id) from 1.7 on; pyproject.toml's `structured` extra asks for the same.
-LLGUIDANCE_MIN = (1, 7)
+# end-of-generation id) from 1.7 on, and the tool calls' grammars (chat/tool_grammar.py) run whole from 1.8
+# (1.7.6 leaves a forced call unfinished); pyproject.toml's `structured` extra asks for the same.
+LLGUIDANCE_MIN = (1, 8)
 
 
 def require_llguidance() -> Any:

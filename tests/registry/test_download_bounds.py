@@ -209,7 +209,7 @@ def no_pip_luck(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(pypi, "PIP", (sys.executable, str(script)))
 
 
-@pytest.mark.parametrize("nesting", [b"[" * 200_000, b'{"files": ' * 100_000, b"[" * 65 + b"]" * 65])
+@pytest.mark.parametrize("nesting", [b"[" * 200_000, b'{"files": ' * 100_000, b"[" * 65 + b"]" * 65], ids=["lists", "objects", "65-deep"])
 def test_an_index_page_nested_too_deeply_is_one_line(tmp_path, monkeypatch, server, nesting):
     """json.loads recurses once per level: such a page is refused before it is parsed, and pip gets its
     try, as for any page that cannot be read."""

@@ -276,7 +276,7 @@ def test_cli_without_llguidance(smollm2, monkeypatch):
     assert r.code == 2 and "pip install 'llamacli[structured]'" in r.one_line_error()
 
 
-def test_cli_with_an_llguidance_before_1_7(smollm2, monkeypatch):
+def test_cli_with_an_llguidance_before_1_8(smollm2, monkeypatch):
     """llguidance 1.6 (what pip takes where glibc is older than 2.31) cannot take the list of end tokens: one
     line that names the version needed, before the model loads."""
     import importlib.metadata
@@ -284,7 +284,7 @@ def test_cli_with_an_llguidance_before_1_7(smollm2, monkeypatch):
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.6.1" if name == "llguidance" else real(name))
     r = run("generate", "-m", str(smollm2), "-p", "hi", "--json-schema", "{}")
-    assert r.code == 2 and "needs llguidance 1.7 or newer, found 1.6.1" in r.one_line_error()
+    assert r.code == 2 and "needs llguidance 1.8 or newer, found 1.6.1" in r.one_line_error()
 
 
 def test_the_structured_extra_asks_for_the_llguidance_the_code_needs():
