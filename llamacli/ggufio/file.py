@@ -33,7 +33,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -142,23 +142,14 @@ class GGUFFile:
         """`n` bytes of the file from `offset` as a uint8 array (`out[:n]` when given); FileChangedError when
         the file no longer holds them (cut short while it was being read)."""
         buf = np.empty(n, np.uint8) if out is None else out[:n]
-        view = memoryview(buf).cast("B")
         with self._lock:
-            if self._file is None:
-                self._open()
-            done = 0
-            try:
-                while done < n:
-                    self._file.seek(offset + done)
-                    got = self._file.readinto(view[done : done + min(READ_CHUNK, n - done)])
-                    if not got:
-                        break
-                    done += got
-            except OSError as exc:
-                raise FileChangedError(f"cannot read {self.path}: {exc.strerror or exc}") from None
-        if done < n:
-            raise FileChangedError(f"{self.path} is shorter than when it was opened: another program cut it to "
-                                   f"{offset + done} of {self.file_size} bytes while it was being read")
+            f = self._opened()
+
+            def read(view: memoryview, at: int) -> int:
+                f.seek(at)
+                return f.readinto(view)
+
+            self._fill(buf, offset, read)
         return buf
 
     def read_at(self, offset: int, n: int, out: np.ndarray) -> np.ndarray:
@@ -168,15 +159,23 @@ class GGUFFile:
         if not hasattr(os, "preadv"):
             return self.read_bytes(offset, n, out)
         with self._lock:
-            if self._file is None:
-                self._open()
-            fd = self._file.fileno()
+            fd = self._opened().fileno()
         buf = out[:n]
-        view = memoryview(buf).cast("B")
-        done = 0
+        self._fill(buf, offset, lambda view, at: os.preadv(fd, [view], at))
+        return buf
+
+    def _opened(self):  # noqa: ANN202 (the open binary file; the caller holds the lock)
+        if self._file is None:
+            self._open()
+        return self._file
+
+    def _fill(self, buf: np.ndarray, offset: int, read: Callable[[memoryview, int], int]) -> None:
+        """buf <- the file from `offset`, READ_CHUNK bytes a call of read(view, file position) (Ctrl-C is seen
+        between them); FileChangedError where the file ends first or a read fails."""
+        view, n, done = memoryview(buf).cast("B"), buf.size, 0
         try:
             while done < n:
-                got = os.preadv(fd, [view[done : done + min(READ_CHUNK, n - done)]], offset + done)
+                got = read(view[done : done + min(READ_CHUNK, n - done)], offset + done)
                 if not got:
                     break
                 done += got
@@ -185,7 +184,6 @@ class GGUFFile:
         if done < n:
             raise FileChangedError(f"{self.path} is shorter than when it was opened: another program cut it to "
                                    f"{offset + done} of {self.file_size} bytes while it was being read")
-        return buf
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's data, read into memory: float32/float16/intN arrays of `shape` for the plain types,

@@ -17,31 +17,14 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
+from serve_runner import start, stop  # noqa: E402
+
 from clirun import run  # noqa: E402
 from llamacli.engine.generate import Model  # noqa: E402
-from llamacli.serve.server import listen, make_server  # noqa: E402
 from llamacli.testing import tiny_vocab, write_model  # noqa: E402
 
 KEY = "sk-test-key"
 N = 5  # tokens per reply
-
-
-def start(model: Model, name: str, api_key: str | None = None):
-    """A running server on a free port; returns (base url, server, thread)."""
-    sock = listen("127.0.0.1", 0)
-    server = make_server(model, name, sock, api_key)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
-
-
-def stop(server, thread) -> None:
-    server.should_exit = True
-    thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,9 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+from serve_runner import start, stop  # noqa: E402
+
 from llamacli.engine.generate import Model  # noqa: E402
-from llamacli.serve.server import listen, make_server  # noqa: E402
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "  # some 10 tokens for 45 bytes
 
@@ -47,19 +48,11 @@ def serving(model: Model, **limits):
         from llamacli.serve.connections import Limits
 
         kw["limits"] = Limits(**limits)
-    sock = listen("127.0.0.1", 0)
-    server = make_server(model, "m", sock, **kw)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
+    url, server, thread = start(model, "m", **kw)
     try:
-        yield sock.getsockname()[1], server
+        yield int(url.rsplit(":", 1)[1]), server
     finally:
-        server.should_exit = True
-        thread.join(10)
+        stop(server, thread)
 
 
 def post(port: int, path: str, body, timeout: float = 60) -> tuple[int, dict, float]:

@@ -10,8 +10,6 @@ streamed reply must give what the whole one gives."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,9 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
+from serve_runner import start, stop  # noqa: E402
+
 from llamacli.engine.generate import Model  # noqa: E402
-from llamacli.serve.server import listen, make_server  # noqa: E402
 from llamacli.testing import variant, write_model  # noqa: E402
 from llamacli.testing.tool_vocab import FAMILIES, tool_vocab  # noqa: E402
 
@@ -38,18 +37,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
 ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}  # (a random model would think forever)
-
-
-def start(model: Model, name: str):
-    sock = listen("127.0.0.1", 0)
-    server = make_server(model, name, sock)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +65,7 @@ def serve_family(tmp_path_factory, templates):
 
     yield get
     for client, model, server, thread in running.values():
-        server.should_exit = True
-        thread.join(10)
+        stop(server, thread)
         model.close()
 
 
