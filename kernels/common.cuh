@@ -20,7 +20,7 @@ typedef unsigned long long u64;
 // returns once the previous kernel has finished and its writes are visible. pdl_launch_dependents() lets
 // the next kernel's blocks start their own pre-wait work: right after pdl_wait() (`early`) where the next
 // kernel is latency-bound, after the main loop where it streams many megabytes (its blocks, placed on SMs
-// still busy with this kernel, measured spread badly: cuda.decode's _step_kernels chooses). Both are no-ops
+// still busy with this kernel, measured spread badly: cuda.decode's DecodeStep.launch_step chooses). Both are no-ops
 // in an ordinary launch and below sm_90.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900

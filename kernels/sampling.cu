@@ -1,6 +1,6 @@
 // sampling.cu: choosing the next token on the GPU, so that one int32 (not 600 KB of logits) crosses.
 //
-// llamacli.sampling.sampling's chain, one kernel per stage (cuda/sampling.py SamplingMixin.sample launches them for one
+// llamacli.sampling.sampling's chain, one kernel per stage (cuda/sampling.py DeviceSampler.sample launches them for one
 // call of sample(); the captured decode step launches the _step forms, cuda/decode.py):
 //   mask_logits_f32(x [V], words [ceil(V / 32)] u32, V, y [V]): y = x where bit i % 32 of word i / 32 is set,
 //       else -inf (a constraint's allowed ids; cuda/sampling.py sample_allowed).

@@ -25,7 +25,7 @@ def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scra
 
     The largest context that fits is the one whose KV cache (cfg.kv_cache_bytes of `cache_types`) fits the
     room left after the weights and scratch; with an fp16 cache, the 8-bit one (-ctk/-ctv q8_0) where it
-    would hold `ctx` (its fp16 pair of one layer's rows counted: CUDA's alloc_kv_cache). `n_params` defaults
+    would hold `ctx` (its fp16 pair of one layer's rows counted: CUDA's kv.KVCache). `n_params` defaults
     to the count the config implies (the matrices of every layer and the embeddings)."""
     need = weights + kv + scratch
     head = (f"not enough GPU memory: the model needs {human_bytes(need)} at --ctx {ctx} (weights "
@@ -51,7 +51,7 @@ def not_enough_memory(cfg: ModelConfig, ctx: int, *, weights: int, kv: int, scra
 
 def q8_pair_bytes(cfg: ModelConfig, ctx: int) -> int:
     """The fp16 K and V pair of one layer's rows that the CUDA backend keeps beside an 8-bit cache (its
-    prefill readers' form: cuda/device.py alloc_kv_cache)."""
+    prefill readers' form: cuda/kv.py KVCache)."""
     return 2 * 2 * max(cfg.cache_rows(ctx)) * cfg.kv_dim
 
 

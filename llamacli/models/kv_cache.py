@@ -6,7 +6,7 @@
   codes round(x / d), half away from zero), 34 bytes per 32 values: 1.89x the positions of f16 in the same
   memory. The NumPy backend stores the rows as they come back from those blocks (gguf.quants quantizes and
   dequantizes them, the reference rounding), so every read sees what an 8-bit cache holds. The CUDA backend
-  keeps int8 codes and fp16 scales (cuda/device.py alloc_kv_cache), quantized from the f32 K and V by the same
+  keeps int8 codes and fp16 scales (cuda/kv.py KVCache), quantized from the f32 K and V by the same
   rule, and takes K and V of one type, as llama.cpp's CUDA flash attention does.
 
 Sliding-window layers keep a ring instead of a row per position (llama.cpp's SWA cache; --swa-full, as

@@ -16,7 +16,7 @@ Every kernel that reads or writes a cache [rows, Hkv, Dh] takes `ring`, its rows
 ring, ctx rows for a full cache and fewer for a sliding-window layer's ring (models/kv_cache.py; those layers always
 take the _w / tcx / split kernels, never attention_wg or the plain npl/tc forms).
 
-An 8-bit cache (-ctk/-ctv q8_0; device.alloc_kv_cache) is written by kv_store_q8 (and the fused step's _q8
+An 8-bit cache (-ctk/-ctv q8_0; kv.KVCache) is written by kv_store_q8 (and the fused step's _q8
 form), read by attention_split's _q8 forms in decode, and converted to fp16 for every other reader (readable).
 
 Decode splits the keys (flash-decoding) over a grid fixed when the step is captured, so one graph serves every
@@ -50,7 +50,6 @@ from .constants import (
     WG_STAGES,
 )
 from .fusion import AttentionBranch
-from .profile import profiled
 
 ATT_ROWS = ATT_WARPS * ATT_RPW  # attention_simt.cu: query rows per block
 ATT_TC_ROWS, ATT_TC_KEYS = 16 * TC_WARPS, TC_BC  # attention_tc_d*: query rows per block (TC_BR), keys per tile
@@ -118,24 +117,58 @@ def values_per_lane(dh: int) -> int:
     return next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
 
 
-class AttentionMixin:
-    """CudaBackend's attention (the Backend operation) and its launchers (mixed into backend.CudaBackend)."""
+def split_fits(gpu: Any, cfg: Any, q8: bool) -> bool:
+    """attention_split serves the head shape: up to 16 query heads per KV head, a head dim with a kernel (of an
+    8-bit cache: `q8`), and its shared memory within the GPU's per-block limit."""
+    dims = SPLIT_Q8_DIMS if q8 else ATT_TC_DIMS
+    return (cfg.n_group <= SPLIT_MAX_G and cfg.head_dim in dims
+            and split_smem(cfg.head_dim, cfg.n_group, q8) + SPLIT_STATIC_SMEM <= gpu.smem_block)
 
-    cp: Any
-    cfg: Any
-    ctx: int
 
-    @profiled("attention")
+def decode_chunk(ctx: int) -> int:
+    """Keys per split of the CUDA-core decode fallback (attention_npl + attention_combine; head shapes
+    attention_split lacks): 32-key tiles, at most 256 splits."""
+    return max(32, K.cdiv(K.cdiv(ctx, 256), 32) * 32)
+
+
+def decode_splits(gpu: Any, cfg: Any, ctx: int, q8: bool) -> int:
+    """Splits of decode attention over a cache of ctx positions. attention_split: as many as the GPU holds
+    blocks of it at once (SMs x blocks per SM by shared memory, at most 4), shared among the KV heads,
+    at most one per 64-key tile of the cache, as many as the merge's (m, l) pairs fit the stages beside its
+    group sums (SPLIT_MERGE_SUMS), and no more than keep the last block's merge within SPLIT_MERGE_MAX
+    partial values (at least 16). The CUDA-core fallback: ctx / decode_chunk(ctx)."""
+    if not split_fits(gpu, cfg, q8):
+        return K.cdiv(ctx, decode_chunk(ctx))
+    smem = split_smem(cfg.head_dim, cfg.n_group, q8)
+    per_sm = max(1, min(4, gpu.smem_sm // (smem + SPLIT_STATIC_SMEM + 1024)))  # (+ 1 KB each: the driver's)
+    n = K.cdiv(gpu.n_sms * per_sm, cfg.n_head_kv)
+    merge = max(16, SPLIT_MERGE_MAX // (cfg.n_group * cfg.head_dim))
+    return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), merge,
+                      (split_stage_bytes(cfg.head_dim, q8) - SPLIT_MERGE_SUMS) // (8 * cfg.n_group)))
+
+
+class AttentionKernels:
+    """The attention launchers over one model's KV cache (kv.KVCache): prefill (CUDA cores, mma.sync, wgmma),
+    decode splits, and the fused decode step's attention. Owns attention_split's counters (finished splits per
+    KV head, zero between launches)."""
+
+    def __init__(self, gpu: Any, options: Any, model: Any, kv: Any):
+        self.gpu, self.options, self.model, self.kv = gpu, options, model, kv
+        self.cp, self.cfg, self.ctx = gpu.cp, model.cfg, model.ctx
+        self.counters = self.cp.zeros(self.cfg.n_head_kv, self.cp.uint32)
+
     def attention(self, op: Attention, q: Any, k: Any, v: Any, pos: Any) -> Any:
+        """Backend.attention: k, v into layer op.layer's cache at pos, then attention of q over it."""
         cp, cfg = self.cp, self.cfg
-        q, k, v = self._f32(q), self._f32(k), self._f32(v)
+        f32 = self.gpu.f32
+        q, k, v = f32(q), f32(k), f32(v)
         t = q.shape[0]
-        kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]
+        kc, vc = self.kv.k_cache[op.layer], self.kv.v_cache[op.layer]
         span = ring_span(op.window, kc.shape[0], self.ctx)
         if t > span:  # a ring takes a long chunk in passes of at most `span` positions (models/kv_cache.py)
             return cp.concatenate([self.attention(op, q[s : s + span], k[s : s + span], v[s : s + span],
                                                   pos[s : s + span]) for s in range(0, t, span)])
-        self.store_kv(kc, vc, k.data.ptr, v.data.ptr, cfg.kv_dim, pos, t)
+        self.kv.store(kc, vc, k.data.ptr, v.data.ptr, cfg.kv_dim, pos, t)
         out = cp.empty((t, cfg.q_dim), dtype=cp.float32)
         if t == 1:
             n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)  # (chunk: CUDA-core form)
@@ -157,9 +190,9 @@ class AttentionMixin:
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         ext = layer_ext(op)
         # the _w kernels' extra arguments
-        wx = dict(window=op.window, softcap=op.softcap, sinks=self.sinks(op), ring=kc.shape[0]) if ext else {}
+        wx = dict(window=op.window, softcap=op.softcap, sinks=self.model.sinks(op), ring=kc.shape[0]) if ext else {}
         w_ = "_w" if ext else ""
-        if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.attention_tc:
+        if n_split == 1 and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.options.attention_tc:
             # Prefill on tensor cores: q as the kernel reads it (fp16, times log2(e) x the query scale), as
             # the fused prefill's RoPE epilogue writes it.
             q32 = q.reshape(t, q_stride)[:, : hq * dh]
@@ -169,7 +202,7 @@ class AttentionMixin:
         if t == 1 and self.split_fits():  # decode on tensor cores, n_split splits from the position
             self.attend_split(op, q, kc, vc, pos, out, n_split, part_o, part_ml)
             return
-        kc, vc = self.readable(kc, vc, pos, t)
+        kc, vc = self.kv.readable(kc, vc, pos, t)
         npl = values_per_lane(dh)
         smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
         grid = (K.cdiv(t * cfg.n_group, ATT_ROWS), hkv, n_split)
@@ -182,11 +215,6 @@ class AttentionMixin:
                      part_o=part_o, part_ml=part_ml, pos=pos, T=t, Hq=hq, Dh=dh, n_split=n_split, chunk=chunk,
                      out=out, out_stride=cfg.q_dim, **cx)
 
-    def sinks(self, op: Attention | None) -> Any:
-        """The attention sinks [Hq] of op's layer (gpt-oss), or None (also for kernel tests without weights)."""
-        w = getattr(self, "weights", None)
-        return None if w is None or op is None or not op.sinks else w.layers[op.layer].attn_sinks
-
     def attend_tc(self, q16: Any, q16_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any,
                   op: Attention | None = None) -> None:
         """Causal prefill attention on tensor cores: q16 [t, Hq*dh] fp16 rows q16_stride apart, already times
@@ -195,15 +223,16 @@ class AttentionMixin:
         layer whose attention (`op`) has a sliding window, soft-cap or sinks: attention_tcx*_d* (mma.sync)."""
         cfg = self.cfg
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        kc, vc = self.readable(kc, vc, pos, t)
+        if kc.dtype == self.cp.uint8:  # an 8-bit cache: its fp16 pair
+            kc, vc = self.kv.readable(kc, vc, pos, t)
         f16 = "16" if out.dtype == self.cp.float16 else ""
         rows = dict(q=q16, q_stride=q16_stride, pos=pos, T=t, Hq=hq, Hkv=hkv, out=out, out_stride=cfg.q_dim)
         if layer_ext(op):  # the soft-cap in the kernel's base-2 units: c log2(e)
             K.launch("attention_mma", f"attention_tcx{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv),
                      (128,), shared=tc_smem(dh), kc=kc, vc=vc, window=op.window,
-                     cap2=op.softcap * math.log2(math.e), sinks=self.sinks(op), ring=kc.shape[0], **rows)
+                     cap2=op.softcap * math.log2(math.e), sinks=self.model.sinks(op), ring=kc.shape[0], **rows)
             return
-        if self.attention_wg and dh in ATT_WG_DIMS:  # 64 query rows per block, one warpgroup
+        if self.options.attention_wg and dh in ATT_WG_DIMS:  # 64 query rows per block, one warpgroup
             # K and V by the tensor copy engine: each cache a [rows, hkv * dh] matrix in [64 x 64] boxes.
             n_rows = kc.size // (hkv * dh)
             kmap, vmap = (K.tensor_map_2d(x.data.ptr, n_rows, hkv * dh, 64, 64) for x in (kc, vc))
@@ -219,11 +248,9 @@ class AttentionMixin:
         cfg = self.cfg
         window = op.window if op is not None else 0
         cap2 = op.softcap * math.log2(math.e) if op is not None else 0.0
-        if getattr(self, "attention_counters", None) is None:
-            self.attention_counters = self.cp.zeros(cfg.n_head_kv, self.cp.uint32)
         return dict(kc=kc, vc=vc, ring=kc.shape[0], pos=pos, Hq=cfg.n_head, Hkv=cfg.n_head_kv,
-                    qscale=tc_qscale(cfg.head_dim, cfg.attn_scale), window=window, cap2=cap2, sinks=self.sinks(op),
-                    part_o=part_o, part_ml=part_ml, counters=self.attention_counters)
+                    qscale=tc_qscale(cfg.head_dim, cfg.attn_scale), window=window, cap2=cap2, sinks=self.model.sinks(op),
+                    part_o=part_o, part_ml=part_ml, counters=self.counters)
 
     def attend_split(self, op: Attention | None, q: Any, kc: Any, vc: Any, pos: Any, out: Any, n_split: int,
                      part_o: Any, part_ml: Any) -> None:
@@ -231,99 +258,41 @@ class AttentionMixin:
         stored) in n_split splits (attention_split_d<D>, partials in part_o [n_split, Hq, D] and part_ml
         [n_split, Hq, 2]) -> out [1, q_dim] f32."""
         cfg = self.cfg
-        q8 = kc.dtype == self.cp.uint8  # an 8-bit cache (device.alloc_kv_cache)
+        q8 = kc.dtype == self.cp.uint8  # an 8-bit cache (kv.KVCache)
         K.launch("attention_split", f"attention_split{'_q8' if q8 else ''}_d{cfg.head_dim}", (cfg.n_head_kv, n_split),
                  (128,), shared=split_smem(cfg.head_dim, cfg.n_group, q8), q=q, out=out,
                  **self.split_args(op, pos, n_split, part_o, part_ml, kc, vc))
 
-    def attend_step(self, branch: AttentionBranch, qkv: Any, att: Any, early: bool) -> None:
+    def attend_step(self, branch: AttentionBranch, qkv: Any, att: Any, pos: Any, part_o: Any, part_ml: Any,
+                    early: bool) -> None:
         """The fused decode step's attention of one layer's attention branch (fusion.py; attention_split_step_
         <mode>_d<D>): the q/k norms where the branch has them, its RoPE of q and k from the QKV matvec's
-        output qkv [1, q_dim + 2 kv_dim] at step_pos, K/V into the cache, the splits and their merge by the
-        last block of each KV head (counters in attention_counters) -> att [1, q_dim]. `early` as in matvec."""
+        output qkv [1, q_dim + 2 kv_dim] at pos[0], K/V into the cache, the splits (partials in part_o
+        [splits, Hq, D] and part_ml [splits, Hq, 2]) and their merge by the last block of each KV head
+        (`counters`) -> att [1, q_dim]. `early` as in linear.Linear.matvec."""
         cfg, op = self.cfg, branch.attention
         layer = op.layer
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
         n_split = self.decode_splits(self.ctx)
-        dims, inv_freq, attn = self.rope_args(branch.rope)
+        dims, inv_freq, attn = self.model.rope_args(branch.rope)
         qn = kn = None
         if branch.head_norms is not None:
-            L = self.weights.layers[layer]
+            L = self.model.weights.layers[layer]
             qn, kn = (getattr(L, n.weight) for n in branch.head_norms)
-        q8 = self.k_cache[layer].dtype == self.cp.uint8
+        kc, vc = self.kv.k_cache[layer], self.kv.v_cache[layer]
+        q8 = kc.dtype == self.cp.uint8
         K.launch("attention_split", f"attention_split_step{'_q8' if q8 else ''}_{mode}_d{cfg.head_dim}",
                  (cfg.n_head_kv, n_split), (128,), shared=split_smem(cfg.head_dim, cfg.n_group, q8), qkv=qkv,
                  out=att, rope_dim=dims, inv_freq=inv_freq, attn=attn, qn=qn, kn=kn, eps=cfg.rms_eps, early=early,
-                 **self.split_args(op, self.step_pos, n_split, self._part_o, self._part_ml, self.k_cache[layer],
-                                   self.v_cache[layer]))
+                 **self.split_args(op, pos, n_split, part_o, part_ml, kc, vc))
 
     def split_fits(self) -> bool:
-        """attention_split serves the head shape: up to 16 query heads per KV head, a head dim with a kernel,
-        and its shared memory within the GPU's per-block limit."""
-        cfg = self.cfg
-        dims = SPLIT_Q8_DIMS if self.kv_q8 else ATT_TC_DIMS
-        return (cfg.n_group <= SPLIT_MAX_G and cfg.head_dim in dims
-                and split_smem(cfg.head_dim, cfg.n_group, self.kv_q8) + SPLIT_STATIC_SMEM <= self.smem_block)
+        """attention_split serves this model's head shape and cache (split_fits)."""
+        return split_fits(self.gpu, self.cfg, self.kv.q8)
 
     def decode_chunk(self, ctx: int) -> int:
-        """Keys per split of the CUDA-core decode fallback (attention_npl + attention_combine; head shapes
-        attention_split lacks): 32-key tiles, at most 256 splits."""
-        return max(32, K.cdiv(K.cdiv(ctx, 256), 32) * 32)
+        return decode_chunk(ctx)
 
     def decode_splits(self, ctx: int) -> int:
-        """Splits of decode attention over a cache of ctx positions. attention_split: as many as the GPU holds
-        blocks of it at once (SMs x blocks per SM by shared memory, at most 4), shared among the KV heads,
-        at most one per 64-key tile of the cache, as many as the merge's (m, l) pairs fit the stages beside its
-        group sums (SPLIT_MERGE_SUMS), and no more than keep the last block's merge within SPLIT_MERGE_MAX
-        partial values (at least 16). The CUDA-core fallback: ctx / decode_chunk(ctx)."""
-        cfg = self.cfg
-        if not self.split_fits():
-            return K.cdiv(ctx, self.decode_chunk(ctx))
-        smem = split_smem(cfg.head_dim, cfg.n_group, self.kv_q8)
-        per_sm = max(1, min(4, self.smem_sm // (smem + SPLIT_STATIC_SMEM + 1024)))  # (+ 1 KB each: the driver's)
-        n = K.cdiv(self.n_sms * per_sm, cfg.n_head_kv)
-        merge = max(16, SPLIT_MERGE_MAX // (cfg.n_group * cfg.head_dim))
-        return max(1, min(n, K.cdiv(ctx, SPLIT_KEYS), merge,
-                          (split_stage_bytes(cfg.head_dim, self.kv_q8) - SPLIT_MERGE_SUMS) // (8 * cfg.n_group)))
-
-    def rope_store_caches(self, layer: int) -> tuple[Any, Any]:
-        """The K and V arrays the fp16 writers (rope_store*, which also leave the rotated K and V in f32 in their
-        qkv rows) write into: the layer's cache, or an 8-bit cache's fp16 pair (scratch: readable overwrites
-        it), the 8-bit cache then filled from those rows by store_q8."""
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        if kc.dtype != self.cp.uint8:
-            return kc, vc
-        return self.kv16[0][: kc.shape[0]], self.kv16[1][: kc.shape[0]]
-
-    def store_kv(self, kc: Any, vc: Any, k_ptr: int, v_ptr: int, stride: int, pos: Any, t: int) -> None:
-        """K and V rows (f32, `stride` floats apart a token) of the t positions `pos` into a layer's cache:
-        kv_store (fp16) or kv_store_q8 (an 8-bit cache: a warp per 32-value block, a thread per value)."""
-        cfg = self.cfg
-        q8 = kc.dtype == self.cp.uint8
-        n = t * cfg.kv_dim * (2 if q8 else 1)  # threads
-        K.launch("attention_simt", "kv_store_q8" if q8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,), k=k_ptr,
-                 k_stride=stride, v=v_ptr, v_stride=stride, T=t, Hkv=cfg.n_head_kv, Dh=cfg.head_dim, pos=pos, kc=kc,
-                 vc=vc, ring=kc.shape[0])
-
-    def store_q8(self, layer: int, qkv: Any, stride: int, pos: Any, t: int) -> None:
-        """An 8-bit cache's rows of the t positions `pos` from the rotated K and V in qkv's rows (`stride` floats
-        apart: [q | K | V] as the QKV matvec or GEMM writes them); nothing for an fp16 cache."""
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        if kc.dtype != self.cp.uint8:
-            return
-        q_dim, kv_dim = self.cfg.q_dim, self.cfg.kv_dim
-        self.store_kv(kc, vc, qkv.data.ptr + 4 * q_dim, qkv.data.ptr + 4 * (q_dim + kv_dim), stride, pos, t)
-
-    def readable(self, kc: Any, vc: Any, pos: Any, t: int) -> tuple[Any, Any]:
-        """A layer's cache as the fp16 readers take it: itself, or (an 8-bit cache, alloc_kv_cache) its rows up to
-        the highest of the t positions `pos` converted into the fp16 pair kv16 (kv_dequant_q8). attention_split
-        reads the 8-bit cache itself (its _q8 forms): decode, where the bytes read are the cost; a prefill
-        chunk's attention does far more work per key than the conversion."""
-        if kc.dtype != self.cp.uint8:
-            return kc, vc
-        cfg = self.cfg
-        ring, hkv, dh = kc.shape[0], cfg.n_head_kv, cfg.head_dim
-        k16, v16 = (x[:ring] for x in self.kv16)
-        K.launch("attention_simt", "kv_dequant_q8", (min(K.cdiv(ring * hkv * dh // 8, 256), 2048),), (256,), kc=kc,
-                 vc=vc, ring=ring, Hkv=hkv, Dh=dh, pos=pos, T=t, k16=k16, v16=v16)
-        return k16, v16
+        """decode_splits for this model's head shape and cache."""
+        return decode_splits(self.gpu, self.cfg, ctx, self.kv.q8)

@@ -8,85 +8,282 @@ Two ways to run the model:
   pos)` / `decode_greedy`, the decode step captured into a CUDA graph with programmatic dependent launches
   and a look-ahead step (decode.py).
 
-CudaBackend is assembled from one mixin per concern, each in its own module: device.py (loading, memory,
-transfers), linear.py (matvec / GEMM), ops.py, attention.py, moe.py (mixtures of experts), prefill.py,
-decode.py, sampling.py (device sampling) and profile.py (bench --profile); loader.py compiles and launches the
-kernels.
+CudaBackend is the Backend over parts that each own their state and are handed the parts they launch
+through (none reaches into another's attributes):
 
-The current figures are in BENCHMARKS.md, their history in docs/perf-log.md; `llamacli bench --profile`
-breaks a step down by kernel family.
+    gpu.Gpu, gpu.Options      the device's facts and helpers; the switches (CudaBackend's attributes)
+    profile.Profiler          bench --profile's sections, bench's clock
+    device.DeviceModel        the weights on the device, each layer's fused form, the RoPE tables
+    kv.KVCache                the KV cache and its writers
+    linear.Linear             matvec / GEMM launchers, cuBLAS's workspace, prefill's dequantize scratch
+    attention.AttentionKernels  the attention launchers, attention_split's counters
+    moe.Experts               the expert FFN's launchers and buffers
+    sampling.DeviceSampler    sampling on the device and its buffers
+    decode.DecodeStep         the fused decode step: its inputs, buffers, graphs, the step queued ahead
+    prefill.PrefillPass       the fused prefill pass: its buffers and graphs
+
+load() uploads the model (DeviceModel) and attaches the rest to it (`attach`, which kernel tests call with a
+model of no weights). The current figures are in BENCHMARKS.md, their history in docs/perf-log.md; `llamacli
+bench --profile` breaks a step down by kernel family.
 """
 
 from __future__ import annotations
 
-import collections
-from types import SimpleNamespace
-from typing import Any
+import time
+from typing import Any, Callable
 
 import numpy as np
 
 from ...errors import BackendError
-from ...models.block import Rope
-from ..base import Backend
+from ...ggufio.file import GGUFFile
+from ...models.block import Attention, Moe, Rope
+from ...models.config import ModelConfig
+from ..base import Backend, Progress
 from . import loader as K
-from .attention import AttentionMixin
-from .decode import PDL_EARLY_BYTES, PDL_MAX_BYTES, DecodeMixin
-from .device import DeviceMixin, cuda_available
-from .linear import RUNNABLE, LinearMixin
-from .moe import MoEMixin
-from .ops import OpsMixin
-from .prefill import PREFILL_CHUNK, PrefillMixin
-from .profile import ProfileMixin
-from .sampling import SamplingMixin
+from .attention import AttentionKernels
+from .decode import DecodeStep
+from .device import DeviceModel, cache_q8, compile_kernels, cuda_available, fused_layers
+from .gpu import Gpu, Options
+from .kv import KVCache
+from .linear import RUNNABLE, DeviceMatrix, Linear
+from .moe import Experts
+from .ops import add_into, embed_rows, glu_into, rms_norm_into, rope_into, softcap_into
+from .prefill import PREFILL_CHUNK, PrefillPass
+from .profile import Profiler, profiled
+from .sampling import DeviceSampler
 
 
-class CudaBackend(DeviceMixin, LinearMixin, OpsMixin, AttentionMixin, MoEMixin, PrefillMixin, DecodeMixin,
-                  SamplingMixin, ProfileMixin, Backend):
+class _Option:
+    """A CudaBackend attribute that reads and writes its Options field of the same name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.options, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.options, self.name, value)
+
+
+class CudaBackend(Backend):
     name = "cuda"
     runnable_types = frozenset(RUNNABLE)
     prefill_chunk = PREFILL_CHUNK
+
+    use_graph = _Option()
+    attention_tc = _Option()
+    attention_wg = _Option()
+    pdl = _Option()
+    mv1_stream = _Option()
+    pdl_max_bytes = _Option()
+    pdl_early_bytes = _Option()
 
     def __init__(self, use_graph: bool = True):
         ok, reason = cuda_available()
         if not ok:
             raise BackendError(f"the CUDA backend is unavailable: {reason}")
-        import cupy as cp
+        self.gpu = Gpu()
+        self.cp = self.gpu.cp
+        self.options = Options(use_graph=use_graph,
+                               attention_wg=K.built_arch("attention_wgmma") == "sm_90a" and K.tma_supported())
+        self.profiler = Profiler(self.cp)
+        self.model: DeviceModel | None = None
+        self.kv: KVCache | None = None
+        self.linear: Linear | None = None
+        self.attn: AttentionKernels | None = None
+        self.experts: Experts | None = None
+        self.sampler: DeviceSampler | None = None
+        self.decoder: DecodeStep | None = None
+        self.prefill: PrefillPass | None = None
 
-        self.cp = cp
-        self.use_graph = use_graph
-        self.attention_tc = True  # prefill attention on tensor cores (False: the fp32 CUDA-core kernel)
-        # ... with Hopper's warpgroup MMA where attention_wgmma.cu is built for sm_90a and the driver makes TMA
-        # descriptors (False: mma.sync everywhere)
-        self.attention_wg = K.built_arch("attention_wgmma") == "sm_90a" and K.tma_supported()
-        attrs = cp.cuda.Device().attributes
-        self.n_sms = int(attrs["MultiProcessorCount"])
-        # Shared memory a block may opt into and an SM holds (attention_split's fit and its splits).
-        self.smem_block = int(attrs["MaxSharedMemoryPerBlockOptin"])
-        self.smem_sm = int(attrs["MaxSharedMemoryPerMultiprocessor"])
-        self.kv_q8, self.kv16 = False, None  # an 8-bit KV cache and its fp16 pair (device.alloc_kv_cache)
-        # The captured decode step launches its matvecs and attention as programmatic dependents (sm_90+):
-        # set before the first decode (the graph keeps it).
-        self.pdl = True
-        # 16-bit float matvecs of one token through mv1_stream, as programmatic dependents in the decode step
-        # (False: mv1; for comparisons).
-        self.mv1_stream = True
-        self.pdl_max_bytes, self.pdl_early_bytes = PDL_MAX_BYTES, PDL_EARLY_BYTES
-        self._alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
-        self._graphs: dict[str, Any] = {}
-        self._pf: SimpleNamespace | None = None  # forward_prompt's buffers and per-layer plans
-        self._pf_graphs: collections.OrderedDict[int, Any] = collections.OrderedDict()
-        self._pf_seen: set[int] = set()
-        self._pf_graph_ok = True
-        self._cublas_ws = None
-        self._arena = None
-        self._prof: list | None = None  # (section, start event, end event, our launches) while profiling
-        self._wfam: dict[int, str] = {}  # id(weight handle) -> kernel family, for the profile
+    # -- lifetime ------------------------------------------------------------------------------------------
+    def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
+             cache_types: tuple[str, str] = ("f16", "f16")) -> None:
+        q8 = cache_q8(cfg, cache_types)
+        t0 = time.perf_counter()  # load_stages: kernels, weights, the rest
+        report = progress or (lambda done, total, what: None)
+        fused = fused_layers(cfg, gguf)
+        compile_kernels(cfg)
+        t_kernels = time.perf_counter()
+        model = DeviceModel.upload(self.gpu, gguf, cfg, ctx, fused, tuple(cache_types), report)
+        t_weights = time.perf_counter()
+        self.attach(model, q8)
+        self.decoder.plan()
+        t_end = time.perf_counter()
+        self.load_stages = (("kernels", (t_kernels - t0) * 1e3),
+                            ("weights upload", (t_weights - t_kernels) * 1e3),
+                            ("KV cache, buffers", (t_end - t_weights) * 1e3))
+
+    def attach(self, model: DeviceModel, q8: bool = False) -> None:
+        """Make the parts for `model`: its KV cache (`q8`: 8-bit), the launchers, the sampler and the decode
+        step's inputs; load() then plans the decode step (kernel tests stop before: their model has no
+        weights). The prefill pass is made with its first chunk."""
+        self.model, self.cfg, self.ctx, self.weights = model, model.cfg, model.ctx, model.weights
+        self.profiler.families = model.families
+        gpu, opt = self.gpu, self.options
+        self.kv = KVCache(self.cp, model.cfg, model.ctx, q8)
+        self.linear = Linear(gpu, opt, model.cfg)
+        self.attn = AttentionKernels(gpu, opt, model, self.kv)
+        self.experts = Experts(gpu, model, self.linear)
+        self.sampler = DeviceSampler(gpu, model.cfg, model.ctx, self.profiler)
+        self.decoder = DecodeStep(gpu, opt, model, self.kv, self.linear, self.attn, self.experts, self.sampler,
+                                  self.profiler)
+        self.prefill = None
+
+    def close(self) -> None:
+        self.decoder = self.prefill = self.sampler = self.experts = self.attn = self.linear = self.kv = None
+        self.model = None
+        self.weights = None  # type: ignore[assignment]
+        self.cp.get_default_memory_pool().free_all_blocks()
+
+    # -- host <-> device -----------------------------------------------------------------------------------
+    def positions(self, start: int, n: int) -> Any:
+        return self.cp.asarray(np.arange(start, start + n, dtype=np.int32))
+
+    def token_ids(self, ids: np.ndarray) -> Any:
+        return self.cp.asarray(np.asarray(ids, dtype=np.int32).reshape(-1))
+
+    def to_host(self, x: Any) -> np.ndarray:
+        return self.gpu.to_host(x)
+
+    # -- the Backend operations (models/block.run), one kernel each ------------------------------------------
+    @profiled("embedding")
+    def embed(self, ids: Any) -> Any:
+        w: DeviceMatrix = self.weights.token_embd
+        t = int(ids.shape[0])
+        out = self.cp.empty((t, w.cols), dtype=self.cp.float32)
+        embed_rows(self.cfg, ids, w, out, t)
+        return out
+
+    @profiled("norm")
+    def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
+        x = self.gpu.f32(x)
+        out = self.cp.empty_like(x)
+        rms_norm_into(x, weight, eps, out)
+        return out
+
+    @profiled()
+    def matmul(self, x: Any, w: DeviceMatrix, bias: Any = None) -> Any:
+        return self.linear.matmul(x, w, bias)
+
+    @profiled("RoPE")
+    def rope(self, x: Any, pos: Any, local: bool = False) -> Any:
+        out = self.gpu.f32(x).copy()
+        m = self.model
+        table, attn = (m.inv_freq_local, 1.0) if local else (m.inv_freq, self.cfg.rope_attn_factor)
+        rope_into(self.cfg, out, pos, table, attn)
+        return out
+
+    @profiled("attention")
+    def attention(self, op: Attention, q: Any, k: Any, v: Any, pos: Any) -> Any:
+        return self.attn.attention(op, q, k, v, pos)
+
+    @profiled("FFN")
+    def swiglu(self, gate: Any, up: Any) -> Any:
+        return self._glu("swiglu_f32", gate, up)
+
+    @profiled("FFN")
+    def geglu(self, gate: Any, up: Any) -> Any:
+        return self._glu("geglu_f32", gate, up)
+
+    def _glu(self, kernel: str, gate: Any, up: Any) -> Any:
+        gate, up = self.gpu.f32(gate), self.gpu.f32(up)
+        out = self.cp.empty_like(gate)
+        glu_into(kernel, gate, up, out)
+        return out
+
+    @profiled("LM head")
+    def softcap(self, x: Any, cap: float) -> Any:
+        x = self.gpu.f32(x)
+        out = self.cp.empty_like(x)
+        softcap_into(x, out, cap)
+        return out
+
+    @profiled("other (residual add)")
+    def add(self, x: Any, y: Any) -> Any:
+        x, y = self.gpu.f32(x), self.gpu.f32(y)
+        out = self.cp.empty_like(x)
+        add_into(x, y, out)
+        return out
+
+    @profiled("FFN")
+    def moe(self, op: Moe, h: Any) -> Any:
+        return self.experts.forward(op, h)
 
     def rope_args(self, rope: Rope | None) -> tuple[int, Any, float]:
-        """(dims that rotate, theta table on the device, attention factor) of a layer's RoPE (fusion.py's
-        branch.rope): the config's rope_dim, and the local table with factor 1 for a local rotation (gemma's
-        sliding-window layers), else the global table and the config's factor; no RoPE (smollm3's NoPE
-        layers): 0 dims, which the kernels pass through."""
-        if rope is not None and rope.local:
-            return self.cfg.rope_dim, self.inv_freq_local, 1.0
-        return (self.cfg.rope_dim if rope is not None else 0), self.inv_freq, self.cfg.rope_attn_factor
+        return self.model.rope_args(rope)
+
+    # -- whole steps: the fused prefill pass and decode step ---------------------------------------------------
+    def forward_prompt(self, ids: np.ndarray, start: int) -> Any:
+        self.decoder.drop_ahead()  # a decode step queued ahead is stale once the cache changes
+        if not PrefillPass.serves(int(np.asarray(ids).size), self.ctx):
+            return super().forward_prompt(ids, start)
+        return self.prefill_pass().forward(ids, start)
+
+    def prefill_pass(self) -> PrefillPass:
+        """The fused prefill pass (made with its first chunk: its buffers come with it)."""
+        if self.prefill is None:
+            self.prefill = PrefillPass(self.gpu, self.options, self.model, self.kv, self.linear, self.attn,
+                                       self.experts, [bias for _, bias in self.decoder.qkv_plan], self.profiler)
+        return self.prefill
+
+    @property
+    def prefill_graph_lengths(self) -> frozenset[int]:
+        """The chunk lengths whose prefill pass is captured as a graph now."""
+        return frozenset() if self.prefill is None else self.prefill.graph_lengths
+
+    def decode(self, token: int, pos: int) -> Any:
+        return self.decoder.decode(token, pos)
+
+    def decode_greedy(self, token: int, pos: int) -> int:
+        return self.decoder.decode_greedy(token, pos)
+
+    def decode_sampled(self, token: int, pos: int) -> int:
+        return self.decoder.decode_sampled(token, pos)
+
+    def decode_allowed(self, token: int, pos: int, words: Any, params: Any, rng: Any, recent: list[int]) -> int:
+        return self.decoder.decode_allowed(token, pos, words, params, rng, recent)
+
+    def prepare_decode(self, kinds: tuple[str, ...] = ("greedy", "sampled"), pos: int = 0) -> None:
+        self.decoder.prepare_decode(kinds, pos)
+
+    def drop_graphs(self) -> None:
+        """Forget the captured decode steps: the next step captures again (after changing pdl, say)."""
+        self.decoder.drop_graphs()
+
+    @property
+    def queued_ahead(self) -> tuple[int, int] | None:
+        """The (token, pos) of the step queued ahead and not handed out yet, or None (decode.DecodeStep)."""
+        return self.decoder.queued_ahead
+
+    # -- sampling ------------------------------------------------------------------------------------------
+    def start_sampling(self, params: Any, rng: np.random.Generator, recent: list[int]) -> bool:
+        return self.decoder.start_sampling(params, rng, recent)
+
+    def sample(self, logits: Any, params: Any, rng: np.random.Generator, recent: list[int]) -> int:
+        return self.sampler.sample(logits, params, rng, recent)
+
+    def sample_allowed(self, logits: Any, words: np.ndarray, params: Any, rng: np.random.Generator,
+                       recent: list[int]) -> int:
+        return self.sampler.sample_allowed(logits, words, params, rng, recent)
+
+    # -- measuring (bench) ---------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        self.gpu.synchronize()
+
+    def device_name(self) -> str:
+        return self.gpu.device_name()
+
+    def memory_bandwidth(self) -> float:
+        return self.gpu.memory_bandwidth()
+
+    def profile(self, fn: Callable[[], Any], spin_ms: float = 50.0) -> tuple[list[tuple[str, float, int]], float]:
+        return self.profiler.profile(fn, spin_ms)
+
+    def profile_decode(self, token: int, pos: int) -> tuple[list[tuple[str, float, int]], float]:
+        """profile() of one fused greedy decode step, launched un-captured (the graph's kernels, one by one)."""
+        return self.decoder.profile_decode(token, pos)
+
+    def elapsed(self, fn: Callable[[], Any]) -> float:
+        return self.profiler.elapsed(fn)

@@ -3,17 +3,21 @@
 Every buffer is allocated at load and the token and position are read by the kernels from device memory
 (step_ids, step_pos), so the step is captured once into a CUDA graph and replayed on the current stream
 (`use_graph`); the host uploads token/pos only when the device does not already hold them and reads back
-one id. Per layer (_step_kernels), 5 kernels: QKV matvec (RMSNorm fused into its input, + bias) | attention
+one id. Per layer (DecodeStep.launch_step), 5 kernels: QKV matvec (RMSNorm fused into its input, + bias) | attention
 (the q/k norm where the layer's plan has it, RoPE, K/V store, splits and their merge in one kernel) | output
 matvec + residual | gate/up matvec (RMSNorm fused, + SwiGLU) | down matvec + residual (a mixture-of-experts
-layer: router + routing | the chosen experts' gate/up | down | their weighted sum, moe.MoEMixin.moe_step);
+layer: router + routing | the chosen experts' gate/up | down | their weighted sum, moe.Experts.step);
 then the LM head with the final RMSNorm and, when greedy, the
 argmax fused in (kernels/matvec.cu mv1_*), or, when sampled, the device sampler after it (penalties, top-k,
-the draw: sampling.py). Inside the graph the small matvecs and the attention are programmatic dependents
+the draw: sampling.DeviceSampler.step_tail). Inside the graph the small matvecs and the attention are programmatic dependents
 (sm_90: each starts while the previous kernel finishes), and decode_greedy / decode_sampled queue the next
 step before they read this step's id (look-ahead). The graphs of "greedy" and "sampled" are captured at load
 (`prepare_decode`, engine/generate.Model); a sequence's first step (Backend.step) makes its form ready, timed
 apart from its prompt and its generation.
+
+DecodeStep owns the step's state: its inputs on the device (step_ids, step_pos) and its logits, the
+activations, the per-layer plans, the captured graphs and the step queued ahead; it launches through the
+other parts (linear, attention, experts, the sampler) and the profiler's sections.
 """
 
 from __future__ import annotations
@@ -26,56 +30,52 @@ import numpy as np
 from ...models.config import ROPE_NEOX
 from . import loader as K
 from .linear import DeviceMatrix, mv1_kernel, mv1_stream_ok
+from .ops import embed_rows, softcap_into
 from .profile import _NULL
 from .sampling import check_flag
 
 log = logging.getLogger("llamacli.cuda")
-
-# The captured decode step's programmatic launches (_step_kernels; the thresholds that measured best,
-# docs/perf-log.md):
-PDL_MAX_BYTES = 16 << 20  # matvecs under this many weight bytes (and the attention) launch as dependents
-PDL_EARLY_BYTES = 2 << 20  # a kernel lets the next start early when the next reads under this many bytes
 # The captured steps by what follows the LM head: (the argmax fused into it, the device sampler after it).
 STEP_KINDS = {"logits": (False, False), "greedy": (True, False), "sampled": (False, True)}
 
 
-class DecodeMixin:
-    """Mixed into backend.CudaBackend."""
+class DecodeStep:
+    """The fused decode step of one model over its KV cache (see the module docstring)."""
 
-    cp: Any
-    cfg: Any
-    ctx: int
-
-    def alloc_step_io(self) -> None:
-        """The step's device-side token and position (step_ids [token, flag], step_pos), the fused argmax's
-        cells and the device sampler's buffers: all that needs no weights (tests call it without a model)."""
+    def __init__(self, gpu: Any, options: Any, model: Any, kv: Any, linear: Any, attention: Any, experts: Any,
+                 sampler: Any, profiler: Any):
+        self.gpu, self.options, self.model, self.kv, self.linear = gpu, options, model, kv, linear
+        self.attention, self.experts, self.sampler, self.profiler = attention, experts, sampler, profiler
+        self.cp, self.cfg, self.ctx = gpu.cp, model.cfg, model.ctx
         cp = self.cp
+        # The step's device-side token and position, and the fused argmax's cells: all that needs no weights
+        # (kernel tests use them without a model; plan() makes the rest).
         self.step_ids = cp.zeros(2, dtype=cp.int32)  # [token, flag]: argmax writes both
         self.step_pos = cp.zeros(1, dtype=cp.int32)
         # Fused argmax cells (kernels/matvec.cu mv1): key, block counter, flag, &step_ids, &step_pos.
-        self._am = cp.asarray(np.asarray([0, 0, 0, self.step_ids.data.ptr, self.step_pos.data.ptr], np.uint64))
-        self._alloc_sampler()  # sampling.SamplingMixin: top-k buffers, the captured step's sampler state
+        self.am = cp.asarray(np.asarray([0, 0, 0, self.step_ids.data.ptr, self.step_pos.data.ptr], np.uint64))
+        self._graphs: dict[str, Any] = {}
+        self._dev_state: tuple[int, int] | None = None
+        # The step decode_greedy / decode_sampled queued ahead: ((token, pos) it computes, its pinned slot, launch
+        # count then, its graph's key)
+        self._ahead: tuple[tuple[int, int], int, int, str] | None = None
+        self._cur_token = self._cur_pos = 0
 
-    def _alloc_step_buffers(self) -> None:
+    def plan(self) -> None:
+        """The step's buffers and each layer's launch plan, from the model's weights and fused forms."""
         cp, cfg = self.cp, self.cfg
         f = cp.float32
-        self.alloc_step_io()
         self._x = cp.empty((1, cfg.n_embd), f)
         self._qkv = cp.empty((1, cfg.q_dim + 2 * cfg.kv_dim), f)
         self._att = cp.empty((1, cfg.q_dim), f)
         self._ff = cp.empty((1, cfg.n_ff), f)
         self._blk = cp.empty((1, cfg.n_embd), f)  # a block's output before its post-norm (gemma)
-        self._x2 = cp.empty((1, cfg.n_embd), f)  # the residual's second buffer (a pending post-norm: _step_kernels)
+        self._x2 = cp.empty((1, cfg.n_embd), f)  # the residual's second buffer (a pending post-norm: launch_step)
         self._post_descs: dict[tuple[int, int, int], Any] = {}
         self.step_logits = cp.empty((1, cfg.vocab_size), f)
-        n_split = self.decode_splits(self.ctx)
-        self._part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), f)
-        self._part_ml = cp.empty((n_split, cfg.n_head, 2), f)
-        self.attention_counters = cp.zeros(cfg.n_head_kv, cp.uint32)  # attention_split: finished splits per KV head
-        self._dev_state: tuple[int, int] | None = None
-        # The step decode_greedy / decode_sampled queued ahead: ((token, pos) it computes, its pinned slot, launch
-        # count then, its graph's key)
-        self._ahead: tuple[tuple[int, int], int, int, str] | None = None
+        n_split = self.attention.decode_splits(self.ctx)
+        self.part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), f)  # attention_split's partials
+        self.part_ml = cp.empty((n_split, cfg.n_head, 2), f)
         self._ids_slot = 0
         self._ids_out = []
         for _ in range(2):  # pinned host slots for the (id, flag) of a step, each with its copy's event
@@ -83,20 +83,20 @@ class DecodeMixin:
             self._ids_out.append((np.frombuffer(mem, np.int32, 2), cp.cuda.Event(disable_timing=True)))
         # Per layer (its branches as fusion.py matched them): the QKV matvec segments (one launch when the three
         # share a type, or one fused matrix) and their bias.
-        self._qkv_plan = []
-        for L, fl in zip(self.weights.layers, self.fused):
+        self.qkv_plan = []
+        for L, fl in zip(self.model.weights.layers, self.model.fused):
             mats = tuple(getattr(L, m.weight) for m in fl.attention.qkv)
             segs = [mats] if len(mats) == 1 or mv1_kernel(mats) is not None else [(m,) for m in mats]
             bias = None
             if fl.attention.qkv[0].bias is not None:
                 bias = cp.concatenate([getattr(L, m.bias) for m in fl.attention.qkv])
-            self._qkv_plan.append((segs, bias))
+            self.qkv_plan.append((segs, bias))
         # Gate/up: separate tensors of one type, or one matrix's rows [gate; up] (phi3).
         self._ffn_plan = []
-        for L, fl in zip(self.weights.layers, self.fused):
+        for L, fl in zip(self.model.weights.layers, self.model.fused):
             f = fl.ffn
             mats = tuple(getattr(L, m.weight) for m in f.gate_up)
-            if f.moe is not None:  # the experts: moe.MoEMixin.moe_step
+            if f.moe is not None:  # the experts: moe.Experts.step
                 self._ffn_plan.append(None)
             elif f.split is not None:
                 n = f.split.sizes[0]
@@ -105,23 +105,24 @@ class DecodeMixin:
                 self._ffn_plan.append(mats)
             else:
                 self._ffn_plan.append(None)  # mixed types: two matvecs and a swiglu kernel
-        self.alloc_moe_step()
+        self._ff2 = cp.empty((2, 1, cfg.n_ff), dtype=cp.float32)  # gate and up of mixed types
 
-    def _step_kernels(self, greedy: bool, sample: bool = False) -> None:
+    def launch_step(self, greedy: bool, sample: bool = False) -> None:
         """Launch one decode step reading step_ids[0] and step_pos[0]; logits -> step_logits (`sample`: then the
-        device sampler, sampling.SamplingMixin._sample_tail, writes the id and advances pos). Per layer:
+        device sampler, sampling.DeviceSampler.step_tail, writes the id and advances pos). Per layer:
         QKV matvec (+ RMSNorm, bias) | attention step (q/k norm + RoPE + K/V store + splits + their merge; where
         the head shape has no such kernel: head_rms_norm, rope_store, attention splits, combine) | O matvec +
         residual | gate/up matvec (+ RMSNorm, SwiGLU) | down matvec + residual; then the LM head (+ RMSNorm,
         argmax). A gemma block's post-norm rides on the next matvec's input (see below)."""
-        cfg, w = self.cfg, self.weights
+        cfg, w, fused = self.cfg, self.model.weights, self.model.fused
         x, qkv, att, ff = self._x, self._qkv, self._att, self._ff
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)
-        sec = self._section
+        attn, kv, opt = self.attention, self.kv, self.options
+        n_split, chunk = attn.decode_splits(self.ctx), attn.decode_chunk(self.ctx)
+        sec = self.profiler.section
         with sec("embedding"):
-            self._embed(self.step_ids, w.token_embd, x, 1)
+            embed_rows(cfg, self.step_ids, w.token_embd, x, 1)
         # The step as (section, weight bytes, streams, launch(early)). Inside the capture (_capture_step) the
         # kernels of matrices under pdl_max_bytes, the streaming matvecs (mv1_stream) and the attention
         # launch as programmatic dependents: each starts while the one before finishes (hiding the launch gap
@@ -136,8 +137,8 @@ class DecodeMixin:
         step: list[tuple[str, int, bool, Callable[[bool], None]]] = []
 
         def mv(name: str, ws: tuple[DeviceMatrix, ...], src: Any, dst: Any, **kw: Any) -> None:
-            step.append((name, sum(m.nbytes for m in ws), self.mv1_stream and mv1_stream_ok(ws),
-                         lambda early: self.matvec(ws, src, 1, dst, early=early, **kw)))
+            step.append((name, sum(m.nbytes for m in ws), opt.mv1_stream and mv1_stream_ok(ws),
+                         lambda early: self.linear.matvec(ws, src, 1, dst, early=early, **kw)))
 
         # A gemma block's output goes through its post-norm before the residual add: x + RMSNorm(blk) * w. That
         # sum is not computed by a kernel of its own: it stays pending and the next matvec that normalises
@@ -157,8 +158,8 @@ class DecodeMixin:
             return cur, self._post_desc(pend[0], pend[1], out)
 
         for i, L in enumerate(w.layers):  # each layer's two branches, as fusion.match_layer read its program
-            a, fb = self.fused[i].attention, self.fused[i].ffn
-            segs, bias = self._qkv_plan[i]
+            a, fb = fused[i].attention, fused[i].ffn
+            segs, bias = self.qkv_plan[i]
             norm = getattr(L, a.norm.weight)
             src, pd = take()
             if len(segs) == 1:
@@ -170,26 +171,27 @@ class DecodeMixin:
                     b = None if bias is None else bias[off : off + m.rows]
                     mv("norm+QKV", (m,), src, qkv[:, off : off + m.rows], bias=b, norm=norm, post=pd)
                     off += m.rows
-            if self.split_fits():  # one kernel: q/k norm, RoPE, K/V store, the attention splits and their merge
-                step.append(("RoPE+KV+attention", 0, False, lambda early, a=a: self.attend_step(a, qkv, att, early)))
+            if attn.split_fits():  # one kernel: q/k norm, RoPE, K/V store, the attention splits and their merge
+                step.append(("RoPE+KV+attention", 0, False, lambda early, a=a: attn.attend_step(
+                    a, qkv, att, self.step_pos, self.part_o, self.part_ml, early)))
             else:
                 if a.head_norms is not None:  # qwen3: per-head RMSNorm of q and k, in place, before the RoPE
                     qn, kn = (getattr(L, n.weight) for n in a.head_norms)
                     step.append(("q/k norm", 0, False, lambda early, qn=qn, kn=kn: K.launch(
                         "norm", "head_rms_norm", (1, hq + hkv), (min(1024, K.cdiv(dh, 32) * 32),), x=qkv,
                         stride=qkv.shape[1], Hq=hq, Hkv=hkv, Dh=dh, wq=qn, wk=kn, eps=cfg.rms_eps)))
-                dims, table, attn = self.rope_args(a.rope)
-                kc, vc = self.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
-                step.append(("RoPE+KV", 0, False, lambda early, dims=dims, table=table, attn=attn, kc=kc, vc=vc:
+                dims, table, factor = self.model.rope_args(a.rope)
+                kc, vc = kv.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
+                step.append(("RoPE+KV", 0, False, lambda early, dims=dims, table=table, factor=factor, kc=kc, vc=vc:
                              K.launch("rope", f"rope_store_{mode}", (1, hq + 2 * hkv),
                                       (max(32, K.cdiv(dh // 2, 32) * 32),), qkv=qkv, stride=qkv.shape[1], Hq=hq,
-                                      Hkv=hkv, Dh=dh, rope_dim=dims, pos=self.step_pos, inv_freq=table, attn=attn,
+                                      Hkv=hkv, Dh=dh, rope_dim=dims, pos=self.step_pos, inv_freq=table, attn=factor,
                                       kc=kc, vc=vc, ring=kc.shape[0])))
-                step.append(("RoPE+KV", 0, False, lambda early, i=i: self.store_q8(i, qkv, qkv.shape[1],
-                                                                                  self.step_pos, 1)))
-                step.append(("attention", 0, False, lambda early, i=i, op=a.attention: self.attend(
-                    qkv, qkv.shape[1], self.k_cache[i], self.v_cache[i], self.step_pos, 1, att, n_split, chunk,
-                    self._part_o, self._part_ml, op=op)))
+                step.append(("RoPE+KV", 0, False, lambda early, i=i: kv.store_q8(i, qkv, qkv.shape[1],
+                                                                                self.step_pos, 1)))
+                step.append(("attention", 0, False, lambda early, i=i, op=a.attention: attn.attend(
+                    qkv, qkv.shape[1], kv.k_cache[i], kv.v_cache[i], self.step_pos, 1, att, n_split, chunk,
+                    self.part_o, self.part_ml, op=op)))
             o_w = getattr(L, a.out.weight)
             if a.post is not None:  # gemma: x += RMSNorm(Wo att) * w_post, pending until the FFN's input
                 mv("O-proj", (o_w,), att, self._blk)
@@ -198,18 +200,18 @@ class DecodeMixin:
                 o_b = getattr(L, a.out.bias) if a.out.bias else None
                 mv("O-proj", (o_w,), att, res["cur"], resid=res["cur"], bias=o_b)
             if fb.moe is not None:  # x += the chosen experts' weighted sum
-                self.moe_step(fb, res["cur"], lambda name, nbytes, launch: step.append((name, nbytes, False, launch)))
+                self.experts.step(fb, res["cur"], lambda name, nbytes, launch: step.append((name, nbytes, False, launch)))
                 continue
             act, plan = fb.glu.activation, self._ffn_plan[i]
             norm = getattr(L, fb.norm.weight)
             src, pd = take()
             if plan is not None:
-                step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, self.mv1_stream and mv1_stream_ok(plan),
+                step.append(("norm+FFN", plan[0].nbytes + plan[1].nbytes, opt.mv1_stream and mv1_stream_ok(plan),
                              lambda early, plan=plan, norm=norm, act=act, src=src, pd=pd:
-                             self.matvec_swiglu(plan[0], plan[1], src, 1, ff, norm=norm, early=early, act=act,
-                                                post=pd)))
+                             self.linear.matvec_swiglu(plan[0], plan[1], src, 1, ff, norm=norm, early=early,
+                                                       act=act, post=pd)))
             else:
-                g = self._ff_tmp()
+                g = self._ff2
                 gw, uw = (getattr(L, m.weight) for m in fb.gate_up)
                 mv("norm+FFN", (gw,), src, g[0], norm=norm, post=pd)
                 mv("norm+FFN", (uw,), src, g[1], norm=norm, post=pd)
@@ -225,22 +227,22 @@ class DecodeMixin:
         src, pd = take()
         if cfg.final_softcap:  # gemma2: logits -> c tanh(logits / c), then (greedy) argmax_f32 over them
             mv("norm+LM head", (w.output,), src, self.step_logits, norm=w.output_norm, post=pd)
-            step.append(("LM head", 0, False, lambda early: self._softcap(self.step_logits, self.step_logits,
-                                                                          cfg.final_softcap)))
+            step.append(("LM head", 0, False, lambda early: softcap_into(self.step_logits, self.step_logits,
+                                                                         cfg.final_softcap)))
             if greedy:  # argmax_f32 writes step_ids [id, NaN/+inf seen] and advances step_pos, as mv1's argmax
                 step.append(("argmax", 0, False, lambda early: K.launch(
                     "sampling", "argmax_f32", (1,), (1024,), x=self.step_logits, V=cfg.vocab_size, out=self.step_ids,
                     pos_inc=self.step_pos)))
         else:
             mv("norm+LM head+argmax" if greedy else "norm+LM head", (w.output,), src, self.step_logits,
-               norm=w.output_norm, argmax=greedy, post=pd)
+               norm=w.output_norm, argmax=self.am if greedy else None, post=pd)
         if sample:  # penalties (the history by position) | top-k | top-p, min-p, temperature, the draw
-            self._sample_tail(step, cfg.vocab_size)
+            self.sampler.step_tail(step, self.step_logits, self.step_ids, self.step_pos)
         for j, (name, nbytes, streams, launch) in enumerate(step):
             nxt_bytes, nxt_streams = step[j + 1][1:3] if j + 1 < len(step) else (0, False)
-            plain = nbytes >= self.pdl_max_bytes and not streams
+            plain = nbytes >= opt.pdl_max_bytes and not streams
             with sec(name), (K.dependent_launches(False) if plain else _NULL):
-                launch(nxt_bytes < self.pdl_early_bytes or nxt_streams)
+                launch(nxt_bytes < opt.pdl_early_bytes or nxt_streams)
 
     def _post_desc(self, blk: Any, weight: Any, out: Any) -> Any:
         """The device array {blk, weight, out} of pointers a matvec's `post` input reads (made once per triple,
@@ -251,16 +253,11 @@ class DecodeMixin:
             desc = self._post_descs[key] = self.cp.asarray(np.asarray(key, np.uint64))
         return desc
 
-    def _ff_tmp(self) -> Any:
-        if not hasattr(self, "_ff2"):
-            self._ff2 = self.cp.empty((2, 1, self.cfg.n_ff), dtype=self.cp.float32)
-        return self._ff2
-
     def _run_step(self, kind: str) -> None:
         """Queue one decode step of `kind` (STEP_KINDS): its graph replayed (captured first if need be), or
         its kernels launched one by one without graphs."""
-        if not self.use_graph:
-            self._step_kernels(*STEP_KINDS[kind])
+        if not self.options.use_graph:
+            self.launch_step(*STEP_KINDS[kind])
             return
         # Replay on the current stream: ordered after the prefill and the input copies, and the host waits
         # only where it reads a result (step_ids.get(), or the caller's use of the logits).
@@ -270,8 +267,7 @@ class DecodeMixin:
         """The captured step of `kind`; capturing it runs the step once first, for the inputs set now."""
         graph = self._graphs.get(kind)
         if graph is None:
-            self._ff_tmp()
-            self._step_kernels(*STEP_KINDS[kind])  # warm up: compile, first-launch setup, outside the capture
+            self.launch_step(*STEP_KINDS[kind])  # warm up: compile, first-launch setup, outside the capture
             graph = self._graphs[kind] = self._capture_step(kind)
             # The warm-up ran the step once (it wrote this position's K/V and, when greedy or sampled, the id
             # and pos + 1): restore the inputs so the first replay computes the same step.
@@ -283,7 +279,7 @@ class DecodeMixin:
         """Capture the decode steps of `kinds` now (at load, or before a generation's timed loop) so that no
         decode pays for it. The warm-up runs a step at position `pos`, whose K/V only a later decode there
         may read (that decode overwrites them first): pos 0 on an empty cache, or the next decode position."""
-        todo = [k for k in kinds if k not in self._graphs] if self.use_graph else []
+        todo = [k for k in kinds if k not in self._graphs] if self.options.use_graph else []
         if not todo:
             return
         for kind in todo:
@@ -295,14 +291,19 @@ class DecodeMixin:
         """The decode step's graph, its matvecs and attention launched as programmatic dependents (each starts
         while the one before finishes; loader.dependent_launches) unless `pdl` is off or that capture
         fails (then a plain one, with a warning)."""
-        if self.pdl:
+        if self.options.pdl:
             try:
                 with K.dependent_launches():
-                    return self._capture(lambda: self._step_kernels(*STEP_KINDS[kind]))
+                    return self.gpu.capture(lambda: self.launch_step(*STEP_KINDS[kind]))
             except Exception as exc:  # a driver that refuses the attribute in capture: the plain graph
                 log.warning("decode step capture with programmatic launches failed (%s); capturing without", exc)
-                self.pdl = False
-        return self._capture(lambda: self._step_kernels(*STEP_KINDS[kind]))
+                self.options.pdl = False
+        return self.gpu.capture(lambda: self.launch_step(*STEP_KINDS[kind]))
+
+    @property
+    def captured(self) -> frozenset[str]:
+        """The step kinds (STEP_KINDS) captured as graphs now."""
+        return frozenset(self._graphs)
 
     def drop_graphs(self) -> None:
         """Forget the captured decode steps: the next step captures again (after changing pdl, say)."""
@@ -337,11 +338,11 @@ class DecodeMixin:
         return self._decode_id(token, pos, "greedy")
 
     def decode_sampled(self, token: int, pos: int) -> int:
-        """The fused decode step with the device sampler after the LM head (sampling.SamplingMixin, set up by
+        """The fused decode step with the device sampler after the LM head (sampling.DeviceSampler, set up by
         start_sampling): only the chosen id comes back, and the next step is queued ahead as in
         decode_greedy. The ids equal sample(decode(token, pos), params, rng, history) call for call: the
         step takes the uniform number and the penalty window of its position (sampling.py's docstring)."""
-        self._feed_uniforms(pos)
+        self.sampler.feed_uniforms(pos)
         return self._decode_id(token, pos, "sampled")
 
     def _decode_id(self, token: int, pos: int, kind: str) -> int:
@@ -357,7 +358,7 @@ class DecodeMixin:
         nxt = None
         if self._can_queue(pos, kind):
             if kind == "sampled":
-                self._feed_uniforms(pos + 1)
+                self.sampler.feed_uniforms(pos + 1)
             self._run_step(kind)  # reads (id, pos + 1) from the device
             nxt = self._copy_ids()
         tok = self._read_id(slot)
@@ -380,10 +381,10 @@ class DecodeMixin:
         mask = words()
         if not params.greedy or params.has_penalties:
             self._dev_state = None
-            return self.sample_allowed(self.step_logits, mask, params, rng, recent)
-        self._mask_kernel(self.step_logits, mask)
-        K.launch("sampling", "argmax_f32", (1,), (1024,), x=self._masked, V=self.cfg.vocab_size, out=self.step_ids,
-                 pos_inc=self.step_pos)
+            return self.sampler.sample_allowed(self.step_logits, mask, params, rng, recent)
+        self.sampler.mask(self.step_logits, mask)
+        K.launch("sampling", "argmax_f32", (1,), (1024,), x=self.sampler.masked, V=self.cfg.vocab_size,
+                 out=self.step_ids, pos_inc=self.step_pos)
         slot = self._copy_ids()
         queued = self._can_queue(pos, "logits")
         if queued:
@@ -405,7 +406,7 @@ class DecodeMixin:
 
     def _can_queue(self, pos: int, kind: str) -> bool:
         """Whether the step after position pos can be queued ahead: graphs on, room in the cache, `kind` captured."""
-        return self.use_graph and pos + 1 < self.ctx and kind in self._graphs
+        return self.options.use_graph and pos + 1 < self.ctx and kind in self._graphs
 
     def _read_id(self, slot: int) -> int:
         """The id in pinned slot `slot` once its copy has landed; a flag (NaN/+inf, no candidate) raises."""
@@ -436,8 +437,19 @@ class DecodeMixin:
     def profile_decode(self, token: int, pos: int) -> tuple[list[tuple[str, float, int]], float]:
         """profile() of one fused greedy decode step, launched un-captured (the graph's kernels, one by one)."""
         self._set_inputs(token, pos)
-        self._ff_tmp()
         try:
-            return self.profile(lambda: self._step_kernels(True), spin_ms=30.0)
+            return self.profiler.profile(lambda: self.launch_step(True), spin_ms=30.0)
         finally:
             self._dev_state = None
+
+    def drop_ahead(self) -> None:
+        """Forget the step queued ahead (the cache or the sampler's settings changed since it was queued)."""
+        self._ahead = None
+
+    def start_sampling(self, params: Any, rng: np.random.Generator, recent: Any) -> bool:
+        """Backend.start_sampling: the sampler set up for the captured step (sampling.DeviceSampler.start); a
+        step queued ahead under the old settings is not taken."""
+        if not self.sampler.start(params, rng, recent):
+            return False
+        self._ahead = None
+        return True

@@ -22,8 +22,8 @@ import numpy as np
 
 from ...ggufio.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from . import loader as K
-from .attention import ATT_WG_DIMS, tc_qscale
-from .linear import DeviceMatrix, mv1_stream_ok
+from .attention import ATT_WG_DIMS, AttentionKernels, tc_qscale
+from .linear import DeviceMatrix, Linear, mv1_stream_ok
 
 # Byte offsets of fp16 scale fields in one block (ggml-common.h); the rest of a block is valid as any bits.
 _F16_FIELDS = {QT.Q8_0: (0,), QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q4_K: (0, 2),
@@ -60,10 +60,10 @@ def _time_launches(cp: Any, launch: Any, reps: int) -> float:
 
 def kernel_benchmarks(be: Any, shapes: tuple, types: tuple, att: tuple[int, int, int, int]) -> tuple[list[dict], float]:
     """The matvec rows for each weight type and (N, K) shape, then the attention rows -> (rows, copy
-    bandwidth in bytes/s). `be` is a CudaBackend with no model loaded (its cfg is replaced)."""
+    bandwidth in bytes/s). `be` is a CudaBackend with no model loaded: the launchers are made here."""
     cp = be.cp
     bandwidth = be.memory_bandwidth()
-    be.cfg = SimpleNamespace(rms_eps=1e-5)
+    linear = Linear(be.gpu, be.options, SimpleNamespace(rms_eps=1e-5))
     rows: list[dict] = []
     for name in types:
         qt = QT[name]
@@ -75,7 +75,7 @@ def kernel_benchmarks(be: Any, shapes: tuple, types: tuple, att: tuple[int, int,
             x = cp.random.standard_normal((1, k), dtype=cp.float32)
             y = cp.empty((1, n), cp.float32)
             # (ruff takes `mats` for the name `del` drops below; the lambda runs before that)
-            t = _time_launches(cp, lambda i: be.matvec((mats[i % copies],), x, 1, y), 60)  # noqa: F821
+            t = _time_launches(cp, lambda i: linear.matvec((mats[i % copies],), x, 1, y), 60)  # noqa: F821
             nbytes = one.nbytes + 4 * (k + n)
             kernel = "mv1_stream" if be.mv1_stream and mv1_stream_ok(mats[:1]) else "mv1"
             rows.append({"kernel": f"{kernel}_{name.lower()}", "shape": f"{n}x{k}", "us": t * 1e6,
@@ -89,7 +89,8 @@ def kernel_benchmarks(be: Any, shapes: tuple, types: tuple, att: tuple[int, int,
 def _attention(be: Any, batch: int, heads: int, t: int, dh: int) -> list[dict]:
     cp = be.cp
     bh = batch * heads
-    be.cfg = SimpleNamespace(n_head=bh, n_head_kv=bh, head_dim=dh, n_group=1, q_dim=bh * dh, rms_eps=1e-5)
+    cfg = SimpleNamespace(n_head=bh, n_head_kv=bh, head_dim=dh, n_group=1, q_dim=bh * dh, rms_eps=1e-5)
+    attn = AttentionKernels(be.gpu, be.options, SimpleNamespace(cfg=cfg, ctx=t), None)  # fp16 K/V: no cache
     q = cp.random.standard_normal((t, bh, dh), dtype=cp.float32)
     k = cp.random.standard_normal((t, bh, dh), dtype=cp.float32).astype(cp.float16)
     v = cp.random.standard_normal((t, bh, dh), dtype=cp.float32).astype(cp.float16)
@@ -103,7 +104,7 @@ def _attention(be: Any, batch: int, heads: int, t: int, dh: int) -> list[dict]:
     for wg in [True, False] if default and dh in ATT_WG_DIMS else [False]:
         be.attention_wg = wg
         out = cp.full((t, bh * dh), cp.nan, dtype=cp.float16)
-        sec = _time_launches(cp, lambda i: be.attend_tc(q16, bh * dh, k, v, pos, t, out), 20)
+        sec = _time_launches(cp, lambda i: attn.attend_tc(q16, bh * dh, k, v, pos, t, out), 20)
         row = {"kernel": f"attention prefill (ours, {'wgmma' if wg else 'mma.sync'}, fp16 q/K/V/out)",
                "shape": shape, "us": sec * 1e6, "gb_per_s": None, "tflops": flops / sec / 1e12}
         ours.append((row, out, sec))

@@ -13,11 +13,12 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ...errors import BackendError
 from ...ggufio.ggml_types import GGMLQuantizationType as QT
 from . import loader as K
 from .constants import MATVEC_TMAX, MV1_MINB8, MV1S_BLOCKS_PER_SM, MV1T_ROWS, MV1T_STAGES, MV1T_WARPS
-from .profile import profiled
 
 RUNNABLE = (
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
@@ -209,19 +210,29 @@ def _lpr(cols: int) -> int:
     return lpr
 
 
-class LinearMixin:
-    """CudaBackend's matmul (the Backend operation) and the matvec / GEMM launchers the fused paths call
-    (mixed into backend.CudaBackend)."""
+class Linear:
+    """The matvec and GEMM launchers of one model (its config's RMSNorm epsilon), with what they own: cuBLAS's
+    workspace and host scalars, and the fp16 scratch prefill dequantizes weights into (gemm_weights)."""
 
-    cp: Any
-    cfg: Any
-    n_sms: int
-    mv1_stream: bool
+    def __init__(self, gpu: Any, options: Any, cfg: Any):
+        self.gpu, self.options, self.cfg = gpu, options, cfg
+        self.cp = gpu.cp
+        self.alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
+        self.cublas_ws: Any = None
+        self.dq: Any = None  # gemm_weights' dequantized fp16 weights (dequant_scratch)
 
-    @profiled()
+    def dequant_scratch(self) -> Any:
+        """gemm_weights' fp16 scratch of DEQUANT_CHUNK values, made once (before any capture: a captured pass
+        allocates nothing)."""
+        if self.dq is None:
+            self.dq = self.cp.empty(DEQUANT_CHUNK, self.cp.float16)
+        return self.dq
+
     def matmul(self, x: Any, w: DeviceMatrix, bias: Any = None) -> Any:
+        """Backend.matmul: x [t, K] @ W^T (+ bias) -> [t, N] f32; mv1/matvec for few tokens, else dequantized
+        row chunks times x in fp16 on cuBLAS."""
         cp = self.cp
-        x = self._f32(x)
+        x = self.gpu.f32(x)
         t, k = x.shape
         if k != w.cols:
             raise BackendError(f"matmul: x has {k} columns, the weight {w.cols}")
@@ -233,10 +244,10 @@ class LinearMixin:
         # are fp32 (GemmEx): an fp16 output overflowed at 65504 on FFN down projections (Llama-3.2-1B shape,
         # 512 tokens). Rows of x beyond fp16's comfortable range are scaled down by a power of two first and
         # the result scaled back, exactly, with no host sync.
-        x16, scale = self._to_f16_scaled(x)
-        bias = None if bias is None else self._f32(bias)
+        x16, scale = self.to_f16_scaled(x)
+        bias = None if bias is None else self.gpu.f32(bias)
         if w.qtype == QT.F16 and w.row_bytes == 2 * k:  # F16 weights are used where they lie (no copy)
-            self._gemm16(x16, w.ptr, w.rows, k, y, 0)
+            self.gemm16(x16, w.ptr, w.rows, k, y, 0)
         else:
             step = max(1, min(w.rows, DEQUANT_CHUNK // max(k, 1)))
             buf = cp.empty((step, k), dtype=cp.float16)
@@ -246,13 +257,13 @@ class LinearMixin:
                 units = n * K.cdiv(k, 32)
                 K.launch("dequant", f"dequant_{qname(w.qtype)}", (min(K.cdiv(units, 256), 65535),), (256,),
                          w=part.ptr, N=n, K=k, out=buf)
-                self._gemm16(x16, buf.data.ptr, n, k, y, r0)
+                self.gemm16(x16, buf.data.ptr, n, k, y, r0)
         n_all = y.size
         K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n_all, 256), 4096),), (256,), y=y, scale=scale,
                  b=bias, n=n_all, N=w.rows)
         return y
 
-    def _to_f16_scaled(self, x: Any) -> tuple[Any, Any]:
+    def to_f16_scaled(self, x: Any) -> tuple[Any, Any]:
         """x [t, k] float32 -> (x / s as fp16 [t, k], s [t]): s = 1, or the power of two that brings a row's
         max |x| under 16384 (kernels/elementwise.cu). One launch: prefill is not graph-captured, so every
         extra CuPy operation per matmul costs host time."""
@@ -263,11 +274,11 @@ class LinearMixin:
         K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,), x=x, x16=x16, scale=scale, k=k)
         return x16, scale
 
-    def _gemm16(self, x16: Any, w_ptr: int, n_rows: int, k: int, y: Any, col0: int) -> None:
+    def gemm16(self, x16: Any, w_ptr: int, n_rows: int, k: int, y: Any, col0: int) -> None:
         """y[:, col0:col0+n_rows] = x16 [t, k] . W[n_rows, k]^T: fp16 inputs, fp32 accumulation and output."""
-        self._gemm(x16.data.ptr, x16.shape[0], k, w_ptr, n_rows, y.data.ptr, y.shape[1], col0, False)
+        self.gemm(x16.data.ptr, x16.shape[0], k, w_ptr, n_rows, y.data.ptr, y.shape[1], col0, False)
 
-    def _gemm(self, x_ptr: int, t: int, k: int, w_ptr: int, n_rows: int, y_ptr: int, ldy: int, col0: int,
+    def gemm(self, x_ptr: int, t: int, k: int, w_ptr: int, n_rows: int, y_ptr: int, ldy: int, col0: int,
               accumulate: bool) -> None:
         """Y[t, col0:col0+n_rows] (=, or += with accumulate) X16 [t, k] . W16[n_rows, k]^T; Y float32 rows ldy
         apart. Row-major buffers read as column-major: Y^T [N, t] (ld ldy) = op_T(W^T [k, N]) . X^T [k, t].
@@ -276,11 +287,11 @@ class LinearMixin:
         cp = self.cp
         lib, set_stream, set_ws = _cublas()
         handle = cp.cuda.device.get_cublas_handle()
-        if self._cublas_ws is None:
-            self._cublas_ws = cp.empty(32 << 20, dtype=cp.uint8)
+        if self.cublas_ws is None:
+            self.cublas_ws = cp.empty(32 << 20, dtype=cp.uint8)
         st = set_stream(handle, cp.cuda.get_current_stream().ptr)
-        st = st or set_ws(handle, self._cublas_ws.data.ptr, self._cublas_ws.nbytes)  # after setStream (it resets)
-        ab = self._alpha_beta.ctypes.data
+        st = st or set_ws(handle, self.cublas_ws.data.ptr, self.cublas_ws.nbytes)  # after setStream (it resets)
+        ab = self.alpha_beta.ctypes.data
         st = st or lib.cublasGemmEx(
             handle, _OP_T, _OP_N, n_rows, t, k,
             ab, w_ptr, _CUDA_R_16F, k,
@@ -292,12 +303,13 @@ class LinearMixin:
             raise BackendError(f"cuBLAS GEMM ({t} x {n_rows} x {k}) failed with status {st}")
 
     def matvec(self, ws: tuple[DeviceMatrix, ...], x: Any, t: int, y: Any, bias: Any = None, resid: Any = None,
-               norm: Any = None, argmax: bool = False, early: bool = False, post: Any = None) -> None:
+               norm: Any = None, argmax: Any = None, early: bool = False, post: Any = None) -> None:
         """y [t, sum rows] = [W0; W1; W2] x (+ bias) (+ resid): up to three row segments of one type (one
         token: W2 may be another int8-activation type than W0 and W1, mv1_kernel).
         One token goes through mv1 (x in shared memory), which can also apply RMSNorm(x) * norm first and
-        reduce the rows to the greedy argmax (into step_ids, advancing step_pos); `early`: where it lets a
-        programmatic dependent start (decode.DecodeMixin._step_kernels). `post` (one token): a device array
+        reduce the rows to the greedy argmax (`argmax`: the argmax cells, decode.StepIO.am: the id goes to
+        step_ids, and step_pos advances); `early`: where it lets a programmatic dependent start
+        (decode.DecodeStep.launch_step). `post` (one token): a device array
         of three pointers {blk, w, out}: the input is x + RMSNorm(blk) * w (a gemma block's post-norm and
         residual add, kernels/matvec.cu PostIn), also written to out."""
         w0 = ws[0]
@@ -309,26 +321,26 @@ class LinearMixin:
         segs = [w.ptr for w in ws] + [0] * (3 - len(ws))
         n0 = ws[0].rows
         n1 = ws[1].rows if len(ws) > 1 else 0
-        if t == 1 and self.mv1_stream and mv1_stream_ok(ws):
-            K.launch("matvec", f"mv1_stream_{qname(w0.qtype)}", (mv1_stream_grid(n, self.n_sms),), (32 * MV1_WARPS,),
+        if t == 1 and self.options.mv1_stream and mv1_stream_ok(ws):
+            K.launch("matvec", f"mv1_stream_{qname(w0.qtype)}", (mv1_stream_grid(n, self.gpu.n_sms),), (32 * MV1_WARPS,),
                      shared=mv1_smem(w0.qtype, w0.cols), w0=segs[0], w1=segs[1], w2=segs[2], n0=n0, n1=n1, N=n,
                      K=w0.cols, x=x, y=y, bias=bias, resid=resid, norm_w=norm, eps=self.cfg.rms_eps,
-                     am=self._am if argmax else None, early=early, post=post)
+                     am=argmax, early=early, post=post)
             return
-        if t == 1 and mv1_tile_ok(ws, self.smem_block):
-            K.launch("matvec", "mv1_tile_q8_0", (mv1_tile_grid(n, self.n_sms),), (32 * MV1T_WARPS,),
+        if t == 1 and mv1_tile_ok(ws, self.gpu.smem_block):
+            K.launch("matvec", "mv1_tile_q8_0", (mv1_tile_grid(n, self.gpu.n_sms),), (32 * MV1T_WARPS,),
                      shared=mv1_tile_smem(w0.cols), w=w0.ptr, N=n, K=w0.cols, x=x, y=y, bias=bias, resid=resid,
-                     norm_w=norm, eps=self.cfg.rms_eps, am=self._am if argmax else None, early=early, post=post)
+                     norm_w=norm, eps=self.cfg.rms_eps, am=argmax, early=early, post=post)
             return
         if t == 1:
-            groups = mv1_groups(n, w0.cols, w0.qtype, self.n_sms)
+            groups = mv1_groups(n, w0.cols, w0.qtype, self.gpu.n_sms)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", kernel, (K.cdiv(n, rows_per_block),), (32 * MV1_WARPS,),
                      shared=mv1_smem(w0.qtype, w0.cols), w0=segs[0], w1=segs[1], w2=segs[2], n0=n0, n1=n1, N=n,
                      K=w0.cols, x=x, y=y, bias=bias, resid=resid, norm_w=norm, eps=self.cfg.rms_eps, lpr=lpr,
-                     groups=groups, am=self._am if argmax else None, early=early, post=post)
+                     groups=groups, am=argmax, early=early, post=post)
             return
-        if norm is not None or argmax or post is not None:
+        if norm is not None or argmax is not None or post is not None:
             raise BackendError("fused RMSNorm / argmax / post-norm need one token")
         rows_per_block = 4 * (32 // lpr)
         K.launch("matvec", f"matvec_{qname(w0.qtype)}", (K.cdiv(n, rows_per_block),), (128,), w0=segs[0], w1=segs[1],
@@ -341,13 +353,13 @@ class LinearMixin:
         silu."""
         glu = "geglu" if act == "gelu_tanh" else "swiglu"
         lpr = _lpr(wg.cols)
-        if t == 1 and self.mv1_stream and mv1_stream_ok((wg, wu)):
-            K.launch("matvec", f"mv1_stream_{qname(wg.qtype)}_{glu}", (mv1_stream_grid(wg.rows, self.n_sms),),
+        if t == 1 and self.options.mv1_stream and mv1_stream_ok((wg, wu)):
+            K.launch("matvec", f"mv1_stream_{qname(wg.qtype)}_{glu}", (mv1_stream_grid(wg.rows, self.gpu.n_sms),),
                      (32 * MV1_WARPS,), shared=mv1_smem(wg.qtype, wg.cols), wg=wg.ptr, wu=wu.ptr, N=wg.rows,
                      K=wg.cols, x=x, y=y, norm_w=norm, eps=self.cfg.rms_eps, early=early, post=post)
             return
         if t == 1:
-            groups = mv1_groups(wg.rows, wg.cols, wg.qtype, self.n_sms)
+            groups = mv1_groups(wg.rows, wg.cols, wg.qtype, self.gpu.n_sms)
             rows_per_block = MV1_WARPS * (32 // lpr) * groups
             K.launch("matvec", f"mv1_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (32 * MV1_WARPS,),
                      shared=mv1_smem(wg.qtype, wg.cols), wg=wg.ptr, wu=wu.ptr, N=wg.rows, K=wg.cols, x=x, y=y,
@@ -358,3 +370,36 @@ class LinearMixin:
         rows_per_block = 4 * (32 // lpr)
         K.launch("matvec", f"matvec_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (128,), wg=wg.ptr,
                  wu=wu.ptr, N=wg.rows, K=wg.cols, x=x, T=t, y=y, lpr=lpr)
+
+    def gemm_weights(self, x16_ptr: int, t: int, mats: list[DeviceMatrix], y_ptr: int, ldy: int,
+                     accumulate: bool = False) -> None:
+        """Y[t, :] (=, or +=) X16 [t, K] . [W0; W1; ...]^T, the rows of the matrices side by side in Y's
+        columns: F16 weights multiplied where they lie, others dequantized into the fp16 scratch (up to
+        DEQUANT_CHUNK values per GEMM; dequant_scratch must exist)."""
+        dq = self.dq.data.ptr
+        k = mats[0].cols
+        cap = max(1, DEQUANT_CHUNK // k)
+        col0, filled = 0, 0  # Y column of the scratch's first row; rows in the scratch
+
+        def flush() -> None:
+            nonlocal col0, filled
+            if filled:
+                self.gemm(x16_ptr, t, k, dq, filled, y_ptr, ldy, col0, accumulate)
+                col0, filled = col0 + filled, 0
+
+        for m in mats:
+            if m.qtype == QT.F16 and m.row_bytes == 2 * k:
+                flush()
+                self.gemm(x16_ptr, t, k, m.ptr, m.rows, y_ptr, ldy, col0, accumulate)
+                col0 += m.rows
+                continue
+            r = 0
+            while r < m.rows:
+                n = min(cap - filled, m.rows - r)
+                units = n * K.cdiv(k, 32)
+                K.launch("dequant", f"dequant_{qname(m.qtype)}", (min(K.cdiv(units, 256), 65535),), (256,),
+                         w=m.ptr + r * m.row_bytes, N=n, K=k, out=dq + 2 * filled * k)
+                filled, r = filled + n, r + n
+                if filled == cap:
+                    flush()
+        flush()

@@ -11,7 +11,7 @@ crosses to the host and the decode step stays one captured graph.
   weights decoded from their GGUF blocks into shared memory), moe_combine_f32 (the weighted sum). About ten
   launches per layer whatever the number of experts, and no host round trip: the pass can be captured.
   Up to MATVEC_TMAX tokens take matvec_moe_<t> (float activations, tiles of up to 8 pairs) instead.
-- One token (`moe_step`, inside the captured decode step): router matvec (+ RMSNorm) and routing in one
+- One token (`Experts.step`, inside the captured decode step): router matvec (+ RMSNorm) and routing in one
   launch (mv1_route_<t>; other router types: mv1 then moe_route_f32) | mv1_moe gate/up (+ RMSNorm,
   activation; grid y = the k slots) | mv1_moe down whose last block of each row range adds the weighted sum
   into the residual (mv1_moe_<t>_sum: moe_combine_f32's sums without its launch, a measurable share of a
@@ -30,7 +30,6 @@ from . import loader as K
 from .constants import MG_BM, MG_BN, MOE_EMAX, MOE_KMAX
 from .fusion import FfnBranch
 from .linear import MATVEC_TMAX, MV1_ACT8, MV1_WARPS, DeviceMatrix, _lpr, mv1_smem, qname
-from .profile import profiled
 
 _GATING = {"softmax": 0, "topk_softmax": 1}
 _ACT = {"silu": "swiglu", "swiglu_oai": "oai"}
@@ -90,7 +89,7 @@ def dense_ff(cfg: Any) -> int:
 
 
 def moe_scratch_bytes(cfg: Any, t: int) -> int:
-    """The MoE FFN's working set for t tokens, as MoEMixin._moe_buffers allocates it."""
+    """The MoE FFN's working set for t tokens, as Experts.buffers allocates it."""
     if not moe_family_needed(cfg):
         return 0
     p, f, e = t * cfg.n_expert_used, cfg.n_ff_exp, cfg.n_expert
@@ -105,60 +104,64 @@ def _expert(m: DeviceMatrix, n_expert: int) -> tuple[int, int]:
     return rows, rows * m.row_bytes
 
 
-class MoEMixin:
-    """Mixed into backend.CudaBackend."""
+class Experts:
+    """The mixture-of-experts FFN of one model: its launchers and what they own, the working set of a pass
+    (buffers) and the decode step's buffers (logits, ids, weights, the k experts' activations and outputs,
+    the fused kernels' block counters), made at construction for a model with experts."""
 
-    cp: Any
-    cfg: Any
-    n_sms: int
-    weights: Any
+    def __init__(self, gpu: Any, model: Any, linear: Any):
+        self.gpu, self.model, self.linear = gpu, model, linear
+        self.cp, self.cfg = gpu.cp, model.cfg
+        self.buf: SimpleNamespace | None = None
+        if model.weights is not None and moe_family_needed(self.cfg):
+            self.alloc_step()
 
-    @profiled("FFN")
-    def moe(self, op: Moe, h: Any) -> Any:
-        h = self._f32(h)
+    def forward(self, op: Moe, h: Any) -> Any:
+        """Backend.moe: the experts' weighted sum of h [t, D] -> [t, D] f32."""
+        h = self.gpu.f32(h)
         t = h.shape[0]
         out = self.cp.zeros((t, self.cfg.n_embd), self.cp.float32)
         if t <= MATVEC_TMAX:
-            self._moe_matvec(h, t, op, out)
+            self._matvec(h, t, op, out)
         else:
-            h16, sc = self._to_f16_scaled(h)
-            self._moe_gemm(h16.data.ptr, sc, t, op, out)
+            h16, sc = self.linear.to_f16_scaled(h)
+            self.gemm(h16.data.ptr, sc, t, op, out)
         return out
 
-    def _moe_buffers(self, t: int) -> SimpleNamespace:
+    def buffers(self, t: int) -> SimpleNamespace:
         """The MoE FFN's working set for up to t tokens (kept, grown when a pass needs more; prefill allocates
         it at its chunk size before any capture)."""
-        b = getattr(self, "_moe_buf", None)
+        b = self.buf
         if b is not None and b.t >= t:
             return b
         cp, cfg = self.cp, self.cfg
         p, f = t * cfg.n_expert_used, cfg.n_ff_exp
         items = K.cdiv(p, MATVEC_TMAX) + min(cfg.n_expert, p)  # the most tiles of either size
-        b = self._moe_buf = SimpleNamespace(
+        b = self.buf = SimpleNamespace(
             t=t, logits=cp.empty((t, cfg.n_expert), cp.float32), ids=cp.empty(p, cp.int32),
             wts=cp.empty(p, cp.float32), pairs=cp.empty(p, cp.int32), items=cp.empty(3 * items, cp.int32),
             n_items=cp.empty(1, cp.int32), ff=cp.empty((p, f), cp.float32), ff16=cp.empty((p, f), cp.float16),
             sc=cp.empty(p, cp.float32), y=cp.empty((p, cfg.n_embd), cp.float32))
         return b
 
-    def _moe_group(self, b: SimpleNamespace, p: int, tile: int) -> int:
+    def group(self, b: SimpleNamespace, p: int, tile: int) -> int:
         """Group the p pairs of b.ids by expert into tiles of up to `tile` -> the grid's bound on the tiles."""
         e_n = self.cfg.n_expert
         K.launch("moe", "moe_group", (1,), (1024,), ids=b.ids, P=p, E=e_n, tile=tile, list=b.pairs, items=b.items,
                  n_items=b.n_items)
         return K.cdiv(p, tile) + min(e_n, p)
 
-    def _moe_matvec(self, h: Any, t: int, op: Moe, out: Any) -> None:
+    def _matvec(self, h: Any, t: int, op: Moe, out: Any) -> None:
         """out += the MoE FFN `op` of h [t, D] f32, t <= MATVEC_TMAX: matvec_moe over tiles of up to 8 pairs."""
         cfg = self.cfg
-        L = self.weights.layers[op.layer]
+        L = self.model.weights.layers[op.layer]
         d, k = cfg.n_embd, cfg.n_expert_used
         f, eb = _expert(L.ffn_gate_exps, cfg.n_expert)
         _, eb_down = _expert(L.ffn_down_exps, cfg.n_expert)
-        b = self._moe_buffers(t)
-        self.matvec((L.ffn_gate_inp,), h, t, b.logits, bias=L.ffn_gate_inp_bias)
-        self._moe_route(b.logits, t, b.ids, b.wts, op.gating)
-        grid_y = self._moe_group(b, t * k, MATVEC_TMAX)
+        b = self.buffers(t)
+        self.linear.matvec((L.ffn_gate_inp,), h, t, b.logits, bias=L.ffn_gate_inp_bias)
+        self.route(b.logits, t, b.ids, b.wts, op.gating)
+        grid_y = self.group(b, t * k, MATVEC_TMAX)
         g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
         lpr = _lpr(d)
         K.launch("moe", f"matvec_moe_{qname(g.qtype)}_{_ACT[op.activation]}", (K.cdiv(f, 4 * (32 // lpr)), grid_y),
@@ -168,26 +171,26 @@ class MoEMixin:
         K.launch("moe", f"matvec_moe_{qname(dn.qtype)}", (K.cdiv(d, 4 * (32 // lpr)), grid_y), (128,), w=dn.ptr,
                  eb=eb_down, list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=d, K=f, x=b.ff, x_per_pair=1,
                  y=b.y, bias=L.ffn_down_exps_bias, lpr=lpr)
-        self._moe_combine(b.y, b.wts, out, t)
+        self.combine(b.y, b.wts, out, t)
 
-    def _moe_gemm(self, h16: int, sc: Any, t: int, op: Moe, out: Any) -> None:
+    def gemm(self, h16: int, sc: Any, t: int, op: Moe, out: Any) -> None:
         """out [t, D] f32 += the MoE FFN of the fp16 rows at h16 [t, D] times their row scales sc [t] (the fused
         prefill's normalised input): the router GEMM, routing, grouping into tiles of MG_BM pairs, the experts'
         GEMMs on tensor cores (moe_gemm_*), the weighted sum (the FFN `op`)."""
         cfg = self.cfg
-        L = self.weights.layers[op.layer]
+        L = self.model.weights.layers[op.layer]
         d, k, e_n = cfg.n_embd, cfg.n_expert_used, cfg.n_expert
         f, eb = _expert(L.ffn_gate_exps, e_n)
         _, eb_down = _expert(L.ffn_down_exps, e_n)
-        self.prefill_buffers()  # the dequantize scratch of _gemm_weights (and the MoE buffers at its size)
-        b = self._moe_buffers(t)
-        self._gemm_weights(h16, t, [L.ffn_gate_inp], b.logits.data.ptr, e_n)
+        self.linear.dequant_scratch()  # (the fused prefill made it, and the buffers at its chunk size, already)
+        b = self.buffers(t)
+        self.linear.gemm_weights(h16, t, [L.ffn_gate_inp], b.logits.data.ptr, e_n)
         n = t * e_n
         K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n, 256), 4096),), (256,), y=b.logits, scale=sc,
                  b=L.ffn_gate_inp_bias, n=n, N=e_n)
-        self._moe_route(b.logits, t, b.ids, b.wts, op.gating)
+        self.route(b.logits, t, b.ids, b.wts, op.gating)
         p = t * k
-        grid_y = self._moe_group(b, p, MG_BM)
+        grid_y = self.group(b, p, MG_BM)
         g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
         K.launch("moe", f"moe_gemm_{qname(g.qtype)}_{_ACT[op.activation]}", (K.cdiv(f, MG_BN // 2), grid_y), (128,),
                  wg=g.ptr, wu=u.ptr, eb=eb, list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=f, K=d, x16=h16,
@@ -196,39 +199,38 @@ class MoEMixin:
         K.launch("moe", f"moe_gemm_{qname(dn.qtype)}", (K.cdiv(d, MG_BN), grid_y), (128,), w=dn.ptr, eb=eb_down,
                  list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=d, K=f, x16=b.ff16, xsc=b.sc, x_per_pair=1,
                  y=b.y, bias=L.ffn_down_exps_bias)
-        self._moe_combine(b.y, b.wts, out, t)
+        self.combine(b.y, b.wts, out, t)
 
-    def _moe_route(self, logits: Any, t: int, ids: Any, wts: Any, gating: str) -> None:
+    def route(self, logits: Any, t: int, ids: Any, wts: Any, gating: str) -> None:
         cfg = self.cfg
         K.launch("moe", "moe_route_f32", (t,), (32,), logits=logits, T=t, E=cfg.n_expert, k=cfg.n_expert_used,
                  gating=_GATING[gating], norm=int(cfg.expert_weights_norm), ids=ids, wts=wts)
 
-    def _moe_combine(self, y: Any, wts: Any, x: Any, t: int) -> None:
+    def combine(self, y: Any, wts: Any, x: Any, t: int) -> None:
         d = self.cfg.n_embd
         K.launch("moe", "moe_combine_f32", (K.cdiv(d, 256), t), (256,), y=y, wts=wts, x=x, T=t, N=d,
                  k=self.cfg.n_expert_used)
 
     # -- the decode step -------------------------------------------------------------------------------------
-    def alloc_moe_step(self) -> None:
+    def alloc_step(self) -> None:
         """The decode step's MoE buffers (router logits, ids, weights, the k experts' activations and outputs)."""
         cp, cfg = self.cp, self.cfg
-        if not moe_family_needed(cfg):
-            return
         k = cfg.n_expert_used
-        f = max(_expert(L.ffn_gate_exps, cfg.n_expert)[0] for L, p in zip(self.weights.layers, cfg.layers) if p.moe)
-        self._moe_logits = cp.empty((1, cfg.n_expert), cp.float32)
-        self._moe_ids = cp.zeros(k, cp.int32)
-        self._moe_wts = cp.zeros(k, cp.float32)
-        self._moe_ff = cp.empty((k, f), cp.float32)
-        self._moe_y = cp.empty((k, cfg.n_embd), cp.float32)
-        self._moe_done = cp.zeros(1, cp.uint32)  # mv1_route's finished blocks (zero between steps)
-        self._moe_sum_cnt = cp.zeros(cfg.n_embd, cp.uint32)  # mv1_moe_<t>_sum's finished blocks per row range
+        layers = self.model.weights.layers
+        f = max(_expert(L.ffn_gate_exps, cfg.n_expert)[0] for L, p in zip(layers, cfg.layers) if p.moe)
+        self.step_logits = cp.empty((1, cfg.n_expert), cp.float32)
+        self.step_ids = cp.zeros(k, cp.int32)
+        self.step_wts = cp.zeros(k, cp.float32)
+        self.step_ff = cp.empty((k, f), cp.float32)
+        self.step_y = cp.empty((k, cfg.n_embd), cp.float32)
+        self.step_done = cp.zeros(1, cp.uint32)  # mv1_route's finished blocks (zero between steps)
+        self.step_sum_cnt = cp.zeros(cfg.n_embd, cp.uint32)  # mv1_moe_<t>_sum's finished blocks per row range
 
-    def moe_step(self, branch: FfnBranch, x: Any, add: Callable[[str, int, Callable[[bool], None]], None]) -> None:
+    def step(self, branch: FfnBranch, x: Any, add: Callable[[str, int, Callable[[bool], None]], None]) -> None:
         """Queue an FFN branch's experts (fusion.py: its pre-norm, then its Moe) on the decode step's residual
         x [1, D] (x += the experts' weighted sum) through add(section, weight bytes read, launch(early))."""
         cfg, op = self.cfg, branch.moe
-        L = self.weights.layers[op.layer]
+        L = self.model.weights.layers[op.layer]
         norm = getattr(L, branch.norm.weight)
         e_n, k, d = cfg.n_expert, cfg.n_expert_used, cfg.n_embd
         f, eb = _expert(L.ffn_gate_exps, e_n)
@@ -238,15 +240,15 @@ class MoEMixin:
 
             def router(early: bool) -> None:  # one warp a router row
                 K.launch("moe", f"mv1_route_{qname(r.qtype)}", (K.cdiv(e_n, MV1_WARPS),), (32 * MV1_WARPS,),
-                         shared=mv1_smem(r.qtype, d), w=r.ptr, E=e_n, K=d, x=x, logits=self._moe_logits,
+                         shared=mv1_smem(r.qtype, d), w=r.ptr, E=e_n, K=d, x=x, logits=self.step_logits,
                          bias=L.ffn_gate_inp_bias, norm_w=norm, eps=cfg.rms_eps, k=k, gating=_GATING[op.gating],
-                         norm=int(cfg.expert_weights_norm), done=self._moe_done, ids=self._moe_ids, wts=self._moe_wts)
+                         norm=int(cfg.expert_weights_norm), done=self.step_done, ids=self.step_ids, wts=self.step_wts)
 
             add("norm+router", r.nbytes, router)
         else:
-            add("norm+router", r.nbytes, lambda early: self.matvec(
-                (r,), x, 1, self._moe_logits, bias=L.ffn_gate_inp_bias, norm=norm, early=early))
-            add("router", 0, lambda early: self._moe_route(self._moe_logits, 1, self._moe_ids, self._moe_wts,
+            add("norm+router", r.nbytes, lambda early: self.linear.matvec(
+                (r,), x, 1, self.step_logits, bias=L.ffn_gate_inp_bias, norm=norm, early=early))
+            add("router", 0, lambda early: self.route(self.step_logits, 1, self.step_ids, self.step_wts,
                                                             op.gating))
         g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
         act = _ACT[op.activation]
@@ -254,16 +256,16 @@ class MoEMixin:
         def gate_up(early: bool) -> None:
             lpr, groups = _lpr(d), expert_groups(g.qtype)
             K.launch("moe", f"mv1_moe_{qname(g.qtype)}_{act}", (K.cdiv(f, MV1_WARPS * (32 // lpr) * groups), k),
-                     (32 * MV1_WARPS,), shared=mv1_smem(g.qtype, d), wg=g.ptr, wu=u.ptr, eb=eb, ids=self._moe_ids,
-                     N=f, K=d, x=x, y=self._moe_ff, norm_w=norm, eps=cfg.rms_eps, lpr=lpr, groups=groups,
+                     (32 * MV1_WARPS,), shared=mv1_smem(g.qtype, d), wg=g.ptr, wu=u.ptr, eb=eb, ids=self.step_ids,
+                     N=f, K=d, x=x, y=self.step_ff, norm_w=norm, eps=cfg.rms_eps, lpr=lpr, groups=groups,
                      bg=L.ffn_gate_exps_bias, bu=L.ffn_up_exps_bias, early=early)
 
         def down(early: bool) -> None:  # and x += the weighted sum of the k rows (the last block of each range)
             lpr, groups = down_lpr(f), expert_groups(dn.qtype)
             K.launch("moe", f"mv1_moe_{qname(dn.qtype)}_sum", (K.cdiv(d, MV1_WARPS * (32 // lpr) * groups), k),
-                     (32 * MV1_WARPS,), shared=mv1_smem(dn.qtype, f), w=dn.ptr, eb=eb_down, ids=self._moe_ids, N=d,
-                     K=f, x=self._moe_ff, y=self._moe_y, bias=L.ffn_down_exps_bias, lpr=lpr, groups=groups,
-                     early=early, wts=self._moe_wts, out=x, cnt=self._moe_sum_cnt)
+                     (32 * MV1_WARPS,), shared=mv1_smem(dn.qtype, f), w=dn.ptr, eb=eb_down, ids=self.step_ids, N=d,
+                     K=f, x=self.step_ff, y=self.step_y, bias=L.ffn_down_exps_bias, lpr=lpr, groups=groups,
+                     early=early, wts=self.step_wts, out=x, cnt=self.step_sum_cnt)
 
         add("experts", k * 2 * eb, gate_up)
         add("experts", k * eb_down, down)

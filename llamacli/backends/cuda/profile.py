@@ -2,8 +2,8 @@
 `bench --kernels`' micro-benchmarks of single kernels are kernel_bench.py.
 
 Profiling: each Backend operation is wrapped in `profiled(family)` and each part of the fused prefill and
-decode step in `self._section(name)`; while `profile()` runs they record CUDA events around their launches
-and count them, otherwise they cost one attribute test.
+decode step in `profiler.section(name)`; while `Profiler.profile()` runs they record CUDA events around their
+launches and count them, otherwise they cost one attribute test.
 """
 from __future__ import annotations
 
@@ -15,35 +15,37 @@ from . import loader as K
 
 
 class _Section:
-    """Events around one family's launches (CudaBackend.profile)."""
+    """Events around one family's launches (Profiler.profile)."""
 
-    def __init__(self, be: Any, name: str):
-        self.be, self.name = be, name
+    def __init__(self, profiler: "Profiler", name: str):
+        self.profiler, self.name = profiler, name
 
     def __enter__(self) -> None:
         self.n0 = K.launch_count()
-        self.a = self.be.cp.cuda.Event()
+        self.a = self.profiler.cp.cuda.Event()
         self.a.record()
 
     def __exit__(self, *exc: object) -> None:
-        b = self.be.cp.cuda.Event()
+        b = self.profiler.cp.cuda.Event()
         b.record()
-        if self.be._prof is not None:
-            self.be._prof.append((self.name, self.a, b, K.launch_count() - self.n0))
+        if self.profiler.records is not None:
+            self.profiler.records.append((self.name, self.a, b, K.launch_count() - self.n0))
 
 
 _NULL = contextlib.nullcontext()
 
 
 def profiled(fam: str | None = None) -> Callable:
-    """Time a Backend operation under `fam` while profiling (matmul: the weight's family)."""
+    """Time a method of an object with a `profiler` (a Profiler) under `fam` while profiling (matmul: the
+    family of its weight, args[1])."""
 
     def deco(op: Callable) -> Callable:
         @functools.wraps(op)
         def timed(self: Any, *args: Any, **kw: Any) -> Any:
-            if self._prof is None:
+            prof = self.profiler
+            if prof.records is None:
                 return op(self, *args, **kw)
-            with _Section(self, fam or self._wfam.get(id(args[1]), "other")):
+            with _Section(prof, fam or prof.families.get(id(args[1]), "other")):
                 return op(self, *args, **kw)
 
         return timed
@@ -51,15 +53,22 @@ def profiled(fam: str | None = None) -> Callable:
     return deco
 
 
-class ProfileMixin:
-    """CudaBackend's measuring hooks (mixed into backend.CudaBackend)."""
+class Profiler:
+    """The CUDA backend's measuring part: the sections being recorded (while profile() runs) and the kernel
+    family of each weight (the profile's rows for matmul)."""
 
-    cp: Any
-    _prof: list | None  # (section, start event, end event, our launches) while profiling
+    def __init__(self, cp: Any):
+        self.cp = cp
+        self.records: list | None = None  # (section, start event, end event, our launches) while profiling
+        self.families: dict[int, str] = {}  # id(weight handle) -> kernel family
 
-    def _section(self, name: str) -> Any:
+    @property
+    def active(self) -> bool:
+        return self.records is not None
+
+    def section(self, name: str) -> Any:
         """Context for one kernel family's launches: CUDA events around them while profiling, else nothing."""
-        if self._prof is None:
+        if self.records is None:
             return _NULL
         return _Section(self, name)
 
@@ -70,14 +79,14 @@ class ProfileMixin:
         takes longer than the spin, the gaps show up in the total but not in the sections."""
         cp = self.cp
         K.launch("elementwise", "spin_ns", (1,), (1,), ns=int(spin_ms * 1e6))
-        self._prof = []
+        self.records = []
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record()
         try:
             fn()
         finally:
             end.record()
-            recs, self._prof = self._prof, None
+            recs, self.records = self.records, None
         end.synchronize()
         agg: dict[str, list] = {}
         for name, a, b, n in recs:

@@ -9,7 +9,7 @@ Two ways in:
 
 - `sample(logits, params, rng, recent)`: one call of llamacli.sampling.sampling.sample, kernel by kernel (the first
   token after a prefill, and any step whose logits the caller holds);
-- inside the captured decode step (`start_sampling`, then decode.DecodeMixin.decode_sampled): the same kernels
+- inside the captured decode step (`start`, then decode.DecodeStep.decode_sampled): the same kernels
   in their _step forms follow the LM head, so a sampled generation queues its next step ahead as the greedy
   one does and only the id crosses. The settings live in device memory (one graph serves them all). The
   step reads what the host would pass to sample() from the device:
@@ -17,10 +17,10 @@ Two ways in:
       d-th rng.random() after start_sampling, the one sample() would have drawn for the d-th step) into a ring
       of UNIFORM_RING slots that the step indexes by its position (UniformFeed);
     - the recent tokens: a per-position history [ctx] that each step extends with its input token (the
-      prompt's tail written by start_sampling), so the window of a step at pos is positions
+      prompt's tail written by `start`), so the window of a step at pos is positions
       pos - repeat_last_n + 1 .. pos, as generate's history list.
   Greedy with penalties runs there too (top-k 1, temperature 0: no uniform number drawn). top_k = 0 or
-  > TOPK_MAX stays with the host path (start_sampling says False).
+  > TOPK_MAX stays with the host path (`start` says False).
 """
 
 from __future__ import annotations
@@ -99,15 +99,14 @@ class UniformFeed:
         return writes
 
 
-class SamplingMixin:
-    """Mixed into backend.CudaBackend; decode.DecodeMixin.alloc_step_io calls _alloc_sampler."""
+class DeviceSampler:
+    """Sampling on the device for one model's vocabulary and context, with the buffers it owns: the top-k
+    candidates, the penalty counts, the captured step's settings, token history and uniform ring, and a
+    constraint's mask."""
 
-    cp: Any
-    cfg: Any
-    ctx: int
-
-    def _alloc_sampler(self) -> None:
-        cp = self.cp
+    def __init__(self, gpu: Any, cfg: Any, ctx: int, profiler: Any):
+        self.gpu, self.cfg, self.ctx, self.profiler = gpu, cfg, ctx, profiler
+        cp = self.cp = gpu.cp
         self._topk_vals = cp.empty(TOPK_MAX, cp.float32)
         self._topk_ids = cp.empty(TOPK_MAX, cp.int32)
         # topk_part_step_f32's candidates: up to TOPK_PART_K from each slice of TOPK_PART logits
@@ -133,18 +132,19 @@ class SamplingMixin:
         self._mask_stage = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n_words), np.uint32, n_words)
         self._mask_words = cp.empty(n_words, cp.uint32)
         self._mask_event = cp.cuda.Event(disable_timing=True)
-        self._masked = cp.empty((1, self.cfg.vocab_size), cp.float32)
+        self.masked = cp.empty((1, self.cfg.vocab_size), cp.float32)
 
     # -- one call ------------------------------------------------------------------------------------------
     @profiled("sampling")
     def sample(self, logits: Any, params: Any, rng: np.random.Generator, recent: list[int]) -> int:
+        """Backend.sample on the device (the host path for top_k = 0 or > TOPK_MAX)."""
         from ...sampling import sampling as S
 
         cp, v = self.cp, self.cfg.vocab_size
         params.validate()
         if not params.greedy and not 0 < params.top_k <= TOPK_MAX:
-            return S.sample(self.to_host(logits)[-1], params, rng, recent)  # host path (documented)
-        x = self._f32(logits[-1]).copy()  # [V]; penalties write into it
+            return S.sample(self.gpu.to_host(logits)[-1], params, rng, recent)  # host path (documented)
+        x = self.gpu.f32(logits[-1]).copy()  # [V]; penalties write into it
         if params.has_penalties and recent:
             window = np.asarray(recent, dtype=np.int32)
             if params.repeat_last_n > 0:
@@ -174,12 +174,12 @@ class SamplingMixin:
 
     def sample_allowed(self, logits: Any, words: np.ndarray, params: Any, rng: np.random.Generator,
                        recent: list[int]) -> int:
-        """Backend.sample_allowed on the device: the masked logits (_mask_kernel) to sample()."""
-        self._mask_kernel(logits, words)
-        return self.sample(self._masked, params, rng, recent)
+        """Backend.sample_allowed on the device: the masked logits (mask) to sample()."""
+        self.mask(logits, words)
+        return self.sample(self.masked, params, rng, recent)
 
-    def _mask_kernel(self, logits: Any, words: np.ndarray) -> None:
-        """_masked = logits [1, V] with the ids outside `words` at -inf (mask_logits_f32). The words go through
+    def mask(self, logits: Any, words: np.ndarray) -> None:
+        """masked = logits [1, V] with the ids outside `words` at -inf (mask_logits_f32). The words go through
         pinned memory, reused once the copy from it before has run."""
         from ...sampling.structured import check_words
 
@@ -189,15 +189,17 @@ class SamplingMixin:
         np.copyto(self._mask_stage, words, casting="no")
         self._mask_words.data.copy_from_host_async(self._mask_stage.ctypes.data, self._mask_stage.nbytes)
         self._mask_event.record()
-        K.launch("sampling", "mask_logits_f32", (K.cdiv(v, 256),), (256,), x=self._f32(logits[-1]),
-                 words=self._mask_words, V=v, y=self._masked)
+        K.launch("sampling", "mask_logits_f32", (K.cdiv(v, 256),), (256,), x=self.gpu.f32(logits[-1]),
+                 words=self._mask_words, V=v, y=self.masked)
 
     # -- inside the decode step ----------------------------------------------------------------------------
-    def start_sampling(self, params: Any, rng: np.random.Generator, recent: Sequence[int]) -> bool:
-        """Set up decode_sampled for a generation whose first step runs at position len(recent) (`recent`:
-        the ids at positions 0.. before it, as generate's history): the settings, the penalty window's tail of
-        `recent`, and the first ring of uniform numbers from `rng` (its next draws, in order; none when
-        greedy). False, and nothing changes, where the device cannot sample these settings (on_device)."""
+    def start(self, params: Any, rng: np.random.Generator, recent: Sequence[int]) -> bool:
+        """Set up the captured step's sampler for a generation whose first step runs at position len(recent)
+        (`recent`: the ids at positions 0.. before it, as generate's history): the settings, the penalty
+        window's tail of `recent`, and the first ring of uniform numbers from `rng` (its next draws, in order;
+        none when greedy). False, and nothing changes, where the device cannot sample these settings
+        (on_device). A step queued ahead under the old settings must not be taken after this
+        (decode.DecodeStep.start_sampling)."""
         if not on_device(params.validate()):
             return False
         cp = self.cp
@@ -205,7 +207,6 @@ class SamplingMixin:
         if base >= self.ctx:
             return False
         cp.cuda.get_current_stream().synchronize()  # a step queued ahead may still read the old settings
-        self._ahead = None  # a step queued ahead under the old settings is not taken (decode._decode_id)
         rec = step_params(params, self.cfg.vocab_size, base)
         self._step_params.set(record_bytes(rec))
         window = int(rec["window"])
@@ -220,7 +221,7 @@ class SamplingMixin:
             self._copy_uniforms(0, UNIFORM_RING)
         return True
 
-    def _feed_uniforms(self, pos: int) -> None:
+    def feed_uniforms(self, pos: int) -> None:
         """Before queuing the sampled step at `pos`: make its uniform number, draw pos - base, available."""
         if self._feed_greedy:
             return
@@ -238,13 +239,14 @@ class SamplingMixin:
         for half in range(slot // self._feed.half, (slot + n) // self._feed.half):
             self._uniform_events[half].record(stream)
 
-    def _sample_tail(self, step: list, V: int) -> None:
-        """Append the captured step's sampling kernels (after the LM head wrote step_logits) to the step's
-        launch list (decode._step_kernels' (section, bytes, streams, launch(early)) entries)."""
-        x = self.step_logits
+    def step_tail(self, step: list, x: Any, step_ids: Any, step_pos: Any) -> None:
+        """Append the captured step's sampling kernels (after the LM head wrote its logits x [1, V]) to the
+        step's launch list (decode.DecodeStep.launch_step's (section, bytes, streams, launch(early)) entries):
+        the id goes to step_ids, and step_pos advances."""
+        V = self.cfg.vocab_size
         step.append(("sampling", 0, False, lambda early: K.launch(
-            "sampling", "penalties_step_f32", (1,), (1024,), x=x, hist=self._hist, pos_p=self.step_pos,
-            ids=self.step_ids, V=V, cnt=self._pen_counts, p=self._step_params)))
+            "sampling", "penalties_step_f32", (1,), (1024,), x=x, hist=self._hist, pos_p=step_pos,
+            ids=step_ids, V=V, cnt=self._pen_counts, p=self._step_params)))
         n_part = K.cdiv(V, TOPK_PART)
         step.append(("sampling", 0, False, lambda early: K.launch(
             "sampling", "topk_part_step_f32", (n_part,), (1024,), x=x, V=V, p=self._step_params,
@@ -254,7 +256,7 @@ class SamplingMixin:
             ids=self._topk_ids, cvals=self._part_vals, cids=self._part_ids, n_part=n_part)))
         step.append(("sampling", 0, False, lambda early: K.launch(
             "sampling", "sample_step_f32", (1,), (1024,), vals=self._topk_vals, ids=self._topk_ids,
-            p=self._step_params, uniforms=self._uniforms, pos_p=self.step_pos, out=self.step_ids)))
+            p=self._step_params, uniforms=self._uniforms, pos_p=step_pos, out=step_ids)))
 
 
 def check_flag(flag: int, vocab: int) -> None:

@@ -375,20 +375,19 @@ def test_decode_splits_keep_the_merge_within_split_merge_max() -> None:
     x D) for the last block of a KV head to merge, but at least 16 splits."""
     from types import SimpleNamespace
 
-    from llamacli.backends.cuda.attention import SPLIT_MERGE_MAX, AttentionMixin
+    from llamacli.backends.cuda.attention import SPLIT_MERGE_MAX, decode_splits
 
-    class H100(AttentionMixin):
-        n_sms, smem_sm, smem_block, kv_q8 = 132, 233_472, 232_448, False
+    h100 = SimpleNamespace(n_sms=132, smem_sm=233_472, smem_block=232_448)
 
-        def __init__(self, hkv: int, group: int, dh: int) -> None:
-            self.cfg = SimpleNamespace(n_head_kv=hkv, n_group=group, head_dim=dh)
+    def splits(hkv: int, group: int, dh: int, ctx: int) -> int:
+        return decode_splits(h100, SimpleNamespace(n_head_kv=hkv, n_group=group, head_dim=dh), ctx, False)
 
     assert SPLIT_MERGE_MAX == 1 << 15
-    assert H100(4, 8, 128).decode_splits(4225) == 32  # Qwen3-30B-A3B: 66 blocks' worth, merge-capped
-    assert H100(4, 8, 128).decode_splits(512) == 8  # one per tile
-    assert H100(8, 4, 128).decode_splits(40_960) == 33  # Llama-3-8B: the GPU's blocks (two an SM)
-    assert H100(8, 4, 64).decode_splits(40_960) == 50  # Llama-3.2-1B: three an SM
-    assert H100(1, 16, 256).decode_splits(40_960) == 16  # the floor (the cap alone would give 8)
+    assert splits(4, 8, 128, 4225) == 32  # Qwen3-30B-A3B: 66 blocks' worth, merge-capped
+    assert splits(4, 8, 128, 512) == 8  # one per tile
+    assert splits(8, 4, 128, 40_960) == 33  # Llama-3-8B: the GPU's blocks (two an SM)
+    assert splits(8, 4, 64, 40_960) == 50  # Llama-3.2-1B: three an SM
+    assert splits(1, 16, 256, 40_960) == 16  # the floor (the cap alone would give 8)
 
 
 @pytest.mark.parametrize("q8", [False, True])
@@ -398,21 +397,22 @@ def test_decode_splits_leave_the_merge_its_shared_memory(q8) -> None:
     and KV head count, on a GPU with SMs enough that the GPU's own limit is not the one that binds."""
     from types import SimpleNamespace
 
-    from llamacli.backends.cuda.attention import SPLIT_MERGE_SUMS, SPLIT_Q8_DIMS, AttentionMixin, split_stage_bytes
+    from llamacli.backends.cuda.attention import (
+        SPLIT_MERGE_SUMS,
+        SPLIT_Q8_DIMS,
+        decode_splits,
+        split_fits,
+        split_stage_bytes,
+    )
 
-    class Huge(AttentionMixin):
-        n_sms, smem_sm, smem_block, kv_q8 = 100_000, 233_472, 232_448, q8
-
-        def __init__(self, hkv: int, group: int, dh: int) -> None:
-            self.cfg = SimpleNamespace(n_head_kv=hkv, n_group=group, head_dim=dh)
-
+    huge = SimpleNamespace(n_sms=100_000, smem_sm=233_472, smem_block=232_448)
     assert SPLIT_MERGE_SUMS >= 128 * 16 + 12
     for dh in SPLIT_Q8_DIMS if q8 else (64, 80, 96, 112, 128, 256):
         for group in range(1, 17):
             for hkv in (1, 8):
-                be = Huge(hkv, group, dh)
-                if not be.split_fits():
+                cfg = SimpleNamespace(n_head_kv=hkv, n_group=group, head_dim=dh)
+                if not split_fits(huge, cfg, q8):
                     continue
-                n = be.decode_splits(1 << 30)
+                n = decode_splits(huge, cfg, 1 << 30, q8)
                 assert n >= 1
                 assert 16 * -(-2 * n * group // 4) + 128 * 16 <= split_stage_bytes(dh, q8), (dh, group, hkv, n)

@@ -146,7 +146,7 @@ def test_fused_decode_step_over_several_splits(random_model, shape, qtype) -> No
         plain = be.to_host(forward(be, cfg, be.token_ids(np.asarray([tok])), be.positions(pos, 1)))[-1]
         assert np.isfinite(fused).all()
         assert rel_l2(fused, plain) <= 1e-5, pos
-    assert not be.attention_counters.get().any()
+    assert not be.attn.counters.get().any()
 
 
 @pytest.mark.parametrize("shape,qtype", [("small-qwen2", QT.Q4_K), ("small-phi3", QT.Q8_0), ("tiny-gemma3", "Q4_K_M"),
@@ -182,7 +182,7 @@ def test_decode_graph_with_programmatic_launches_equals_plain(random_model, shap
             assert np.isfinite(a).all()
             np.testing.assert_array_equal(a, b)
     assert got_ids == [int(np.argmax(v)) for v in got_l]
-    assert not be.attention_counters.get().any()
+    assert not be.attn.counters.get().any()
 
 
 def test_greedy_step_queued_ahead_is_taken_only_when_it_matches(random_model) -> None:
@@ -350,7 +350,7 @@ def test_gemma3_270m_long_prompt_through_the_rings_matches_numpy() -> None:
         pytest.skip("LLAMACLI_TEST_GEMMA is not set")
     ref = load(path, backend="numpy", ctx=4096)
     gpu = load(path, backend="cuda", ctx=4096)
-    assert sorted({k.shape[0] for k in gpu.backend.k_cache}) == [1024, 4096]
+    assert sorted({k.shape[0] for k in gpu.backend.kv.k_cache}) == [1024, 4096]
     from pathlib import Path
 
     text = (Path(__file__).parents[3] / "README.md").read_text(encoding="utf-8")[:5000]
@@ -401,8 +401,8 @@ def test_fused_prefill_matches_numpy(random_model, shape, qtype) -> None:
     path = random_model(shape, qtype)
     _, cfg, ref = loaded(path, NumpyBackend(), ctx=1024)
     _, _, be = loaded(path, CudaBackend(), ctx=1024)
-    b = be.prefill_buffers()
-    for buf in (b.x, b.h16, b.att16, b.qkv, b.gu, b.y, b.dq, b.logits):
+    b = be.prefill_pass().buffers()
+    for buf in (b.x, b.h16, b.att16, b.qkv, b.gu, b.y, be.linear.dq, b.logits):
         buf.fill(np.nan)
     rng = np.random.default_rng(1)
     for t in (9, 16, 77, 700):
@@ -433,7 +433,7 @@ def test_greedy_through_the_ring_wrap_matches_numpy(random_model, shape, qtype, 
     path = random_model(shape, qtype)
     _, cfg, ref = loaded(path, NumpyBackend(), ctx=1024, cache_types=(cache, cache))
     _, _, be = loaded(path, CudaBackend(), ctx=1024, cache_types=(cache, cache))
-    assert {k.shape[0] for k, p in zip(be.k_cache, cfg.layers) if p.window} == {640}
+    assert {k.shape[0] for k, p in zip(be.kv.k_cache, cfg.layers) if p.window} == {640}
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, size=700)
     want_first, got_first = ref.to_host(prefill(ref, cfg, ids, 0))[-1], be.to_host(prefill(be, cfg, ids, 0))[-1]
     assert rel_l2(got_first, want_first) <= 1e-2
@@ -495,7 +495,7 @@ def test_q8_0_kv_cache_matches_numpy(random_model, shape, qtype) -> None:
     path = random_model(shape, qtype)
     _, cfg, ref = loaded(path, NumpyBackend(), ctx=512, cache_types=q8)
     _, _, be = loaded(path, CudaBackend(), ctx=512, cache_types=q8)
-    assert be.k_cache[0].dtype == cp.uint8 and be.kv16 is not None
+    assert be.kv.k_cache[0].dtype == cp.uint8 and be.kv.pair is not None
     rng = np.random.default_rng(4)
     first, second = rng.integers(0, cfg.vocab_size, size=40), rng.integers(0, cfg.vocab_size, size=13)
     for ids, start in ((first, 0), (second, 40)):

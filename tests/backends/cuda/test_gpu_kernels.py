@@ -24,6 +24,7 @@ from llamacli.backends.cuda import (  # noqa: E402
     loader as K,  # noqa: E402
 )
 from llamacli.backends.cuda.attention import ATT_TC_DIMS, ATT_TC_MIN_T  # noqa: E402
+from llamacli.backends.cuda.device import DeviceModel  # noqa: E402
 from llamacli.backends.cuda.fusion import match_layer  # noqa: E402
 from llamacli.backends.cuda.linear import MV1_ACT8, MV1_MIXED  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
@@ -66,13 +67,12 @@ def bare(cfg: ModelConfig, ctx: int, q8: bool = False) -> tuple[CudaBackend, Num
     """A CUDA backend and the NumPy reference set up for op tests without a model file (`q8`: both with the
     8-bit cache, -ctk/-ctv q8_0)."""
     be = CudaBackend(use_graph=False)
-    be.cfg, be.ctx = cfg, ctx
-    be.inv_freq = cp.asarray(rope_tables.inv_freq(cfg, None, ctx).astype(np.float64))
-    # The caches as CudaBackend.load makes them (a sliding-window layer's a ring: models/kv_cache.py), the reference's
-    # a row per position.
-    be.alloc_kv_cache(cfg, ctx, q8)
+    # The parts as CudaBackend.load makes them, over a model of no weights: the caches (a sliding-window layer's a
+    # ring: models/kv_cache.py; the reference's a row per position), the step's inputs and argmax cells, the
+    # sampler's buffers.
+    inv_freq = cp.asarray(rope_tables.inv_freq(cfg, None, ctx).astype(np.float64))
+    be.attach(DeviceModel(cfg, ctx, None, (), inv_freq), q8)
     shape = (cfg.n_layer, ctx, cfg.n_head_kv, cfg.head_dim)
-    be.alloc_step_io()  # step_ids, step_pos, the fused argmax's cells, the sampler's buffers
     ref = NumpyBackend()
     ref.cfg, ref.ctx = cfg, ctx
     if q8:
@@ -138,7 +138,7 @@ def test_matvec_every_type(qtype: QT) -> None:
             for t in (1, 3, 8):
                 x = rng.standard_normal((t, k)).astype(np.float32)
                 y = poisoned((t, n))
-                be.matvec((w,), cp.asarray(x), t, y)
+                be.linear.matvec((w,), cp.asarray(x), t, y)
                 xr = act8(x[0])[0][None] if t == 1 and qtype in MV1_ACT8 else x.astype(np.float64)
                 ref = xr @ wref.T
                 scale = np.abs(xr) @ np.abs(wref).T
@@ -155,14 +155,14 @@ def test_matvec_segments_bias_resid_swiglu(qtype: QT) -> None:
     bias = rng.standard_normal(161).astype(np.float32)
     resid = rng.standard_normal((2, 161)).astype(np.float32)
     y = cp.asarray(resid)  # resid aliases y: the fused residual add
-    be.matvec(tuple(w for w, _, _ in ws), cp.asarray(x), 2, y, bias=cp.asarray(bias), resid=y)
+    be.linear.matvec(tuple(w for w, _, _ in ws), cp.asarray(x), 2, y, bias=cp.asarray(bias), resid=y)
     wref = np.concatenate([r for _, _, r in ws])
     ref = x @ wref.T + bias + resid
     assert_close(y.get(), ref, 1e-4, 1e-5, "segments+bias+resid")
 
     (g, _bg, gref), (u, _bu, uref) = [upload(random_quant_rows(qtype, 77, k, rng, std=0.05), qtype, k) for _ in range(2)]
     y = poisoned((2, 77))
-    be.matvec_swiglu(g, u, cp.asarray(x), 2, y)
+    be.linear.matvec_swiglu(g, u, cp.asarray(x), 2, y)
     a, b = x @ gref.T, x @ uref.T
     assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-4, 1e-4, "swiglu")
 
@@ -185,7 +185,7 @@ def test_mv1_mixed_qkv_segments(pair) -> None:
     bias = rng.standard_normal(168).astype(np.float32)
     resid = rng.standard_normal((1, 168)).astype(np.float32)
     y = cp.asarray(resid)  # resid aliases y
-    be.matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
+    be.linear.matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
     ref = xr @ wref.T + bias + resid
     tol = 1e-6 + 2e-6 * (np.abs(xr) @ np.abs(wref).T) + 1e-6 * (np.abs(bias) + np.abs(resid))
     assert_close(y.get(), ref, tol, 1e-5, f"{a.name}+{b.name} bias+resid")
@@ -194,15 +194,15 @@ def test_mv1_mixed_qkv_segments(pair) -> None:
     h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_eps) * nw.get()
     q8 = act8_bound(h[0], wref)[None]
     y = poisoned((1, 168))
-    be.matvec(mats, cp.asarray(x), 1, y, norm=nw)
+    be.linear.matvec(mats, cp.asarray(x), 1, y, norm=nw)
     got = y.get()
     assert_close(got, h @ wref.T, 1e-6 + 2e-6 * (np.abs(h) @ np.abs(wref).T) + q8, 1e-5, f"{a.name}+{b.name} norm")
     qk, v = poisoned((1, 128)), poisoned((1, 40))
-    be.matvec(mats[:2], cp.asarray(x), 1, qk, norm=nw)
-    be.matvec(mats[2:], cp.asarray(x), 1, v, norm=nw)
+    be.linear.matvec(mats[:2], cp.asarray(x), 1, qk, norm=nw)
+    be.linear.matvec(mats[2:], cp.asarray(x), 1, v, norm=nw)
     assert np.array_equal(got, np.concatenate([qk.get(), v.get()], axis=1))
     with pytest.raises(BackendError):  # several tokens: no mixed kernel
-        be.matvec(mats, cp.asarray(np.repeat(x, 2, 0)), 2, poisoned((2, 168)))
+        be.linear.matvec(mats, cp.asarray(np.repeat(x, 2, 0)), 2, poisoned((2, 168)))
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.F16,
@@ -225,21 +225,21 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
             # float32 h may round a value the other way than h here would: the bound, not an emulation)
             q8 = act8_bound(h[0], wref)[None] if qtype in MV1_ACT8 else 0.0
             y = poisoned((1, n))
-            be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
+            be.linear.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
             assert_close(y.get(), ref, 1e-6 + 2e-6 * scale + q8, 1e-5, f"norm {qtype.name} n={n} k={k}")
             if qtype in MV1_ACT8:  # and it is that rounding, not a looser error: well inside the bound
                 assert np.abs(y.get() - ref).mean() < 0.25 * np.mean(q8), qtype.name
             for rep in range(2):  # twice: the cells must come back reset
-                pos0 = int(be.step_pos.get()[0])
+                pos0 = int(be.decoder.step_pos.get()[0])
                 y = poisoned((1, n))
-                be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
-                got, yh = be.step_ids.get(), y.get()[0]
+                be.linear.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=be.decoder.am)
+                got, yh = be.decoder.step_ids.get(), y.get()[0]
                 assert got[0] == int(np.argmax(yh)) and got[1] == 0, (got, int(np.argmax(yh)))
-                assert int(be.step_pos.get()[0]) == pos0 + 1
+                assert int(be.decoder.step_pos.get()[0]) == pos0 + 1
             if n == 300:
                 u, _bu, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
                 y = poisoned((1, n))
-                be.matvec_swiglu(w, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
+                be.linear.matvec_swiglu(w, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
                 a, b = ref, h @ uref.T
                 sb = scale + np.abs(h) @ np.abs(uref).T
                 tol = 1e-5 + 1e-5 * sb * sb
@@ -250,10 +250,10 @@ def test_mv1_fused_norm_swiglu_argmax(qtype: QT) -> None:
     # A NaN (or an infinity) in x reaches the logits: the flag says so.
     for bad in (np.nan, np.inf):
         x[0, 3] = bad
-        be.matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=True)
-        assert be.step_ids.get()[1] == 1, bad
-    be.matvec((w,), cp.asarray(np.ones_like(x)), 1, poisoned((1, n)), argmax=True)
-    assert be.step_ids.get()[1] == 0  # and the flag was reset
+        be.linear.matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=be.decoder.am)
+        assert be.decoder.step_ids.get()[1] == 1, bad
+    be.linear.matvec((w,), cp.asarray(np.ones_like(x)), 1, poisoned((1, n)), argmax=be.decoder.am)
+    assert be.decoder.step_ids.get()[1] == 0  # and the flag was reset
 
 
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q5_0, QT.Q4_1, QT.Q4_K, QT.Q6_K, QT.F16, QT.BF16],
@@ -282,19 +282,19 @@ def test_mv1_post_norm_input(qtype: QT) -> None:
         post = cp.asarray(np.asarray([bd.data.ptr, pd.data.ptr, out.data.ptr], np.uint64))
         q8 = act8_bound(h[0], wref)[None] if qtype in MV1_ACT8 else 0.0
         y = poisoned((1, n))
-        be.matvec((w,), xd, 1, y, norm=cp.asarray(nw), post=post)
+        be.linear.matvec((w,), xd, 1, y, norm=cp.asarray(nw), post=post)
         assert_close(out.get(), xn, 1e-5, 1e-5, f"residual {qtype.name} k={k}")
         assert np.array_equal(xd.get(), x) and np.array_equal(bd.get(), blk)
         ref = h @ wref.T
         assert_close(y.get(), ref, 1e-5 + 4e-6 * (np.abs(h) @ np.abs(wref).T) + q8, 1e-5, f"{qtype.name} k={k}")
         out[...] = cp.nan
         y = poisoned((1, n))
-        be.matvec((w,), xd, 1, y, norm=cp.asarray(nw), argmax=True, post=post)
-        assert be.step_ids.get()[0] == int(np.argmax(y.get()[0]))
+        be.linear.matvec((w,), xd, 1, y, norm=cp.asarray(nw), argmax=be.decoder.am, post=post)
+        assert be.decoder.step_ids.get()[0] == int(np.argmax(y.get()[0]))
         assert_close(out.get(), xn, 1e-5, 1e-5, f"residual (argmax) {qtype.name}")
         out[...] = cp.nan
         y = poisoned((1, n))
-        be.matvec_swiglu(w, u, xd, 1, y, norm=cp.asarray(nw), act="gelu_tanh", post=post)
+        be.linear.matvec_swiglu(w, u, xd, 1, y, norm=cp.asarray(nw), act="gelu_tanh", post=post)
         a, b = ref, h @ uref.T
         sb = np.abs(h) @ np.abs(wref).T + np.abs(h) @ np.abs(uref).T
         tol = 1e-5 + 1e-5 * sb * sb
@@ -326,8 +326,8 @@ def test_mv1_tile_short_q8_0_rows(n: int, k: int) -> None:
     buf = cp.zeros(raw.size + 16, cp.uint8)
     buf[16:] = cp.asarray(raw.reshape(-1))
     w = DeviceMatrix(buf.data.ptr + 16, n, k, QT.Q8_0, raw.shape[1])
-    assert linear.mv1_tile_ok((w,), be.smem_block)
-    assert not linear.mv1_tile_ok((dataclasses.replace(w, ptr=w.ptr + 2),), be.smem_block)
+    assert linear.mv1_tile_ok((w,), be.gpu.smem_block)
+    assert not linear.mv1_tile_ok((dataclasses.replace(w, ptr=w.ptr + 2),), be.gpu.smem_block)
     wref = dequantize(raw, QT.Q8_0).reshape(n, k).astype(np.float64)
     x64 = x.astype(np.float64)
     scale = np.abs(x64) @ np.abs(wref).T
@@ -335,11 +335,11 @@ def test_mv1_tile_short_q8_0_rows(n: int, k: int) -> None:
     bias = rng.standard_normal(n).astype(np.float32)
     resid = rng.standard_normal((1, n)).astype(np.float32)
     yy = poisoned((1, n + 8))  # 8 more: rows past N are never written
-    be.matvec((w,), cp.asarray(x), 1, yy[:, :n])
+    be.linear.matvec((w,), cp.asarray(x), 1, yy[:, :n])
     assert_close(yy[:, :n].get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"plain {n}x{k}")
     assert np.isnan(yy[:, n:].get()).all()
     y = cp.asarray(resid)
-    be.matvec((w,), cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
+    be.linear.matvec((w,), cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
     assert_close(y.get(), ref + bias + resid, 1e-5 + 2e-6 * scale, 1e-5, f"bias + resid {n}x{k}")
     blk = (50 * rng.standard_normal((1, k))).astype(np.float32)
     pw = (1 + 0.2 * rng.standard_normal(k)).astype(np.float32)
@@ -350,24 +350,24 @@ def test_mv1_tile_short_q8_0_rows(n: int, k: int) -> None:
     bd, pd, out = cp.asarray(blk), cp.asarray(pw), poisoned((1, k))
     post = cp.asarray(np.asarray([bd.data.ptr, pd.data.ptr, out.data.ptr], np.uint64))
     for rep in range(2):
-        pos0 = int(be.step_pos.get()[0])
+        pos0 = int(be.decoder.step_pos.get()[0])
         y = poisoned((1, n))
-        be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True, post=post)
+        be.linear.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=be.decoder.am, post=post)
         assert_close(out.get(), xn, 1e-5, 1e-5, f"residual {n}x{k}")
         assert_close(y.get(), h @ wref.T, 1e-5 + 4e-6 * (np.abs(h) @ np.abs(wref).T), 1e-5, f"norm {n}x{k}")
-        got = be.step_ids.get()
+        got = be.decoder.step_ids.get()
         assert got[0] == int(np.argmax(y.get()[0])) and got[1] == 0, (got, win)
-        assert int(be.step_pos.get()[0]) == pos0 + 1
+        assert int(be.decoder.step_pos.get()[0]) == pos0 + 1
     y = poisoned((1, n))
-    be.matvec((w,), cp.asarray(x), 1, y, argmax=True)
-    assert be.step_ids.get()[0] == win == int(np.argmax(y.get()[0]))
+    be.linear.matvec((w,), cp.asarray(x), 1, y, argmax=be.decoder.am)
+    assert be.decoder.step_ids.get()[0] == win == int(np.argmax(y.get()[0]))
     xb = x.copy()
     xb[0, k - 7] = np.nan
     y = poisoned((1, n))
-    be.matvec((w,), cp.asarray(xb), 1, y, argmax=True)
-    assert np.isnan(y.get()).all() and be.step_ids.get()[1] == 1
-    be.matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=True)
-    assert be.step_ids.get()[1] == 0
+    be.linear.matvec((w,), cp.asarray(xb), 1, y, argmax=be.decoder.am)
+    assert np.isnan(y.get()).all() and be.decoder.step_ids.get()[1] == 1
+    be.linear.matvec((w,), cp.asarray(x), 1, poisoned((1, n)), argmax=be.decoder.am)
+    assert be.decoder.step_ids.get()[1] == 0
 
 
 @pytest.mark.parametrize("qtype", sorted(MV1_ACT8), ids=lambda t: t.name)
@@ -384,14 +384,14 @@ def test_mv1_act8_long_rows(qtype: QT) -> None:
         x = (3 * rng.standard_normal((1, k))).astype(np.float32)
         xr = act8(x[0])[0][None]
         y = poisoned((1, n))
-        be.matvec((w,), cp.asarray(x), 1, y)
+        be.linear.matvec((w,), cp.asarray(x), 1, y)
         assert_close(y.get(), xr @ wref.T, 1e-6 + 2e-6 * (np.abs(xr) @ np.abs(wref).T), 1e-5, f"{qtype.name} k={k}")
         nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
         h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + cfg.rms_eps) * nw
         ref = h @ wref.T
         q8 = act8_bound(h[0], wref)[None]
         y = poisoned((1, n))
-        be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
+        be.linear.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw))
         assert_close(y.get(), ref, 1e-6 + 2e-6 * (np.abs(h) @ np.abs(wref).T) + q8, 1e-5, f"norm {qtype.name} k={k}")
         assert np.abs(y.get() - ref).mean() < 0.25 * np.mean(q8), qtype.name
         for bad in (np.nan, np.inf):
@@ -399,7 +399,7 @@ def test_mv1_act8_long_rows(qtype: QT) -> None:
             xb[0, k - 5] = bad
             for norm in (None, cp.asarray(nw)):
                 y = poisoned((1, n))
-                be.matvec((w,), cp.asarray(xb), 1, y, norm=norm)
+                be.linear.matvec((w,), cp.asarray(xb), 1, y, norm=norm)
                 assert np.isnan(y.get()).all(), (qtype.name, k, bad)
 
 
@@ -421,20 +421,20 @@ def test_mv1_row_groups_per_block(qtype: QT, shape) -> None:
     elif groups == "lm":  # a small model's LM head: 8 for the int8 forms, 4 else
         groups = 8 if qtype in MV1_ACT8 else 4
     elif groups == "wave":  # int8 forms: 2 where one group per block needs more than one wave (4 per SM)
-        groups = 2 if qtype in MV1_ACT8 and -(-n // 8) > 4 * be.n_sms else 1
-    assert mv1_groups(n, k, qtype, be.n_sms) == groups
+        groups = 2 if qtype in MV1_ACT8 and -(-n // 8) > 4 * be.gpu.n_sms else 1
+    assert mv1_groups(n, k, qtype, be.gpu.n_sms) == groups
     w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
     x = rng.standard_normal((1, k)).astype(np.float32)
     xr = act8(x[0])[0][None] if qtype in MV1_ACT8 else x.astype(np.float64)
     ref = xr @ wref.T
     scale = np.abs(xr) @ np.abs(wref).T
     y = poisoned((1, n))
-    be.matvec((w,), cp.asarray(x), 1, y, argmax=True)
+    be.linear.matvec((w,), cp.asarray(x), 1, y, argmax=be.decoder.am)
     assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"{qtype.name} groups")
-    assert be.step_ids.get()[0] == int(np.argmax(y.get()[0]))
+    assert be.decoder.step_ids.get()[0] == int(np.argmax(y.get()[0]))
     u, _bu, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
     y = poisoned((1, n))
-    be.matvec_swiglu(w, u, cp.asarray(x), 1, y)
+    be.linear.matvec_swiglu(w, u, cp.asarray(x), 1, y)
     b = xr @ uref.T
     sb = scale + np.abs(xr) @ np.abs(uref).T
     assert_close(y.get(), ref / (1 + np.exp(-ref)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu {qtype.name} groups")
@@ -451,7 +451,7 @@ def test_mv1_stream_16_bit_rows(qtype: QT) -> None:
     rng = np.random.default_rng(31 + int(qtype))
     cfg = make_cfg()
     be, _ = bare(cfg, 16)
-    many = 2 * MV1_WARPS * 2 * be.n_sms + 3  # over two rows for some warps of a full wave
+    many = 2 * MV1_WARPS * 2 * be.gpu.n_sms + 3  # over two rows for some warps of a full wave
     for n, k in [(1, 8), (5, 40), (37, 264), (300, 1032), (many, 64), (70, 4096)]:
         ws = [upload(random_quant_rows(qtype, r, k, rng, std=0.05), qtype, k) for r in (n, 3, n + 1)]
         mats = tuple(w for w, _, _ in ws)
@@ -463,7 +463,7 @@ def test_mv1_stream_16_bit_rows(qtype: QT) -> None:
         resid = rng.standard_normal((1, rows)).astype(np.float32)
         scale = np.abs(x) @ np.abs(wref).T
         y = cp.asarray(resid)  # resid aliases y
-        be.matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
+        be.linear.matvec(mats, cp.asarray(x), 1, y, bias=cp.asarray(bias), resid=y)
         assert_close(y.get(), x @ wref.T + bias + resid, 1e-6 + 2e-6 * scale, 1e-5, f"segments n={n} k={k}")
 
         nw = (1 + 0.1 * rng.standard_normal(k)).astype(np.float32)
@@ -474,10 +474,10 @@ def test_mv1_stream_16_bit_rows(qtype: QT) -> None:
         for stream in (True, False):
             be.mv1_stream = stream
             y = poisoned((1, rows))
-            be.matvec(mats, cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
+            be.linear.matvec(mats, cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=be.decoder.am)
             outs.append(y.get())
             assert_close(outs[-1], ref, 1e-6 + 2e-6 * hs, 1e-5, f"norm n={n} k={k} stream={stream}")
-            assert be.step_ids.get()[0] == int(np.argmax(outs[-1][0])) and be.step_ids.get()[1] == 0
+            assert be.decoder.step_ids.get()[0] == int(np.argmax(outs[-1][0])) and be.decoder.step_ids.get()[1] == 0
         be.mv1_stream = True
         assert_close(outs[0], outs[1], 2e-6 + 4e-6 * hs, 2e-5, f"stream vs mv1 n={n} k={k}")
 
@@ -486,14 +486,14 @@ def test_mv1_stream_16_bit_rows(qtype: QT) -> None:
         a, b = h @ gref.T, h @ uref.T
         sb = np.abs(h) @ np.abs(gref).T + np.abs(h) @ np.abs(uref).T
         y = poisoned((1, n))
-        be.matvec_swiglu(g, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
+        be.linear.matvec_swiglu(g, u, cp.asarray(x), 1, y, norm=cp.asarray(nw))
         assert_close(y.get(), a / (1 + np.exp(-a)) * b, 1e-5 + 1e-5 * sb * sb, 1e-4, f"swiglu n={n} k={k}")
 
         xb = x.copy()
         xb[0, k - 1] = np.nan
         y = poisoned((1, rows))
-        be.matvec(mats, cp.asarray(xb), 1, y, argmax=True)
-        assert np.isnan(y.get()).all() and be.step_ids.get()[1] == 1
+        be.linear.matvec(mats, cp.asarray(xb), 1, y, argmax=be.decoder.am)
+        assert np.isnan(y.get()).all() and be.decoder.step_ids.get()[1] == 1
 
 
 @pytest.mark.parametrize("qtype", RUNNABLE, ids=lambda t: t.name)
@@ -623,7 +623,7 @@ def test_attention_prefill_tensor_cores(dh, hkv, group) -> None:
     be, _ = bare(cfg, ctx)
     kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
-    be.k_cache[0], be.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
+    be.kv.k_cache[0], be.kv.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
     for start, t in ((0, 37), (0, 129), (200, 77), (451, 16), (3, 300)):
         q = rng.standard_normal((t, hq, dh)).astype(np.float32)
         pos = np.arange(start, start + t, dtype=np.int32)
@@ -632,7 +632,7 @@ def test_attention_prefill_tensor_cores(dh, hkv, group) -> None:
         for use_tc in (True, False):
             be.attention_tc = use_tc
             out = cp.full((t, hq * dh), cp.nan, dtype=cp.float32)
-            be.attend(cp.asarray(q), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
+            be.attn.attend(cp.asarray(q), hq * dh, be.kv.k_cache[0], be.kv.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
                        None, None)
             outs.append(out.get())
         tc, cc = outs
@@ -648,12 +648,12 @@ def test_attention_prefill_tensor_cores_unsorted_positions() -> None:
     be, _ = bare(cfg, 300)
     kc = rng.standard_normal((300, 2, 64)).astype(np.float16)
     vc = rng.standard_normal((300, 2, 64)).astype(np.float16)
-    be.k_cache[0], be.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
+    be.kv.k_cache[0], be.kv.v_cache[0] = cp.asarray(kc), cp.asarray(vc)
     t = 45
     pos = rng.permutation(300)[:t].astype(np.int32)
     q = rng.standard_normal((t, 6, 64)).astype(np.float32)
     out = cp.full((t, 6 * 64), cp.nan, dtype=cp.float32)
-    be.attend(cp.asarray(q), 6 * 64, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, 300, None, None)
+    be.attn.attend(cp.asarray(q), 6 * 64, be.kv.k_cache[0], be.kv.v_cache[0], cp.asarray(pos), t, out, 1, 300, None, None)
     want = attention_ref(q, kc.astype(np.float32), vc.astype(np.float32), pos, 3)
     assert_close(out.get(), want, 4e-3, 1e-2, "unsorted positions")
 
@@ -685,11 +685,11 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
         t = min(t, ctx - start)
         kp, vp = kc.copy(), vc.copy()
         kp[start + t :], vp[start + t :] = np.nan, np.nan
-        be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
+        be.kv.k_cache[0], be.kv.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
         q16 = (rng.standard_normal((t, hq, dh)) * qs).astype(np.float16)
         pos = np.arange(start, start + t, dtype=np.int32)
         out = cp.full((t, hq * dh), cp.nan, dtype=cp.float16)
-        be.attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out)
+        be.attn.attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.kv.k_cache[0], be.kv.v_cache[0], cp.asarray(pos), t, out)
         # q16 / qs is the q the kernel sees in natural-log softmax units.
         want = attention_ref(q16.astype(np.float64) / qs, kc.astype(np.float32), vc.astype(np.float32), pos, group)
         got = out.get().astype(np.float64)
@@ -697,16 +697,16 @@ def test_attention_prefill_tensor_cores_fp16_io(kernel, dh, hkv, group) -> None:
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
         if start == 131:  # f32 output (the op-by-op path's)
             out32 = cp.full((t, hq * dh), cp.nan, dtype=cp.float32)
-            be.attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t,
+            be.attn.attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.kv.k_cache[0], be.kv.v_cache[0], cp.asarray(pos), t,
                           out32)
             assert_close(out32.get(), want, 4e-3, 1e-2, f"f32 out t={t} start={start}")
     big = np.full((ctx, hkv, dh), 65504.0, np.float16)
     big[::2] = -65504.0
-    be.v_cache[0] = cp.asarray(big)
+    be.kv.v_cache[0] = cp.asarray(big)
     t = 40
     q16 = (rng.standard_normal((t, hq, dh)) * qs).astype(np.float16)
     out = cp.full((t, hq * dh), cp.nan, dtype=cp.float16)
-    be.attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.k_cache[0], be.v_cache[0],
+    be.attn.attend_tc(cp.asarray(q16.reshape(t, -1)), hq * dh, be.kv.k_cache[0], be.kv.v_cache[0],
                   cp.asarray(np.arange(t, dtype=np.int32)), t, out)
     assert np.isfinite(out.get()).all()
 
@@ -745,9 +745,9 @@ def test_attention_split_depths(dh, hkv, group) -> None:
     hq, ctx = hkv * group, 20_000
     cfg = make_cfg(n_head=hq, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hq * dh)
     be, _ = bare(cfg, ctx)
-    assert be.split_fits()
-    n_split = be.decode_splits(ctx)
-    assert 1 < n_split <= K.cdiv(be.n_sms * 4, hkv)
+    assert be.attn.split_fits()
+    n_split = be.attn.decode_splits(ctx)
+    assert 1 < n_split <= K.cdiv(be.gpu.n_sms * 4, hkv)
     kc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     vc = rng.standard_normal((ctx, hkv, dh)).astype(np.float16)
     po = cp.empty((n_split, hq, dh), cp.float32)
@@ -759,11 +759,11 @@ def test_attention_split_depths(dh, hkv, group) -> None:
         kd[p + 1 :] = cp.nan
         vd[p + 1 :] = cp.nan
         out = poisoned((1, hq * dh))
-        be.attend(cp.asarray(q), hq * dh, kd, vd, cp.asarray([p], dtype=cp.int32), 1, out, n_split, 0, po, pm)
+        be.attn.attend(cp.asarray(q), hq * dh, kd, vd, cp.asarray([p], dtype=cp.int32), 1, out, n_split, 0, po, pm)
         want = ext_attention_ref(q, kp[: p + 1].astype(np.float32), vc[: p + 1].astype(np.float32),
                                  np.array([p]), group, 1 / math.sqrt(dh), 0, 0.0)
         assert_close(out.get(), want, *SPLIT_TOL, f"decode pos {p}")
-        assert not be.attention_counters.get().any()  # reset by each merging block
+        assert not be.attn.counters.get().any()  # reset by each merging block
 
 
 def test_attention_decode_long_context_splits() -> None:
@@ -900,11 +900,11 @@ def check_prefill_chunks(be, cfg, rng, ctx: int, q_scale: float, window: int, so
             unread = held[held < max(0, start - window + 1) // 64 * 64]
             kr[unread % rows], vr[unread % rows] = np.nan, np.nan
             kr[start + t :], vr[start + t :] = np.nan, np.nan  # (rows of no position yet, if any)
-            be.k_cache[0], be.v_cache[0] = cp.asarray(kr), cp.asarray(vr)
+            be.kv.k_cache[0], be.kv.v_cache[0] = cp.asarray(kr), cp.asarray(vr)
         else:
             kp, vp = kc.copy(), vc.copy()
             kp[start + t :], vp[start + t :] = np.nan, np.nan
-            be.k_cache[0], be.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
+            be.kv.k_cache[0], be.kv.v_cache[0] = cp.asarray(kp), cp.asarray(vp)
         q = (rng.standard_normal((t, cfg.n_head, dh)) * q_scale).astype(np.float32)
         pos = np.arange(start, start + t, dtype=np.int32)
         want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, softcap,
@@ -912,7 +912,7 @@ def check_prefill_chunks(be, cfg, rng, ctx: int, q_scale: float, window: int, so
         for use_tc in (True, False):
             be.attention_tc = use_tc
             out = poisoned((t, cfg.q_dim))
-            be.attend(cp.asarray(q), cfg.q_dim, be.k_cache[0], be.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
+            be.attn.attend(cp.asarray(q), cfg.q_dim, be.kv.k_cache[0], be.kv.v_cache[0], cp.asarray(pos), t, out, 1, ctx,
                       None, None, op=att_op(be.cfg))
             tc = use_tc and t >= ATT_TC_MIN_T
             tol = (6e-3, 1e-2) if tc else (2e-4, 2e-3)
@@ -944,7 +944,7 @@ def test_attention_decode_window_softcap(dh, hkv, group, window, softcap) -> Non
     rng = np.random.default_rng(dh * 7 + group + window)
     cfg = ext_cfg(dh, hkv, group, window, softcap)
     be, ref = bare(cfg, 4096)
-    assert be.k_cache[0].shape[0] == {0: 4096, 300: 896, 40: 640}[window]
+    assert be.kv.k_cache[0].shape[0] == {0: 4096, 300: 896, 40: 640}[window]
     hq, start = cfg.n_head, 0
     for t in (300, 1, 1, 400, 1, 1, 700, 1, 1):
         q = rng.standard_normal((t, hq, dh)).astype(np.float32)
@@ -954,8 +954,8 @@ def test_attention_decode_window_softcap(dh, hkv, group, window, softcap) -> Non
         pos = np.arange(start, start + t, dtype=np.int32)
         got = be.attention(att_op(be.cfg), cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
         want = ref.attention(att_op(ref.cfg), q, k16, v16, pos)
-        tol = (6e-3, 1e-2) if t >= ATT_TC_MIN_T or (t == 1 and be.split_fits()) else (2e-4, 2e-3)
-        assert be.split_fits() == (group <= 16)
+        tol = (6e-3, 1e-2) if t >= ATT_TC_MIN_T or (t == 1 and be.attn.split_fits()) else (2e-4, 2e-3)
+        assert be.attn.split_fits() == (group <= 16)
         assert_close(got.get(), want, *tol, f"attention t={t} start={start}")
         start += t
 
@@ -985,19 +985,25 @@ def step_backends(cfg, ctx: int, splits, rng, q8: bool = False):
     RoPE table, the split buffers; `splits` overrides the GPU's split count. -> (be, ref, qn, kn)."""
     be, ref = bare(cfg, ctx, q8)
     if splits is not None:
-        be.decode_splits = lambda ctx: splits  # (the instance attribute shadows the method)
+        be.attn.decode_splits = lambda ctx: splits  # (the instance attribute shadows the method)
     dh = cfg.head_dim
     qn = (1 + 0.3 * rng.standard_normal(dh)).astype(np.float32)
     kn = (1 + 0.3 * rng.standard_normal(dh)).astype(np.float32)
-    be.weights = SimpleNamespace(layers=[SimpleNamespace(attn_q_norm=cp.asarray(qn), attn_k_norm=cp.asarray(kn),
+    be.model.weights = SimpleNamespace(layers=[SimpleNamespace(attn_q_norm=cp.asarray(qn), attn_k_norm=cp.asarray(kn),
                                                          attn_sinks=None)])
-    be.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, None, ctx, local=True).astype(np.float64))
+    be.model.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, None, ctx, local=True).astype(np.float64))
     ref.theta_local = rope_tables.inv_freq(cfg, None, ctx, local=True)
-    n_split = be.decode_splits(ctx)
-    be._part_o = cp.empty((n_split, cfg.n_head, dh), cp.float32)
-    be._part_ml = cp.empty((n_split, cfg.n_head, 2), cp.float32)
-    be.attention_counters = cp.zeros(cfg.n_head_kv, cp.uint32)
     return be, ref, qn, kn
+
+
+def attend_step(be, qkv, att) -> None:
+    """The fused step's attention of layer 0 (attention_split_step_*) at be.decoder.step_pos, with split buffers
+    for be.attn's split count."""
+    cfg = be.cfg
+    n_split = be.attn.decode_splits(be.ctx)
+    part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), cp.float32)
+    part_ml = cp.empty((n_split, cfg.n_head, 2), cp.float32)
+    be.attn.attend_step(att_branch(cfg), qkv, att, be.decoder.step_pos, part_o, part_ml, False)
 
 
 @pytest.mark.parametrize("dh,group", [(64, 3), (256, 4), (128, 16)])
@@ -1024,13 +1030,13 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, s
     be, ref, qn, kn = step_backends(cfg, ctx, splits, rng)
     hist = 702  # the cache before the step: filled through both backends' op path
     k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
-    put_positions(be.k_cache[0], 0, k0.astype(np.float16))
-    put_positions(be.v_cache[0], 0, k0[::-1].astype(np.float16))
-    rows = be.k_cache[0].shape[0]  # a ring on the window layers: 768 rows (200), 640 (30: the 702 positions wrap)
+    put_positions(be.kv.k_cache[0], 0, k0.astype(np.float16))
+    put_positions(be.kv.v_cache[0], 0, k0[::-1].astype(np.float16))
+    rows = be.kv.k_cache[0].shape[0]  # a ring on the window layers: 768 rows (200), 640 (30: the 702 positions wrap)
     # NaN where the step writes its rows before any block reads them, and (a ring) on the rows of positions
     # before every step's window and its first tile: never read.
     n_nan = ctx - hist if rows == ctx else rows - window - 64
-    for c in (be.k_cache[0], be.v_cache[0]):
+    for c in (be.kv.k_cache[0], be.kv.v_cache[0]):
         c[cp.asarray(np.arange(hist, hist + n_nan) % rows)] = cp.nan
     ref.k_cache[0, :hist] = k0.astype(np.float16)
     ref.v_cache[0, :hist] = k0[::-1].astype(np.float16)
@@ -1040,12 +1046,12 @@ def test_attention_step_window_local_rope(dh, group, window, softcap, qk_norm, s
         pos = np.array([p], np.int32)
         kr = ref.rope(k, pos, local=True).astype(np.float16).astype(np.float32)
         want = ref.attention(att_op(ref.cfg), ref.rope(q, pos, local=True), kr, v.astype(np.float16).astype(np.float32), pos)
-        be.step_pos.set(pos)
+        be.decoder.step_pos.set(pos)
         att = poisoned((1, cfg.q_dim))
-        be.attend_step(att_branch(be.cfg), cp.asarray(qkv), att, False)
+        attend_step(be, cp.asarray(qkv), att)
         assert_close(att.get(), want, *SPLIT_TOL, f"step p={p}")
-        assert_close(be.k_cache[0][p % rows].get(), kr[0], 1e-3, 1e-3, f"stored k p={p}")
-        assert int(be.attention_counters.sum()) == 0  # reset by the merging block
+        assert_close(be.kv.k_cache[0][p % rows].get(), kr[0], 1e-3, 1e-3, f"stored k p={p}")
+        assert int(be.attn.counters.sum()) == 0  # reset by the merging block
 
 
 @pytest.mark.parametrize("rope_type", [ROPE_NORMAL, ROPE_NEOX])
@@ -1053,7 +1059,7 @@ def test_rope_head_dim_256_local_table(rope_type) -> None:
     cfg = make_cfg(head_dim=256, rope_dim=256, rope_type=rope_type, rope_freq_base=1e6, rope_scaling="linear",
                    rope_scaling_factor=8.0)
     be, ref = bare(cfg, 4096)
-    be.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, None, 4096, local=True).astype(np.float64))
+    be.model.inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, None, 4096, local=True).astype(np.float64))
     ref.theta_local = rope_tables.inv_freq(cfg, None, 4096, local=True)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((9, 3, 256)).astype(np.float32)
@@ -1119,7 +1125,7 @@ def test_matvec_geglu(qtype, t) -> None:
     wu, _b2, uref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
     x = (rng.standard_normal((t, k))).astype(np.float32)
     y = poisoned((t, n))
-    be.matvec_swiglu(wg, wu, cp.asarray(x), t, y, act="gelu_tanh")
+    be.linear.matvec_swiglu(wg, wu, cp.asarray(x), t, y, act="gelu_tanh")
     a, b = x @ gref.T, x @ uref.T
     sa, sb = np.abs(x) @ np.abs(gref).T, np.abs(x) @ np.abs(uref).T
     tol = 1e-5 + 2e-5 * sa * sb
@@ -1148,8 +1154,8 @@ def test_lm_head_262k_vocabulary_argmax() -> None:
     w = DeviceMatrix(buf.data.ptr, n, k, QT.Q8_0, blocks * 34)
     nw = np.ones(k, np.float32)
     y = poisoned((1, n))
-    be.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=True)
-    assert int(be.step_ids.get()[0]) == win and int(be.step_ids.get()[1]) == 0
+    be.linear.matvec((w,), cp.asarray(x), 1, y, norm=cp.asarray(nw), argmax=be.decoder.am)
+    assert int(be.decoder.step_ids.get()[0]) == win and int(be.decoder.step_ids.get()[1]) == 0
     h = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5)
     yh = y.get()
     for sub in (np.arange(0, 500), np.arange(n - 500, n)):
@@ -1175,7 +1181,7 @@ def ggml_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def q8_cache_get(buf) -> tuple[np.ndarray, np.ndarray]:
-    """One 8-bit cache (device.alloc_kv_cache) -> (codes [rows, Hkv, D] int8, scales [rows, Hkv, D/32] fp16)."""
+    """One 8-bit cache (kv.KVCache) -> (codes [rows, Hkv, D] int8, scales [rows, Hkv, D/32] fp16)."""
     rows, hkv, w = buf.shape
     dh = w * 16 // 17
     b = buf.get().reshape(-1)
@@ -1206,7 +1212,7 @@ def test_kv_store_q8_matches_ggml(dh) -> None:
     hkv, t, start = 2, 37, 620  # positions 620..656 wrap the ring of 640 rows
     cfg = ext_cfg(dh, hkv, 2, 100, 0.0)
     be, _ = bare(cfg, 4096, q8=True)
-    rows = be.k_cache[0].shape[0]
+    rows = be.kv.k_cache[0].shape[0]
     assert rows < 4096 and rows % 64 == 0
     k = (rng.standard_normal((t, hkv, dh)) * rng.choice([1e-3, 1.0, 300.0], size=(t, hkv, 1))).astype(np.float32)
     v = rng.standard_normal((t, hkv, dh)).astype(np.float32)
@@ -1217,7 +1223,7 @@ def test_kv_store_q8_matches_ggml(dh) -> None:
     pos = np.arange(start, start + t, dtype=np.int32)
     q = rng.standard_normal((t, cfg.q_dim)).astype(np.float32)
     be.attention(att_op(be.cfg), cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(pos))
-    for cache, x in ((be.k_cache[0], k), (be.v_cache[0], v)):
+    for cache, x in ((be.kv.k_cache[0], k), (be.kv.v_cache[0], v)):
         codes, sc = q8_cache_get(cache)
         want_c, want_s = ggml_q8_0(x)
         at = pos % rows
@@ -1262,10 +1268,10 @@ def test_attention_split_q8_depths(dh, hkv, group) -> None:
     hq, ctx = hkv * group, 20_000
     cfg = make_cfg(n_head=hq, n_head_kv=hkv, head_dim=dh, rope_dim=dh, n_embd=hq * dh)
     be, _ = bare(cfg, ctx, q8=True)
-    assert be.split_fits()
-    n_split = be.decode_splits(ctx)
+    assert be.attn.split_fits()
+    n_split = be.attn.decode_splits(ctx)
     assert 1 < n_split
-    rows = be.k_cache[0].shape[0]
+    rows = be.kv.k_cache[0].shape[0]
     kc = rng.standard_normal((rows, hkv, dh)).astype(np.float32)
     vcodes, vsc = ggml_q8_0(rng.standard_normal((rows, hkv, dh)).astype(np.float32))
     po = cp.empty((n_split, hq, dh), cp.float32)
@@ -1276,15 +1282,15 @@ def test_attention_split_q8_depths(dh, hkv, group) -> None:
         kcodes, ksc = ggml_q8_0(kp)
         ks, vs = ksc.copy(), vsc.copy()
         ks[p + 1 :], vs[p + 1 :] = np.nan, np.nan
-        q8_cache_set(be.k_cache[0], kcodes, ks)
-        q8_cache_set(be.v_cache[0], vcodes, vs)
+        q8_cache_set(be.kv.k_cache[0], kcodes, ks)
+        q8_cache_set(be.kv.v_cache[0], vcodes, vs)
         out = poisoned((1, hq * dh))
-        be.attend(cp.asarray(q), hq * dh, be.k_cache[0], be.v_cache[0], cp.asarray([p], dtype=cp.int32), 1, out,
+        be.attn.attend(cp.asarray(q), hq * dh, be.kv.k_cache[0], be.kv.v_cache[0], cp.asarray([p], dtype=cp.int32), 1, out,
                   n_split, 0, po, pm)
         want = ext_attention_ref(q, q8_values(kcodes, ksc)[: p + 1], q8_values(vcodes, vsc)[: p + 1], np.array([p]),
                                  group, 1 / math.sqrt(dh), 0, 0.0)
         assert_close(out.get(), want, *SPLIT_TOL, f"q8 decode pos {p}")
-        assert not be.attention_counters.get().any()
+        assert not be.attn.counters.get().any()
 
 
 @pytest.mark.parametrize("dh,group", [(64, 3), (128, 4), (256, 2)])
@@ -1312,11 +1318,11 @@ def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
     p0 = np.arange(hist, dtype=np.int32)
     be.attention(att_op(be.cfg), cp.asarray(q0), cp.asarray(k0), cp.asarray(v0), cp.asarray(p0))
     ref.attention(att_op(ref.cfg), q0, k0, v0, p0)
-    rows = be.k_cache[0].shape[0]
+    rows = be.kv.k_cache[0].shape[0]
     assert rows == (768 if window else 2048)
     if window:
         old = np.arange(hist - rows, hist - window + 1)  # held, before the first step's window
-        for c in (be.k_cache[0], be.v_cache[0]):
+        for c in (be.kv.k_cache[0], be.kv.v_cache[0]):
             codes, sc = q8_cache_get(c)
             sc[old % rows] = np.nan
             q8_cache_set(c, codes, sc)
@@ -1326,14 +1332,14 @@ def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
         pos = np.array([p], np.int32)
         kr = ref.rope(k, pos, local=True)
         want = ref.attention(att_op(ref.cfg), ref.rope(q, pos, local=True), kr, v, pos)
-        be.step_pos.set(pos)
+        be.decoder.step_pos.set(pos)
         att = poisoned((1, cfg.q_dim))
-        be.attend_step(att_branch(be.cfg), cp.asarray(qkv), att, False)
+        attend_step(be, cp.asarray(qkv), att)
         assert_close(att.get(), want, *SPLIT_TOL, f"q8 step p={p}")
-        codes, sc = q8_cache_get(be.k_cache[0])
+        codes, sc = q8_cache_get(be.kv.k_cache[0])
         got_k = q8_values(codes[p % rows], sc[p % rows])
         step = np.repeat(np.abs(kr[0]).reshape(hkv, -1, 32).max(axis=-1) / 127, 32, axis=-1)
         assert (np.abs(got_k - q8_0_roundtrip(kr)[0]) <= 1.01 * step + 1e-6).all(), f"stored k p={p}"
-        vc, vs = q8_cache_get(be.v_cache[0])
+        vc, vs = q8_cache_get(be.kv.v_cache[0])
         np.testing.assert_array_equal(q8_values(vc[p % rows], vs[p % rows]), q8_0_roundtrip(v)[0].astype(np.float64))
-        assert int(be.attention_counters.sum()) == 0
+        assert int(be.attn.counters.sum()) == 0

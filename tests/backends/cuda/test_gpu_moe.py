@@ -13,6 +13,7 @@ cp = pytest.importorskip("cupy")
 
 from llamacli.backends.cuda import cuda_available  # noqa: E402
 from llamacli.backends.cuda.fusion import match_layer  # noqa: E402
+from llamacli.backends.cuda.moe import Experts  # noqa: E402
 from llamacli.models.block import layer_ops  # noqa: E402
 from llamacli.models.moe import route  # noqa: E402
 
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.gpu
 
 from test_gpu_kernels import (  # noqa: E402
     assert_close,
-    att_branch,
     att_op,
+    attend_step,
     bare,
     check_prefill_chunks,
     ext_attention_ref,
@@ -46,6 +47,7 @@ def test_route_matches_reference(n_expert, k, gating, norm) -> None:
 
     be = CudaBackend(use_graph=False)
     be.cfg = SimpleNamespace(n_expert=n_expert, n_expert_used=k, expert_weights_norm=norm)
+    be.experts = Experts(be.gpu, SimpleNamespace(cfg=be.cfg, weights=None), None)  # the launchers alone
     rng = np.random.default_rng(n_expert * 31 + k)
     t = 37
     cases = [
@@ -63,7 +65,7 @@ def test_route_matches_reference(n_expert, k, gating, norm) -> None:
         want_ids, want_w = route(logits, k, gating, norm)
         ids = cp.full(t * k, -1, cp.int32)
         wts = poisoned(t * k)
-        be._moe_route(cp.asarray(logits), t, ids, wts, gating)
+        be.experts.route(cp.asarray(logits), t, ids, wts, gating)
         np.testing.assert_array_equal(ids.get().reshape(t, k), want_ids)
         assert_close(wts.get().reshape(t, k), want_w, 1e-6, 1e-5, "weights")
 
@@ -106,15 +108,15 @@ def test_decode_router_routes_as_the_reference(tmp_path, spec, n_expert, k) -> N
     for col in cases:
         w[...] = 0
         w[:, 0] = cp.asarray(col, cp.float32)
-        be._moe_ids[...] = -1
-        be._moe_wts[...] = cp.nan
-        be.moe_step(match_layer(layer_ops(cfg, layer)).ffn, x, lambda section, nbytes, launch: launch(False) if section == "norm+router" else None)
-        logits = be._moe_logits.get()
+        be.experts.step_ids[...] = -1
+        be.experts.step_wts[...] = cp.nan
+        be.experts.step(match_layer(layer_ops(cfg, layer)).ffn, x, lambda section, nbytes, launch: launch(False) if section == "norm+router" else None)
+        logits = be.experts.step_logits.get()
         assert (logits[0] == -np.inf).sum() == np.isneginf(col).sum()
         want_ids, want_w = route(logits, k, plan.moe_gating, cfg.expert_weights_norm)
-        np.testing.assert_array_equal(be._moe_ids.get(), want_ids[0])
-        assert_close(be._moe_wts.get(), want_w[0], 1e-6, 1e-5, "weights")
-        assert be._moe_done.get()[0] == 0
+        np.testing.assert_array_equal(be.experts.step_ids.get(), want_ids[0])
+        assert_close(be.experts.step_wts.get(), want_w[0], 1e-6, 1e-5, "weights")
+        assert be.experts.step_done.get()[0] == 0
 
 
 @pytest.mark.parametrize("qtype", ["f32", "f16", "bf16"])
@@ -135,6 +137,7 @@ def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
 
     be = CudaBackend(use_graph=False)  # for its moe_route_f32 launcher
     be.cfg = SimpleNamespace(n_expert=n_expert, n_expert_used=k)
+    be.experts = Experts(be.gpu, SimpleNamespace(cfg=be.cfg, weights=None), None)
     rng = np.random.default_rng(n_expert * 13 + cols)
     w = rng.standard_normal((n_expert, cols)).astype(np.float32)
     if qtype == "f16":
@@ -185,7 +188,7 @@ def test_decode_router_logits_against_float64(qtype, n_expert, k, cols) -> None:
         assert_close(got_w, want_w[0], 1e-6, 1e-5, "weights")
         be.cfg.expert_weights_norm = norm
         ids_r, wts_r = cp.full(k, -1, cp.int32), poisoned(k)
-        be._moe_route(cp.asarray(got[None]), 1, ids_r, wts_r, gating)
+        be.experts.route(cp.asarray(got[None]), 1, ids_r, wts_r, gating)
         np.testing.assert_array_equal(got_ids, ids_r.get())
         np.testing.assert_array_equal(got_w.view(np.uint32), wts_r.get().view(np.uint32))  # moe_route_f32's bits
         for a, b in zip(runs[0], runs[1]):
@@ -215,7 +218,7 @@ def test_attention_sinks_prefill(dh, window) -> None:
     cfg = sink_cfg(dh, hkv, group, window)
     be, _ = bare(cfg, ctx)
     sinks = np.concatenate([rng.standard_normal(cfg.n_head - 2) * 2, [9.0, -30.0]]).astype(np.float32)
-    be.weights = SimpleNamespace(layers=[SimpleNamespace(attn_sinks=cp.asarray(sinks))])
+    be.model.weights = SimpleNamespace(layers=[SimpleNamespace(attn_sinks=cp.asarray(sinks))])
     check_prefill_chunks(be, cfg, rng, ctx, 0.5, window, 0.0, sinks)
 
 
@@ -229,12 +232,12 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
     cfg = sink_cfg(dh, hkv, group, window)
     be, ref = bare(cfg, ctx)
     sinks = (rng.standard_normal(cfg.n_head) * 3).astype(np.float32)
-    be.weights = SimpleNamespace(layers=[SimpleNamespace(attn_sinks=cp.asarray(sinks))])
+    be.model.weights = SimpleNamespace(layers=[SimpleNamespace(attn_sinks=cp.asarray(sinks))])
     hist = 700
     k0 = rng.standard_normal((hist, hkv, dh)).astype(np.float16)
     v0 = rng.standard_normal((hist, hkv, dh)).astype(np.float16)
-    put_positions(be.k_cache[0], 0, k0)
-    put_positions(be.v_cache[0], 0, v0)
+    put_positions(be.kv.k_cache[0], 0, k0)
+    put_positions(be.kv.v_cache[0], 0, v0)
     kc, vc = k0.astype(np.float32), v0.astype(np.float32)
     # The op path: one query at position hist - 1 over the cache (its own K/V rewritten as they are).
     q = rng.standard_normal((1, cfg.n_head, dh)).astype(np.float32)
@@ -245,10 +248,6 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
     want = ext_attention_ref(q, kc, vc, pos, group, cfg.query_scale, window, 0.0, sinks.astype(np.float64))
     assert_close(got.get(), want, 4e-3, 1e-2, "decode op path")  # fp16 q and P (test_gpu_kernels.SPLIT_TOL)
     # The fused step: RoPE of q and k at the position, K/V stored, splits merged by the last block.
-    n_split = be.decode_splits(ctx)
-    be._part_o = cp.empty((n_split, cfg.n_head, dh), cp.float32)
-    be._part_ml = cp.empty((n_split, cfg.n_head, 2), cp.float32)
-    be.attention_counters = cp.zeros(hkv, cp.uint32)
     for p in (hist, hist + 1):
         qkv = rng.standard_normal((1, cfg.q_dim + 2 * cfg.kv_dim)).astype(np.float32)
         qs = qkv[:, : cfg.q_dim].reshape(1, cfg.n_head, dh)
@@ -260,8 +259,8 @@ def test_attention_sinks_decode_and_step(dh, group, window) -> None:
         vc = np.concatenate([vc, vs.astype(np.float16).astype(np.float32)])
         want = ext_attention_ref(ref.rope(qs, ppos), kc, vc, ppos, group, cfg.query_scale, window, 0.0,
                                  sinks.astype(np.float64))
-        be.step_pos.set(ppos)
+        be.decoder.step_pos.set(ppos)
         att = poisoned((1, cfg.q_dim))
-        be.attend_step(att_branch(be.cfg), cp.asarray(qkv), att, False)
+        attend_step(be, cp.asarray(qkv), att)
         assert_close(att.get(), want, 4e-3, 1e-2, f"step p={p}")
-        assert int(be.attention_counters.sum()) == 0
+        assert int(be.attn.counters.sum()) == 0

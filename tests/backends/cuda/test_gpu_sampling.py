@@ -16,6 +16,7 @@ cp = pytest.importorskip("cupy")
 from test_gpu_backend import _smollm2_path  # noqa: E402  (the real test model, or a skip)
 
 from llamacli.backends.cuda import CudaBackend, cuda_available  # noqa: E402
+from llamacli.backends.cuda.device import DeviceModel  # noqa: E402
 from llamacli.backends.cuda.sampling import TOPK_MAX, UNIFORM_RING, check_flag  # noqa: E402
 from llamacli.engine.generate import load  # noqa: E402
 from llamacli.errors import BackendError, NumericalError  # noqa: E402
@@ -51,23 +52,22 @@ def make_cfg(vocab: int) -> ModelConfig:
 
 def step_tail(vocab: int, ctx: int) -> tuple[CudaBackend, Callable[[int, int, np.ndarray], tuple[int, int]]]:
     """A backend with only the step's I/O (no model) and a function that runs the step's sampling kernels
-    (decode._step_kernels' tail after the LM head) on step_logits, as the captured step does."""
+    (the tail of decode.DecodeStep.launch_step after the LM head) on the logits given, as the captured step does."""
     be = CudaBackend(use_graph=False)
-    be.cfg, be.ctx = make_cfg(vocab), ctx
-    be.alloc_step_io()
-    be.step_logits = cp.empty((1, vocab), cp.float32)
+    be.attach(DeviceModel(make_cfg(vocab), ctx, None, (), None))
+    logits = cp.empty((1, vocab), cp.float32)
     step: list = []
-    be._sample_tail(step, vocab)
+    be.sampler.step_tail(step, logits, be.decoder.step_ids, be.decoder.step_pos)
 
-    def run(token: int, pos: int, logits: np.ndarray) -> tuple[int, int]:
-        be.step_logits[0].set(logits)
-        be.step_ids[:1].set(np.asarray([token], np.int32))
-        be.step_pos.set(np.asarray([pos], np.int32))
-        be._feed_uniforms(pos)
+    def run(token: int, pos: int, values: np.ndarray) -> tuple[int, int]:
+        logits[0].set(values)
+        be.decoder.step_ids[:1].set(np.asarray([token], np.int32))
+        be.decoder.step_pos.set(np.asarray([pos], np.int32))
+        be.sampler.feed_uniforms(pos)
         for _, _, _, launch in step:
             launch(False)
-        tok, flag = (int(a) for a in be.step_ids.get())
-        assert int(be.step_pos.get()[0]) == pos + 1  # the step moves the device on, as the fused argmax does
+        tok, flag = (int(a) for a in be.decoder.step_ids.get())
+        assert int(be.decoder.step_pos.get()[0]) == pos + 1  # the step moves the device on, as the fused argmax does
         return tok, flag
 
     return be, run
@@ -167,7 +167,7 @@ def test_generate_sampled_in_the_graph_equals_host_sampling(random_model, shape,
     greedy with penalties; with graphs and without; over more tokens than the uniform ring holds."""
     m = load(random_model(shape, qtype), backend="cuda", ctx=2048)
     m.tokenizer.eog_ids = frozenset()  # every generation runs to max_tokens
-    assert {"greedy", "sampled"} <= set(m.backend._graphs)  # captured at load, before any timed step
+    assert {"greedy", "sampled"} <= m.backend.decoder.captured  # captured at load, before any timed step
     prompt = [1, 30, 31, 32, 33, 34, 35]
     for settings in _sampled_settings():
         n = UNIFORM_RING + 100 if settings.get("seed") == 1 else 96
@@ -239,8 +239,7 @@ def test_sample_allowed_on_the_device_equals_the_host(vocab: int) -> None:
     from llamacli.sampling.structured import pack_words
 
     be = CudaBackend(use_graph=False)
-    be.cfg, be.ctx = make_cfg(vocab), 64
-    be.alloc_step_io()
+    be.attach(DeviceModel(make_cfg(vocab), 64, None, (), None))
     ref = NumpyBackend()
     rng = np.random.default_rng(vocab)
     n_words = -(-vocab // 32)

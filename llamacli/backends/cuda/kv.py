@@ -1,0 +1,69 @@
+"""The KV cache on the device: one K and one V array per layer, and the launchers that write and convert it.
+
+Each layer's arrays have cfg.cache_rows(ctx) rows (ctx, or a sliding-window layer's ring: models/kv_cache.py),
+and every kernel takes them with its row count (the ring, kc.shape[0]): fp16 [rows, Hkv, Dh]; or (-ctk/-ctv
+q8_0) one byte buffer [rows, Hkv, Dh + Dh/16] per cache, rows rounded up to 64, holding int8 codes [rows, Hkv,
+Dh] and then fp16 scales [Hkv, rows, Dh/32] (kernels/attention_split.cu), with an fp16 [rows, Hkv, Dh] pair of
+the largest rows (`pair`) that the prefill's writers and readers take instead (readable).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...models.config import ModelConfig
+from . import loader as K
+
+
+class KVCache:
+    def __init__(self, cp: Any, cfg: ModelConfig, ctx: int, q8: bool):
+        self.cp, self.cfg = cp, cfg
+        hkv, dh = cfg.n_head_kv, cfg.head_dim
+        rows = [-(-n // 64) * 64 for n in cfg.cache_rows(ctx)] if q8 else cfg.cache_rows(ctx)
+        shape = (hkv, dh + dh // 16) if q8 else (hkv, dh)
+        self.q8 = q8
+        self.k_cache = [cp.zeros((n, *shape), dtype=cp.uint8 if q8 else cp.float16) for n in rows]
+        self.v_cache = [cp.zeros_like(k) for k in self.k_cache]
+        self.pair = tuple(cp.zeros((max(rows), hkv, dh), cp.float16) for _ in "kv") if q8 else None
+
+    def rope_store_caches(self, layer: int) -> tuple[Any, Any]:
+        """The K and V arrays the fp16 writers (rope_store*, which also leave the rotated K and V in f32 in their
+        qkv rows) write into: the layer's cache, or an 8-bit cache's fp16 pair (scratch: readable overwrites
+        it), the 8-bit cache then filled from those rows by store_q8."""
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        if kc.dtype != self.cp.uint8:
+            return kc, vc
+        return self.pair[0][: kc.shape[0]], self.pair[1][: kc.shape[0]]
+
+    def store(self, kc: Any, vc: Any, k_ptr: int, v_ptr: int, stride: int, pos: Any, t: int) -> None:
+        """K and V rows (f32, `stride` floats apart a token) of the t positions `pos` into a layer's cache:
+        kv_store (fp16) or kv_store_q8 (an 8-bit cache: a warp per 32-value block, a thread per value)."""
+        cfg = self.cfg
+        q8 = kc.dtype == self.cp.uint8
+        n = t * cfg.kv_dim * (2 if q8 else 1)  # threads
+        K.launch("attention_simt", "kv_store_q8" if q8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,), k=k_ptr,
+                 k_stride=stride, v=v_ptr, v_stride=stride, T=t, Hkv=cfg.n_head_kv, Dh=cfg.head_dim, pos=pos, kc=kc,
+                 vc=vc, ring=kc.shape[0])
+
+    def store_q8(self, layer: int, qkv: Any, stride: int, pos: Any, t: int) -> None:
+        """An 8-bit cache's rows of the t positions `pos` from the rotated K and V in qkv's rows (`stride` floats
+        apart: [q | K | V] as the QKV matvec or GEMM writes them); nothing for an fp16 cache."""
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        if kc.dtype != self.cp.uint8:
+            return
+        q_dim, kv_dim = self.cfg.q_dim, self.cfg.kv_dim
+        self.store(kc, vc, qkv.data.ptr + 4 * q_dim, qkv.data.ptr + 4 * (q_dim + kv_dim), stride, pos, t)
+
+    def readable(self, kc: Any, vc: Any, pos: Any, t: int) -> tuple[Any, Any]:
+        """A layer's cache as the fp16 readers take it: itself, or (an 8-bit cache) its rows up to the highest of
+        the t positions `pos` converted into the fp16 pair (kv_dequant_q8). attention_split reads the 8-bit cache
+        itself (its _q8 forms): decode, where the bytes read are the cost; a prefill chunk's attention does far
+        more work per key than the conversion."""
+        if kc.dtype != self.cp.uint8:
+            return kc, vc
+        cfg = self.cfg
+        ring, hkv, dh = kc.shape[0], cfg.n_head_kv, cfg.head_dim
+        k16, v16 = (x[:ring] for x in self.pair)
+        K.launch("attention_simt", "kv_dequant_q8", (min(K.cdiv(ring * hkv * dh // 8, 256), 2048),), (256,), kc=kc,
+                 vc=vc, ring=ring, Hkv=hkv, Dh=dh, pos=pos, T=t, k16=k16, v16=v16)
+        return k16, v16
