@@ -1,9 +1,7 @@
 """llamacli: GGUF language models on NVIDIA GPUs from readable Python."""
 
-from .startup import (
-    mark_start as _mark_start,
-    started_at,  # noqa: F401 (API: when run() began)
-)
+from . import startup
+from .startup import started_at  # noqa: F401 (API: when run() began)
 from .version import __version__  # noqa: F401 (API)
 
 
@@ -16,7 +14,7 @@ def run() -> None:
     import sys
     import time
 
-    _mark_start(time.perf_counter())
+    startup.mark_start(time.perf_counter())
     argv = sys.argv[1:]
     loads = False
     code: object = 0

@@ -18,11 +18,6 @@ from __future__ import annotations
 
 import threading
 
-_driver: dict = {"retained": None}  # (libcuda, device) whose primary context driver_context retained, or None
-_lock = threading.Lock()  # driver_context and release: one at a time
-_thread_lock = threading.Lock()
-_thread: list[threading.Thread] = []  # the thread start() began (at most one)
-
 # The commands that load a model (their aliases included; llamacli/cli/parser.py ALIASES has none of these).
 MODEL_COMMANDS = frozenset({"generate", "chat", "run", "bench", "serve"})
 
@@ -42,53 +37,83 @@ def wanted(argv: list[str]) -> bool:
     return not any(a == "--backend" and b == "numpy" for a, b in zip(argv, argv[1:]))
 
 
-def driver_context() -> None:
-    """The driver's start and GPU 0's primary context, retained once per process; nothing where CuPy is not
-    installed or the driver or the GPU is missing."""
-    import ctypes
-    import importlib.util
+class DriverStart:
+    """The driver's start in one process: at most one thread (start), at most one primary context retained
+    (context; release lets it go). The module's functions act on PROCESS, this process's own; a test puts a
+    fresh one in its place to start from nothing."""
 
-    with _lock:
-        if _driver["retained"] is not None or importlib.util.find_spec("cupy") is None:
-            return
+    def __init__(self) -> None:
+        self.retained: tuple | None = None  # (libcuda, device) whose primary context context() retained, or None
+        self.thread: threading.Thread | None = None  # the thread start() began
+        self._lock = threading.Lock()  # context and release: one at a time
+        self._thread_lock = threading.Lock()
+
+    def context(self) -> None:
+        """The driver's start and GPU 0's primary context, retained once; nothing where CuPy is not installed or
+        the driver or the GPU is missing."""
+        import ctypes
+        import importlib.util
+
+        with self._lock:
+            if self.retained is not None or importlib.util.find_spec("cupy") is None:
+                return
+            try:
+                cu = ctypes.CDLL("libcuda.so.1")
+                dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+                if (cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+                        and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0):
+                    self.retained = (cu, dev)
+            except (OSError, AttributeError):
+                pass
+
+    def _quietly(self) -> None:
         try:
-            cu = ctypes.CDLL("libcuda.so.1")
-            dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
-            if (cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
-                    and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0):
-                _driver["retained"] = (cu, dev)
-        except (OSError, AttributeError):
+            self.context()
+        except BaseException:  # noqa: BLE001 - what failed here is found again and reported by cuda_status
             pass
 
+    def start(self) -> None:
+        """Begin context() on a thread of its own (nothing if one already began)."""
+        with self._thread_lock:
+            if self.thread is not None:
+                return
+            thread = threading.Thread(target=self._quietly, name="llamacli-cuda-driver", daemon=True)
+            thread.start()
+            self.thread = thread
 
-def _quietly() -> None:
-    try:
-        driver_context()
-    except BaseException:  # noqa: BLE001 - what failed here is found again and reported by cuda_status
-        pass
+    def wait(self) -> None:
+        """Wait for the thread start() began, if any."""
+        if self.thread is not None:
+            self.thread.join()
+
+    def release(self) -> None:
+        """Release the primary context context() retained (the NumPy backend runs after all)."""
+        self.wait()
+        with self._lock:
+            retained, self.retained = self.retained, None
+        if retained is not None:
+            cu, dev = retained
+            cu.cuDevicePrimaryCtxRelease(dev)
+
+
+PROCESS = DriverStart()
+
+
+def driver_context() -> None:
+    """PROCESS.context(): the driver's start and GPU 0's primary context, retained once per process."""
+    PROCESS.context()
 
 
 def start() -> None:
-    """Begin driver_context on a thread of its own (nothing if one already began)."""
-    with _thread_lock:
-        if _thread:
-            return
-        thread = threading.Thread(target=_quietly, name="llamacli-cuda-driver", daemon=True)
-        _thread.append(thread)
-        thread.start()
+    """PROCESS.start(): driver_context on a thread of its own, once per process."""
+    PROCESS.start()
 
 
 def wait() -> None:
-    """Wait for the thread start() began, if any."""
-    if _thread:
-        _thread[0].join()
+    """PROCESS.wait(): wait for the thread start() began, if any."""
+    PROCESS.wait()
 
 
 def release() -> None:
-    """Release the primary context driver_context retained (the NumPy backend runs after all)."""
-    wait()
-    with _lock:
-        retained, _driver["retained"] = _driver["retained"], None
-    if retained is not None:
-        cu, dev = retained
-        cu.cuDevicePrimaryCtxRelease(dev)
+    """PROCESS.release(): let the retained context go (the NumPy backend runs after all)."""
+    PROCESS.release()

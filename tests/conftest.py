@@ -64,14 +64,18 @@ def random_model(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def download_sandbox(tmp_path, monkeypatch) -> Path:
-    """A private cache and config; no user registry, no Hugging Face token, mirror or package index from the
-    outside; downloads give up after 5 s of stalling instead of 30."""
+    """A private cache and config; no user registry, no Hugging Face token (in the environment or stored on this
+    machine), mirror or package index from the outside; downloads give up after 5 s of stalling instead of 30."""
+    import huggingface_hub.constants
+
     from llamacli.registry import download
 
     monkeypatch.setenv("LLAMACLI_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     for var in ("LLAMACLI_MODELS", "XDG_CACHE_HOME", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "PIP_NO_INDEX"):
         monkeypatch.delenv(var, raising=False)
+    # The token `hf auth login` stored: huggingface_hub works out its path when it is imported (HF_TOKEN_PATH).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "hf-token"))
     isolate_network(tmp_path, monkeypatch)
     monkeypatch.setattr(download, "TIMEOUT_S", 5.0)
     return tmp_path

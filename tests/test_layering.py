@@ -226,3 +226,129 @@ def test_the_checks_see_what_they_look_for() -> None:
     assert ("llamacli.backends.base", "llamacli.sampling.structured") in pairs  # inside sample_allowed
     assert ("llamacli.engine.generate", "llamacli.sampling.structured") in pairs  # TYPE_CHECKING and inside run
     assert ("llamacli.backends.numpy_backend", "llamacli.models.rope") in pairs  # from ..models import rope
+
+
+# -- tests use public names only (issue 39) ---------------------------------------------------------------------
+#
+# A test that reaches a private name (one with a leading underscore: _helper, module._state, obj._method) checks
+# how the code is written rather than what it promises: it breaks on a rename that changes no behaviour, and holds
+# the helper in place. So tests go through public names: the behaviour a helper serves, or the helper made public
+# (with a docstring, a contract of its own) where it is a unit worth testing alone. Read with `ast` from every file
+# under tests/ but tests/backends/cuda/ (the CUDA backend's tests, reshaped with the backend), wherever in the file:
+# - an import of a private name or from a private module of llamacli: `from llamacli.x import _y`, `import
+#   llamacli._x`;
+# - a private attribute of anything but the test's own objects (self, cls, super()): `module._name`,
+#   `obj._method`. Which object is llamacli's cannot be told from the source, so the few private attributes of
+#   other libraries' objects that tests need are listed in FOREIGN_PRIVATE, each with why;
+# - a private name handed as a string to what reaches attributes by name: monkeypatch.setattr(obj, "_x", ...),
+#   delattr, getattr, hasattr, mock.patch.object; likewise checked against FOREIGN_PRIVATE;
+# - a dotted llamacli path with a private part as a string handed to a call: monkeypatch.setattr("llamacli.x._y",
+#   ...), mock.patch("llamacli.x._y"), importlib.import_module("llamacli._x").
+# Dunder names (__version__, __file__, __name__) are not private.
+
+PRIVATE_CHECK_SKIPS = ("tests/backends/cuda/",)
+
+# (test file, the private attribute as `object.name`) -> why a test may touch it. A listed use that is gone fails
+# the check too, so that its entry goes with it.
+FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
+    ("tests/models/test_moe.py", "GptOssExperts._apply_gate"):
+        "transformers' own gpt-oss gate (clamped SwiGLU): the reference the NumPy backend is compared with",
+    ("tests/backends/test_backend_select.py", "os._exit"):
+        "the standard library's os._exit (documented, underscore and all), replaced so that a test sees the "
+        "CLI's entry leave through it",
+    ("tests/test_readme.py", "ctx._protected_args"):
+        "click's parsed command words (click 8.2 keeps them only there), to resolve a README command's subcommand",
+}
+
+_BY_NAME = {"setattr", "delattr", "getattr", "hasattr", "object"}  # calls whose 2nd argument names an attribute
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and name != "_"
+
+
+def _own(node: ast.expr) -> bool:
+    """Whether an attribute chain starts at the test's own object: self, cls or super()."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return isinstance(node, ast.Name) and node.id in ("self", "cls", "super")
+
+
+def private_uses(source: str) -> list[tuple[int, str, str]]:
+    """(line, kind, what) for each use of a private name in a test's source, as the comment above describes;
+    kind "attribute" (what: `object.name`, as FOREIGN_PRIVATE keys it) or "import" / "string" (what: the name)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, "import", a.name) for a in node.names
+                      if a.name.split(".")[0] == "llamacli" and any(map(_private, a.name.split(".")))]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "llamacli":
+            if any(map(_private, node.module.split("."))):
+                found.append((node.lineno, "import", node.module))
+            found += [(node.lineno, "import", f"{node.module}.{a.name}") for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value):
+            found.append((node.lineno, "attribute", f"{ast.unparse(node.value)}.{node.attr}"))
+        elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            named = node.args[1] if len(node.args) >= 2 else None
+            if (name in _BY_NAME and isinstance(named, ast.Constant) and isinstance(named.value, str)
+                    and _private(named.value) and not _own(node.args[0])):
+                found.append((node.lineno, "attribute", f"{ast.unparse(node.args[0])}.{named.value}"))
+            for arg in node.args:
+                path = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else ""
+                parts = path.split(".")
+                if parts[0] == "llamacli" and all(p.isidentifier() for p in parts) and any(map(_private, parts)):
+                    found.append((node.lineno, "string", path))
+    return sorted(found)
+
+
+def checked_test_files() -> list[Path]:
+    tests = Path(__file__).resolve().parent
+    return [p for p in sorted(tests.rglob("*.py"))
+            if not str(p.relative_to(ROOT)).startswith(PRIVATE_CHECK_SKIPS)]
+
+
+def test_tests_use_public_names_only() -> None:
+    wrong, foreign_seen = [], set()
+    for path in checked_test_files():
+        rel = str(path.relative_to(ROOT))
+        for line, kind, what in private_uses(path.read_text(encoding="utf-8")):
+            if kind == "attribute" and (rel, what) in FOREIGN_PRIVATE:
+                foreign_seen.add((rel, what))
+                continue
+            wrong.append(f"{rel}:{line}: {kind} {what}")
+    assert not wrong, ("tests reach private names: test through the public behaviour, or make the helper public "
+                       "(a docstring, no underscore); another library's private attribute goes in FOREIGN_PRIVATE "
+                       "with why (tests/test_layering.py):\n" + "\n".join(wrong))
+    gone = sorted(set(FOREIGN_PRIVATE) - foreign_seen)
+    assert not gone, f"no longer used, so drop them from FOREIGN_PRIVATE: {gone}"
+
+
+def test_the_private_name_check_sees_what_it_looks_for() -> None:
+    source = '''
+import llamacli._hidden
+from llamacli.engine.generate import Model, _split_stop, __version__
+from llamacli._private import thing
+from llamacli import startup, gpu_driver as _driver_module
+
+def test(monkeypatch, model):
+    from llamacli.serve.api import _effort
+    monkeypatch.setattr(gpu_driver, "_thread", [])
+    monkeypatch.setattr("llamacli.registry.registry._have_hf_token", lambda: False)
+    monkeypatch.setattr(gpu_driver, "PROCESS", None)
+    getattr(model, "_chat")
+    model.backend._ahead += 1
+    startup._started.clear()
+    x = self._mine + cls._ours + super()._theirs + model.__class__ + model.public
+'''
+    assert private_uses(source) == [
+        (2, "import", "llamacli._hidden"),
+        (3, "import", "llamacli.engine.generate._split_stop"),
+        (4, "import", "llamacli._private"),
+        (8, "import", "llamacli.serve.api._effort"),
+        (9, "attribute", "gpu_driver._thread"),
+        (10, "string", "llamacli.registry.registry._have_hf_token"),
+        (12, "attribute", "model._chat"),
+        (13, "attribute", "model.backend._ahead"),
+        (14, "attribute", "startup._started"),
+    ]

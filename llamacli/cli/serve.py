@@ -54,7 +54,7 @@ def serve(
     swa_full: SwaFullOpt = False,
 ) -> None:
     """Serve the model over the OpenAI HTTP API: POST /v1/chat/completions and /v1/completions (streamed
-    with "stream": true), GET /v1/models and /health. One model; requests run one at a time, in arrival
+    with "stream": true), GET /v1/models, /health and /metrics (Prometheus). One model; requests run one at a time, in arrival
     order, and reuse the KV cache for the prompt prefix they share with the one before. Ctrl-C stops."""
     model = pick_model(model_arg, model)
     if not 0 <= port <= 65535:

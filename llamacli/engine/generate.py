@@ -361,11 +361,11 @@ class Model:
                 if c.logprobs is not None:
                     c.logprobs.append(entry)
                 pending += decoder.feed(token)
-                before, cut = _split_stop(pending, stop)
+                before, cut = split_stop(pending, stop)
                 if cut:
                     c.finish_reason, pending = "stop", ""
                 else:
-                    before, pending = _hold_back(pending, stop)
+                    before, pending = hold_back(pending, stop)
                 if before:
                     c.text += before
                     yield before
@@ -530,15 +530,18 @@ def _token_text(tokenizer: Tokenizer, tid: int) -> str:
     return tokenizer.decode([tid], strip_dummy_prefix=False)
 
 
-def _split_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """(text before the earliest stop string, True) if one occurs, else (text, False)."""
+def split_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """The text stream's stop strings (Model.run), the text so far cut where one begins: (the text before the
+    earliest occurrence of any string of `stop`, True), or (text, False) where none occurs. `stop` holds no empty
+    string (Model.run drops those)."""
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-def _hold_back(text: str, stop: Sequence[str]) -> tuple[str, str]:
-    """Split `text` into (safe to print, held back): the held part is the longest tail of `text` that is a
-    proper prefix of a stop string, since the next token may complete it."""
+def hold_back(text: str, stop: Sequence[str]) -> tuple[str, str]:
+    """The text stream's hold-back (Model.run): `text` (in which no stop string occurs) split into (safe to
+    print, held back), the held part the longest tail of `text` that is a proper prefix of a string of `stop`,
+    since the next token may complete it."""
     held = 0
     for s in stop:
         for n in range(min(len(s) - 1, len(text)), held, -1):

@@ -326,6 +326,21 @@ def _bool(body: dict, name: str, default: Any) -> Any:
 # -- writing the answer ------------------------------------------------------------------------------------
 
 
+def model_entry(name: str, model) -> dict[str, Any]:
+    """The model as GET /v1/models lists it: OpenAI's fields, and its context length under the names clients look
+    for: `max_model_len` (vLLM's) and `context_length` (OpenRouter's, LM Studio's), the context this server
+    runs with (--ctx: what a prompt plus its reply must fit); `meta` as llama-server reports it (`n_ctx_train`:
+    the context the model was trained for; `n_vocab`, `n_embd`, `n_params`, `size` in bytes of its tensors),
+    with `n_ctx` beside it."""
+    tensors = model.gguf.tensors.values()
+    meta = {"n_ctx": model.ctx, "n_ctx_train": model.cfg.context_length, "n_vocab": model.cfg.vocab_size,
+            "n_embd": model.cfg.n_embd, "n_params": sum(t.n_elements for t in tensors),
+            "size": sum(t.n_bytes for t in tensors)}
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llamacli", "max_model_len": model.ctx,
+            "context_length": model.ctx, "meta": meta}
+
+
+
 def finish_reason(c) -> str:
     """OpenAI's two: "length" when -n or the context ran out, "stop" otherwise (end of text, a stop string)."""
     return "length" if c.finish_reason == "length" else "stop"

@@ -1,6 +1,7 @@
 """The HTTP side of `llamacli serve`: a Starlette app over one loaded Model.
 
-    request -> api key? -> body (bounded) -> a preparing lane: JSON, api.read_job (template, tokens)
+    request -> counted (metrics.py) -> api key? -> body (bounded)
+            -> a preparing lane: JSON, api.read_job (template, tokens)
             -> queue (one at a time) -> worker thread: Model.run, one token per step
             -> disconnected? stop : text -> JSON answer or SSE chunks
 
@@ -15,6 +16,9 @@ the other, so that a client sending megabytes never holds up a small request. A 
 context is refused from its length or partway through tokenizing it (api.read_job), so each request costs at
 most a context's worth of tokenizing. Large bodies held at once share LARGE_BODIES bytes; past that a
 request is answered 503 at once. Slow and idle connections are connections.py's business.
+
+What GET /metrics shows is counted in metrics.py: requests by route, by CountRequests around the app (a new
+route needs nothing more); generations, in Engine.pieces; a stream that fails after its headers, in _events.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from ..chat.reasoning import make_splitter
 from ..engine.generate import Completion
 from ..textio import printable
 from . import tool_api
-from .api import ApiError, Job, api_error, chunk, finish_reason, read_job, response, usage_chunk
+from .api import ApiError, Job, api_error, chunk, finish_reason, model_entry, read_job, response, usage_chunk
+from .metrics import CONTENT_TYPE, CountRequests, Metrics
 
 MAX_BODY = 16 << 20  # bytes: a long conversation fits; a runaway upload does not
 SMALL_BODY = 256 << 10  # bytes: a body up to this is prepared in the small lane
@@ -49,7 +54,8 @@ class Engine:
     """The model, its worker thread and the queue in front of it."""
 
     def __init__(self, model, name: str, log: Callable[[str], None] | None = None):
-        self.model, self.name = model, name
+        # (the name, a file's, goes into every answer: escaped, as a file name may hold what UTF-8 cannot)
+        self.model, self.name = model, printable(name)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-serve")
         self.lanes = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-prepare-small"),
                       ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-prepare-large"))
@@ -57,8 +63,10 @@ class Engine:
         self.lock = asyncio.Lock()
         self.waiting = 0  # requests queued behind the one running
         self.busy = False
+        self.preparing = 0  # requests in the lanes
         self.served = 0
         self.log = log or (lambda line: None)
+        self.metrics = Metrics(self)
 
     async def call(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -66,7 +74,11 @@ class Engine:
     async def prepare(self, data: bytes | bytearray, chat: bool) -> Job:
         """The body as a Job, in the lane for its size (see the module doc)."""
         lane = self.lanes[len(data) > SMALL_BODY]
-        return await asyncio.get_running_loop().run_in_executor(lane, _read_job, self.model, data, chat)
+        self.preparing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(lane, _read_job, self.model, data, chat)
+        finally:
+            self.preparing -= 1
 
     def close(self) -> None:
         """Stop the worker and the lanes: what is queued is dropped, what runs finishes."""
@@ -99,6 +111,7 @@ class Engine:
             self.served += 1
             self.busy = False
             self.lock.release()
+            self.metrics.generated(request.scope, c)
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "model": self.name, "scheduling": "one request at a time, in arrival order",
@@ -107,7 +120,9 @@ class Engine:
 
 
 def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False) -> Starlette:
-    """The routes over `engine`; with `api_key`, every request must carry `Authorization: Bearer KEY`.
+    """The routes over `engine`; with `api_key`, every request must carry `Authorization: Bearer KEY` (GET /health
+    and GET /metrics too: what they show of the queue and the model is the operator's, and Prometheus sends the
+    key as configured: `authorization: {credentials_file: ...}`). CountRequests counts every request (metrics.py).
     A browser's cross-origin request is refused (_SameOrigin), and with `loopback` (the server listens on
     this machine only) so is a request addressed to any other host name (a DNS-rebinding page's)."""
 
@@ -118,11 +133,13 @@ def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False
         return await _guarded(engine, request, _complete(engine, request, chat=False))
 
     async def models(request: Request) -> Response:
-        entry = {"id": engine.name, "object": "model", "created": 0, "owned_by": "llamacli"}
-        return JSONResponse({"object": "list", "data": [entry]})
+        return JSONResponse({"object": "list", "data": [model_entry(engine.name, engine.model)]})
 
     async def health(request: Request) -> Response:
         return JSONResponse(engine.health())
+
+    async def metrics(request: Request) -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -133,11 +150,13 @@ def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key is not None:
         app.add_middleware(_KeyCheck, key=api_key)
-    app.add_middleware(_SameOrigin, loopback=loopback)  # (added last: it runs first)
+    app.add_middleware(_SameOrigin, loopback=loopback)
+    app.add_middleware(CountRequests, metrics=engine.metrics)  # (added last: it runs first, and counts all)
     return app
 
 
@@ -328,7 +347,9 @@ async def _events(engine: Engine, job: Job, request: Request, t0: float) -> Asyn
             yield _sse(usage_chunk(job, c, engine.name))
     except Exception as exc:  # noqa: BLE001
         engine.log(f"error in a stream: {type(exc).__name__}: {exc}")
-        yield _sse(api_error(exc).body())
+        err = api_error(exc)
+        Metrics.stream_failed(request.scope, err.status)
+        yield _sse(err.body())
     _log_done(engine, request, job, c, t0)
     yield "data: [DONE]\n\n"
 

@@ -16,9 +16,10 @@ class ServeError(LlamacliError):
 
 
 def need_extra():
-    """uvicorn, or ServeError where the serve extra (Starlette, uvicorn) is not installed."""
+    """uvicorn, or ServeError where the serve extra (Starlette, uvicorn, prometheus_client) is not installed."""
     try:
         importlib.import_module("starlette")
+        importlib.import_module("prometheus_client")
         import uvicorn
     except ImportError:
         raise ServeError("llamacli serve needs the serve extra: pip install 'llamacli[serve]'") from None

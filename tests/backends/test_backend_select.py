@@ -37,8 +37,7 @@ class FakeCuda:
 def fake_driver(monkeypatch):
     fake = FakeCuda()
     monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
-    monkeypatch.setitem(gpu_driver._driver, "retained", None)
-    monkeypatch.setattr(gpu_driver, "_thread", [])
+    monkeypatch.setattr(gpu_driver, "PROCESS", gpu_driver.DriverStart())  # as in a fresh process
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "cupy" else real(n, *a))
     return fake
@@ -63,10 +62,10 @@ def test_context_retained_once_and_released_when_cuda_is_not_taken(monkeypatch, 
     monkeypatch.setattr(backends, "cuda_status", lambda context=False: (True, "GPU"))
     assert backends.start_early("auto")() == (True, "GPU")
     assert backends.start_early("cuda")() == (True, "GPU")
-    assert fake_driver.calls.count("cuDevicePrimaryCtxRetain") == 1 and gpu_driver._driver["retained"] is not None
+    assert fake_driver.calls.count("cuDevicePrimaryCtxRetain") == 1 and gpu_driver.PROCESS.retained is not None
     monkeypatch.setattr(backends, "cuda_status", lambda context=False: (False, "no GPU"))
     assert backends.start_early("auto")() == (False, "no GPU")
-    assert fake_driver.calls.count("cuDevicePrimaryCtxRelease") == 1 and gpu_driver._driver["retained"] is None
+    assert fake_driver.calls.count("cuDevicePrimaryCtxRelease") == 1 and gpu_driver.PROCESS.retained is None
     fake_driver.init = 100  # cuInit fails (no device): nothing retained, nothing to release
     assert backends.start_early("auto")() == (False, "no GPU")
     assert fake_driver.calls.count("cuDevicePrimaryCtxRetain") == 1
@@ -109,9 +108,9 @@ def test_the_driver_thread_runs_once_and_a_numpy_choice_releases_its_context(fak
     gpu_driver.start()
     gpu_driver.start()
     gpu_driver.wait()
-    assert fake_driver.calls.count("cuInit") == 1 and gpu_driver._driver["retained"] is not None
+    assert fake_driver.calls.count("cuInit") == 1 and gpu_driver.PROCESS.retained is not None
     assert backends.start_early("numpy") is None  # the NumPy backend after all: the context goes
-    assert fake_driver.calls.count("cuDevicePrimaryCtxRelease") == 1 and gpu_driver._driver["retained"] is None
+    assert fake_driver.calls.count("cuDevicePrimaryCtxRelease") == 1 and gpu_driver.PROCESS.retained is None
 
 
 class Left(Exception):
@@ -120,7 +119,8 @@ class Left(Exception):
 
 @pytest.fixture
 def entry(monkeypatch):
-    """llamacli.run with os._exit raising Left(status), its start time restored afterwards."""
+    """llamacli.run with os._exit raising Left(status), and without marking its start time in this process
+    (which --verbose's start-up line of the in-process CLI tests would count from)."""
     import os
 
     import llamacli
@@ -130,7 +130,7 @@ def entry(monkeypatch):
         raise Left(status)
 
     monkeypatch.setattr(os, "_exit", exit_now)
-    monkeypatch.setattr(startup, "_started", [])
+    monkeypatch.setattr(startup, "mark_start", lambda t: None)
     return llamacli.run
 
 
@@ -153,24 +153,32 @@ def test_a_model_command_leaves_through_os_exit_without_waiting_for_the_driver(m
         with pytest.raises(Left) as left:
             entry()
         assert left.value.args == (2,)
-        assert gpu_driver._thread and gpu_driver._thread[0].is_alive()  # left without waiting
+        assert gpu_driver.PROCESS.thread.is_alive()  # left without waiting
     finally:
         gate.set()
         gpu_driver.release()
-    monkeypatch.setattr(gpu_driver, "_thread", [])
+    monkeypatch.setattr(gpu_driver, "PROCESS", gpu_driver.DriverStart())
     monkeypatch.setattr(sys, "argv", ["llamacli", "tokenize", "--no-such-option"])
     with pytest.raises(SystemExit) as exc:
         entry()
-    assert exc.value.code == 2 and gpu_driver._thread == []
+    assert exc.value.code == 2 and gpu_driver.PROCESS.thread is None
 
 
 @pytest.mark.parametrize("code, status, err", [(None, 0, ""), (0, 0, ""), (3, 3, ""), (130, 130, ""),
                                                (300, 44, ""), ("bad things", 1, "bad things\n")])
-def test_leave_maps_exit_codes_as_the_interpreter_does(capsys, entry, code, status, err):
-    from llamacli import _leave
+def test_a_model_command_leaves_with_the_status_the_interpreter_would_give(monkeypatch, capsys, entry, code, status,
+                                                                           err):
+    """A model command's end (os._exit, past the interpreter) turns the CLI's SystemExit into the status and
+    message the interpreter would: None is 0, a number is taken modulo 256, a message is printed and is 1."""
+    from llamacli import cli
 
+    def main():
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cli, "main", main)
+    monkeypatch.setattr(sys, "argv", ["llamacli", "generate", "--backend", "numpy"])  # (no driver thread)
     with pytest.raises(Left) as left:
-        _leave(code)
+        entry()
     assert left.value.args == (status,)
     assert capsys.readouterr().err == err
 

@@ -122,22 +122,40 @@ def test_router_without_reasoning_leaves_stderr_alone():
     assert "".join(answer) == "Hello there" and side.text == ""
 
 
-def test_reasoning_efforts_read_alike_everywhere():
-    """--reasoning-effort (cli/generate.py think_setting) and the API's reasoning_effort (serve/api.py) both read an
-    effort with parse_effort: any case, OpenAI's "minimal" as gpt-oss's least ("low"), "none" as thinking off."""
-    from llamacli.cli.generate import think_setting
-    from llamacli.errors import UsageError
-    from llamacli.serve.api import ApiError, _effort
+EFFORT_TEMPLATE = (  # shows what reached it
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    "[effort={{ reasoning_effort | default('-') }} think={{ enable_thinking | default('-') }}]"
+)
 
-    for given, want in [("low", "low"), ("HIGH", "high"), (" Medium ", "medium"), ("minimal", "low"),
-                        ("none", False), ("NONE", False)]:
-        assert parse_effort(given) == want
-        assert think_setting(None, given) == want
-        assert _effort({"reasoning_effort": given}, "reasoning_effort", None) == want
-    for bad in ["max", "", "lowest", 3, None, ["low"]]:
-        with pytest.raises(ValueError, match="none, minimal, low, medium, high"):
-            parse_effort(bad)
-        with pytest.raises(ApiError):
-            _effort({"reasoning_effort": bad if bad is not None else "?"}, "reasoning_effort", None)
+
+def test_reasoning_efforts_read_alike_everywhere(tmp_path):
+    """--reasoning-effort (cli/generate.py think_setting) and the API's reasoning_effort and
+    chat_template_kwargs.reasoning_effort (serve/api.py read_job) all read an effort with parse_effort: any case,
+    OpenAI's "minimal" as gpt-oss's least ("low"), "none" as thinking off; the API's reaches the template as the
+    CLI's does, and a bad one is a 400 naming its field."""
+    from llamacli.cli.generate import think_setting
+    from llamacli.engine.generate import Model
+    from llamacli.errors import UsageError
+    from llamacli.serve.api import ApiError, read_job
+    from llamacli.testing import tiny_vocab, write_model
+
+    vocab = tiny_vocab()
+    vocab["tokenizer.chat_template"] = EFFORT_TEMPLATE
+    messages = [{"role": "user", "content": "Hi"}]
+    with Model(write_model(tmp_path / "m.gguf", vocab=vocab), backend="numpy", ctx=256) as model:
+        assert "[effort=low think=True]" in model.render_chat(messages, think="low")
+        for given, want in [("low", "low"), ("HIGH", "high"), (" Medium ", "medium"), ("minimal", "low"),
+                            ("none", False), ("NONE", False)]:
+            assert parse_effort(given) == want
+            assert think_setting(None, given) == want
+            ids = model.chat_ids(messages, think=want)
+            for body in ({"reasoning_effort": given}, {"chat_template_kwargs": {"reasoning_effort": given}}):
+                assert read_job(model, {"messages": messages, **body}, chat=True).ids == ids, body
+        for bad in ["max", "", "lowest", 3, None, ["low"]]:
+            with pytest.raises(ValueError, match="none, minimal, low, medium, high"):
+                parse_effort(bad)
+            with pytest.raises(ApiError) as e:
+                read_job(model, {"messages": messages, "reasoning_effort": "?" if bad is None else bad}, chat=True)
+            assert e.value.status == 400 and e.value.param == "reasoning_effort"
     with pytest.raises(UsageError, match="--reasoning-effort must be one of"):
         think_setting(None, "max")

@@ -467,6 +467,13 @@ def test_a_number_of_thousands_of_digits_is_a_clean_error(tmp_path):
     assert s.messages == []
 
 
+def _window_from(s: ChatSession, first: int) -> list[dict[str, str]]:
+    """The messages a prompt renders when the window starts at history[first]: the system prompt (the head of
+    s.messages before the history) and the turns from there."""
+    head = s.messages[: len(s.messages) - len(s.history)]
+    return head + [dict(m) for m in s.history[first:]]
+
+
 def _old_trim_start(s: ChatSession) -> int:
     """Where the window started under the first trimming rule: drop one exchange at a time, re-rendering after
     each, until the prompt fills at most half the budget (the reference the binary search must agree with)."""
@@ -475,7 +482,7 @@ def _old_trim_start(s: ChatSession) -> int:
     if len(s.model.chat_ids(s.window())) <= budget:
         return first
     last_user = max(i for i, m in enumerate(s.history) if m["role"] == "user")
-    while len(s.model.chat_ids(s._with_system(s.history[first:]))) > budget // 2:
+    while len(s.model.chat_ids(_window_from(s, first))) > budget // 2:
         nxt = next((i for i in range(first + 1, last_user + 1) if s.history[i]["role"] == "user"), None)
         if nxt is None:
             break
@@ -504,7 +511,7 @@ def test_trimming_keeps_the_turns_the_one_by_one_rule_keeps(exchanges):
         except ContextOverflowError:
             assert s.first == 0
             # The one-by-one rule, left with its shortest window, overflows as well.
-            assert len(s.model.chat_ids(s._with_system(s.history[want:]))) > s.model.ctx - s.reserve, (exchanges, ctx)
+            assert len(s.model.chat_ids(_window_from(s, want))) > s.model.ctx - s.reserve, (exchanges, ctx)
             continue
         assert s.first == want, (exchanges, ctx)
 
@@ -533,5 +540,5 @@ def test_loading_a_long_conversation_into_a_small_context_is_fast():
     assert len(c.prompt_tokens) <= budget // 2
     assert s.window()[-2] == {"role": "user", "content": "the new question"}
     assert s.window()[1]["content"].startswith("question 199")  # the most recent exchanges that fit
-    earlier = s._with_system(s.history[s.first - 2 :])[:-1]  # one more exchange would not fit in half
+    earlier = _window_from(s, s.first - 2)[:-1]  # one more exchange would not fit in half
     assert len(s.model.chat_ids(earlier)) > budget // 2

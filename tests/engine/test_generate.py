@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llamacli.engine.generate import Model, _hold_back, _split_stop
+from llamacli.engine.generate import Model, hold_back, split_stop
 from llamacli.testing import variant
 
 
@@ -48,7 +48,7 @@ def test_prefix_reuse_prefills_only_the_difference(spm_model):
      ("one\n\ntwo", ["\n\n", "two"], "one", True), ("", ["x"], "", False)],
 )
 def test_split_stop(text, stops, before, hit):
-    assert _split_stop(text, stops) == (before, hit)
+    assert split_stop(text, stops) == (before, hit)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_split_stop(text, stops, before, hit):
      ("xyz", [], "xyz", "")],
 )
 def test_hold_back(text, stops, emit, held):
-    assert _hold_back(text, stops) == (emit, held)
+    assert hold_back(text, stops) == (emit, held)
 
 
 def test_vocabulary_must_match_the_embedding(tmp_path):

@@ -83,19 +83,30 @@ def test_builtin_registry():
             assert filename.endswith(".gguf") and repo.count("/") == 1
 
 
-def test_builtin_file_is_found_inside_a_wheel_too(tmp_path, monkeypatch):
-    assert builtin_registry_path() == Path(registry.__file__).resolve().parents[2] / "models.toml"
-    package = tmp_path / "site-packages" / "llamacli"  # the wheel layout: force-included as llamacli/models.toml
-    package.mkdir(parents=True)
-    (package / "models.toml").write_text('default = "m"\n[m]\nurl = "http://127.0.0.1:9/m.gguf"\n')
-    from llamacli import paths
+def test_builtin_file_is_found_inside_a_wheel_too(tmp_path):
+    """In a checkout models.toml is at the top; a wheel force-includes it as llamacli/models.toml
+    (pyproject.toml). A copy of the package laid out as a wheel installs it, away from the checkout, reads its
+    own, and says in one line when it is missing."""
+    import shutil
+    import subprocess
 
-    monkeypatch.setattr(paths, "_PACKAGE", package)
-    assert builtin_registry_path() == package / "models.toml"
-    assert load_registry().default == "m"
-    (package / "models.toml").unlink()
-    with pytest.raises(UsageError, match="built-in models.toml is missing"):
-        load_registry()
+    assert builtin_registry_path() == Path(registry.__file__).resolve().parents[2] / "models.toml"
+    site = tmp_path / "site-packages"
+    shutil.copytree(Path(registry.__file__).resolve().parents[1], site / "llamacli",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (site / "llamacli" / "models.toml").write_text('default = "m"\n[m]\nurl = "http://127.0.0.1:9/m.gguf"\n')
+    code = ("import llamacli.registry.registry as r\n"
+            "try:\n    print(r.builtin_registry_path(), r.load_registry().default)\n"
+            "except Exception as exc:\n    print(type(exc).__name__, exc)\n")
+
+    def run() -> str:
+        env = {**os.environ, "PYTHONPATH": str(site)}
+        return subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              check=True, timeout=60).stdout.strip()
+
+    assert run() == f"{site / 'llamacli' / 'models.toml'} m"
+    (site / "llamacli" / "models.toml").unlink()
+    assert run().startswith("UsageError the built-in models.toml is missing")
 
 
 # -- the user's file -----------------------------------------------------------------------------------------
@@ -336,7 +347,6 @@ def test_hf_gated_needs_hf_token(tmp_path, monkeypatch, server):
     monkeypatch.setenv("HF_ENDPOINT", server.base)
     server.hf("meta/gated-GGUF", "m.gguf", token="secret")
     user_models(tmp_path, monkeypatch, '[g]\nhf = "meta/gated-GGUF/m.gguf"\ngated = true\n')
-    monkeypatch.setattr(registry, "_have_hf_token", lambda: False)  # ignore a token stored on this machine
     with pytest.raises(DownloadError, match="gated.*HF_TOKEN") as e:
         resolve_model("g", progress=False)
     assert "\n" not in str(e.value)

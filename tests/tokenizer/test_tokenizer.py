@@ -400,44 +400,47 @@ def test_token_matcher_is_leftmost_longest() -> None:
         assert found == [m.span() for m in pattern.finditer(text)], (tokens, text)
 
 
-def test_spm_proto_equals_the_field_by_field_serialization() -> None:
-    """spm._spm_model_proto (tokenizer/spm.py) writes the pieces with one-byte varints inlined (it runs once per token);
-    the proto must equal the plain field-by-field serialization for pieces of any length (varints past one
-    byte), every token type, scores past float32, with and without an unknown token."""
+def test_spm_engine_holds_every_piece_as_given() -> None:
+    """spm.build_spm writes the SentencePiece model proto by hand, with one-byte varints inlined (it runs once per
+    token): the engine built from it must hold every piece, its score and its type as given, for pieces of any
+    length (varints past one byte), every token type (as SentencePiece takes them: one unknown, BYTE only for
+    <0xXX>, control stays control, the rest normal), scores past float32 (clamped), with and without an
+    unknown token (without one, ours comes last), with and without the 256 byte pieces."""
     import random
     import struct
 
     from llamacli.tokenizer import spm as S
 
-    def reference(tokens, scores, types, unk_id):
-        pieces = b""
-        for i, (text, score, ttype) in enumerate(zip(tokens, scores, types)):
-            if i == unk_id:
-                t = S.UNKNOWN
-            elif ttype == S.BYTE and S.HEX_BYTE.fullmatch(text):
-                t = S.BYTE
-            elif ttype in (S.CONTROL, S.UNKNOWN, S.BYTE):
-                t = S.CONTROL
-            else:
-                t = S.NORMAL
-            body = S._field_bytes(1, text.encode("utf-8")) + b"\x15" + struct.pack("<f", float(score))
-            if t != S.NORMAL:
-                body += S._field_int(3, t)
-            pieces += S._field_bytes(1, body)
-        return pieces
+    def float32(x: float) -> float:
+        return struct.unpack("<f", struct.pack("<f", min(max(x, -3.4e38), 3.4e38)))[0]
+
+    def kind(sp, i: int) -> str:
+        return ("unknown" if sp.is_unknown(i) else "byte" if sp.is_byte(i) else "control" if sp.is_control(i)
+                else "unused" if sp.is_unused(i) else "normal")
 
     rng = random.Random(7)
-    for _ in range(40):
+    for case in range(40):
         n = rng.randint(1, 120)
-        tokens = ["".join(chr(rng.choice((rng.randint(32, 126), rng.randint(0xA0, 0xD7FF))))
-                          for _ in range(rng.choice((1, 3, 42, 130, 300)))) for _ in range(n)]
-        tokens[0] = "<0x41>"
-        scores = [rng.uniform(-3e38, 3e38) for _ in range(n)]
+        tokens: list[str] = []
+        while len(tokens) < n:  # (distinct: SentencePiece refuses a piece twice)
+            text = "".join(chr(rng.choice((rng.randint(32, 126), rng.randint(0xA0, 0xD7FF))))
+                           for _ in range(rng.choice((1, 3, 42, 130, 300))))
+            if text not in tokens and not S.HEX_BYTE.fullmatch(text):
+                tokens.append(text)
         types = [rng.choice((S.NORMAL, S.UNKNOWN, S.CONTROL, S.USER_DEFINED, S.UNUSED, S.BYTE)) for _ in range(n)]
         unk = rng.choice((None, 0, n - 1))
-        got = S._spm_model_proto(tokens, scores, types, unk)
-        want = reference(tokens, scores, types, unk)
-        assert got[: len(want)] == want  # (then the unknown piece where there is none, and the unchanged specs)
+        if case % 2:  # byte fallback: SentencePiece wants all 256
+            tokens += [f"<0x{b:02X}>" for b in range(256)]
+            types += [S.BYTE] * 256
+        scores = [rng.uniform(-3.5e38, 3.5e38) for _ in tokens]
+        sp = S.build_spm({"tokenizer.ggml.scores": scores}, tokens, types, unk)
+        assert sp.get_piece_size() == len(tokens) + (unk is None)
+        for i, (text, score, ttype) in enumerate(zip(tokens, scores, types)):
+            want = ("unknown" if i == unk else "byte" if ttype == S.BYTE and S.HEX_BYTE.fullmatch(text)
+                    else "control" if ttype in (S.CONTROL, S.UNKNOWN, S.BYTE) else "normal")
+            assert (sp.id_to_piece(i), sp.get_score(i), kind(sp, i)) == (text, float32(score), want), i
+        if unk is None:
+            assert kind(sp, len(tokens)) == "unknown"
 
 
 # -- a limit on the ids: refused before tokenizing a long text whole --------------------------------------------
