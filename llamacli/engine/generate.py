@@ -98,6 +98,7 @@ class Completion:
     tokens: list[int] = field(default_factory=list)  # generated ids (an end-of-generation id is not included)
     prompt_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "interrupted"
+    stop_sequence: str | None = None  # the stop string that ended the reply (finish_reason "stop"), if one did
     timings: Timings = field(default_factory=Timings)
     logprobs: list[dict[str, Any]] | None = None  # with run(logprobs=N): one entry per id in `tokens`
 
@@ -361,9 +362,10 @@ class Model:
                 if c.logprobs is not None:
                     c.logprobs.append(entry)
                 pending += decoder.feed(token)
-                before, cut = _split_stop(pending, stop)
+                before, matched = _split_stop(pending, stop)
+                cut = matched is not None
                 if cut:
-                    c.finish_reason, pending = "stop", ""
+                    c.finish_reason, c.stop_sequence, pending = "stop", matched, ""
                 else:
                     before, pending = _hold_back(pending, stop)
                 if before:
@@ -530,10 +532,11 @@ def _token_text(tokenizer: Tokenizer, tid: int) -> str:
     return tokenizer.decode([tid], strip_dummy_prefix=False)
 
 
-def _split_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """(text before the earliest stop string, True) if one occurs, else (text, False)."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
+def _split_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:
+    """(text before the earliest stop string, that string) if one occurs, else (text, None). Of two that begin
+    at one place, the first listed."""
+    found = min(((i, k) for k, i in enumerate(text.find(s) for s in stop) if i >= 0), default=None)
+    return (text[: found[0]], stop[found[1]]) if found else (text, None)
 
 
 def _hold_back(text: str, stop: Sequence[str]) -> tuple[str, str]:
