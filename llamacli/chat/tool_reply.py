@@ -118,17 +118,30 @@ class ToolReply:
         return self.h.calls if self.harmony else self.parser.calls
 
     def feed(self, piece: str) -> tuple[str, str, list[tuple]]:
-        if self.harmony:
-            return self.h.feed(piece)
-        think, answer = self.splitter.feed(piece)
-        return think, *_content(self.parser.feed(answer) if answer else [])
+        return _apart(*self.feed_events(piece))
 
     def finish(self) -> tuple[str, str, list[tuple]]:
+        return _apart(*self.finish_events())
+
+    def feed_events(self, piece: str) -> tuple[str, list[tuple]]:
+        """(reasoning, events): feed()'s, with the content as ("content", text) events in their place among the
+        calls' (a text block after a call stays after it)."""
         if self.harmony:
-            return self.h.finish()
+            think, answer, events = self.h.feed(piece)
+            return think, [("content", answer)] + events if answer else events
+        think, answer = self.splitter.feed(piece)
+        return think, self.parser.feed(answer) if answer else []
+
+    def finish_events(self) -> tuple[str, list[tuple]]:
+        if self.harmony:
+            think, answer, events = self.h.finish()
+            return think, [("content", answer)] + events if answer else events
         think, answer = self.splitter.finish()
-        events = (self.parser.feed(answer) if answer else []) + self.parser.finish()
-        return think, *_content(events)
+        return think, (self.parser.feed(answer) if answer else []) + self.parser.finish()
+
+
+def _apart(think: str, events: list[tuple]) -> tuple[str, str, list[tuple]]:
+    return think, *_content(events)
 
 
 def _content(events: list[tuple]) -> tuple[str, list[tuple]]:

@@ -98,6 +98,7 @@ class Completion:
     tokens: list[int] = field(default_factory=list)  # generated ids (an end-of-generation id is not included)
     prompt_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "interrupted"
+    stop_sequence: str | None = None  # the stop string that ended the reply (finish_reason "stop"), if one did
     timings: Timings = field(default_factory=Timings)
     logprobs: list[dict[str, Any]] | None = None  # with run(logprobs=N): one entry per id in `tokens`
 
@@ -361,9 +362,10 @@ class Model:
                 if c.logprobs is not None:
                     c.logprobs.append(entry)
                 pending += decoder.feed(token)
-                before, cut = split_stop(pending, stop)
+                before, matched = split_stop(pending, stop)
+                cut = matched is not None
                 if cut:
-                    c.finish_reason, pending = "stop", ""
+                    c.finish_reason, c.stop_sequence, pending = "stop", matched, ""
                 else:
                     before, pending = hold_back(pending, stop)
                 if before:
@@ -530,12 +532,12 @@ def _token_text(tokenizer: Tokenizer, tid: int) -> str:
     return tokenizer.decode([tid], strip_dummy_prefix=False)
 
 
-def split_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+def split_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:
     """The text stream's stop strings (Model.run), the text so far cut where one begins: (the text before the
-    earliest occurrence of any string of `stop`, True), or (text, False) where none occurs. `stop` holds no empty
-    string (Model.run drops those)."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
+    earliest occurrence of any string of `stop`, that string), or (text, None) where none occurs; of two that
+    begin at one place, the first listed. `stop` holds no empty string (Model.run drops those)."""
+    found = min(((i, k) for k, i in enumerate(text.find(s) for s in stop) if i >= 0), default=None)
+    return (text[: found[0]], stop[found[1]]) if found else (text, None)
 
 
 def hold_back(text: str, stop: Sequence[str]) -> tuple[str, str]:

@@ -89,18 +89,8 @@ def read_job(model, body: Any, chat: bool) -> Job:
     n = _int(body, "n", 1)
     if n != 1:
         raise ApiError("only n = 1 is supported (one model, one answer per request)", param="n")
-    # A prompt that cannot fit is refused before it is tokenized whole: from its length, or partway through
-    # (Tokenizer.encode's limit), so that a huge one costs a context's worth of work, not its own size's.
-    limit = model.ctx - 1
     tools = tool_api.read(body) if chat else None
-    try:
-        ids = _chat_ids(model, body, limit, tools) if chat else _prompt_ids(model, body, limit)
-    except TooManyTokens as exc:
-        raise ApiError(f"the prompt has more than {limit:,} tokens (at least {exc.at_least:,}), the context holds "
-                       f"{model.ctx}", param="messages" if chat else "prompt", code="context_length_exceeded") from None
-    if len(ids) >= model.ctx:
-        raise ApiError(f"the prompt has {len(ids)} tokens, the context holds {model.ctx}",
-                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    ids = _ids(model, body, chat, tools)
     job = Job(chat=chat, ids=ids, max_tokens=_max_tokens(model, body), stop=_stop(body), params=_params(body),
               stream=_bool(body, "stream", False), logprobs=_logprobs(body, chat))
     job.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -119,6 +109,29 @@ def read_job(model, body: Any, chat: bool) -> Job:
     if job.logprobs is not None or job.constraint is not None:
         _check_run_takes(model, job)
     return job
+
+
+def chat_prompt_ids(model, body: Any) -> list[int]:
+    """The token ids of a chat body's prompt (its messages and tools rendered), as read_job makes them, without
+    the rest of a job (for counting them)."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    return _ids(model, body, True, tool_api.read(body))
+
+
+def _ids(model, body: dict, chat: bool, tools: tool_api.ToolRequest | None) -> list[int]:
+    # A prompt that cannot fit is refused before it is tokenized whole: from its length, or partway through
+    # (Tokenizer.encode's limit), so that a huge one costs a context's worth of work, not its own size's.
+    limit = model.ctx - 1
+    try:
+        ids = _chat_ids(model, body, limit, tools) if chat else _prompt_ids(model, body, limit)
+    except TooManyTokens as exc:
+        raise ApiError(f"the prompt has more than {limit:,} tokens (at least {exc.at_least:,}), the context holds "
+                       f"{model.ctx}", param="messages" if chat else "prompt", code="context_length_exceeded") from None
+    if len(ids) >= model.ctx:
+        raise ApiError(f"the prompt has {len(ids)} tokens, the context holds {model.ctx}",
+                       param="messages" if chat else "prompt", code="context_length_exceeded")
+    return ids
 
 
 def _chat_ids(model, body: dict, limit: int, tools: tool_api.ToolRequest | None = None) -> list[int]:

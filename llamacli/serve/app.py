@@ -19,6 +19,8 @@ request is answered 503 at once. Slow and idle connections are connections.py's 
 
 What GET /metrics shows is counted in metrics.py: requests by route, by CountRequests around the app (a new
 route needs nothing more); generations, in Engine.pieces; a stream that fails after its headers, in _events.
+Anthropic's Messages API (/v1/messages) is messages_api.py's: it reads its requests into the same Jobs, in
+the same lanes and queue, and writes its own answers, events and error shape.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from starlette.routing import Route
 from ..chat.reasoning import make_splitter
 from ..engine.generate import Completion
 from ..textio import printable
-from . import tool_api
+from . import messages_api, tool_api
 from .api import ApiError, Job, api_error, chunk, finish_reason, model_entry, read_job, response, usage_chunk
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 
@@ -71,12 +73,13 @@ class Engine:
     async def call(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def prepare(self, data: bytes | bytearray, chat: bool) -> Job:
-        """The body as a Job, in the lane for its size (see the module doc)."""
+    async def prepare(self, data: bytes | bytearray, chat: bool, read: Callable | None = None) -> Any:
+        """The body as a Job (`read(model, body, chat)`'s answer: api.read_job's by default), in the lane for its
+        size (see the module doc)."""
         lane = self.lanes[len(data) > SMALL_BODY]
         self.preparing += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(lane, _read_job, self.model, data, chat)
+            return await asyncio.get_running_loop().run_in_executor(lane, _read_job, self.model, data, chat, read)
         finally:
             self.preparing -= 1
 
@@ -120,9 +123,11 @@ class Engine:
 
 
 def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False) -> Starlette:
-    """The routes over `engine`; with `api_key`, every request must carry `Authorization: Bearer KEY` (GET /health
-    and GET /metrics too: what they show of the queue and the model is the operator's, and Prometheus sends the
-    key as configured: `authorization: {credentials_file: ...}`). CountRequests counts every request (metrics.py).
+    """The routes over `engine`; with `api_key`, every request must carry `Authorization: Bearer KEY` (or, as
+    Anthropic's clients send it, `x-api-key: KEY`), GET /health and GET /metrics too: what they show of the queue
+    and the model is the operator's, and Prometheus sends the key as configured (`authorization:
+    {credentials_file: ...}`). Errors on Anthropic's routes (/v1/messages...) take its shape. CountRequests counts
+    every request (metrics.py).
     A browser's cross-origin request is refused (_SameOrigin), and with `loopback` (the server listens on
     this machine only) so is a request addressed to any other host name (a DNS-rebinding page's)."""
 
@@ -131,6 +136,12 @@ def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False
 
     async def completions(request: Request) -> Response:
         return await _guarded(engine, request, _complete(engine, request, chat=False))
+
+    async def messages(request: Request) -> Response:
+        return await _guarded(engine, request, messages_api.create(engine, request, _read_body, _log_done))
+
+    async def count_tokens(request: Request) -> Response:
+        return await _guarded(engine, request, messages_api.count_tokens(engine, request, _read_body))
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_entry(engine.name, engine.model)]})
@@ -143,11 +154,14 @@ def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(ApiError(f"{exc.detail}: {request.method} {request.url.path}", exc.status_code, kind=kind))
+        return _error(ApiError(f"{exc.detail}: {request.method} {request.url.path}", exc.status_code, kind=kind),
+                      request.url.path)
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -182,7 +196,7 @@ class _SameOrigin:
             elif origin is not None and _netloc(origin.decode("latin-1")) != host:
                 why = "cross-origin requests from web pages are not served"
             if why is not None:
-                await _error(ApiError(why, 403, kind="permission_error"))(scope, receive, send)
+                await _error(ApiError(why, 403, kind="permission_error"), scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -211,19 +225,21 @@ def _loopback_name(host: str) -> bool:
 
 
 class _KeyCheck:
-    """Every request carries the key (`Authorization: Bearer KEY`), compared in constant time; else 401."""
+    """Every request carries the key (`Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients
+    send it), compared in constant time; else 401."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                err = ApiError("a valid API key is required (Authorization: Bearer KEY)", 401,
+            headers = dict(scope.get("headers") or [])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+            if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key):
+                err = ApiError("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)", 401,
                                code="invalid_api_key", kind="authentication_error")
-                await _error(err)(scope, receive, send)
+                await _error(err, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -240,7 +256,7 @@ async def _guarded(engine: Engine, request: Request, work) -> Response:
         err = api_error(exc)
         if err.status >= 500 and err.status != 503:
             engine.log(f"error in {request.method} {request.url.path}: {type(exc).__name__}: {exc}")
-        return _error(err)
+        return _error(err, request.url.path)
 
 
 class _BodyRefused(ApiError):
@@ -248,9 +264,11 @@ class _BodyRefused(ApiError):
     otherwise be read as the next request)."""
 
 
-def _error(exc: ApiError) -> JSONResponse:
+def _error(exc: ApiError, path: str = "") -> JSONResponse:
+    """The error in OpenAI's shape, or Anthropic's on its routes."""
     headers = {"Connection": "close"} if isinstance(exc, _BodyRefused) else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    body = messages_api.error_body(exc) if messages_api.is_route(path) else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 async def _read_body(engine: Engine, request: Request) -> tuple[bytearray, int]:
@@ -279,15 +297,15 @@ async def _read_body(engine: Engine, request: Request) -> tuple[bytearray, int]:
     return data, held
 
 
-def _read_job(model, data: bytes | bytearray, chat: bool) -> Job:
-    """The JSON body as a Job (api.read_job), on a lane's thread: parsing megabytes takes a while too."""
+def _read_job(model, data: bytes | bytearray, chat: bool, read: Callable | None = None) -> Any:
+    """The JSON body as a Job (api.read_job, or `read`), on a lane's thread: parsing megabytes takes a while too."""
     try:
         body = json.loads(data)
     except RecursionError:
         raise ApiError("the request body nests arrays and objects too deeply to read") from None
     except ValueError:
         raise ApiError("the request body is not valid JSON") from None
-    return read_job(model, body, chat)
+    return (read or read_job)(model, body, chat)
 
 
 async def _complete(engine: Engine, request: Request, chat: bool) -> Response:

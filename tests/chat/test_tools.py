@@ -401,3 +401,25 @@ def test_a_call_as_long_as_a_file_reads_in_linear_time(templates, name, body):
     reply.finish()
     assert reply.calls[0].complete and len(reply.calls[0].arguments) > 1_000_000
     assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 1000])
+def test_feed_events_keeps_the_content_in_its_place_among_the_calls(templates, cut):
+    """feed_events gives what feed gives, but with the text after a call after it (feed puts all the text of a
+    piece first), however the reply is cut."""
+    fmt = detect(load(templates, "Qwen-Qwen3-0.6B.jinja"))
+    text = ('<think>\nHm.\n</think>\n\nFirst.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+            'Then more.')
+    reply, events, think = ToolReply(THINK, fmt, {}), [], ""
+    for i in range(0, len(text), cut):
+        t, e = reply.feed_events(text[i : i + cut])
+        think, events = think + t, events + e
+    t, e = reply.finish_events()
+    think, events = think + t, events + e
+    kinds = []
+    for e in events:  # (runs of one kind as one)
+        if not kinds or kinds[-1] != e[0]:
+            kinds.append(e[0])
+    assert think.strip() == "Hm." and kinds == ["content", "call", "args", "content"]
+    assert "".join(e[1] for e in events if e[0] == "content") == "First.Then more."
+    assert "".join(e[2] for e in events if e[0] == "args") == '{"a": 1}'

@@ -44,10 +44,11 @@ def test_prefix_reuse_prefills_only_the_difference(spm_model):
 
 @pytest.mark.parametrize(
     "text,stops,before,hit",
-    [("hello world", ["wor"], "hello ", True), ("abc", ["x"], "abc", False), ("a</s", ["</s>"], "a</s", False),
-     ("one\n\ntwo", ["\n\n", "two"], "one", True), ("", ["x"], "", False)],
+    [("hello world", ["wor"], "hello ", "wor"), ("abc", ["x"], "abc", None), ("a</s", ["</s>"], "a</s", None),
+     ("one\n\ntwo", ["two", "\n\n"], "one", "\n\n"), ("", ["x"], "", None), ("xab", ["ab", "a"], "x", "ab")],
 )
 def test_split_stop(text, stops, before, hit):
+    """The text before the earliest stop string, and which string it was (the first listed of two at one place)."""
     assert split_stop(text, stops) == (before, hit)
 
 
