@@ -84,9 +84,11 @@ class Backend(ABC):
     prefill_chunk: int | None = None
     # (stage, ms) of the last load() where the backend times its parts (--verbose lists them).
     load_stages: tuple[tuple[str, float], ...] = ()
-    # step(): the sequence whose decode is set up (its Sampler), and the decode form chosen for it
-    _step_sampler: Sampler | None = None
-    _step_kind: str = "logits"
+    # Cache slots: sequences whose caches the backend holds at once (set_slots); step() takes one sequence per
+    # slot. Per slot, step() keeps the sequence whose cache it is (its Sampler) and the decode form chosen for it.
+    slots: int = 1
+    _slot_sampler: dict[int, Sampler]
+    _slot_kind: dict[int, str]
 
     cfg: ModelConfig
     ctx: int
@@ -103,6 +105,21 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Free device memory (a no-op for NumPy)."""
+
+    def set_slots(self, n: int) -> None:
+        """Hold the caches of `n` sequences at once (slots 0..n-1; slot 0's cache is the one load() made). A
+        backend that holds one says so (BackendError) for n > 1."""
+        if n != 1:
+            raise BackendError(f"the {self.name} backend holds one sequence's cache at a time (asked for {n})")
+
+    def use_slot(self, slot: int) -> None:
+        """Make slot `slot`'s cache the one the operations read and write (a backend of one slot: nothing)."""
+
+    def _forget_slots(self, first: int) -> None:
+        """Slots from `first` on hold no sequence any more (their caches were dropped or replaced)."""
+        for table in (getattr(self, "_slot_sampler", {}), getattr(self, "_slot_kind", {})):
+            for slot in [k for k in table if k >= first]:
+                del table[slot]
 
     # -- host <-> backend --------------------------------------------------------------------------------
     @abstractmethod
@@ -177,44 +194,51 @@ class Backend(ABC):
 
     # -- the step contract (backends/step.py) ----------------------------------------------------------------
     def step(self, batch: Sequence[SeqStep]) -> list[StepOut]:
-        """Run one step of each sequence in `batch` -> its chosen id (and logits where asked), per sequence.
-        A sequence's first step (its Sampler not started) prefills its tokens and sets up the decode for its
-        sampler; each later step decodes one token at the sequence's next position, through the fastest form
-        the sampler allows: the argmax or the whole sampler inside the step, a constraint's mask applied where
-        the logits are, or the logits to the host (logprobs). One sequence in slot 0 for now."""
-        if len(batch) != 1 or batch[0].slot != 0:
-            raise BackendError(f"the {self.name} backend steps one sequence in cache slot 0 "
-                               f"(got {len(batch)} sequences, slots {sorted({s.slot for s in batch})})")
-        seq = batch[0]
-        s, pos = seq.sampler, seq.start
+        """Run one step of each sequence in `batch` (one per cache slot) -> its chosen id (and logits where asked),
+        per sequence, in batch order. A sequence's first step (its Sampler not started) prefills its tokens and
+        sets up the decode for its sampler; each later step decodes one token at the sequence's next position,
+        through the fastest form the sampler allows: the argmax or the whole sampler inside the step, a
+        constraint's mask applied where the logits are, or the logits to the host (logprobs). The sequences run
+        one after the other here; a backend with batched kernels runs the decode steps together."""
+        slots = [seq.slot for seq in batch]
+        if len(set(slots)) != len(slots) or not all(type(x) is int and 0 <= x < self.slots for x in slots):
+            raise BackendError(f"a step takes at most one sequence per cache slot, slots 0..{self.slots - 1} "
+                               f"(got slots {slots})")
+        return [self._step_one(seq) for seq in batch]
+
+    def _step_one(self, seq: SeqStep) -> StepOut:
+        if not hasattr(self, "_slot_sampler"):
+            self._slot_sampler, self._slot_kind = {}, {}
+        s, pos, slot = seq.sampler, seq.start, seq.slot
+        self.use_slot(slot)
         if s.position < 0:  # a new sequence: its prompt, then the decode set up for its sampler
-            self._step_sampler = None  # (the cache is this sequence's once the prompt's step has run whole)
+            self._slot_sampler.pop(slot, None)  # (the slot is this sequence's once the prompt's step has run whole)
             out = self._choose(block.prefill(self, self.cfg, seq.tokens, pos), s)
             t0 = time.perf_counter()
-            self._step_kind = self._setup_decode(s, pos + len(seq.tokens))
+            self._slot_kind[slot] = self._setup_decode(s, pos + len(seq.tokens))
             out.setup_ms = (time.perf_counter() - t0) * 1e3
-            s.position, self._step_sampler = pos + len(seq.tokens), s
-            return [out]
-        if s is not self._step_sampler:
+            s.position, self._slot_sampler[slot] = pos + len(seq.tokens), s
+            return out
+        if self._slot_sampler.get(slot) is not s:
             raise BackendError("the cache no longer holds this sequence (another ran since, or its last step "
                                "failed): start it again with a new Sampler")
         if len(seq.tokens) != 1 or pos != s.position:
             raise BackendError(f"a decode step takes the one token at the sequence's next position {s.position}, "
                                f"got {len(seq.tokens)} at {pos}")
-        self._step_sampler = None  # until this step has run whole
-        out = self._decode(seq.tokens[0], pos, s)
-        s.position, self._step_sampler = pos + 1, s
-        return [out]
+        del self._slot_sampler[slot]  # until this step has run whole
+        out = self._decode(seq.tokens[0], pos, s, self._slot_kind[slot])
+        s.position, self._slot_sampler[slot] = pos + 1, s
+        return out
 
-    def _decode(self, token: int, pos: int, s: Sampler) -> StepOut:
+    def _decode(self, token: int, pos: int, s: Sampler, kind: str) -> StepOut:
         p, rng, hist = s.params, s.rng, s.history
         if s.mask is not None and not s.logits:  # the mask computed while the step runs
             return StepOut(self.decode_allowed(token, pos, s.mask, p, rng, hist))
         if s.logits:  # (with or without a mask: _choose applies it on the host)
             return self._choose(self.decode(token, pos), s)
-        if self._step_kind == "greedy":  # the argmax runs inside the step: only the id crosses
+        if kind == "greedy":  # the argmax runs inside the step: only the id crosses
             return StepOut(self.decode_greedy(token, pos))
-        if self._step_kind == "sampled":  # so does the sampler (the same ids as sample(), draw for draw)
+        if kind == "sampled":  # so does the sampler (the same ids as sample(), draw for draw)
             return StepOut(self.decode_sampled(token, pos))
         return StepOut(self.sample(self.decode(token, pos), p, rng, hist))
 

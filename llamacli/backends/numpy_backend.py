@@ -15,7 +15,7 @@ import resource
 
 import numpy as np
 
-from ..errors import HostMemoryError
+from ..errors import HostMemoryError, UsageError
 from ..ggufio.file import GGUFFile
 from ..ggufio.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from ..ggufio.quants import can_dequantize, gather_rows
@@ -81,9 +81,32 @@ class NumpyBackend(Backend):
 
         self.theta = rope_tables.inv_freq(cfg, gguf, ctx)  # [rope_dim/2]
         self.theta_local = rope_tables.inv_freq(cfg, gguf, ctx, local=True)
-        rows = cfg.cache_rows(ctx)
-        self.k_cache = [np.zeros((n, cfg.n_head_kv, cfg.head_dim), dtype=np.float32) for n in rows]
-        self.v_cache = [np.zeros_like(k) for k in self.k_cache]
+        self._caches = [self._new_cache()]
+        self.slots = 1
+        self.use_slot(0)
+
+    def _new_cache(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """One slot's K and V caches: per layer [rows, Hkv, Dh] float32 (config.cache_rows)."""
+        cfg = self.cfg
+        k = [np.zeros((n, cfg.n_head_kv, cfg.head_dim), dtype=np.float32) for n in cfg.cache_rows(self.ctx)]
+        return k, [np.zeros_like(x) for x in k]
+
+    def set_slots(self, n: int) -> None:
+        """Caches for n sequences: slot 0's stays, the others are allocated (checked against the host's memory
+        first) or dropped."""
+        if type(n) is not int or n < 1:
+            raise UsageError(f"the number of sequences must be a positive integer, got {n!r}")
+        if n > len(self._caches):
+            check_host_memory(self.cfg, self.ctx, slots=n, held=len(self._caches))
+        self._forget_slots(min(n, len(self._caches)))
+        while len(self._caches) < n:
+            self._caches.append(self._new_cache())
+        del self._caches[n:]
+        self.slots = n
+        self.use_slot(0)
+
+    def use_slot(self, slot: int) -> None:
+        self.k_cache, self.v_cache = self._caches[slot]
 
     # -- host <-> backend --------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> np.ndarray:
@@ -310,15 +333,25 @@ def available_host_memory() -> int | None:
     return max(min(room), 0) if room else None
 
 
-def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None) -> None:
-    """HostMemoryError, naming a context that would fit, when the weights and the KV cache at `ctx` exceed
-    the available RAM."""
+def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None, slots: int = 1,
+                      held: int = 0) -> None:
+    """HostMemoryError, naming a context that would fit, when the weights and the KV caches of `slots`
+    sequences at `ctx` exceed the available RAM (`held`: that many caches and the weights are allocated
+    already)."""
     chunk = NumpyBackend.prefill_chunk  # None: a prompt of up to ctx tokens in one pass
     weights, kv = host_bytes(cfg, ctx)
     scratch = scratch_bytes(cfg, ctx, chunk)
+    if held:  # what is allocated already is not asked for again
+        weights, kv = 0, kv * (slots - held)
+        if free_ok(available, kv + scratch):
+            return
+        raise HostMemoryError(f"not enough host memory for {slots} sequences on the NumPy backend: "
+                              f"{slots - held} more KV caches need {human_bytes(kv)} (at --ctx {ctx}); "
+                              f"ask for fewer, or a smaller context")
+    kv *= slots
 
     def need(c: int) -> int:  # the weights do not depend on the context
-        return weights + host_bytes(cfg, c)[1] + scratch_bytes(cfg, c, chunk)
+        return weights + slots * host_bytes(cfg, c)[1] + scratch_bytes(cfg, c, chunk)
 
     free = available_host_memory() if available is None else available
     if free is None or weights + kv + scratch <= free:
@@ -338,3 +371,9 @@ def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None) 
         f"(float32 weights {human_bytes(weights)}, KV cache {human_bytes(kv)}, prefill scratch "
         f"{human_bytes(scratch)}), {human_bytes(free)} is available; {hint}"
     )
+
+
+def free_ok(available: int | None, need: int) -> bool:
+    """Whether `need` more bytes fit in the host's available memory (unknown: taken as fitting)."""
+    free = available_host_memory() if available is None else available
+    return free is None or need <= free

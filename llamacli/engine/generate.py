@@ -22,7 +22,7 @@ import numpy as np
 
 from ..backends import select_backend, start_early
 from ..backends.base import Backend, Progress
-from ..backends.step import Sampler, SeqStep
+from ..backends.step import Sampler, StepOut
 from ..background import Background
 from ..chat.reasoning import prompt_opens_think, reply_format, split_reasoning
 from ..errors import ContextOverflowError, ShapeMismatchError, UsageError
@@ -34,6 +34,7 @@ from ..models.seq_cache import SequenceCache, layer_caches
 from ..models.weights import check_tensors
 from ..sampling.sampling import SamplingParams, make_rng
 from ..tokenizer.tokenizer import StreamDecoder, Tokenizer, TooManyTokens
+from .tokens import TokenRun, TokenSource
 
 if TYPE_CHECKING:
     from ..sampling.structured import Constraint
@@ -126,6 +127,7 @@ class Model:
         notice: Callable[[str], None] | None = None,
         cache_types: tuple[str, str] = DEFAULT_CACHE,
         swa_full: bool = False,
+        slots: int = 1,
     ):
         t0 = self.load_started = time.perf_counter()
         laps = _Laps()
@@ -144,6 +146,8 @@ class Model:
                                          f"has {self.cfg.vocab_size} embedding rows")
             if ctx is not None and (type(ctx) is not int or ctx <= 0):
                 raise UsageError(f"context size must be a positive integer, got {ctx!r}")
+            if type(slots) is not int or slots < 1:
+                raise UsageError(f"the number of parallel sequences must be a positive integer, got {slots!r}")
             self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
             self.cache_types = parse_cache_types(*cache_types)
             check_cache_types(self.cfg.head_dim, self.cache_types)
@@ -161,6 +165,8 @@ class Model:
         try:
             check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
             self.backend.load(self.gguf, self.cfg, self.ctx, progress, cache_types=self.cache_types)
+            if slots != 1:  # the caches of `slots` sequences (engine/scheduler.py runs them together)
+                self.backend.set_slots(slots)
             laps.lap("weights, KV cache", self.backend.load_stages)
             # The decode steps' graphs (CUDA) are captured here, so that no generation's timed loop pays for them.
             self.backend.prepare_decode()
@@ -177,7 +183,9 @@ class Model:
         # When the CLI looked the model up (registry, cache, any download) before this load: (start, end) in
         # time.perf_counter() seconds, for --verbose's start-up line; None outside the CLI.
         self.lookup: tuple[float, float] | None = None
-        self.seq = SequenceCache(layer_caches(self.cfg, self.ctx), self.ctx)  # the backend's cache slot 0
+        # Each cache slot's record: which ids it holds (slot 0 is the one generate/chat use; the scheduler all).
+        self.seqs = [SequenceCache(layer_caches(self.cfg, self.ctx), self.ctx, slot) for slot in range(slots)]
+        self.seq = self.seqs[0]
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self._chat = None
 
@@ -280,6 +288,7 @@ class Model:
         constraint: Constraint | None = None,
         ignore_eos: bool = False,
         keep_special: Collection[int] = (),
+        scheduler: TokenSource | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
         """The engine. Yields text as it completes (a thinking model's <think> block included: feed it to a
@@ -297,7 +306,9 @@ class Model:
         constraint alone sends its mask the other way (each step still waits for the id, as the mask of the
         next depends on it). `ignore_eos` (llama.cpp's --ignore-eos) masks the end-of-generation ids out of every
         step, so the reply runs to max_tokens or a full context; that takes the masked step as a constraint
-        does (a constraint that allows nothing but an end still ends)."""
+        does (a constraint that allows nothing but an end still ends). With `scheduler` (engine/scheduler.py,
+        over this model) the ids come from one of its cache slots, the steps batched with its other requests';
+        the text stream is the same, and closing it cancels the request. The caller then may be any thread."""
         laps = _Laps()  # --verbose's stages of this prompt
         params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
         if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
@@ -346,7 +357,10 @@ class Model:
             sampler.mask = mask_words(constraint)
         if ignore_eos and self.tokenizer.eog_ids:
             sampler.mask = _without(self.tokenizer.eog_ids, self.cfg.vocab_size, sampler.mask)
-        tokens = self._tokens(ids, sampler, max_tokens, constraint, logprobs, c, laps)
+        if scheduler is None:
+            tokens = self._tokens(ids, sampler, max_tokens, constraint, logprobs, c, laps)
+        else:  # in a cache slot of the scheduler's, its steps batched with the other requests'
+            tokens = scheduler.tokens(ids, sampler, max_tokens, c, constraint, logprobs)
         # The text: ids detokenized as they come, held back while they may begin a stop string. Generated text
         # continues the prompt: keep the space SentencePiece pieces start with, and print no control tokens
         # (llama-cli without --special).
@@ -396,50 +410,28 @@ class Model:
         (max_tokens, or the context full), "stop" (the constraint complete). The consumer stops it otherwise
         (a stop string in the text): nothing more is computed then."""
         be = self.backend
-        # Prefill what the cache does not hold yet (at least the last token, whose logits we need).
-        seq = self.seq
-        keep = seq.reusable(ids)
-        t0 = time.perf_counter()
-        seq.begin_prompt(keep, len(ids))
-        new = ids[keep:]
+        run = TokenRun(self.seq, ids, sampler, self.tokenizer, max_tokens, c.timings, constraint, logprobs)
+        step = run.prompt_step()
         laps.lap("prompt to ids")
-        out = be.step([SeqStep(new, keep, sampler, seq.slot)])[0]
-        seq.prompt_done(ids)  # only once the prefill finished
-        # The step also made the decode ready (out.setup_ms): timed apart, as neither prompt nor generation
-        c.timings.first_token_at = time.perf_counter() - out.setup_ms / 1e3
-        stage = (f"prefill ({len(new)} tokens), first token", (c.timings.first_token_at - laps.at) * 1e3)
-        own = _has_own(be, "prepare_decode") or _has_own(be, "start_sampling")  # (none on NumPy)
-        laps.lap("", [stage, ("decode set-up", out.setup_ms)] if own else [stage])
-        c.timings.prompt_ms = (c.timings.first_token_at - t0) * 1e3
-        c.timings.prompt_tokens = len(new)
-        c.timings.stages = laps.stages
-        if max_tokens == 0:
-            c.finish_reason = "length"
-            return
-        token, n = out.id, 0  # n: the ids yielded
-        while True:
-            if token in self.tokenizer.eog_ids:
-                c.finish_reason = "eos"
-                return
-            sampler.history.append(token)
-            n += 1
-            yield token, (None if out.logits is None else _logprob_entry(self.tokenizer, out.logits, token, logprobs))
-            if constraint is not None:
-                constraint.advance(token)
-                if constraint.is_done:
-                    c.finish_reason = "stop"
+
+        def first(out: StepOut) -> None:  # --verbose's stages: the prefill, and the decode set-up apart
+            stage = (f"prefill ({run.new} tokens), first token", (c.timings.first_token_at - laps.at) * 1e3)
+            own = _has_own(be, "prepare_decode") or _has_own(be, "start_sampling")  # (none on NumPy)
+            laps.lap("", [stage, ("decode set-up", out.setup_ms)] if own else [stage])
+            c.timings.stages = laps.stages
+
+        item = run.prompt_out(be.step([step])[0], first)
+        try:
+            while item is not None:
+                yield item
+                # Decode: one token at the next position (a captured graph on CUDA), and perhaps the following
+                # one queued ahead.
+                step = run.next_step()
+                if step is None:
                     return
-            if n >= max_tokens or seq.full:
-                c.finish_reason = "length"
-                return
-            # Decode: one token at the next position (a captured graph on CUDA), and perhaps the following one
-            # queued ahead.
-            pos = len(seq)
-            seq.begin_decode(pos)
-            out = be.step([SeqStep([token], pos, sampler, seq.slot)])[0]
-            seq.token_done(token)  # only once its K/V are surely written
-            token = out.id
-            c.timings.eval_tokens += 1
+                item = run.step_out(be.step([step])[0])
+        finally:
+            c.finish_reason = c.finish_reason or run.finish_reason
 
     def close(self) -> None:
         self.backend.close()
@@ -511,25 +503,6 @@ def context_warning(cfg: ModelConfig, ctx: int) -> str | None:
     }.get(cfg.rope_scaling, f"{cfg.rope_scaling} RoPE scaling applies")
     return (f"warning: a context of {ctx} tokens is longer than the {trained} the model was trained for, and "
             f"{scaling}: text past {trained} tokens may degrade")
-
-
-def _logprob_entry(tokenizer: Tokenizer, logits: np.ndarray, chosen: int, n: int) -> dict[str, Any]:
-    """The chosen id's log-probability under softmax(logits) and the n most likely ids, best first."""
-    x = logits.astype(np.float64)
-    top = x.max()
-    lp = x - (top + np.log(np.exp(x - top).sum()))
-    best = np.argpartition(-lp, n)[:n] if 0 < n < lp.size else np.arange(lp.size if n else 0)
-    best = best[np.lexsort((best, -lp[best]))]
-
-    def item(i: int) -> dict[str, Any]:
-        return {"token": _token_text(tokenizer, i), "id": i, "logprob": float(lp[i])}
-
-    return {**item(int(chosen)), "top_logprobs": [item(int(i)) for i in best]}
-
-
-def _token_text(tokenizer: Tokenizer, tid: int) -> str:
-    """A token's text as generated output prints it (a lone UTF-8 fragment becomes U+FFFD)."""
-    return tokenizer.decode([tid], strip_dummy_prefix=False)
 
 
 def split_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:

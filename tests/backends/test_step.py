@@ -105,9 +105,9 @@ def test_logits_and_masks_come_through_the_step(random_model) -> None:
 def test_the_contract_refuses_what_this_backend_cannot_run(random_model) -> None:
     be = backend(random_model("tiny-llama", "F32"))
     s = Sampler(SamplingParams(temperature=0.0), make_rng(0), [1])
-    with pytest.raises(BackendError, match="one sequence"):
+    with pytest.raises(BackendError, match="one sequence per cache slot"):
         be.step([SeqStep([1], 0, s), SeqStep([2], 0, Sampler(s.params, make_rng(0), [2]))])
-    with pytest.raises(BackendError, match="slot 0"):
+    with pytest.raises(BackendError, match=r"slots 0\.\.0 \(got slots \[1\]\)"):
         be.step([SeqStep([1], 0, s, slot=1)])
     be.step([SeqStep([1, 2], 0, s)])
     with pytest.raises(BackendError, match="one token"):
@@ -137,3 +137,52 @@ def test_a_failed_step_leaves_the_sequence_to_start_again(random_model, monkeypa
         be.step([SeqStep([first], 2, s)])
     again = Sampler(s.params, make_rng(0), [1, 2])
     assert be.step([SeqStep([1, 2], 0, again)])[0].id == first
+
+
+def test_sequences_in_their_own_slots_step_as_they_would_alone(random_model) -> None:
+    """Four sequences in four cache slots, stepped together (their prompts of different lengths, then decode
+    steps in one batch, one of them joining late): each gets the ids and logits it gets alone in slot 0, and a
+    sequence's cache is its slot's (the others' steps do not disturb it)."""
+    path = random_model("tiny-llama", "F32")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 200, size=n).tolist() for n in (5, 1, 12, 7)]
+
+    def alone(ids: list[int], n: int) -> list[tuple[int, np.ndarray]]:
+        be = backend(path)
+        s = Sampler(SamplingParams(temperature=0.8, seed=11), make_rng(11), list(ids), logits=True)
+        out = be.step([SeqStep(ids, 0, s)])[0]
+        got = [(out.id, out.logits)]
+        for i in range(n - 1):
+            out = be.step([SeqStep([got[-1][0]], len(ids) + i, s)])[0]
+            got.append((out.id, out.logits))
+        return got
+
+    want = [alone(p, 6) for p in prompts]
+    be = backend(path)
+    be.set_slots(4)
+    samplers = [Sampler(SamplingParams(temperature=0.8, seed=11), make_rng(11), list(p), logits=True) for p in prompts]
+    got: list[list[tuple[int, np.ndarray]]] = [[] for _ in prompts]
+    for slot in (0, 1, 2):  # the prompts of three, then their decode steps together; the fourth joins later
+        out = be.step([SeqStep(prompts[slot], 0, samplers[slot], slot=slot)])[0]
+        got[slot].append((out.id, out.logits))
+    for rnd in range(5):
+        batch = [SeqStep([got[i][-1][0]], len(prompts[i]) + len(got[i]) - 1, samplers[i], slot=i)
+                 for i in range(3) if len(got[i]) < 6]
+        if rnd == 1:
+            batch.append(SeqStep(prompts[3], 0, samplers[3], slot=3))
+        elif rnd > 1:
+            batch.append(SeqStep([got[3][-1][0]], len(prompts[3]) + len(got[3]) - 1, samplers[3], slot=3))
+        for seq, out in zip(batch, be.step(batch)):
+            got[seq.slot].append((out.id, out.logits))
+    for i in range(4):
+        n = min(len(got[i]), 6)
+        assert [t for t, _ in got[i][:n]] == [t for t, _ in want[i][:n]], i
+        for (_, a), (_, b) in zip(got[i][:n], want[i][:n]):
+            np.testing.assert_array_equal(a, b)  # the same arithmetic whatever else ran: bit for bit
+    with pytest.raises(BackendError, match="no longer holds this sequence"):  # a new sequence takes slot 2
+        other = Sampler(SamplingParams(temperature=0.0), make_rng(0), [5])
+        be.step([SeqStep([5], 0, other, slot=2)])
+        be.step([SeqStep([got[2][-1][0]], len(prompts[2]) + 5, samplers[2], slot=2)])
+    be.set_slots(2)  # fewer slots: slot 0's cache and sequence stay
+    with pytest.raises(BackendError, match="slots 0..1"):
+        be.step([SeqStep([1], 0, Sampler(SamplingParams(), make_rng(0), [1]), slot=3)])

@@ -1,0 +1,136 @@
+"""One sequence's token generation as steps (ids in, ids out; mlx-lm's generate_step), driven from outside:
+Model._tokens drives one sequence step by step, the scheduler (engine/scheduler.py) many at once, each in its
+own cache slot, their decode steps together in one Backend.step.
+
+    run = TokenRun(...)
+    item = run.prompt_out(backend.step([run.prompt_step()])[0])   # (id, logprob entry) or None: finished
+    while item is not None:
+        ... hand item to the text stream ...
+        step = run.next_step()                                     # None: finished
+        if step is None: break
+        item = run.step_out(backend.step([step])[0])
+
+A run ends by itself with `finish_reason` set: "eos" (an end-of-generation id, not handed out), "length"
+(max_tokens, or the context full), "stop" (a constraint complete). The text stream may stop it sooner (a stop
+string): then nothing more is asked of it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+
+import numpy as np
+
+from ..backends.step import Sampler, SeqStep, StepOut
+from ..models.seq_cache import SequenceCache
+from ..tokenizer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ..sampling.structured import Constraint
+
+Item = tuple[int, "dict[str, Any] | None"]  # an id handed out, and its logprob entry (with logprobs)
+
+
+class TokenSource(Protocol):
+    """Where Model.run takes a generation's ids from, other than its own loop (engine/scheduler.py Scheduler)."""
+
+    def tokens(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Any,
+               constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Item]: ...
+
+
+class TokenRun:
+    """The ids of one generation from prompt ids `ids` in cache slot `seq`: the prompt's step (a prefill of what
+    the slot does not hold yet, and the first id), then a decode step per id. The slot's record (SequenceCache)
+    is kept as steps run, and `timings` (engine.generate.Timings) filled: the prompt's, and the decode steps'
+    count."""
+
+    def __init__(self, seq: SequenceCache, ids: list[int], sampler: Sampler, tokenizer: Tokenizer,
+                 max_tokens: int, timings: Any, constraint: Constraint | None = None, logprobs: int | None = None):
+        self.seq, self.ids, self.sampler, self.tokenizer = seq, ids, sampler, tokenizer
+        self.max_tokens, self.timings, self.constraint, self.logprobs = max_tokens, timings, constraint, logprobs
+        self.finish_reason: str | None = None
+        self.handed = 0  # ids handed out
+        self.last = -1  # the last id handed out: the next decode step's input
+        self.new = 0  # prompt ids the prompt's step prefills
+        self.started = 0.0  # time.perf_counter() at the prompt's step
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def prompt_step(self) -> SeqStep:
+        """The prompt's step: the ids the slot does not hold yet (at least the last, whose logits are needed)."""
+        seq = self.seq
+        keep = seq.reusable(self.ids)
+        self.started = time.perf_counter()
+        seq.begin_prompt(keep, len(self.ids))
+        new = self.ids[keep:]
+        self.new = len(new)
+        return SeqStep(new, keep, self.sampler, seq.slot)
+
+    def prompt_out(self, out: StepOut, on_first: Callable[[StepOut], None] | None = None) -> Item | None:
+        """The prompt's step ran whole: the slot holds the prompt; the first id, or None (finished)."""
+        self.seq.prompt_done(self.ids)
+        t = self.timings
+        # The step also made the decode ready (out.setup_ms): timed apart, as neither prompt nor generation
+        t.first_token_at = time.perf_counter() - out.setup_ms / 1e3
+        t.prompt_ms = (t.first_token_at - self.started) * 1e3
+        t.prompt_tokens = self.new
+        if on_first is not None:
+            on_first(out)
+        if self.max_tokens == 0:
+            self.finish_reason = "length"
+            return None
+        return self._hand(out)
+
+    def next_step(self) -> SeqStep | None:
+        """After the last id was handed out: the decode step of that id at the next position, or None (a
+        constraint complete, max_tokens reached, or the context full)."""
+        if self.constraint is not None:
+            self.constraint.advance(self.last)
+            if self.constraint.is_done:
+                self.finish_reason = "stop"
+                return None
+        if self.handed >= self.max_tokens or self.seq.full:
+            self.finish_reason = "length"
+            return None
+        pos = len(self.seq)
+        self.seq.begin_decode(pos)
+        return SeqStep([self.last], pos, self.sampler, self.seq.slot)
+
+    def step_out(self, out: StepOut) -> Item | None:
+        """A decode step ran whole: its input's K/V are in the slot; its id, or None (finished)."""
+        self.seq.token_done(self.last)
+        self.timings.eval_tokens += 1
+        return self._hand(out)
+
+    def _hand(self, out: StepOut) -> Item | None:
+        token = out.id
+        if token in self.tokenizer.eog_ids:
+            self.finish_reason = "eos"
+            return None
+        self.sampler.history.append(token)
+        self.handed += 1
+        self.last = token
+        entry = None if out.logits is None else logprob_entry(self.tokenizer, out.logits, token, self.logprobs or 0)
+        return token, entry
+
+
+def logprob_entry(tokenizer: Tokenizer, logits: np.ndarray, chosen: int, n: int) -> dict[str, Any]:
+    """The chosen id's log-probability under softmax(logits) and the n most likely ids, best first."""
+    x = logits.astype(np.float64)
+    top = x.max()
+    lp = x - (top + np.log(np.exp(x - top).sum()))
+    best = np.argpartition(-lp, n)[:n] if 0 < n < lp.size else np.arange(lp.size if n else 0)
+    best = best[np.lexsort((best, -lp[best]))]
+
+    def item(i: int) -> dict[str, Any]:
+        return {"token": token_text(tokenizer, i), "id": i, "logprob": float(lp[i])}
+
+    return {**item(int(chosen)), "top_logprobs": [item(int(i)) for i in best]}
+
+
+def token_text(tokenizer: Tokenizer, tid: int) -> str:
+    """A token's text as generated output prints it (a lone UTF-8 fragment becomes U+FFFD)."""
+    return tokenizer.decode([tid], strip_dummy_prefix=False)
