@@ -118,30 +118,28 @@ class ToolReply:
         return self.h.calls if self.harmony else self.parser.calls
 
     def feed(self, piece: str) -> tuple[str, str, list[tuple]]:
-        return _apart(*self.feed_events(piece))
+        think, events = self.feed_events(piece)
+        return think, *_content(events)
 
     def finish(self) -> tuple[str, str, list[tuple]]:
-        return _apart(*self.finish_events())
+        think, events = self.finish_events()
+        return think, *_content(events)
 
     def feed_events(self, piece: str) -> tuple[str, list[tuple]]:
-        """(reasoning, events): feed()'s, with the content as ("content", text) events in their place among the
-        calls' (a text block after a call stays after it)."""
-        if self.harmony:
+        """(reasoning, the events in the reply's order: ("content", text) among the call events), for a
+        writer whose output keeps that order (the Responses API's items)."""
+        if self.harmony:  # (a harmony call is the reply's last message: its answer comes before it)
             think, answer, events = self.h.feed(piece)
-            return think, [("content", answer)] + events if answer else events
+            return think, [("content", answer)] * bool(answer) + events
         think, answer = self.splitter.feed(piece)
         return think, self.parser.feed(answer) if answer else []
 
     def finish_events(self) -> tuple[str, list[tuple]]:
         if self.harmony:
             think, answer, events = self.h.finish()
-            return think, [("content", answer)] + events if answer else events
+            return think, [("content", answer)] * bool(answer) + events
         think, answer = self.splitter.finish()
         return think, (self.parser.feed(answer) if answer else []) + self.parser.finish()
-
-
-def _apart(think: str, events: list[tuple]) -> tuple[str, str, list[tuple]]:
-    return think, *_content(events)
 
 
 def _content(events: list[tuple]) -> tuple[str, list[tuple]]:

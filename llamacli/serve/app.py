@@ -42,7 +42,7 @@ from starlette.routing import Route
 from ..chat.reasoning import make_splitter
 from ..engine.generate import Completion
 from ..textio import printable
-from . import messages_api, tool_api
+from . import messages_api, responses_api, tool_api
 from .api import ApiError, Job, api_error, chunk, finish_reason, model_entry, read_job, response, usage_chunk
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 
@@ -143,6 +143,18 @@ def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False
     async def count_tokens(request: Request) -> Response:
         return await _guarded(engine, request, messages_api.count_tokens(engine, request, _read_body))
 
+    store = responses_api.ResponseStore()
+
+    async def responses(request: Request) -> Response:
+        return await _guarded(engine, request, _respond(engine, store, request))
+
+    async def stored_response(request: Request) -> Response:
+        rid = request.path_params["response_id"]
+        try:
+            return JSONResponse(store.delete(rid) if request.method == "DELETE" else store.retrieve(rid))
+        except ApiError as exc:
+            return _error(exc, request.url.path)
+
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_entry(engine.name, engine.model)]})
 
@@ -162,11 +174,14 @@ def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.responses = store
     if api_key is not None:
         app.add_middleware(_KeyCheck, key=api_key)
     app.add_middleware(_SameOrigin, loopback=loopback)
@@ -299,13 +314,17 @@ async def _read_body(engine: Engine, request: Request) -> tuple[bytearray, int]:
 
 def _read_job(model, data: bytes | bytearray, chat: bool, read: Callable | None = None) -> Any:
     """The JSON body as a Job (api.read_job, or `read`), on a lane's thread: parsing megabytes takes a while too."""
+    return (read or read_job)(model, _json(data), chat)
+
+
+def _json(data: bytes | bytearray, **options: Any) -> Any:
+    """The body's JSON (`options`: json.loads's)."""
     try:
-        body = json.loads(data)
+        return json.loads(data, **options)
     except RecursionError:
         raise ApiError("the request body nests arrays and objects too deeply to read") from None
     except ValueError:
         raise ApiError("the request body is not valid JSON") from None
-    return (read or read_job)(model, body, chat)
 
 
 async def _complete(engine: Engine, request: Request, chat: bool) -> Response:
@@ -370,6 +389,54 @@ async def _events(engine: Engine, job: Job, request: Request, t0: float) -> Asyn
         yield _sse(err.body())
     _log_done(engine, request, job, c, t0)
     yield "data: [DONE]\n\n"
+
+
+async def _respond(engine: Engine, store: responses_api.ResponseStore, request: Request) -> Response:
+    """POST /v1/responses: as _complete, the body read by responses_api (in the lane for its size) and the reply
+    written as its output items (responses_api.Output), whole or as events."""
+    t0 = time.perf_counter()
+    data, held = await _read_body(engine, request)
+    try:
+        lane = engine.lanes[len(data) > SMALL_BODY]
+        rjob = await asyncio.get_running_loop().run_in_executor(lane, _read_response, engine.model, data, store)
+    finally:
+        engine.large_bytes -= held
+        del data
+    out = responses_api.Output(rjob, Completion(), engine.name)
+    if rjob.stream:
+        return StreamingResponse(_response_events(engine, out, request, t0), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async for piece in engine.pieces(rjob.job, out.c, request):
+        out.feed(piece)
+    out.finish()
+    _log_done(engine, request, rjob.job, out.c, t0)
+    return JSONResponse(out.final)
+
+
+def _read_response(model, data: bytes | bytearray, store: responses_api.ResponseStore) -> responses_api.ResponseJob:
+    return responses_api.read(model, _json(data, **responses_api.JSON_OPTIONS), store)
+
+
+async def _response_events(engine: Engine, out: responses_api.Output, request: Request, t0: float
+                           ) -> AsyncIterator[str]:
+    """The Responses API's events: response.created, the items' events as the text comes, and
+    response.completed or response.incomplete; a failure after the headers went out is an `error` event and
+    response.failed."""
+    job = out.r.job
+    yield out.start()
+    try:
+        async for piece in engine.pieces(job, out.c, request):
+            events = out.feed(piece)
+            if events:
+                yield events
+        if out.c.finish_reason == "disconnected":
+            _log_done(engine, request, job, out.c, t0)
+            return
+        yield out.finish()
+    except Exception as exc:  # noqa: BLE001
+        engine.log(f"error in a stream: {type(exc).__name__}: {exc}")
+        yield out.fail(api_error(exc))
+    _log_done(engine, request, job, out.c, t0)
 
 
 def _new_logprobs(job: Job, c: Completion, sent: int) -> tuple[list[dict] | None, int]:
