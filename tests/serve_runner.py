@@ -3,10 +3,16 @@ tests' one way to start and stop it)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 from llamacli.serve.server import listen, make_server
+
+# The backend the serve tests' family models run on: NumPy in CI; LLAMACLI_TEST_BACKEND=cuda runs the same
+# tests on the GPU machine (the agents' APIs on both backends). Scripted replies patch the NumPy backend's
+# sampling, so those tests skip elsewhere.
+BACKEND = os.environ.get("LLAMACLI_TEST_BACKEND", "numpy")
 
 
 def start(model, name: str, api_key: str | None = None, **kw):  # noqa: ANN001, ANN003

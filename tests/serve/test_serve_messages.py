@@ -22,7 +22,7 @@ pytest.importorskip("llguidance")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_runner import start, stop  # noqa: E402
+from serve_runner import BACKEND, start, stop  # noqa: E402
 from test_serve_tools import CLOCK, DEEP, SCRIPTS, WEATHER, Script  # noqa: E402
 
 from llamacli.chat.template import encode_prompt  # noqa: E402
@@ -61,7 +61,7 @@ def serve_family(tmp_path_factory, templates):
             spec = variant("tiny-llama", context_length=8192, name=f"tiny-{family}")
             gguf = write_model(tmp_path_factory.mktemp(family) / "m.gguf", spec, "F32",
                                vocab=tool_vocab(family, path.read_text(encoding="utf-8")))
-            model = Model(gguf, backend="numpy", ctx=8192)
+            model = Model(gguf, backend=BACKEND, ctx=8192)
             url, server, thread = start(model, family)
             client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
             running[family] = (client, model, server, thread)

@@ -21,7 +21,7 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_runner import start, stop  # noqa: E402
+from serve_runner import BACKEND, start, stop  # noqa: E402
 from test_serve_tools import CLOCK, DEEP, FORCED_FAMILIES, SCHEMAS, SCRIPTS, WEATHER, Script  # noqa: E402
 
 from llamacli.engine.generate import Model  # noqa: E402
@@ -57,7 +57,7 @@ def serve_family(tmp_path_factory, templates):  # noqa: ANN001
             spec = variant("tiny-llama", context_length=8192, name=f"tiny-{family}")
             gguf = write_model(tmp_path_factory.mktemp(family) / "m.gguf", spec, "F32",
                                vocab=tool_vocab(family, path.read_text(encoding="utf-8")))
-            model = Model(gguf, backend="numpy", ctx=8192)
+            model = Model(gguf, backend=BACKEND, ctx=8192)
             url, server, thread = start(model, family)
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
             running[family] = (client, model, server.config.app.state.responses, server, thread)

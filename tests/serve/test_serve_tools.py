@@ -20,7 +20,7 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_runner import start, stop  # noqa: E402
+from serve_runner import BACKEND, start, stop  # noqa: E402
 
 from llamacli.engine.generate import Model  # noqa: E402
 from llamacli.testing import variant, write_model  # noqa: E402
@@ -57,7 +57,7 @@ def serve_family(tmp_path_factory, templates):
             spec = variant("tiny-llama", context_length=8192, name=f"tiny-{family}")
             gguf = write_model(tmp_path_factory.mktemp(family) / "m.gguf", spec, "F32",
                                vocab=tool_vocab(family, path.read_text(encoding="utf-8")))
-            model = Model(gguf, backend="numpy", ctx=8192)
+            model = Model(gguf, backend=BACKEND, ctx=8192)
             url, server, thread = start(model, family)
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
             running[family] = (client, model, server, thread)
@@ -176,6 +176,9 @@ class Script:
 
     def install(self, monkeypatch) -> "Script":  # noqa: ANN001
         from llamacli.backends.numpy_backend import NumpyBackend
+
+        if BACKEND != "numpy":
+            pytest.skip("a scripted reply replaces the NumPy backend's choices")
 
         monkeypatch.setattr(NumpyBackend, "sample_allowed", lambda be, logits, words, *a: self.pick(words))
         monkeypatch.setattr(NumpyBackend, "sample", lambda be, logits, *a: self.pick(None))
