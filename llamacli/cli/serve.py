@@ -52,15 +52,22 @@ def serve(
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     swa_full: SwaFullOpt = False,
+    parallel: Annotated[Optional[int], typer.Option(
+        "--parallel", "-np", help="Requests generated at once, each in a cache slot of its own (llama-server's "
+        "-np); more wait in arrival order. Default: 4 where the backend runs several and the memory holds "
+        "them, else 1.")] = None,
 ) -> None:
     """Serve the model over the OpenAI HTTP API: POST /v1/chat/completions and /v1/completions (streamed
-    with "stream": true), GET /v1/models, /health and /metrics (Prometheus). One model; requests run one at a time, in arrival
-    order, and reuse the KV cache for the prompt prefix they share with the one before. Ctrl-C stops."""
+    with "stream": true), Anthropic's /v1/messages, OpenAI's /v1/responses, GET /v1/models, /health and /metrics
+    (Prometheus). One model; up to --parallel requests generate at once, the rest wait in arrival order; a
+    request reuses the KV cache of the slot that holds most of its prompt. Ctrl-C stops."""
     model = pick_model(model_arg, model)
     if not 0 <= port <= 65535:
         fail(f"--port must lie in 0..65535, got {port}")
     if ctx is not None and ctx <= 0:
         fail(f"--ctx must be positive, got {ctx}")
+    if parallel is not None and not 1 <= parallel <= MAX_PARALLEL:
+        fail(f"--parallel must lie in 1..{MAX_PARALLEL}, got {parallel}")
     if not host.strip():  # '' would bind every interface
         fail("--host is empty: give an address (127.0.0.1: this machine only, 0.0.0.0: every interface)")
     if api_key_file is not None:
@@ -82,6 +89,7 @@ def serve(
                        swa_full=swa_full)
         from ..serve.app import stderr_log
 
+        slots = parallel_slots(m, parallel, None if quiet else dim)
         server = make_server(m, m.path.stem, sock, api_key, None if quiet else stderr_log)
         where = sock.getsockname()
         url_host = printable(f"[{host}]" if ":" in host else host)
@@ -93,8 +101,9 @@ def serve(
                 dim(line)
             if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
                 dim(f"listening on {printable(host)} without --api-key: anyone who reaches this port can use the model")
+            at_once = "one request at a time" if slots == 1 else f"{slots} requests at once"
             dim(f"serving {printable(m.path.name)} ({m.backend.name}, context {m.ctx}) on http://{url_host}:{where[1]}/v1; "
-                "one request at a time; Ctrl-C stops")
+                f"{at_once}; Ctrl-C stops")
         try:
             server.run(sockets=[sock])
         finally:
@@ -102,3 +111,30 @@ def serve(
             m.close()
     finally:
         sock.close()
+
+
+MAX_PARALLEL = 256  # --parallel's bound (each slot holds a context's KV cache)
+DEFAULT_PARALLEL = 4
+
+
+def parallel_slots(m, parallel: int | None, notice) -> int:  # noqa: ANN001 (a Model; notice: dim or None)
+    """Give the model the cache slots serve runs at once: `parallel` (--parallel), or DEFAULT_PARALLEL where the
+    backend holds several and the host's memory the caches (fewer where it holds fewer); 1 on a backend that
+    holds one sequence (CUDA until batched decode), with a notice when more were asked for. -> the slots."""
+    from ..errors import BackendError, HostMemoryError
+
+    want = parallel or DEFAULT_PARALLEL
+    while want > 1:
+        try:
+            m.set_slots(want)
+            return want
+        except BackendError:
+            if parallel is not None and notice is not None:
+                notice(f"the {m.backend.name} backend generates one request at a time for now: --parallel {parallel} "
+                       "makes the others wait their turn")
+            return 1
+        except HostMemoryError:
+            if parallel is not None:
+                raise
+            want //= 2  # the default: as many as fit
+    return 1

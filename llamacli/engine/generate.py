@@ -165,8 +165,6 @@ class Model:
         try:
             check_tensors(self.gguf, self.cfg, self.backend.runnable_types)
             self.backend.load(self.gguf, self.cfg, self.ctx, progress, cache_types=self.cache_types)
-            if slots != 1:  # the caches of `slots` sequences (engine/scheduler.py runs them together)
-                self.backend.set_slots(slots)
             laps.lap("weights, KV cache", self.backend.load_stages)
             # The decode steps' graphs (CUDA) are captured here, so that no generation's timed loop pays for them.
             self.backend.prepare_decode()
@@ -184,10 +182,25 @@ class Model:
         # time.perf_counter() seconds, for --verbose's start-up line; None outside the CLI.
         self.lookup: tuple[float, float] | None = None
         # Each cache slot's record: which ids it holds (slot 0 is the one generate/chat use; the scheduler all).
-        self.seqs = [SequenceCache(layer_caches(self.cfg, self.ctx), self.ctx, slot) for slot in range(slots)]
+        self.seqs = [SequenceCache(layer_caches(self.cfg, self.ctx), self.ctx)]
         self.seq = self.seqs[0]
+        if slots != 1:
+            try:
+                self.set_slots(slots)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.close()
+                raise
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self._chat = None
+
+    def set_slots(self, n: int) -> None:
+        """Hold the caches of `n` sequences (engine/scheduler.py runs them together): slot 0 keeps what it holds.
+        BackendError where the backend holds one (CUDA, until batched decode), HostMemoryError where they do not
+        fit."""
+        self.backend.set_slots(n)
+        layers = layer_caches(self.cfg, self.ctx)
+        self.seqs = self.seqs[:n] + [SequenceCache(layers, self.ctx, slot) for slot in range(len(self.seqs), n)]
 
     # -- text <-> ids -------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, special: bool = False, add_bos: bool | None = None,

@@ -14,6 +14,10 @@ Requests come in through `tokens()` and wait in arrival order for a free slot. E
 4. hand each id to its request (a queue the consumer reads on its own thread); a request that finished or was
    cancelled leaves the batch at once and frees its slot.
 
+A request whose consumer has not taken its last AHEAD ids sits out the decode steps (it keeps its slot) until
+it does: the ids are pulled, as by a single generation's loop, so a client that stops reading (a full socket)
+stops its generation rather than filling a queue.
+
 A request joins the running batch at the next turn and leaves it at the step it finishes. `Model.run` takes
 the ids through `scheduler.tokens(...)` instead of its own loop, so the text stream (detokenizing, stop
 strings, the reasoning split) is the same code whether one request runs or many: closing that stream (a stop
@@ -29,7 +33,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..backends.step import Sampler, StepOut
 from ..errors import LlamacliError
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PREFILL_BUDGET = 2048  # prompt tokens per turn before the running sequences get their next step
 DEFAULT_MAX_WAITING = 256  # requests waiting for a slot before new ones are refused (SchedulerBusy)
+AHEAD = 2  # ids a request may have waiting for its consumer before it sits out the decode steps
 _DONE = object()
 
 
@@ -61,9 +66,9 @@ class Request:
     cancel(), takes the request out of the batch at the next turn."""
 
     def __init__(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Completion,
-                 constraint: Constraint | None, logprobs: int | None):
+                 constraint: Constraint | None, logprobs: int | None, wake: Callable[[], None]):
         self.ids, self.sampler, self.max_tokens, self.completion = ids, sampler, max_tokens, completion
-        self.constraint, self.logprobs = constraint, logprobs
+        self.constraint, self.logprobs, self.wake = constraint, logprobs, wake
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.cancelled = threading.Event()
         self.run: TokenRun | None = None  # (the worker's, once admitted)
@@ -71,11 +76,18 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled.set()
+        self.wake()
+
+    @property
+    def ready(self) -> bool:
+        """Whether its decode step may run: its consumer keeps up (or it was cancelled: it leaves then)."""
+        return self.cancelled.is_set() or self.out.qsize() < AHEAD
 
     def __iter__(self) -> Iterator[Item]:
         try:
             while True:
                 item = self.out.get()
+                self.wake()  # (a request that sat out may step again)
                 if item is _DONE:
                     return
                 if isinstance(item, BaseException):
@@ -108,22 +120,32 @@ class Scheduler:
         """The ids of a generation from prompt `ids` (Model.run's token generator when it runs here), in arrival
         order behind the requests already waiting. SchedulerBusy when too many wait, SchedulerClosed after
         close()."""
-        req = Request(list(ids), sampler, max_tokens, completion, constraint, logprobs)
+        req = Request(list(ids), sampler, max_tokens, completion, constraint, logprobs, self._wake)
         with self.cv:
-            if self.closed:
-                raise SchedulerClosed("the server is shutting down")
-            if len(self.waiting) >= self.max_waiting:
-                raise SchedulerBusy(f"{len(self.waiting)} requests are waiting for one of {len(self.model.seqs)} "
-                                    "sequence slots: try again shortly")
+            self._check_room()
             self.waiting.append(req)
             self.cv.notify()
         return iter(req)
 
+    def check_room(self) -> None:
+        """SchedulerBusy if a request submitted now would be refused for the queue's length; SchedulerClosed
+        after close() (serve asks before it answers a stream: the refusal can still be a 503 then)."""
+        with self.cv:
+            self._check_room()
+
+    def _check_room(self) -> None:
+        if self.closed:
+            raise SchedulerClosed("the server is shutting down")
+        if len(self.waiting) >= self.max_waiting:
+            raise SchedulerBusy(f"{len(self.waiting)} requests are waiting for one of {len(self.model.seqs)} "
+                                "sequence slots: try again shortly")
+
     @property
     def load(self) -> dict[str, int]:
-        """Requests running and waiting, slots free."""
+        """Requests running (holding a slot: their prompt or decode steps under way), waiting, and slots free."""
         with self.cv:
-            return {"running": len(self.running), "waiting": len(self.waiting), "free_slots": len(self.free)}
+            return {"running": len(self.model.seqs) - len(self.free), "waiting": len(self.waiting),
+                    "free_slots": len(self.free)}
 
     def close(self) -> None:
         """Stop the worker after its current step; every request not finished gets SchedulerClosed."""
@@ -133,10 +155,18 @@ class Scheduler:
         self.thread.join()
 
     # -- the worker ------------------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        with self.cv:
+            self.cv.notify()
+
+    def _work(self) -> bool:
+        """(Under the lock) whether a turn has anything to do: a request to admit, or one to step or drop."""
+        return bool(self.waiting and self.free) or any(req.ready for req in self.running)
+
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self.closed and not self.waiting and not self.running:
+                while not self.closed and not self._work():
                     self.cv.wait()
                 if self.closed:
                     for req in [*self.waiting, *self.running]:
@@ -205,6 +235,8 @@ class Scheduler:
         for req in list(self.running):
             if req.cancelled.is_set():
                 self._release(req)
+                continue
+            if not req.ready:  # its consumer is behind: it sits this step out
                 continue
             step = req.run.next_step()
             if step is None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat.reasoning import parse_effort
+from ..engine.scheduler import SchedulerBusy, SchedulerClosed
 from ..errors import BadInputError, ContextOverflowError, LlamacliError
 from ..sampling.sampling import SamplingParams, is_finite_real
 from ..textio import brief
@@ -41,6 +42,8 @@ def api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, ContextOverflowError):
         return ApiError(str(exc), 400, "messages", "context_length_exceeded")
+    if isinstance(exc, (SchedulerBusy, SchedulerClosed)):
+        return ApiError(str(exc), 503, kind="server_error", code="overloaded")
     if isinstance(exc, BadInputError):
         return ApiError(str(exc), 400, getattr(exc, "param", None))
     if isinstance(exc, LlamacliError):

@@ -1,14 +1,17 @@
 """The HTTP side of `llamacli serve`: a Starlette app over one loaded Model.
 
-    request -> counted (metrics.py) -> api key? -> body (bounded)
-            -> a preparing lane: JSON, api.read_job (template, tokens)
-            -> queue (one at a time) -> worker thread: Model.run, one token per step
+    request -> api key? -> body (bounded) -> a preparing lane: JSON, api.read_job (template, tokens)
+            -> the scheduler (engine/scheduler.py): a cache slot, its steps batched with the others'
+            -> the request's text stream (Model.run over the scheduler's ids) on a stream thread
             -> disconnected? stop : text -> JSON answer or SSE chunks
 
-One model, one worker thread: every call into the model runs on that thread (CUDA state stays with one
-thread), and requests wait their turn on an asyncio lock, in arrival order. The Model keeps its KV cache
-between requests, so a chat client that resends the conversation prefills only the new turn. Between two
-tokens the request is asked whether its client is still there; one that left stops its generation.
+The model runs on the scheduler's worker thread alone (CUDA state stays with one thread): each request gets a
+cache slot of its own when one is free (`--parallel`, in arrival order), joins the running batch at the next
+step and leaves it when done. A slot keeps its cache between requests, and a request takes the free slot that
+holds most of its prompt, so a chat client that resends the conversation prefills only the new turn. Each
+request's text stream (detokenizing, stop strings) runs on a thread of the stream pool while it waits for its
+ids; between two pieces the request is asked whether its client is still there, and one that left is taken
+out of the batch. Too many requests waiting for a slot is a 503 with Retry-After.
 
 Before its turn, a request is read and prepared (parsed, rendered, tokenized) off the event loop, in one of
 two lanes, each a thread taking requests in arrival order: bodies up to SMALL_BODY in one, larger ones in
@@ -41,11 +44,13 @@ from starlette.routing import Route
 
 from ..chat.reasoning import make_splitter
 from ..engine.generate import Completion
+from ..engine.scheduler import Scheduler
 from ..textio import printable
 from . import messages_api, responses_api, tool_api
 from .api import ApiError, Job, api_error, chunk, finish_reason, model_entry, read_job, response, usage_chunk
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 
+STREAM_THREADS = 80  # requests' text streams at once (more than connections.py's connections)
 MAX_BODY = 16 << 20  # bytes: a long conversation fits; a runaway upload does not
 SMALL_BODY = 256 << 10  # bytes: a body up to this is prepared in the small lane
 LARGE_BODIES = 64 << 20  # bytes of bodies larger than SMALL_BODY held at once (read, parsed, tokenized)
@@ -53,25 +58,28 @@ _END = object()
 
 
 class Engine:
-    """The model, its worker thread and the queue in front of it."""
+    """The model, its scheduler, the stream threads and the preparing lanes."""
 
-    def __init__(self, model, name: str, log: Callable[[str], None] | None = None):
-        # (the name, a file's, goes into every answer: escaped, as a file name may hold what UTF-8 cannot)
+    def __init__(self, model, name: str, log: Callable[[str], None] | None = None, max_waiting: int = 256):
         self.model, self.name = model, printable(name)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-serve")
+        self.scheduler = Scheduler(model, max_waiting=max_waiting)
+        # A request's text stream waits on its ids here: one thread a request at most (connections.py bounds them).
+        self.streams = ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="llamacli-stream")
         self.lanes = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-prepare-small"),
                       ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-prepare-large"))
         self.large_bytes = 0  # held by bodies larger than SMALL_BODY (LARGE_BODIES at most)
-        self.lock = asyncio.Lock()
-        self.waiting = 0  # requests queued behind the one running
-        self.busy = False
         self.preparing = 0  # requests in the lanes
         self.served = 0
         self.log = log or (lambda line: None)
         self.metrics = Metrics(self)
 
-    async def call(self, fn: Callable, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+    @property
+    def running(self) -> int:
+        return self.scheduler.load["running"]
+
+    @property
+    def waiting(self) -> int:
+        return self.scheduler.load["waiting"]
 
     async def prepare(self, data: bytes | bytearray, chat: bool, read: Callable | None = None) -> Any:
         """The body as a Job (`read(model, body, chat)`'s answer: api.read_job's by default), in the lane for its
@@ -79,47 +87,53 @@ class Engine:
         lane = self.lanes[len(data) > SMALL_BODY]
         self.preparing += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(lane, _read_job, self.model, data, chat, read)
+            job = await asyncio.get_running_loop().run_in_executor(lane, _read_job, self.model, data, chat, read)
         finally:
             self.preparing -= 1
+        # Refused now if the queue is full, while a stream's answer can still be a 503 (once its headers went
+        # out, only an error event could say so).
+        self.scheduler.check_room()
+        return job
 
     def close(self) -> None:
-        """Stop the worker and the lanes: what is queued is dropped, what runs finishes."""
-        for pool in (*self.lanes, self.pool):
+        """Stop the scheduler (what waits or runs ends with SchedulerClosed), the stream threads and the lanes."""
+        self.scheduler.close()
+        for pool in (*self.lanes, self.streams):
             pool.shutdown(wait=True, cancel_futures=True)
 
     async def pieces(self, job: Job, c: Completion, request: Request) -> AsyncIterator[str]:
-        """The text of `job` as it is generated, its turn in the queue taken first. A client that left stops
-        the generation between two tokens (the generator is closed on the worker thread)."""
-        self.waiting += 1
+        """The text of `job` as it is generated, in a cache slot of the scheduler's. A client that left stops
+        the generation between two pieces (its stream is closed: the scheduler takes it out of the batch)."""
+        gen = self.model.run(list(job.ids), completion=c, scheduler=self.scheduler, **job.run_kwargs())
+        pending = None  # the next() of the stream in flight on a stream thread
         try:
-            await self.lock.acquire()
-        finally:
-            self.waiting -= 1
-        self.busy = True
-        gen = None
-        try:
-            gen = self.model.run(list(job.ids), completion=c, **job.run_kwargs())
             while True:
                 if await request.is_disconnected():
                     c.finish_reason = "disconnected"
                     return
-                piece = await self.call(next, gen, _END)
+                pending = self.streams.submit(next, gen, _END)
+                piece = await asyncio.wrap_future(pending)
                 if piece is _END:
                     return
                 yield piece
         finally:
-            if gen is not None:
-                self.pool.submit(gen.close)  # on the worker, after the step in flight; the next job queues behind
+            # Closing the stream cancels the request; a generator cannot be closed while its next() runs (a
+            # response cancelled by a client that left), so then it is closed right after.
+            if pending is None or pending.done():
+                self.streams.submit(gen.close)
+            else:
+                pending.add_done_callback(lambda _: self.streams.submit(gen.close))
             self.served += 1
-            self.busy = False
-            self.lock.release()
             self.metrics.generated(request.scope, c)
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.name, "scheduling": "one request at a time, in arrival order",
-                "busy": self.busy, "queue_length": self.waiting, "served": self.served,
-                "cached_tokens": len(self.model.seq), "context": self.model.ctx}
+        load = self.scheduler.load
+        return {"status": "ok", "model": self.name,
+                "scheduling": ("one request at a time" if len(self.model.seqs) == 1 else
+                               f"{len(self.model.seqs)} requests at once") + ", the rest waiting in arrival order",
+                "slots": len(self.model.seqs), "running": load["running"], "busy": load["running"] > 0,
+                "queue_length": load["waiting"], "served": self.served,
+                "cached_tokens": sum(len(seq) for seq in self.model.seqs), "context": self.model.ctx}
 
 
 def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False) -> Starlette:
@@ -281,7 +295,9 @@ class _BodyRefused(ApiError):
 
 def _error(exc: ApiError, path: str = "") -> JSONResponse:
     """The error in OpenAI's shape, or Anthropic's on its routes."""
-    headers = {"Connection": "close"} if isinstance(exc, _BodyRefused) else None
+    headers = {"Connection": "close"} if isinstance(exc, _BodyRefused) else {}
+    if exc.status == 503:  # busy: a client may try again (the scheduler's queue, large bodies)
+        headers["Retry-After"] = "1"
     body = messages_api.error_body(exc) if messages_api.is_route(path) else exc.body()
     return JSONResponse(body, status_code=exc.status, headers=headers)
 

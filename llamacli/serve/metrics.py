@@ -84,14 +84,16 @@ class Metrics:
                               "token (its wait in the queue and its prefill included)", buckets=TTFT_BUCKETS,
                               registry=r)
         gauges = (
-            ("llamacli_requests_running", "Requests generating (one at a time)", lambda: engine.busy),
-            ("llamacli_requests_waiting", "Requests prepared and waiting for the model", lambda: engine.waiting),
+            ("llamacli_requests_running", "Requests generating, each in a cache slot", lambda: engine.running),
+            ("llamacli_requests_waiting", "Requests prepared and waiting for a free slot", lambda: engine.waiting),
             ("llamacli_requests_preparing", "Requests being read, parsed and tokenized", lambda: engine.preparing),
-            ("llamacli_kv_cache_used_cells", "KV cache cells (context positions) holding tokens",
-             lambda: len(model.seq)),
-            ("llamacli_kv_cache_cells", "KV cache cells (context positions) in all", lambda: model.ctx),
+            ("llamacli_kv_cache_used_cells", "KV cache cells (context positions of every slot) holding tokens",
+             lambda: sum(len(seq) for seq in model.seqs)),
+            ("llamacli_kv_cache_cells", "KV cache cells (context positions of every slot) in all",
+             lambda: model.ctx * len(model.seqs)),
             ("llamacli_kv_cache_usage_ratio", "KV cache cells in use over all of them",
-             lambda: len(model.seq) / model.ctx),
+             lambda: sum(len(seq) for seq in model.seqs) / (model.ctx * len(model.seqs))),
+            ("llamacli_slots", "Sequences the server generates at once (--parallel)", lambda: len(model.seqs)),
         )
         for name, doc, read in gauges:
             Gauge(name, doc, registry=r).set_function(read)

@@ -223,22 +223,22 @@ def test_models_report_the_context_length(served):
 
 
 def test_running_waiting_and_preparing_requests(served, monkeypatch):
-    """One request generating (held at its first step), one queued behind it, one held while its prompt is
-    tokenized: the gauges say 1, 1 and 1, then 0 once they are let go."""
+    """One request generating (held in its first step), one queued behind it for the one slot, one held while
+    its prompt is tokenized: the gauges say 1, 1 and 1, then 0 once they are let go."""
     url, model = served
     generating, tokenizing = threading.Event(), threading.Event()
-    run, tokenize = model.run, model.tokenize
+    step, tokenize = model.backend.step, model.tokenize
 
-    def held_run(*args, **kw):
+    def held_step(batch):
         generating.wait(30)
-        yield from run(*args, **kw)
+        return step(batch)
 
     def held_tokenize(text, **kw):
         if text == "hold me":
             tokenizing.wait(30)
         return tokenize(text, **kw)
 
-    monkeypatch.setattr(model, "run", held_run)
+    monkeypatch.setattr(model.backend, "step", held_step)
     monkeypatch.setattr(model, "tokenize", held_tokenize)
     answers: list[int] = []
 
