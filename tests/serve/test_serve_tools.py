@@ -9,6 +9,7 @@ streamed reply must give what the whole one gives."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -376,3 +377,39 @@ def test_requests_without_tools_are_read_as_any_other(random_model):
                       {"tools": TOOLS, "tool_choice": "none"}):
             job = read_job(tiny, {"messages": ASK, "max_tokens": 2, **extra}, chat=True)
             assert job.chat and job.ids and job.max_tokens == 2 and job.tools is None and job.constraint is None
+
+
+def readme_block(marker: str) -> str:
+    """The README's indented code block holding `marker`, unindented."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    at = readme.index(marker)
+    lines = []
+    for line in readme[readme.rfind("\n\n", 0, at) + 2 :].splitlines():
+        if line and not line.startswith("    "):
+            break
+        lines.append(line[4:])
+    return "\n".join(lines)
+
+
+def test_the_readme_agent_loop_runs_as_written(serve_family, monkeypatch, capsys):
+    """README.md's chat completions agent loop, run as it stands against a server whose model is scripted to
+    call the tool once and then answer: the loop sends the result back (as a tool message the template renders)
+    and prints the answer."""
+    client, model = serve_family("qwen3")
+    code = readme_block('    messages = [{"role": "user", "content": "Weather in Paris?"}]\n')
+    code = code.replace("http://127.0.0.1:8080", str(client.base_url).rstrip("/").removesuffix("/v1"))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    script = Script(model, call + "It is sunny in Paris.<|im_end|>").install(monkeypatch)
+    seen: list[list[int]] = []
+    run = model.run
+
+    @functools.wraps(run)  # (the server reads run's signature)
+    def spy(prompt, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append(list(prompt))
+        return run(prompt, **kw)
+
+    monkeypatch.setattr(model, "run", spy)
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102
+    assert script.refused == [] and len(seen) == 2
+    assert "<tool_response>\nParis: sunny, 21 C\n</tool_response>" in model.detokenize(seen[1])
+    assert capsys.readouterr().out == "It is sunny in Paris.\n"
