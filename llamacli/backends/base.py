@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..sampling.sampling import SamplingParams
 from ..ggufio.file import GGUFFile
 from ..models import block
-from ..models.block import Attention, Moe
+from ..models.block import Attention, Conv, DeltaRule, Moe
 from .step import Sampler, SeqStep, StepOut
 
 Progress = Callable[[int, int, str], None]  # (done, total, what) -> None; called while loading
@@ -64,6 +64,21 @@ class LayerWeights:
     ffn_gate_exps_bias: Any = None  # [E, F_exp] float32
     ffn_up_exps_bias: Any = None  # [E, F_exp]
     ffn_down_exps_bias: Any = None  # [E, D]
+    # A shared expert (qwen35moe, qwen3next): a SwiGLU FFN of width F_sh and its sigmoid gate
+    ffn_gate_inp_shexp: Any = None  # [1, D]
+    ffn_gate_shexp: Any = None  # [F_sh, D]
+    ffn_up_shexp: Any = None  # [F_sh, D]
+    ffn_down_shexp: Any = None  # [D, F_sh]
+    # A Gated DeltaNet layer (plan.mixer "delta_net"): C = 2 Hk d_k + Hv d_v channels; attn_qkv above is [C, D]
+    attn_gate: Any = None  # [Hv d_v, D] z, the output norm's gate
+    ssm_beta: Any = None  # [Hv, D]
+    ssm_alpha: Any = None  # [Hv, D]
+    ssm_ba: Any = None  # [2 Hv, D] rows per key head [beta; alpha] (qwen3next)
+    ssm_conv1d: Any = None  # [C, K] float32 (every backend reads it on the host first)
+    ssm_dt: Any = None  # [Hv] float32
+    ssm_a: Any = None  # [Hv] float32, -exp(A_log)
+    ssm_norm: Any = None  # [d_v] float32
+    ssm_out: Any = None  # [D, Hv d_v]
 
 
 @dataclass
@@ -188,9 +203,39 @@ class Backend(ABC):
         experts' gated FFNs (op.activation, biases when op.bias) -> sum_j w_j FFN_j(h) [T, D]."""
         raise BackendError(f"the {self.name} backend has no mixture-of-experts FFN")
 
+    def sigmoid_gate(self, x: Any, gate: Any) -> Any:
+        """x * sigmoid(gate), gate [T, N] or [T, 1] (a gated attention's output; the shared expert's)."""
+        raise BackendError(f"the {self.name} backend has no sigmoid gate (qwen35 / qwen3next models)")
+
+    def conv(self, op: Conv, x: Any, pos: Any) -> Any:
+        """Block op.layer's causal convolution of x [T, C] at positions pos [T] over the sequence's window (block.py
+        Conv), SiLU applied -> [T, C]; the window moves on to the last K - 1 inputs."""
+        raise BackendError(f"the {self.name} backend has no gated delta-net layers (qwen35 / qwen3next models)")
+
+    def delta_rule(self, op: DeltaRule, qkv: Any, a: Any, b: Any, pos: Any) -> Any:
+        """Block op.layer's gated delta rule (block.py DeltaRule) over the sequence's state from qkv [T, C], alpha and
+        beta [T, Hv] at positions pos [T] -> [T, Hv d_v]; the state moves on past the last position."""
+        raise BackendError(f"the {self.name} backend has no gated delta-net layers (qwen35 / qwen3next models)")
+
+    def gated_norm(self, x: Any, weight: Any, gate: Any, eps: float) -> Any:
+        """rms_norm(x) * weight * silu(gate) over the last axis, x and gate [T, H, d]."""
+        raise BackendError(f"the {self.name} backend has no gated delta-net layers (qwen35 / qwen3next models)")
+
     @abstractmethod
     def add(self, x: Any, y: Any) -> Any:
         """x + y (may write into x)."""
+
+    # -- recurrent states (models with delta-net layers; models/seq_cache.py) -------------------------------------
+    def resume(self, slot: int, pos: int) -> None:
+        """Before a prompt's prefill from position `pos` in cache `slot`: the slot's recurrent states set to those
+        stored after position pos - 1 (zeros at 0), and those stored past pos forgotten (they hold ids the prompt
+        replaces). Nothing to do for a model without recurrent layers."""
+
+    def snapshots(self, slot: int, prompt_end: int | None = None) -> frozenset[int] | None:
+        """After a step: the positions whose recurrent states the backend holds for `slot` (the step stored some,
+        seq_cache.snapshot_positions; `prompt_end`: the step was a prompt's, ending there, a position to keep);
+        None for a model without recurrent layers."""
+        return None
 
     # -- the step contract (backends/step.py) ----------------------------------------------------------------
     def step(self, batch: Sequence[SeqStep]) -> list[StepOut]:
@@ -213,7 +258,9 @@ class Backend(ABC):
         self.use_slot(slot)
         if s.position < 0:  # a new sequence: its prompt, then the decode set up for its sampler
             self._slot_sampler.pop(slot, None)  # (the slot is this sequence's once the prompt's step has run whole)
+            self.resume(slot, pos)  # recurrent states: those stored at pos (zeros at 0)
             out = self._choose(block.prefill(self, self.cfg, seq.tokens, pos), s)
+            out.snapshots = self.snapshots(slot, pos + len(seq.tokens))
             t0 = time.perf_counter()
             self._slot_kind[slot] = self._setup_decode(s, pos + len(seq.tokens))
             out.setup_ms = (time.perf_counter() - t0) * 1e3
@@ -227,6 +274,7 @@ class Backend(ABC):
                                f"got {len(seq.tokens)} at {pos}")
         del self._slot_sampler[slot]  # until this step has run whole
         out = self._decode(seq.tokens[0], pos, s, self._slot_kind[slot])
+        out.snapshots = self.snapshots(slot)
         s.position, self._slot_sampler[slot] = pos + 1, s
         return out
 

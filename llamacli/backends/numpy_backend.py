@@ -4,6 +4,13 @@ Weights are dequantized to float32 once at load (layer by layer; experts as [E, 
 embedding table stays quantized and only the rows asked for are dequantized. The KV cache is float32,
 one [rows, Hkv, Dh] array per layer: ctx rows, or on a sliding-window layer a ring (kv_cache.py: position p at
 row p mod rows), as the CUDA backend keeps it.
+
+A Gated DeltaNet layer (hybrid models, models/arch/qwen35.py) keeps a recurrent state instead: the convolution's
+window [K - 1, C] and the delta rule's state [Hv, d_k, d_v], float32, each with the position it stands at. Both
+are replaced, never written in place, so a stored state (models/seq_cache.py: the snapshots a prompt resumes from)
+is the arrays themselves, kept by reference. The delta rule runs token by token here, prefill included (the
+recurrent form, written to be read: the chunked form is the CUDA prefill's business, and gives the same numbers up
+to rounding).
 """
 
 from __future__ import annotations
@@ -12,18 +19,20 @@ import functools
 import math
 import os
 import resource
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import HostMemoryError, UsageError
+from ..errors import BackendError, HostMemoryError, UsageError
 from ..ggufio.file import GGUFFile
 from ..ggufio.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from ..ggufio.quants import can_dequantize, gather_rows
 from ..models import rope as rope_tables
-from ..models.block import Attention, Moe
+from ..models.block import Attention, Conv, DeltaRule, Moe
 from ..models.config import ROPE_NEOX, ModelConfig
 from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, q8_0_roundtrip, ring_span
 from ..models.moe import route
+from ..models.seq_cache import MAX_SNAPSHOTS, SNAPSHOT_EVERY, snapshot_positions
 from ..models.weights import layer_tensor_names, model_specs
 from ..units import human_bytes
 from .base import Backend, LayerWeights, ModelWeights, Progress
@@ -49,6 +58,27 @@ class QuantTable:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return gather_rows(self.raw, self.qtype, ids, self.shape[1])
+
+
+@dataclass
+class RecurrentSlot:
+    """One cache slot's delta-net states: the live one per layer (a layer's first pass from position 0 makes it),
+    and the stored ones, position -> layer -> [conv window, state] (snapshot_positions; `pinned`: ends of prompts)."""
+
+    states: dict[int, "LayerState"] = field(default_factory=dict)
+    stored: dict[int, dict[int, list]] = field(default_factory=dict)
+    pinned: set[int] = field(default_factory=set)
+
+
+@dataclass
+class LayerState:
+    """One delta-net layer's recurrent state of the sequence: each part is the state after position pos - 1 of its
+    `*_pos` (the Conv and DeltaRule operations move them on in turn)."""
+
+    conv: np.ndarray  # [K - 1, C] the convolution's last K - 1 inputs
+    conv_pos: int
+    ssm: np.ndarray  # [Hv, d_k, d_v] the delta rule's state per value head
+    ssm_pos: int
 
 
 class NumpyBackend(Backend):
@@ -81,15 +111,17 @@ class NumpyBackend(Backend):
 
         self.theta = rope_tables.inv_freq(cfg, gguf, ctx)  # [rope_dim/2]
         self.theta_local = rope_tables.inv_freq(cfg, gguf, ctx, local=True)
+        self.recurrent_layers = [i for i, plan in enumerate(cfg.layers) if plan.recurrent]
         self._caches = [self._new_cache()]
         self.slots = 1
         self.use_slot(0)
 
-    def _new_cache(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """One slot's K and V caches: per layer [rows, Hkv, Dh] float32 (config.cache_rows)."""
+    def _new_cache(self) -> tuple[list[np.ndarray], list[np.ndarray], RecurrentSlot]:
+        """One slot's K and V caches: per layer [rows, Hkv, Dh] float32 (config.cache_rows); and its recurrent
+        states (delta-net layers)."""
         cfg = self.cfg
         k = [np.zeros((n, cfg.n_head_kv, cfg.head_dim), dtype=np.float32) for n in cfg.cache_rows(self.ctx)]
-        return k, [np.zeros_like(x) for x in k]
+        return k, [np.zeros_like(x) for x in k], RecurrentSlot()
 
     def set_slots(self, n: int) -> None:
         """Caches for n sequences: slot 0's stays, the others are allocated (checked against the host's memory
@@ -106,7 +138,7 @@ class NumpyBackend(Backend):
         self.use_slot(0)
 
     def use_slot(self, slot: int) -> None:
-        self.k_cache, self.v_cache = self._caches[slot]
+        self.k_cache, self.v_cache, self.rec = self._caches[slot]
 
     # -- host <-> backend --------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> np.ndarray:
@@ -245,12 +277,146 @@ class NumpyBackend(Backend):
         return out
 
     @_ieee
+    def sigmoid_gate(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        return (x * _sigmoid(gate)).astype(np.float32)
+
+    @_ieee
+    def gated_norm(self, x: np.ndarray, weight: np.ndarray, gate: np.ndarray, eps: float) -> np.ndarray:
+        """rms_norm(x) * weight * silu(gate) per head: x, gate [T, H, d_v], weight [d_v]."""
+        return (self.rms_norm(x, weight, eps) * gate * _sigmoid(gate)).astype(np.float32)
+
+    # -- Gated DeltaNet layers: the convolution and the delta rule over the sequence's recurrent state ----------------
+    @_ieee
+    def conv(self, op: Conv, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """x [T, C] at positions start.. -> silu of the causal depthwise convolution [T, C]: out[t, c] = sum_j
+        w[c, j] * inputs[t - K + 1 + j, c] over the window's K - 1 inputs before the first token, then x."""
+        w = self.weights.layers[op.layer].ssm_conv1d  # [C, K], the oldest input's tap first
+        k, t, start = w.shape[1], x.shape[0], int(pos[0])
+        window = self._part(op.layer, start, "conv")  # [K - 1, C]
+        full = np.concatenate([window, x])  # [K - 1 + T, C]: the inputs at positions start - K + 1 .. start + T - 1
+        out = np.zeros_like(x)
+        for j in range(k):
+            out += full[j : j + t] * w[:, j]
+        for p in snapshot_positions(start, t):  # the window after position p - 1: inputs p - K + 1 .. p - 1
+            self._store(p, op.layer, 0, full[p - start : p - start + k - 1].copy())
+        state = self.rec.states[op.layer]
+        state.conv, state.conv_pos = full[t:].copy(), start + t
+        return (out * _sigmoid(out)).astype(np.float32)
+
+    @_ieee
+    def delta_rule(self, op: DeltaRule, qkv: np.ndarray, a: np.ndarray, b: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """The gated delta rule (block.py DeltaRule) token by token: qkv [T, C], alpha and beta [T, Hv] ->
+        [T, Hv d_v], the layer's state moved on past the last token."""
+        cfg, L = self.cfg, self.weights.layers[op.layer]
+        hk, hv, dk = cfg.ssm_group_count, cfg.ssm_time_step_rank, cfg.ssm_state_size
+        t, start = qkv.shape[0], int(pos[0])
+        q = _l2_norm(qkv[:, : hk * dk].reshape(t, hk, dk), cfg.rms_eps) / np.float32(math.sqrt(dk))
+        k = _l2_norm(qkv[:, hk * dk : 2 * hk * dk].reshape(t, hk, dk), cfg.rms_eps)
+        v = qkv[:, 2 * hk * dk :].reshape(t, hv, -1)  # [T, Hv, d_v]
+        src = key_heads(op.heads, hk, hv)  # the key head each value head reads
+        q, k = q[:, src], k[:, src]  # [T, Hv, d_k]
+        decay = np.exp(L.ssm_a * _softplus(a + L.ssm_dt)).astype(np.float32)  # [T, Hv], in (0, 1]
+        beta = _sigmoid(b).astype(np.float32)  # [T, Hv]
+        s = self._part(op.layer, start, "ssm")  # [Hv, d_k, d_v]
+        marks = {p - start - 1: p for p in snapshot_positions(start, t)}  # token index -> the position after it
+        out = np.empty_like(v)
+        for i in range(t):
+            s = s * decay[i, :, None, None]  # forget
+            kv = np.einsum("hk,hkv->hv", k[i], s)  # what the state recalls for k: S^T k [Hv, d_v]
+            delta = (v[i] - kv) * beta[i, :, None]  # the correction toward v, at rate beta
+            s = s + k[i, :, :, None] * delta[:, None, :]  # S += k delta^T
+            out[i] = np.einsum("hk,hkv->hv", q[i], s)  # read: S^T q
+            if i in marks:
+                self._store(marks[i], op.layer, 1, s)
+        state = self.rec.states[op.layer]
+        state.ssm, state.ssm_pos = s, start + t
+        if op.layer == self.recurrent_layers[-1]:  # the pass has stored every layer's part
+            self._trim(self.rec)
+        return out.reshape(t, -1)
+
+    def _part(self, layer: int, start: int, part: str) -> np.ndarray:
+        """The state `part` ("conv", "ssm") of `layer` before position `start`: zeros at 0 (a new sequence), else
+        the live one, which must stand there."""
+        cfg = self.cfg
+        if start == 0:
+            zeros = LayerState(np.zeros((cfg.ssm_conv_kernel - 1, cfg.ssm_conv_dim), np.float32), 0,
+                               np.zeros((cfg.ssm_time_step_rank, cfg.ssm_state_size, cfg.ssm_state_size), np.float32), 0)
+            state = self.rec.states.setdefault(layer, zeros)
+            setattr(state, part, getattr(zeros, part))
+            setattr(state, f"{part}_pos", 0)
+        state = self.rec.states.get(layer)
+        at = -1 if state is None else getattr(state, f"{part}_pos")
+        if at != start:
+            raise BackendError(f"layer {layer}'s recurrent state stands at position {at}, not {start}: a sequence "
+                               "continues where its last step ended, or resumes from a stored state (Backend.resume)")
+        return getattr(state, part)
+
+    def _store(self, pos: int, layer: int, part: int, value: np.ndarray) -> None:
+        self.rec.stored.setdefault(pos, {}).setdefault(layer, [None, None])[part] = value
+
+    def _trim(self, rec: RecurrentSlot) -> None:
+        """Keep a slot's stored states that are whole (every delta-net layer's two parts), at an end of a prompt
+        (`pinned`), a multiple of SNAPSHOT_EVERY or the highest position (the latest step's end), MAX_SNAPSHOTS of
+        them at most, the highest positions first."""
+        n = len(self.recurrent_layers)
+        whole = sorted((p for p, layers in rec.stored.items()
+                        if len(layers) == n and all(x is not None for parts in layers.values() for x in parts)),
+                       reverse=True)
+        keep = [p for i, p in enumerate(whole) if i == 0 or p in rec.pinned or p % SNAPSHOT_EVERY == 0][:MAX_SNAPSHOTS]
+        rec.stored = {p: rec.stored[p] for p in keep}
+        rec.pinned &= set(keep)
+
+    def resume(self, slot: int, pos: int) -> None:
+        if not self.recurrent_layers:
+            return
+        rec = self._caches[slot][2]
+        rec.stored = {p: x for p, x in rec.stored.items() if p <= pos}  # past pos: states of replaced ids
+        rec.pinned = {p for p in rec.pinned if p <= pos}
+        if pos == 0:
+            return  # (each layer's first pass starts from zeros)
+        self._trim(rec)
+        if pos not in rec.stored:
+            raise BackendError(f"no recurrent state is stored at position {pos} (stored: {sorted(rec.stored)}): a "
+                               "prompt starts at 0 or where a state was stored")
+        for layer, (conv, ssm) in rec.stored[pos].items():
+            rec.states[layer] = LayerState(conv, pos, ssm, pos)
+
+    def snapshots(self, slot: int, prompt_end: int | None = None) -> frozenset[int] | None:
+        if not self.recurrent_layers:
+            return None
+        rec = self._caches[slot][2]
+        if prompt_end is not None:
+            rec.pinned.add(prompt_end)
+        self._trim(rec)
+        return frozenset(rec.stored)
+
+    @_ieee
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
         return (cap * np.tanh(x.astype(np.float64) / cap)).astype(np.float32)
 
     @_ieee
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return x + y
+
+
+def key_heads(order: str, hk: int, hv: int) -> np.ndarray:
+    """int [Hv]: the key head each value head of a delta-net layer reads ("tiled": j % Hk; "grouped": j // (Hv / Hk))."""
+    j = np.arange(hv)
+    return j % hk if order == "tiled" else j // (hv // hk)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # = 1 / (1 + e^-x), without overflow
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)  # log(1 + e^x), without overflow
+
+
+def _l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(sum(x^2) + eps) over the last axis (llama.cpp's build_gdn_l2_norm, FLA's l2norm)."""
+    ss = np.sum(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
+    return (x / np.sqrt(ss + eps)).astype(np.float32)
 
 
 # -- host memory ---------------------------------------------------------------------------------------------
@@ -284,18 +450,24 @@ def scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int | None = None) -> int:
     acts = t * (8 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 6 * max(cfg.n_ff, cfg.n_ff_exp))
     if any(p.moe for p in cfg.layers):  # router logits and their float64 softmax [T, E], the gathered rows
         acts += t * (6 * cfg.n_expert + 2 * cfg.n_embd)
+    if any(p.recurrent for p in cfg.layers):  # q/k/v before and after the convolution, its window joined, z, the
+        # rule's q and k per value head, its output; a few states [Hv, d_k, d_v] in the token loop
+        acts += t * (4 * cfg.ssm_conv_dim + 4 * cfg.ssm_time_step_rank * cfg.ssm_state_size + 3 * cfg.ssm_inner_size)
+        acts += 4 * cfg.ssm_time_step_rank * cfg.ssm_state_size ** 2
     scores = cfg.n_head * attention_rows(cfg, t, ctx) * ctx
     return 4 * (acts + 2 * cfg.vocab_size) + 8 * 4 * scores
 
 
 def host_bytes(cfg: ModelConfig, ctx: int) -> tuple[int, int]:
-    """(weights, KV cache) bytes this backend allocates: every tensor but the embedding table as float32 (the
+    """(weights, cache) bytes this backend allocates: every tensor but the embedding table as float32 (the
     LM head too, a copy when tied; experts, all E of them, [E, rows, cols]), and K and V float32 [rows, Hkv,
-    Dh] per layer (config.cache_rows)."""
+    Dh] per layer (config.cache_rows) plus, with delta-net layers, the live recurrent state, the stored ones
+    (MAX_SNAPSHOTS) and one a pass is storing."""
     weights = sum(4 * math.prod(s.shape) for s in model_specs(cfg) if s.name != "token_embd.weight")
     if cfg.tied_embeddings:
         weights += 4 * cfg.vocab_size * cfg.n_embd
-    return weights, 2 * 4 * sum(cfg.cache_rows(ctx)) * cfg.kv_dim
+    states = (MAX_SNAPSHOTS + 2) * cfg.recurrent_state_bytes()
+    return weights, 2 * 4 * sum(cfg.cache_rows(ctx)) * cfg.kv_dim + states
 
 
 def available_host_memory() -> int | None:

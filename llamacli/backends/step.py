@@ -8,7 +8,9 @@ passes, the captured decode graphs and the step queued ahead of time, sampling o
 
 A sequence's first step (its Sampler not started) is its prompt: a prefill of the new ids (whatever their
 number), the first id from the last one's logits, and the backend's decode set up for that sampler. Every
-later step is one token at the sequence's next position (Sampler.position, which the backend keeps). A step
+later step is one token at the sequence's next position (Sampler.position, which the backend keeps). In a model
+with recurrent layers (models/seq_cache.py) a prompt that starts past position 0 resumes from the state the
+backend stored there, and every step says which positions it holds stored states for (StepOut.snapshots). A step
 that raised, or a cache another sequence has taken since, leaves the sequence to be started again with a new
 Sampler (the backend refuses it with one line).
 
@@ -65,3 +67,5 @@ class StepOut:
     logits: np.ndarray | None = field(default=None, repr=False)
     setup_ms: float = 0.0  # of the step's time, what the backend spent making its decode ready (the prompt's
     #                        step: the sampler's upload, a graph's capture), for the engine to time apart
+    snapshots: frozenset[int] | None = None  # a model with recurrent layers: the positions whose states the
+    #                                          backend holds for the sequence after the step (SequenceCache.held)

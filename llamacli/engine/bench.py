@@ -253,9 +253,12 @@ def attention_kv_bytes(cfg: ModelConfig, pos: int, cache_types: tuple[str, str] 
 
 def kv_read_bytes(cfg: ModelConfig, keys: float, cache_types: tuple[str, str] = DEFAULT_CACHE) -> list:
     """Bytes of K and V (of `cache_types`: fp16, or q8_0's 34 bytes per 32 values) each layer reads over
-    `keys` cached positions: at most the last `window` of them on a sliding-window layer."""
+    `keys` cached positions: at most the last `window` of them on a sliding-window layer; a delta-net layer's
+    recurrent state (float32, whatever the context) instead."""
     per_key = sum(cache_row_bytes(t, cfg.kv_dim) for t in cache_types)
-    return [min(keys, plan.window or keys) * per_key for plan in cfg.layers]
+    n_recurrent = sum(plan.recurrent for plan in cfg.layers)
+    state = cfg.recurrent_state_bytes() / n_recurrent if n_recurrent else 0
+    return [state if plan.recurrent else min(keys, plan.window or keys) * per_key for plan in cfg.layers]
 
 
 def decode_attention_summary(cfg: ModelConfig, pos: int, rows: list[ProfileRow], bandwidth: float,

@@ -7,7 +7,8 @@ streaming, timings. And the Python API: `llamacli.load(path)` -> Model with .gen
 The sequence's cache remembers which ids it holds (`Model.seq`, models/seq_cache.py): a new prompt that starts
 with them prefills only the rest, which is what makes a chat turn cheap. Sliding-window layers keep rings
 (models/kv_cache.py) that forget: a prefix is reused only while every ring still holds its last window, else
-the prompt is prefilled whole (SequenceCache.reusable).
+the prompt is prefilled whole (SequenceCache.reusable). Recurrent layers (Gated DeltaNet) resume only where the
+backend stored their state: the end of the last prompt, the last decode step, multiples of 256 positions.
 """
 
 from __future__ import annotations

@@ -72,6 +72,8 @@ class TokenRun:
     def prompt_out(self, out: StepOut, on_first: Callable[[StepOut], None] | None = None) -> Item | None:
         """The prompt's step ran whole: the slot holds the prompt; the first id, or None (finished)."""
         self.seq.prompt_done(self.ids)
+        if out.snapshots is not None:  # recurrent layers: where a later prompt may resume
+            self.seq.held(out.snapshots)
         t = self.timings
         # The step also made the decode ready (out.setup_ms): timed apart, as neither prompt nor generation
         t.first_token_at = time.perf_counter() - out.setup_ms / 1e3
@@ -102,6 +104,8 @@ class TokenRun:
     def step_out(self, out: StepOut) -> Item | None:
         """A decode step ran whole: its input's K/V are in the slot; its id, or None (finished)."""
         self.seq.token_done(self.last)
+        if out.snapshots is not None:
+            self.seq.held(out.snapshots)
         self.timings.eval_tokens += 1
         return self._hand(out)
 

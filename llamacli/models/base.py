@@ -44,6 +44,25 @@ class LayerPlan:
     #                              then a softmax over those k (gpt-oss)
     moe_bias: bool = False  # ffn_gate_inp.bias [E] and ffn_{gate,up}_exps.bias [E, F_exp], ffn_down_exps.bias
     #                         [E, D] (gpt-oss)
+    shared_expert: bool = False  # moe: plus a shared expert, a SwiGLU FFN of width cfg.n_ff_shexp
+    #                              (ffn_{gate,up,down}_shexp) whose output is scaled by sigmoid(h . ffn_gate_inp_shexp)
+    #                              (qwen35moe, qwen3next)
+    # Hybrid models (qwen35, qwen35moe, qwen3next): the layer's token mixer. "attention" is the causal attention
+    # above; "delta_net" a Gated DeltaNet linear-attention layer that keeps a recurrent state per sequence instead of
+    # K/V rows (block.py Conv, DeltaRule, GatedNorm: a short causal convolution over the projected q/k/v, then per
+    # value head a d_k x d_v state updated by the gated delta rule, its output normalised and gated by z).
+    mixer: str = "attention"
+    attn_gate: bool = False  # attention with an output gate: attn_q [2 Hq Dh, D] holds per head [q; gate], and the
+    #                          attention's output is multiplied by sigmoid(gate) before attn_output (qwen35, qwen3next)
+    ssm_ba: bool = False  # delta_net: beta and alpha from one ssm_ba [2 Hv, D] whose rows come per key head as
+    #                       [beta of its Hv/Hk value heads; alpha of them] (qwen3next); else ssm_beta / ssm_alpha [Hv, D]
+    ssm_heads: str = "tiled"  # delta_net: which key head value head j reads: "tiled" j % Hk (qwen35 files: the
+    #                           converter reorders the value heads so), "grouped" j // (Hv / Hk) (qwen3next)
+
+    @property
+    def recurrent(self) -> bool:
+        """The layer keeps a recurrent state per sequence (no K/V rows)."""
+        return self.mixer == "delta_net"
 
 
 @dataclass(frozen=True)
@@ -66,7 +85,9 @@ class Architecture:
     check: Callable[[Any, frozenset[str]], None] = field(default=lambda metadata, tensors: None)
     # (get, common) -> the architecture's own keys: ModelConfig fields (embd_scale, attn_scale, final_softcap,
     # rope_local_base) and whatever its layer plans need. `get(key, kind, default)` reads "<arch>.<key>"
-    # checked as config.py checks every key; `common` holds n_layer, n_embd, n_head, head_dim, rope_freq_base.
+    # checked as config.py checks every key; `common` holds n_layer (the blocks a forward pass runs), n_blocks
+    # (block_count: with the multi-token-prediction blocks), n_embd, n_head, head_dim, rope_freq_base, rope_dim,
+    # n_ff (feed_forward_length as the file gives it, None when absent).
     settings: Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]] = field(
         default=lambda get, common: {})
     # LayerWeights field -> GGUF tensor name (after "blk.N.") where this architecture's files differ from
@@ -80,32 +101,47 @@ class Architecture:
         return tuple(self.layer(LayerInfo(i, n_layer, names, metadata, settings or {})) for i in range(n_layer))
 
 
-_FEATURES = (  # (plan field, shown when the layer has it (True) or lacks it (False), label)
+_FEATURES = (  # (plan field, shown when the layer has it (True) or lacks it (False), label): the attention's
     ("fused_qkv", True, "fused QKV"),
     ("qkv_bias", True, "QKV bias"),
     ("qk_norm", True, "q/k norm"),
     ("rope", False, "no RoPE"),
     ("rope_local", True, "local RoPE"),
     ("post_norms", True, "post-norms"),
-    ("fused_gate_up", True, "fused gate/up"),
     ("o_bias", True, "output bias"),
     ("sinks", True, "attention sinks"),
+    ("attn_gate", True, "gated attention"),
 )
+_FFN_FEATURES = (("fused_gate_up", True, "fused gate/up"), ("shared_expert", True, "shared expert"))
 
 
 def describe(plans: tuple[LayerPlan, ...]) -> str:
-    """What the layers do beyond the Llama block, for `inspect`: "q/k norm", "no RoPE on 9 of 36 layers"."""
-    parts = []
+    """What the layers do beyond the Llama block, for `inspect`: "q/k norm", "no RoPE on 9 of 36 layers"; a hybrid
+    model's layer kinds first ("gated delta-net (linear attention) on 3 of 4 layers, attention on 1 of 4 layers
+    (q/k norm, gated attention)"), the attention features counted over its attention layers."""
+    attention = [p for p in plans if not p.recurrent]
+    parts, own = [], []
+    hybrid = len(attention) < len(plans)
+    if hybrid:
+        parts.append(f"gated delta-net (linear attention) on {len(plans) - len(attention)} of {len(plans)} layers")
     for name, when, label in _FEATURES:
+        n = sum(getattr(p, name) == when for p in attention)
+        if n:
+            own.append(label if n == len(attention) else f"{label} on {n} of {len(attention)} layers")
+    windows = sorted({p.window for p in attention if p.window})
+    for w in windows:
+        n = sum(p.window == w for p in attention)
+        own.append(f"sliding window {w} on {n} of {len(attention)} layers")
+    for cap in sorted({p.attn_softcap for p in attention if p.attn_softcap}):
+        own.append(f"attention soft-cap {cap:g}")
+    if hybrid and attention:
+        parts.append(f"attention on {len(attention)} of {len(plans)} layers" + (f" ({', '.join(own)})" if own else ""))
+    else:
+        parts += own
+    for name, when, label in _FFN_FEATURES:
         n = sum(getattr(p, name) == when for p in plans)
         if n:
             parts.append(label if n == len(plans) else f"{label} on {n} of {len(plans)} layers")
-    windows = sorted({p.window for p in plans if p.window})
-    for w in windows:
-        n = sum(p.window == w for p in plans)
-        parts.append(f"sliding window {w} on {n} of {len(plans)} layers")
-    for cap in sorted({p.attn_softcap for p in plans if p.attn_softcap}):
-        parts.append(f"attention soft-cap {cap:g}")
     for act in sorted({p.activation for p in plans if p.activation != "silu"}):
         parts.append({"gelu_tanh": "GeGLU", "swiglu_oai": "clamped SwiGLU"}.get(act, act))
     n = sum(p.moe for p in plans)

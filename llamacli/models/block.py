@@ -13,6 +13,9 @@ one graph per model and lets each backend fuse it:
 A program is a tuple of operations on named values: "x" the residual stream [T, D]; "h" a normalised input;
 "q", "k", "v" the projections [T, H Dh] (heads of Dh values side by side); "att" the attention's output
 [T, Hq Dh]; "o" and "f" a block's output [T, D]; "g", "u" the gated FFN's halves [T, F], "ff" its activation.
+A Gated DeltaNet layer (hybrid models: qwen35, qwen35moe, qwen3next) has "qkv" [T, 2 Hk d_k + Hv d_v] (its q, k
+and v side by side, before and after the convolution), "z" its output gate [T, Hv d_v], "b" and "a" its beta
+and alpha [T, Hv]; a gated attention layer "gate" [T, Hq Dh]; a shared expert "s" [T, D] and its gate "sg" [T, 1].
 Weights are named by their LayerWeights field (ModelWeights for the model's own: output_norm, output), so a
 program depends on the config alone and can be printed, compared and cached.
 
@@ -53,11 +56,15 @@ class Linear:
 
 @dataclass(frozen=True)
 class Split:
-    """src's columns, in order, as the values dsts of widths `sizes` (phi3's fused QKV and gate/up rows)."""
+    """src's columns, in order, as the values dsts of widths `sizes` (phi3's fused QKV and gate/up rows). With
+    `groups` > 0 the columns come in that many groups of sum(sizes), each split alike, and each dst joins its
+    parts of every group: per head [q; gate] of a gated attention's attn_q (groups Hq), per key head [beta; alpha]
+    of qwen3next's ssm_ba (groups Hk)."""
 
     src: str
     dsts: tuple[str, ...]
     sizes: tuple[int, ...]
+    groups: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,13 +116,67 @@ class Moe:
 
 
 @dataclass(frozen=True)
+class Gate:
+    """dst = src * sigmoid(gate) (gate [T, N] elementwise, or [T, 1] for every column): the output gate of a gated
+    attention, the shared expert's gate."""
+
+    src: str
+    gate: str
+    dst: str
+
+
+@dataclass(frozen=True)
+class Conv:
+    """dst [T, C] = silu(conv(src)): block `layer`'s causal depthwise convolution, channel c of token t being
+    sum_j ssm_conv1d[c, j] * src[t - K + 1 + j, c] (K = cfg.ssm_conv_kernel) over the sequence's inputs, the K - 1
+    before the first token read from the sequence's window (zeros at position 0), which then holds the last K - 1
+    (the recurrent state's first part)."""
+
+    layer: int
+    src: str = "qkv"
+    dst: str = "qkv"
+
+
+@dataclass(frozen=True)
+class DeltaRule:
+    """The gated delta rule of block `layer` (Yang et al. 2024, "Gated Delta Networks") over the sequence's state
+    S [Hv, d_k, d_v] (zeros at position 0): qkv [T, 2 Hk d_k + Hv d_v] splits into q, k [T, Hk, d_k] and
+    v [T, Hv, d_v]; q and k are L2-normalised per head (x / sqrt(sum x^2 + eps)), q scaled by 1 / sqrt(d_k);
+    value head h reads key head h % Hk (`heads` "tiled") or h // (Hv / Hk) ("grouped"). Per token t and head h:
+
+        g = ssm_a[h] * softplus(a[t, h] + ssm_dt[h])      (ssm_a = -exp(A_log) < 0: a decay in (0, 1])
+        beta = sigmoid(b[t, h])
+        S = exp(g) S;   S = S + k (beta (v - S^T k))^T;   out[t, h] = S^T q
+
+    -> dst [T, Hv d_v]."""
+
+    layer: int
+    heads: str = "tiled"
+    qkv: str = "qkv"
+    a: str = "a"
+    b: str = "b"
+    dst: str = "att"
+
+
+@dataclass(frozen=True)
+class GatedNorm:
+    """dst = rms_norm(src) * weight * silu(gate), per value head of d_v = len(weight) values (the delta net's output
+    norm, gated by z)."""
+
+    src: str
+    weight: str
+    gate: str
+    dst: str
+
+
+@dataclass(frozen=True)
 class Add:
     """x += src (the residual add)."""
 
     src: str
 
 
-Op = Union[Norm, Linear, Split, Rope, Attention, Glu, Moe, Add]
+Op = Union[Norm, Linear, Split, Rope, Attention, Glu, Moe, Gate, Conv, DeltaRule, GatedNorm, Add]
 
 
 @lru_cache(maxsize=8)
@@ -131,22 +192,12 @@ def layer_ops(cfg: Any, i: int) -> tuple[Op, ...]:
 
 
 def _program(cfg: Any, i: int) -> tuple[Op, ...]:
-    """Block i's program, from its plan cfg.layers[i]: a pre-norm attention block, then a pre-norm FFN block
-    (dense or experts), each added into the residual stream."""
+    """Block i's program, from its plan cfg.layers[i]: a pre-norm attention block (or a Gated DeltaNet block),
+    then a pre-norm FFN block (dense or experts, a shared expert beside them), each added into the residual
+    stream."""
     p = cfg.layers[i]
     ops: list[Op] = [Norm("x", "attn_norm", "h")]
-    if p.fused_qkv:  # phi3: one matrix, rows [q; k; v]
-        ops += [Linear("h", "attn_qkv", "qkv"), Split("qkv", ("q", "k", "v"), (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))]
-    else:
-        ops += [Linear("h", f"attn_{n}", n, f"attn_{n}_bias" if p.qkv_bias else None) for n in "qkv"]
-    if p.qk_norm:  # qwen3, gemma3
-        ops += [Norm("q", "attn_q_norm", "q", heads=True), Norm("k", "attn_k_norm", "k", heads=True)]
-    if p.rope:  # smollm3's NoPE layers have none
-        ops += [Rope("q", p.rope_local), Rope("k", p.rope_local)]
-    ops += [Attention(i, p.window, p.attn_softcap, p.sinks),
-            Linear("att", "attn_output", "o", "attn_output_bias" if p.o_bias else None)]
-    if p.post_norms:  # gemma: the block's output normalised before the residual add
-        ops.append(Norm("o", "attn_post_norm", "o"))
+    ops += _delta_net(cfg, i) if p.recurrent else _attention(cfg, i)
     ops += [Add("o"), Norm("x", "ffn_norm", "h")]
     if p.moe:
         ops.append(Moe(i, p.moe_gating, p.activation, p.moe_bias))
@@ -159,7 +210,49 @@ def _program(cfg: Any, i: int) -> tuple[Op, ...]:
     if p.post_norms:
         ops.append(Norm("f", "ffn_post_norm", "f"))
     ops.append(Add("f"))
+    if p.shared_expert:  # qwen35moe, qwen3next: a SwiGLU FFN every token runs, scaled by its own sigmoid gate
+        ops += [Linear("h", "ffn_gate_shexp", "g"), Linear("h", "ffn_up_shexp", "u"), Glu("silu"),
+                Linear("ff", "ffn_down_shexp", "s"), Linear("h", "ffn_gate_inp_shexp", "sg"), Gate("s", "sg", "s"),
+                Add("s")]
     return tuple(ops)
+
+
+def _attention(cfg: Any, i: int) -> list[Op]:
+    """The attention branch of block i from its normalised input h to its output o."""
+    p = cfg.layers[i]
+    ops: list[Op] = []
+    if p.attn_gate:  # qwen35, qwen3next: attn_q rows per head [q; gate]
+        ops += [Linear("h", "attn_q", "qg"), Split("qg", ("q", "gate"), (cfg.head_dim, cfg.head_dim), cfg.n_head),
+                Linear("h", "attn_k", "k"), Linear("h", "attn_v", "v")]
+    elif p.fused_qkv:  # phi3: one matrix, rows [q; k; v]
+        ops += [Linear("h", "attn_qkv", "qkv"), Split("qkv", ("q", "k", "v"), (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))]
+    else:
+        ops += [Linear("h", f"attn_{n}", n, f"attn_{n}_bias" if p.qkv_bias else None) for n in "qkv"]
+    if p.qk_norm:  # qwen3, gemma3
+        ops += [Norm("q", "attn_q_norm", "q", heads=True), Norm("k", "attn_k_norm", "k", heads=True)]
+    if p.rope:  # smollm3's NoPE layers have none
+        ops += [Rope("q", p.rope_local), Rope("k", p.rope_local)]
+    ops.append(Attention(i, p.window, p.attn_softcap, p.sinks))
+    if p.attn_gate:
+        ops.append(Gate("att", "gate", "att"))
+    ops.append(Linear("att", "attn_output", "o", "attn_output_bias" if p.o_bias else None))
+    if p.post_norms:  # gemma: the block's output normalised before the residual add
+        ops.append(Norm("o", "attn_post_norm", "o"))
+    return ops
+
+
+def _delta_net(cfg: Any, i: int) -> list[Op]:
+    """The Gated DeltaNet branch of block i from h to o: the projections (q/k/v, the output gate z, beta and
+    alpha), the causal convolution, the delta rule over the sequence's state, the gated norm, ssm_out."""
+    p = cfg.layers[i]
+    ops: list[Op] = [Linear("h", "attn_qkv", "qkv"), Linear("h", "attn_gate", "z")]
+    if p.ssm_ba:  # qwen3next: rows per key head [beta (Hv/Hk); alpha (Hv/Hk)]
+        r = cfg.ssm_time_step_rank // cfg.ssm_group_count
+        ops += [Linear("h", "ssm_ba", "ba"), Split("ba", ("b", "a"), (r, r), cfg.ssm_group_count)]
+    else:
+        ops += [Linear("h", "ssm_beta", "b"), Linear("h", "ssm_alpha", "a")]
+    return ops + [Conv(i), DeltaRule(i, p.ssm_heads), GatedNorm("att", "ssm_norm", "z", "att"),
+                  Linear("att", "ssm_out", "o")]
 
 
 def run(be: Any, cfg: Any, ids: Any, pos: Any, all_logits: bool = False) -> Any:
@@ -189,8 +282,11 @@ def run_layer(be: Any, cfg: Any, ops: tuple[Op, ...], L: Any, x: Any, pos: Any) 
             env[op.dst] = be.matmul(env[op.src], getattr(L, op.weight), getattr(L, op.bias) if op.bias else None)
         elif isinstance(op, Split):
             src, col = env[op.src], 0
+            if op.groups:  # [T, groups, sum(sizes)]: each dst takes its columns of every group
+                src = src.reshape(t, op.groups, -1)
             for name, n in zip(op.dsts, op.sizes):
-                env[name], col = src[:, col : col + n], col + n
+                part, col = src[..., col : col + n], col + n
+                env[name] = part.reshape(t, -1) if op.groups else part
         elif isinstance(op, Rope):
             env[op.src] = be.rope(env[op.src].reshape(t, -1, dh), pos, op.local)
         elif isinstance(op, Attention):
@@ -200,6 +296,16 @@ def run_layer(be: Any, cfg: Any, ops: tuple[Op, ...], L: Any, x: Any, pos: Any) 
             env[op.dst] = be.gated(op.activation, env[op.gate], env[op.up])
         elif isinstance(op, Moe):
             env[op.dst] = be.moe(op, env[op.src])
+        elif isinstance(op, Gate):
+            env[op.dst] = be.sigmoid_gate(env[op.src], env[op.gate])
+        elif isinstance(op, Conv):
+            env[op.dst] = be.conv(op, env[op.src], pos)  # [T, C]; moves the sequence's window on
+        elif isinstance(op, DeltaRule):
+            env[op.dst] = be.delta_rule(op, env[op.qkv], env[op.a], env[op.b], pos)  # [T, Hv d_v]
+        elif isinstance(op, GatedNorm):
+            w = getattr(L, op.weight)  # [d_v]
+            src, gate = (env[n].reshape(t, -1, w.shape[-1]) for n in (op.src, op.gate))
+            env[op.dst] = be.gated_norm(src, w, gate, cfg.rms_eps).reshape(t, -1)
         elif isinstance(op, Add):
             env["x"] = be.add(env["x"], env[op.src])
         else:  # pragma: no cover - every Op is handled above

@@ -58,6 +58,19 @@ class ModelConfig:
     n_expert_used: int = 0  # experts chosen per token,
     n_ff_exp: int = 0  # an expert's FFN width,
     expert_weights_norm: bool = False  # "softmax" gating: the chosen weights renormalised to sum 1
+    n_ff_shexp: int = 0  # the shared expert's FFN width (layers whose plan has shared_expert)
+    # Gated DeltaNet layers (plans whose mixer is "delta_net"; llama.cpp's ssm.* keys): the causal convolution's
+    # width K, the key and value head dims (state_size: d_k = d_v), the key heads Hk (group_count), the value
+    # heads Hv (time_step_rank: one decay and one beta per value head) and Hv d_v (inner_size).
+    ssm_conv_kernel: int = 0
+    ssm_state_size: int = 0
+    ssm_group_count: int = 0
+    ssm_time_step_rank: int = 0
+    ssm_inner_size: int = 0
+    # Multi-section RoPE (qwen35's "imrope", rope.dimension_sections: pairs of the rotated dims interleaved over
+    # time/height/width sections; for text every section takes the token's position, and the pairs that fall in
+    # the fourth section, none in released files, position 0: rope.py); empty: plain RoPE
+    rope_sections: tuple[int, ...] = ()
     # Not from the file: a row per position on sliding-window layers too (--swa-full, as llama.cpp's), so that
     # any cached prefix can be reused; else rings (kv_cache.py)
     swa_full: bool = False
@@ -86,10 +99,21 @@ class ModelConfig:
         """Query heads per KV head (GQA)."""
         return self.n_head // self.n_head_kv
 
+    @property
+    def ssm_conv_dim(self) -> int:
+        """Channels of a delta-net layer's convolution: its q, k [Hk d_k each] and v [Hv d_v] side by side."""
+        return 2 * self.ssm_group_count * self.ssm_state_size + self.ssm_inner_size
+
+    def recurrent_state_bytes(self) -> int:
+        """One sequence's recurrent state, float32: per delta-net layer the convolution's window of the last K - 1
+        inputs [K - 1, conv_dim] and the delta rule's state [Hv, d_k, d_v]. It does not grow with the context."""
+        per_layer = (self.ssm_conv_kernel - 1) * self.ssm_conv_dim + self.ssm_time_step_rank * self.ssm_state_size ** 2
+        return 4 * per_layer * sum(plan.recurrent for plan in self.layers)
+
     def cache_rows(self, ctx: int) -> list[int]:
         """Rows of each layer's K/V cache at `ctx` positions: ctx, or a ring on a sliding-window layer
-        (kv_cache.ring_rows) unless swa_full."""
-        return [ctx if self.swa_full else ring_rows(plan.window, ctx) for plan in self.layers]
+        (kv_cache.ring_rows) unless swa_full; none on a layer with a recurrent state instead."""
+        return [0 if plan.recurrent else ctx if self.swa_full else ring_rows(plan.window, ctx) for plan in self.layers]
 
     def kv_cache_bytes(self, ctx: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> int:
         """K and V of every layer at `ctx` positions (sliding-window layers: their rings), each of its cache
@@ -130,14 +154,23 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
             raise CorruptFileError(f"metadata key '{arch}.{key}' has an impossible value {value}")
         return value
 
-    n_layer = positive("block_count", get("block_count", int), 4096)
+    n_blocks = positive("block_count", get("block_count", int), 4096)
+    # Multi-token prediction (Qwen3.5, Qwen3-Next): the file's last nextn_predict_layers blocks are the MTP
+    # head's (blk.N.nextn.*), which a plain forward pass does not run; their tensors are read past.
+    nextn = get("nextn_predict_layers", int, default=0, required=False)
+    if not 0 <= nextn < n_blocks:
+        raise CorruptFileError(f"metadata key '{arch}.nextn_predict_layers' is {nextn}, not between 0 and the "
+                               f"{n_blocks} blocks less one")
+    n_layer = n_blocks - nextn
     n_embd = positive("embedding_length", get("embedding_length", int), 1 << 20)
     n_head = positive("attention.head_count", _scalar(get("attention.head_count", (int,)), arch, "attention.head_count"), 4096)
     n_head_kv_raw = get("attention.head_count_kv", (int,), default=n_head, required=False)
     n_head_kv = positive("attention.head_count_kv", _scalar(n_head_kv_raw, arch, "attention.head_count_kv"), 4096)
     if n_head % n_head_kv:
         raise CorruptFileError(f"{n_head} attention heads cannot be shared by {n_head_kv} KV heads")
-    n_ff = positive("feed_forward_length", _scalar(get("feed_forward_length", (int,)), arch, "feed_forward_length"), 1 << 22)
+    # Optional where every layer has experts (qwen35moe files carry none); a dense layer needs it (checked below).
+    n_ff_raw = get("feed_forward_length", (int,), required=False)
+    n_ff = 0 if n_ff_raw is None else positive("feed_forward_length", _scalar(n_ff_raw, arch, "feed_forward_length"), 1 << 22)
     head_dim = get("attention.key_length", int, required=False)
     if head_dim is None:
         if n_embd % n_head:
@@ -205,9 +238,13 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
     else:
         raise CorruptFileError(f"RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
     tok = lambda key: md.get(f"tokenizer.ggml.{key}")  # noqa: E731
-    common = dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, head_dim=head_dim, rope_freq_base=rope_base)
+    common = dict(n_layer=n_layer, n_blocks=n_blocks, n_embd=n_embd, n_head=n_head, head_dim=head_dim,
+                  rope_freq_base=rope_base, rope_dim=rope_dim, n_ff=n_ff_raw)
     settings = model.settings(lambda key, kind, default=None: get(key, kind, default, required=False), common)
     own = {k: v for k, v in settings.items() if k in _ARCH_FIELDS}
+    layers = model.plans(n_layer, tensors, md, settings)
+    if n_ff == 0 and any(not p.moe for p in layers):
+        raise MissingMetadataError(f"missing metadata key '{arch}.feed_forward_length'")
     return ModelConfig(
         architecture=arch,
         name=str(md.get("general.name") or md.get("general.basename") or arch),
@@ -230,7 +267,7 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
         tied_embeddings=bool(tensors) and "output.weight" not in tensors,
         bos_token_id=_token_id(tok("bos_token_id"), vocab),
         eos_token_id=_token_id(tok("eos_token_id"), vocab),
-        layers=model.plans(n_layer, tensors, md, settings),
+        layers=layers,
         rope_yarn_beta_fast=beta_fast,
         rope_yarn_beta_slow=beta_slow,
         **own,
@@ -238,7 +275,8 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
 
 
 _ARCH_FIELDS = ("rope_local_base", "attn_scale", "embd_scale", "final_softcap", "n_expert", "n_expert_used",
-                "n_ff_exp", "expert_weights_norm")  # set by a model's settings
+                "n_ff_exp", "expert_weights_norm", "n_ff_shexp", "ssm_conv_kernel", "ssm_state_size", "ssm_group_count",
+                "ssm_time_step_rank", "ssm_inner_size", "rope_sections")  # set by a model's settings
 
 
 def _yarn_magnitude(factor: float, log_mul: float) -> float:

@@ -10,6 +10,11 @@ theta[i] = base^(-2i / rope_dim) for i < rope_dim/2, then
             where lo / hi are the pair indices that turn beta_fast / beta_slow times over the original
             context; cos/sin multiplied by the magnitude factor config.py computes.
 The angle of pair i at position p is p * theta[i]. Only the first rope_dim dims of a head rotate.
+
+Multi-section RoPE (qwen35's "imrope", ggml's rope_multi with GGML_ROPE_TYPE_IMROPE): pair i takes the position of
+one of four streams (time, height, width, extra), interleaved by the sections [t, h, w, e]. A text token has the
+same position on the first three and 0 on the fourth (llama.cpp's llm_graph_input_pos), so for text this is the
+plain table with theta[i] = 0 on the pairs the fourth stream owns: none with the released sections [11, 11, 10, 0].
 """
 
 from __future__ import annotations
@@ -40,7 +45,19 @@ def inv_freq(cfg: ModelConfig, gguf: GGUFFile | None, ctx: int, local: bool = Fa
         # llama.cpp picks the long factors when the context in use exceeds the original training context.
         name = "rope_factors_long.weight" if ctx > cfg.rope_original_context else "rope_factors_short.weight"
         theta /= gguf.dequantize(name).astype(np.float64)
+    if cfg.rope_sections:
+        theta[~text_pairs(cfg.rope_sections, half)] = 0.0
     return theta.astype(np.float32)
+
+
+def text_pairs(sections: tuple[int, ...], half: int) -> np.ndarray:
+    """bool [half]: the pairs that rotate at a text token's position under interleaved multi-section RoPE with
+    `sections` [t, h, w, e] (ggml_mrope_cache_init's is_imrope branch): pair i's sector i % sum(sections) belongs to
+    t, h or w when sector % 3 == 0, 1, 2 and sector < 3 * that section; else to e (position 0 for text)."""
+    t, h, w = sections[:3]
+    sector = np.arange(half) % sum(sections)
+    return ((sector % 3 == 0) & (sector < 3 * t)) | ((sector % 3 == 1) & (sector < 3 * h)) | \
+        ((sector % 3 == 2) & (sector < 3 * w))
 
 
 def _yarn_blend(cfg: ModelConfig, half: int) -> np.ndarray:

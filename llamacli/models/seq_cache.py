@@ -9,24 +9,30 @@ Per layer a slot keeps one of two kinds of memory:
   short convolution window and a d_k x d_v state per head): its size does not grow with the context, but it is
   the state *after* the last position it ran, which a failed step or a step run ahead of time (the decode's
   warm-up, the look-ahead) moves on in place, so it cannot be rewound. A prompt resumes only at a position
-  whose state the backend stored (`stored(pos)`: at the end of a prompt, say, so that a chat's next turn
-  continues from it); any other prompt starts from 0.
+  whose state the backend stored (`stored(pos)`, or the whole set after each step: `held`); any other prompt
+  starts from 0. Where the backends store one (SNAPSHOT_EVERY, MAX_SNAPSHOTS below): at the end of each prompt
+  (a chat's next turn continues from it when the template drops the reply's reasoning), after the latest decode
+  step (it continues from there when the reply comes back as it was generated), and at each multiple of
+  SNAPSHOT_EVERY positions a prompt passes (prompts that share a long beginning, a system prompt, resume near
+  where they part); MAX_SNAPSHOTS of them at most, the highest positions kept.
 
 SequenceCache is the engine's record of one slot: its layers' kinds, the ids it holds (positions 0..len-1),
 and the highest position written since it was last filled from 0 (what a ring may have overwritten past the
 ids it holds: a failed step, a decode graph's warm-up). The backend keeps the memory itself, one slot per
-sequence it can hold (SeqStep.slot); today's architectures have KV layers only and the backends one slot.
+sequence it can hold (SeqStep.slot); the backends hold one slot today.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from .config import ModelConfig
 from .kv_cache import ring_keeps
 
 KINDS = ("kv", "recurrent")
+SNAPSHOT_EVERY = 256  # a prompt stores the recurrent state at each multiple of this many positions it passes
+MAX_SNAPSHOTS = 8  # stored states kept per sequence (each the size of ModelConfig.recurrent_state_bytes)
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,17 @@ class LayerCache:
 
 
 def layer_caches(cfg: ModelConfig, ctx: int) -> tuple[LayerCache, ...]:
-    """Each layer's cache at a context of `ctx` positions, as the backends allocate it (ModelConfig.cache_rows)."""
-    return tuple(LayerCache("kv", plan.window, rows) for plan, rows in zip(cfg.layers, cfg.cache_rows(ctx)))
+    """Each layer's cache at a context of `ctx` positions, as the backends allocate it (ModelConfig.cache_rows; a
+    delta-net layer's recurrent state instead)."""
+    return tuple(LayerCache("recurrent") if plan.recurrent else LayerCache("kv", plan.window, rows)
+                 for plan, rows in zip(cfg.layers, cfg.cache_rows(ctx)))
+
+
+def snapshot_positions(start: int, n: int) -> list[int]:
+    """Where a pass over positions start .. start + n - 1 stores the recurrent state (the state after position
+    p - 1 for each p listed): each multiple of SNAPSHOT_EVERY inside it, and its end start + n."""
+    first = start // SNAPSHOT_EVERY * SNAPSHOT_EVERY + SNAPSHOT_EVERY
+    return list(range(first, start + n, SNAPSHOT_EVERY)) + [start + n]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
@@ -115,6 +130,11 @@ class SequenceCache:
         if not 0 < pos <= len(self.ids):
             raise ValueError(f"a snapshot at {pos} of a slot holding {len(self.ids)} ids")
         self.snapshots.add(pos)
+
+    def held(self, positions: Iterable[int]) -> None:
+        """The backend now holds stored states at exactly these positions (Backend.step says so after each step of
+        a model with recurrent layers): a prompt may resume at those within the ids the slot holds."""
+        self.snapshots = {p for p in positions if 0 < p <= len(self.ids)}
 
     def clear(self) -> None:
         """Forget what the slot holds (its memory was overwritten outside the engine, or a fresh start is wanted):

@@ -8,11 +8,12 @@ experts are 3-D [E, out, in], one [out, in] matrix per expert.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import MissingTensorError, ShapeMismatchError, UnsupportedTensorTypeError
 from ..ggufio.file import GGUFFile
 from ..ggufio.ggml_types import GGMLQuantizationType
-from .arch import ARCHITECTURES
+from .arch import ARCHITECTURES, LayerPlan
 from .config import ModelConfig
 
 
@@ -61,13 +62,26 @@ TENSOR_NAMES = {
     "ffn_gate_exps_bias": "ffn_gate_exps.bias",
     "ffn_up_exps_bias": "ffn_up_exps.bias",
     "ffn_down_exps_bias": "ffn_down_exps.bias",
+    "ffn_gate_inp_shexp": "ffn_gate_inp_shexp.weight",
+    "ffn_gate_shexp": "ffn_gate_shexp.weight",
+    "ffn_up_shexp": "ffn_up_shexp.weight",
+    "ffn_down_shexp": "ffn_down_shexp.weight",
+    # Gated DeltaNet layers (llama.cpp's LLM_TENSOR_SSM_*; attn_qkv is the delta net's q/k/v there)
+    "attn_gate": "attn_gate.weight",
+    "ssm_beta": "ssm_beta.weight",
+    "ssm_alpha": "ssm_alpha.weight",
+    "ssm_ba": "ssm_ba.weight",
+    "ssm_conv1d": "ssm_conv1d.weight",
+    "ssm_dt": "ssm_dt.bias",
+    "ssm_a": "ssm_a",  # (no ".weight": llama.cpp's SSM_A_NOSCAN name)
+    "ssm_norm": "ssm_norm.weight",
+    "ssm_out": "ssm_out.weight",
 }
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     """The tensors block i needs, as its plan (cfg.layers[i]) implies, each with its LayerWeights field."""
-    d, q, kv, ff, dh = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff, cfg.head_dim
-    e, fe = cfg.n_expert, cfg.n_ff_exp
+    d, ff, e, fe = cfg.n_embd, cfg.n_ff, cfg.n_expert, cfg.n_ff_exp
     plan = cfg.layers[i]
     arch = ARCHITECTURES.get(cfg.architecture)
     names = {**TENSOR_NAMES, **(arch.tensor_names if arch else {})}
@@ -77,7 +91,46 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
         specs.append(TensorSpec(f"blk.{i}.{names[field]}", shape, field=field))
 
     add("attn_norm", d)
-    if plan.fused_qkv:
+    if plan.recurrent:
+        _delta_net_specs(cfg, plan, add)
+    else:
+        _attention_specs(cfg, plan, add)
+    add("ffn_norm", d)
+    if plan.moe:  # the router and the experts, [E, rows, cols] (GGUF dims {cols, rows, E})
+        add("ffn_gate_inp", e, d)
+        add("ffn_gate_exps", e, fe, d)
+        add("ffn_up_exps", e, fe, d)
+        add("ffn_down_exps", e, d, fe)
+        if plan.moe_bias:
+            add("ffn_gate_inp_bias", e)
+            add("ffn_gate_exps_bias", e, fe)
+            add("ffn_up_exps_bias", e, fe)
+            add("ffn_down_exps_bias", e, d)
+    elif plan.fused_gate_up:
+        add("ffn_up", 2 * ff, d)  # [gate; up] rows
+        add("ffn_down", d, ff)
+    else:
+        add("ffn_gate", ff, d)
+        add("ffn_up", ff, d)
+        add("ffn_down", d, ff)
+    if plan.shared_expert:  # its gate: one row [1, D] (the checkpoint's Linear(D, 1), kept 2-D by the converter)
+        add("ffn_gate_inp_shexp", 1, d)
+        add("ffn_gate_shexp", cfg.n_ff_shexp, d)
+        add("ffn_up_shexp", cfg.n_ff_shexp, d)
+        add("ffn_down_shexp", d, cfg.n_ff_shexp)
+    if plan.post_norms:
+        add("ffn_post_norm", d)
+    return specs
+
+
+def _attention_specs(cfg: ModelConfig, plan: LayerPlan, add: Callable[..., None]) -> None:
+    """An attention layer's tensors, its pre-norm aside."""
+    d, q, kv, dh = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+    if plan.attn_gate:  # rows per head [q; gate]
+        add("attn_q", 2 * q, d)
+        add("attn_k", kv, d)
+        add("attn_v", kv, d)
+    elif plan.fused_qkv:
         add("attn_qkv", q + 2 * kv, d)  # [q; k; v] rows
     else:
         add("attn_q", q, d)
@@ -97,27 +150,23 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
         add("attn_output_bias", d)
     if plan.post_norms:  # gemma: RMSNorm of the attention output before its residual add
         add("attn_post_norm", d)
-    add("ffn_norm", d)
-    if plan.moe:  # the router and the experts, [E, rows, cols] (GGUF dims {cols, rows, E})
-        add("ffn_gate_inp", e, d)
-        add("ffn_gate_exps", e, fe, d)
-        add("ffn_up_exps", e, fe, d)
-        add("ffn_down_exps", e, d, fe)
-        if plan.moe_bias:
-            add("ffn_gate_inp_bias", e)
-            add("ffn_gate_exps_bias", e, fe)
-            add("ffn_up_exps_bias", e, fe)
-            add("ffn_down_exps_bias", e, d)
-    elif plan.fused_gate_up:
-        add("ffn_up", 2 * ff, d)  # [gate; up] rows
-        add("ffn_down", d, ff)
+
+
+def _delta_net_specs(cfg: ModelConfig, plan: LayerPlan, add: Callable[..., None]) -> None:
+    """A Gated DeltaNet layer's tensors (models/arch/qwen35.py): C = 2 Hk d_k + Hv d_v channels."""
+    d, c, hv, dv, inner = cfg.n_embd, cfg.ssm_conv_dim, cfg.ssm_time_step_rank, cfg.ssm_state_size, cfg.ssm_inner_size
+    add("attn_qkv", c, d)  # rows [q (Hk d_k); k (Hk d_k); v (Hv d_v)]
+    add("attn_gate", inner, d)  # z, the output norm's gate
+    if plan.ssm_ba:  # qwen3next: rows per key head [beta; alpha] of its value heads
+        add("ssm_ba", 2 * hv, d)
     else:
-        add("ffn_gate", ff, d)
-        add("ffn_up", ff, d)
-        add("ffn_down", d, ff)
-    if plan.post_norms:
-        add("ffn_post_norm", d)
-    return specs
+        add("ssm_beta", hv, d)
+        add("ssm_alpha", hv, d)
+    add("ssm_conv1d", c, cfg.ssm_conv_kernel)  # the taps of each channel, oldest input first
+    add("ssm_dt", hv)
+    add("ssm_a", hv)  # -exp(A_log)
+    add("ssm_norm", dv)
+    add("ssm_out", d, inner)
 
 
 def layer_tensor_names(cfg: ModelConfig, i: int) -> dict[str, str]:

@@ -1,12 +1,14 @@
 """Random GGUF models for tests and benchmarks (in the package so the GPU machine can use it too).
 
 - `write_model(path, spec, qtype)`: a whole model of any supported architecture (llama, qwen2, phi3, qwen3,
-  smollm3, gemma2/3, the mixtures of experts qwen3moe and gpt-oss) at any shape, streamed tensor by
+  smollm3, gemma2/3, the mixtures of experts qwen3moe and gpt-oss, the hybrids qwen35, qwen35moe and qwen3next
+  with the converter's names and layouts, an MTP block included with `n_mtp`) at any shape, streamed tensor by
   tensor (an 8B-shape F16 model never sits in RAM), with a tiny byte-level BPE vocabulary or a real one
   copied from llama.cpp's vocabulary-only GGUFs (`vocab_file=`). Models past FAST_PARAMS parameters are
   written the fast way (quants.random_quant_rows(fast=True)): for speed runs, not for accuracy.
 - `SHAPES`: tiny test shapes and real ones (Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B, SmolLM2-135M, Qwen3-8B,
-  Qwen3-30B-A3B, gpt-oss-20b).
+  Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-9B, Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B).
+- hf_qwen.py: the hybrid Qwen models written from a transformers checkpoint, as llama.cpp's converter writes them.
 
 The random weight blocks and the int8-activation helpers are in quants.py (re-exported here).
 """
@@ -55,6 +57,16 @@ class ModelSpec:
     n_expert_used: int = 0  # expert_used_count
     n_ff_exp: int = 0  # expert_feed_forward_length
     rope_original: int = 0  # rope.scaling.original_context_length (yarn, longrope); 0: context_length // 4
+    # Hybrid models (qwen35, qwen35moe, qwen3next): the Gated DeltaNet layers' sizes (ssm.*: key head size =
+    # value head size, key heads, value heads, convolution width), every full_attention_interval-th layer attention,
+    # a shared expert's width, and n_mtp multi-token-prediction blocks after the trunk (nextn_predict_layers)
+    ssm_state_size: int = 0
+    ssm_group_count: int = 0
+    ssm_time_step_rank: int = 0
+    ssm_conv_kernel: int = 4
+    full_attention_interval: int = 4
+    n_ff_shexp: int = 0
+    n_mtp: int = 0
 
     @property
     def dh(self) -> int:
@@ -103,7 +115,31 @@ SHAPES: dict[str, ModelSpec] = {
     "gpt-oss-20b": ModelSpec("gpt-oss", 24, 2880, 64, 8, 2880, 201088, 131072, 150000.0, 1e-5, False, "yarn", 32.0,
                              "gpt-oss-20b-shape", head_dim=64, window=128, n_expert=32, n_expert_used=4,
                              n_ff_exp=2880, rope_original=4096),
+    # Hybrids (Gated DeltaNet + gated attention): 8 layers, 6 linear and 2 attention; 4 value heads over 2 key
+    # heads (so the converter's value-head order matters); a quarter of the head dim rotates, as in the real ones.
+    "tiny-qwen35": ModelSpec("qwen35", 8, 64, 4, 2, 96, rope_base=1e7, rms_eps=1e-6, name="tiny-qwen35", head_dim=32,
+                             rope_dim=8, ssm_state_size=16, ssm_group_count=2, ssm_time_step_rank=4),
+    "tiny-qwen35moe": ModelSpec("qwen35moe", 8, 64, 4, 2, 0, rope_base=1e7, rms_eps=1e-6, name="tiny-qwen35moe",
+                                head_dim=32, rope_dim=8, n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=48,
+                                ssm_state_size=16, ssm_group_count=2, ssm_time_step_rank=4),
+    "tiny-qwen3next": ModelSpec("qwen3next", 8, 64, 4, 2, 96, rope_base=1e7, rms_eps=1e-6, name="tiny-qwen3next",
+                                head_dim=32, rope_dim=8, n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=48,
+                                ssm_state_size=16, ssm_group_count=2, ssm_time_step_rank=4),
+    # Real shapes for speed runs: transformers' default Qwen3_5TextConfig / Qwen3_5MoeTextConfig (the 9B and the
+    # 35B-A3B) with the released files' RoPE base and context; Qwen3-Next-80B-A3B's config.json.
+    "qwen3.5-9b": ModelSpec("qwen35", 32, 4096, 16, 4, 12288, 248320, 262144, 1e7, 1e-6, False,
+                            name="Qwen3.5-9B-shape", head_dim=256, rope_dim=64, ssm_state_size=128, ssm_group_count=16,
+                            ssm_time_step_rank=32),
+    "qwen3.5-35b-a3b": ModelSpec("qwen35moe", 40, 2048, 16, 2, 0, 248320, 262144, 1e7, 1e-6, False,
+                                 name="Qwen3.5-35B-A3B-shape", head_dim=256, rope_dim=64, n_expert=256,
+                                 n_expert_used=8, n_ff_exp=512, n_ff_shexp=512, ssm_state_size=128,
+                                 ssm_group_count=16, ssm_time_step_rank=32),
+    "qwen3-next-80b-a3b": ModelSpec("qwen3next", 48, 2048, 16, 2, 5120, 151936, 262144, 1e7, 1e-6, False,
+                                    name="Qwen3-Next-80B-A3B-shape", head_dim=256, rope_dim=64, n_expert=512,
+                                    n_expert_used=10, n_ff_exp=512, n_ff_shexp=512, ssm_state_size=128,
+                                    ssm_group_count=16, ssm_time_step_rank=32),
 }
+HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 
 
 def tensor_shapes(spec: ModelSpec, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -122,7 +158,24 @@ def tensor_shapes(spec: ModelSpec, vocab: int) -> list[tuple[str, tuple[int, ...
     cfg = config_from_metadata(model_metadata(spec, vocab), present)
     specs = model_specs(cfg)
     first = [s for s in specs if s.name == "token_embd.weight" or s.name.startswith("rope_")]
-    return [(s.name, s.shape) for s in first + [s for s in specs if s not in first]]
+    return [(s.name, s.shape) for s in first + [s for s in specs if s not in first]] + _mtp_shapes(cfg, spec.n_mtp)
+
+
+def _mtp_shapes(cfg: Any, n_mtp: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The multi-token-prediction blocks as the converter writes Qwen3.5's (blk.<n_layer + i>): an attention block
+    (a gated attention layer's tensors, the model's FFN) and its nextn.eh_proj [D, 2 D], enorm, hnorm,
+    shared_head_norm [D]. A forward pass reads past them."""
+    from ..models.weights import layer_specs
+
+    out: list[tuple[str, tuple[int, ...]]] = []
+    attention = next((p for p in cfg.layers if not p.recurrent), None)
+    for i in range(cfg.n_layer, cfg.n_layer + n_mtp):
+        extended = replace(cfg, n_layer=i + 1, layers=cfg.layers + (attention,) * (i + 1 - cfg.n_layer))
+        d = cfg.n_embd
+        out += [(f"blk.{i}.nextn.eh_proj.weight", (d, 2 * d))]
+        out += [(s.name, s.shape) for s in layer_specs(extended, i)]
+        out += [(f"blk.{i}.nextn.{n}.weight", (d,)) for n in ("enorm", "hnorm", "shared_head_norm")]
+    return out
 
 
 def model_metadata(spec: ModelSpec, n_vocab: int) -> dict[str, Any]:
@@ -159,6 +212,26 @@ def model_metadata(spec: ModelSpec, n_vocab: int) -> dict[str, Any]:
     if arch == "gemma2":  # as the converter writes them (llama.cpp's defaults too)
         kv[f"{arch}.attn_logit_softcapping"] = 50.0
         kv[f"{arch}.final_logit_softcapping"] = 30.0
+    if arch in HYBRIDS:  # the keys convert_hf_to_gguf.py writes for them (hf_qwen.hf_metadata)
+        if not spec.n_ff:
+            del kv[f"{arch}.feed_forward_length"]  # (qwen35moe files have none)
+        if spec.n_ff_shexp:
+            kv[f"{arch}.expert_shared_feed_forward_length"] = spec.n_ff_shexp
+        if spec.n_mtp:
+            kv[f"{arch}.block_count"] = spec.n_layer + spec.n_mtp
+            kv[f"{arch}.nextn_predict_layers"] = spec.n_mtp
+        every = spec.full_attention_interval
+        kv.update({
+            f"{arch}.ssm.conv_kernel": spec.ssm_conv_kernel,
+            f"{arch}.ssm.state_size": spec.ssm_state_size,
+            f"{arch}.ssm.group_count": spec.ssm_group_count,
+            f"{arch}.ssm.time_step_rank": spec.ssm_time_step_rank,
+            f"{arch}.ssm.inner_size": spec.ssm_time_step_rank * spec.ssm_state_size,
+            f"{arch}.attention.recurrent_layers": [(i + 1) % every != 0 for i in range(spec.n_layer)] + [False] * spec.n_mtp,
+            f"{arch}.full_attention_interval": every,
+        })
+        if arch != "qwen3next":
+            kv[f"{arch}.rope.dimension_sections"] = [11, 11, 10, 0]
     return kv
 
 
@@ -318,6 +391,10 @@ _NUMPY_TYPES = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32, QT.I8:
 
 def _random_tensor(name: str, shape: tuple[int, ...], t: QT, rng: np.random.Generator, std: float, spec: ModelSpec,
                    fast: bool = False) -> np.ndarray:
+    if name.endswith(".ssm_a"):  # -exp(A_log) (transformers draws A from U(0.01, 16)): decays within (0, 1)
+        return -rng.uniform(0.05, 4.0, size=shape).astype(np.float32)
+    if name.endswith("ssm_conv1d.weight"):  # a few taps per channel, of the size of a default Conv1d's
+        return (0.3 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith("norm.weight"):
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith(".bias"):

@@ -126,8 +126,9 @@ def tensor_type(name: str, shape: tuple[int, ...], qtype: QT | str, n_layer: int
     """The type of one tensor in a model of `qtype`. "Q4_K_M" mimics llama.cpp's mix: Q6_K for the output
     and for attn_v/ffn_down (experts' too) in a few layers, Q4_K elsewhere. "MXFP4_MOE" is gpt-oss's files:
     experts MXFP4, the other matrices Q8_0. Vectors and biases (an expert bias [E, F] too) stay F32, and so
-    do routers (llama.cpp never quantizes ffn_gate_inp); fallbacks per row size."""
-    if len(shape) == 1 or name.endswith(".bias") or "ffn_gate_inp" in name:
+    do routers (llama.cpp never quantizes ffn_gate_inp, nor a shared expert's gate ffn_gate_inp_shexp) and a delta
+    net's convolution (ssm_conv1d); fallbacks per row size."""
+    if len(shape) == 1 or name.endswith(".bias") or "ffn_gate_inp" in name or "ssm_conv1d" in name:
         return QT.F32
     if qtype == "MXFP4_MOE":
         t = QT.MXFP4 if "_exps" in name else QT.Q8_0

@@ -8,9 +8,24 @@ from __future__ import annotations
 import pytest
 
 from llamacli.backends.cuda.fusion import Unfused, match_layer
-from llamacli.models.block import Add, Attention, Glu, Linear, Moe, Norm, Rope, Split, layer_op, layer_ops
+from llamacli.models.block import (
+    Add,
+    Attention,
+    Conv,
+    DeltaRule,
+    Gate,
+    GatedNorm,
+    Glu,
+    Linear,
+    Moe,
+    Norm,
+    Rope,
+    Split,
+    layer_op,
+    layer_ops,
+)
 from llamacli.models.config import ModelConfig
-from llamacli.testing import SHAPES, model_metadata, tensor_shapes
+from llamacli.testing import HYBRIDS, SHAPES, model_metadata, tensor_shapes
 
 
 def config(shape: str) -> ModelConfig:
@@ -19,7 +34,7 @@ def config(shape: str) -> ModelConfig:
     return ModelConfig.from_gguf(model_metadata(spec, vocab), {n for n, _ in tensor_shapes(spec, vocab)})
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(s for s in SHAPES if SHAPES[s].arch not in HYBRIDS))
 def test_every_shape_fuses_on_cuda(shape) -> None:
     """Every architecture the project runs has programs the fused CUDA paths take, layer by layer, and the
     fused branches name the same operations as the program (nothing dropped)."""
@@ -34,6 +49,47 @@ def test_every_shape_fuses_on_cuda(shape) -> None:
         rest = [op for op in ops if op not in named]
         # What the branches do not keep: the residual adds, and k's RoPE (it rotates as q's)
         assert all(isinstance(op, Add) or op == Rope("k", a.rope.local) for op in rest), rest
+
+
+@pytest.mark.parametrize("shape", sorted(s for s in SHAPES if SHAPES[s].arch in HYBRIDS))
+def test_hybrid_shapes_are_refused_on_cuda_with_the_way_to_run_them(shape) -> None:
+    """The CUDA paths have no gated delta-net layers, gated attention or shared experts yet: every layer of the
+    hybrid models is refused with the NumPy backend named, before anything is uploaded (device.py calls match_layer
+    first)."""
+    cfg = config(shape)
+    for i in range(cfg.n_layer):
+        what = "gated delta-net" if cfg.layers[i].recurrent else "gated attention"
+        with pytest.raises(Unfused, match=f"no {what}.*runs on the NumPy backend for now \\(--backend numpy\\)"):
+            match_layer(layer_ops(cfg, i), i)
+
+
+def test_hybrid_programs() -> None:
+    """A delta-net layer's program (qwen35: beta and alpha apart, value heads tiled; qwen3next: one ssm_ba split per
+    key head, value heads grouped), a gated attention layer's (q and gate per head, the gate after attention), and
+    the shared expert beside the experts."""
+    cfg = config("tiny-qwen35")
+    assert [p.recurrent for p in cfg.layers] == [True, True, True, False] * 2
+    assert layer_ops(cfg, 0) == (
+        Norm("x", "attn_norm", "h"), Linear("h", "attn_qkv", "qkv"), Linear("h", "attn_gate", "z"),
+        Linear("h", "ssm_beta", "b"), Linear("h", "ssm_alpha", "a"), Conv(0), DeltaRule(0, "tiled"),
+        GatedNorm("att", "ssm_norm", "z", "att"), Linear("att", "ssm_out", "o"), Add("o"),
+        Norm("x", "ffn_norm", "h"), Linear("h", "ffn_gate", "g"), Linear("h", "ffn_up", "u"), Glu("silu"),
+        Linear("ff", "ffn_down", "f"), Add("f"),
+    )
+    att = layer_ops(cfg, 3)
+    assert att[:7] == (
+        Norm("x", "attn_norm", "h"), Linear("h", "attn_q", "qg"), Split("qg", ("q", "gate"), (32, 32), 4),
+        Linear("h", "attn_k", "k"), Linear("h", "attn_v", "v"), Norm("q", "attn_q_norm", "q", heads=True),
+        Norm("k", "attn_k_norm", "k", heads=True))
+    assert att[att.index(Attention(3)) + 1] == Gate("att", "gate", "att")
+    nxt = config("tiny-qwen3next")
+    ops = layer_ops(nxt, 1)
+    assert Split("ba", ("b", "a"), (2, 2), 2) in ops and DeltaRule(1, "grouped") in ops
+    moe = layer_ops(config("tiny-qwen35moe"), 3)
+    assert moe[-8:] == (
+        Add("f"), Linear("h", "ffn_gate_shexp", "g"), Linear("h", "ffn_up_shexp", "u"), Glu("silu"),
+        Linear("ff", "ffn_down_shexp", "s"), Linear("h", "ffn_gate_inp_shexp", "sg"), Gate("s", "sg", "s"), Add("s"))
+    assert Moe(3, "softmax", "silu") in moe
 
 
 def test_llama_block_program() -> None:

@@ -93,7 +93,8 @@ def test_head_dim_from_key_length():
 def test_unknown_architecture_lists_supported():
     with pytest.raises(UnknownArchitectureError) as info:
         ModelConfig.from_gguf(md("mamba"), set())
-    assert "'mamba'" in str(info.value) and "gemma2, gemma3, gpt-oss, llama, mistral3, phi3, qwen2, qwen3, qwen3moe, smollm3" in str(info.value)
+    assert "'mamba'" in str(info.value) and ("gemma2, gemma3, gpt-oss, llama, mistral3, phi3, qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, "
+                                          "smollm3") in str(info.value)
 
 
 @pytest.mark.parametrize("key", ["block_count", "embedding_length", "attention__head_count", "feed_forward_length",

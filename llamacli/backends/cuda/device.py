@@ -133,8 +133,9 @@ def cache_q8(cfg: ModelConfig, cache_types: tuple[str, str]) -> bool:
 def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedLayer, ...]:
     """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); a program
     they do not run, or experts the kernels do not serve, is refused here, before anything is uploaded."""
+    fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))  # (first: names --backend numpy)
     check_moe(cfg, gguf)
-    return tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
+    return fused
 
 
 def compile_kernels(cfg: ModelConfig) -> None:

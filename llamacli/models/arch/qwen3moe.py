@@ -54,12 +54,13 @@ def expert_settings(get: Callable[..., Any], arch: str, n_ff: int | None, norm_d
     return {"n_expert": n_expert, "n_expert_used": used, "n_ff_exp": ff_exp, "expert_weights_norm": norm}
 
 
-def check_experts(arch: str, tensors: frozenset[str]) -> None:
-    """Refuse expert layouts no plan describes, by name, before check_tensors reports a missing tensor."""
-    if "blk.0.ffn_gate_up_exps.weight" in tensors:
+def check_experts(arch: str, tensors: frozenset[str], shared: bool = False) -> None:
+    """Refuse expert layouts no plan describes, by name, before check_tensors reports a missing tensor. `shared`:
+    the architecture has a shared expert (qwen35moe, qwen3next), else one is refused."""
+    if any(name.endswith(".ffn_gate_up_exps.weight") for name in tensors):
         raise UnknownArchitectureError(f"this {arch} file stores its experts' gate and up matrices fused "
                                        "(ffn_gate_up_exps), which llamacli does not run yet")
-    if "blk.0.ffn_gate_shexp.weight" in tensors or "blk.0.ffn_up_shexp.weight" in tensors:
+    if not shared and ("blk.0.ffn_gate_shexp.weight" in tensors or "blk.0.ffn_up_shexp.weight" in tensors):
         raise UnknownArchitectureError(f"this {arch} file has a shared expert, which {arch} does not define")
 
 
