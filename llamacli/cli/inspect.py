@@ -104,9 +104,20 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
         )
         if cache_type_fits(cfg.head_dim, "q8_0"):  # the 8-bit cache (-ctk/-ctv q8_0): whole 32-value blocks
             info["kv_cache_bytes_q8_0"] = cfg.kv_cache_bytes(cfg.context_length, ("q8_0", "q8_0"))
-        rings = [(i, n) for i, n in enumerate(cfg.cache_rows(cfg.context_length)) if n < cfg.context_length]
+        rings = [(i, n) for i, (n, p) in enumerate(zip(cfg.cache_rows(cfg.context_length), cfg.layers))
+                 if n < cfg.context_length and not p.recurrent]
         if rings:  # sliding-window layers keep a ring of positions (models/kv_cache.py), not the whole context
             info["kv_cache_rings"] = {"layers": len(rings), "rows": sorted({n for _, n in rings})}
+        n_recurrent = sum(p.recurrent for p in cfg.layers)
+        if n_recurrent:  # Gated DeltaNet layers: a state per sequence that does not grow with the context
+            info.update(
+                recurrent_layers=n_recurrent,
+                recurrent_state_bytes=cfg.recurrent_state_bytes(),
+                ssm={"conv_kernel": cfg.ssm_conv_kernel, "state_size": cfg.ssm_state_size,
+                     "key_heads": cfg.ssm_group_count, "value_heads": cfg.ssm_time_step_rank},
+            )
+        if cfg.rope_sections:
+            info["rope_sections"] = list(cfg.rope_sections)
         if cfg.rope_scaling not in ("none",):
             info["rope_scaling_factor"] = cfg.rope_scaling_factor
             info["rope_original_context"] = cfg.rope_original_context
@@ -163,17 +174,22 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
             ("embedding", str(info["n_embd"])),
             ("heads / KV heads", f"{info['n_head']} / {info['n_head_kv']}"),
             ("head dim", str(info["head_dim"])),
-            ("feed-forward", str(info["n_ff"])),
+            ("feed-forward", str(info["n_ff"]) if info["n_ff"] else "none (experts only)"),
         ]
         if "n_expert" in info:
             rows.append(("experts", f"{info['n_expert']}, {info['n_expert_used']} per token, "
                                     f"feed-forward {info['n_ff_exp']} each"))
+        if "ssm" in info:
+            m = info["ssm"]
+            rows.append(("delta net", f"{m['key_heads']} key / {m['value_heads']} value heads of "
+                                      f"{m['state_size']}, convolution width {m['conv_kernel']}"))
         rows += [
             ("blocks", info["layers"]),
             ("RoPE", f"{info['rope_type']}, base {info['rope_freq_base']:g}, scaling {info['rope_scaling']}"
                      + (f" x{info['rope_scaling_factor']:g} from {info['rope_original_context']}"
                         if info["rope_scaling"] != "none" else "")
-                     + (f", {info['rope_dim']} of {info['head_dim']} dims" if info["rope_dim"] != info["head_dim"] else "")),
+                     + (f", {info['rope_dim']} of {info['head_dim']} dims" if info["rope_dim"] != info["head_dim"] else "")
+                     + (f", sections {info['rope_sections']}" if "rope_sections" in info else "")),
             ("RMS eps", f"{info['rms_eps']:g}"),
         ]
         if not info["vocab_only"]:
@@ -202,6 +218,9 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
         at = info.get("kv_cache_bytes_at_ctx")
         if at:
             rows.append((f"KV cache (fp16) @ {at['ctx']}", kv(at["bytes"], at.get("bytes_q8_0"))))
+        if "recurrent_state_bytes" in info:
+            rows.append(("recurrent state", f"{human_bytes(info['recurrent_state_bytes'])} per sequence at any "
+                                            f"context ({info['recurrent_layers']} delta-net layers, float32)"))
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()

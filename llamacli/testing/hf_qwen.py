@@ -12,8 +12,8 @@ at hand.
 `mtp.*` included, if any).
 
 What the converter does to the checkpoint, and so this writer:
-- RMSNorm weights (every "...norm.weight" but the delta net's own linear_attn.norm) become 1 + w: Qwen3.5's norms
-  scale by 1 + w, llama.cpp's by w;
+- RMSNorm weights (every tensor whose name ends "norm.weight" once the MTP block's are renamed, but the delta net's
+  own linear_attn.norm) become 1 + w: Qwen3.5's norms scale by 1 + w, llama.cpp's by w;
 - A_log becomes ssm_a = -exp(A_log); dt_bias is named ssm_dt.bias; conv1d [C, 1, K] is squeezed to [C, K];
 - qwen3next's in_proj_qkvz (per key head [q, k, v, z]) is split into attn_qkv [q all; k all; v all] and
   attn_gate [z]; its in_proj_ba is kept as ssm_ba;
@@ -147,8 +147,8 @@ def hf_tensors(arch: str, config: dict[str, Any], state: dict[str, np.ndarray]) 
             _, _, index, rest = hf_name.split(".", 3)  # model.layers.N.<rest>
             layer = int(index)
         blk = f"blk.{layer}."
-        if rest.endswith("norm.weight") and rest != "linear_attn.norm.weight":
-            x = x + 1  # Qwen3.5's RMSNorm scales by 1 + w
+        if _LAYER_NAMES.get(rest, "").endswith("norm.weight") and rest != "linear_attn.norm.weight":
+            x = x + 1  # Qwen3.5's RMSNorm scales by 1 + w (the MTP block's enorm / hnorm / shared_head_norm too)
         if rest == "linear_attn.in_proj_qkvz.weight":  # qwen3next: per key head [q, k, v, z] -> [q; k; v], z
             r = hv // hk
             groups = x.reshape(hk, 2 * dk + 2 * r * dv, -1)
