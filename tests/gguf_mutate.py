@@ -241,6 +241,12 @@ def write_seed_models(root: Path) -> dict[str, Path]:
         "gpt-oss-bpe-mxfp4": write_model(root / "gpt-oss-bpe-mxfp4.gguf", replace(
             micro, arch="gpt-oss", n_layer=2, rope_scaling="yarn", rope_factor=2.0, window=4, n_expert=4,
             n_expert_used=2, n_ff_exp=32, name="micro-gpt-oss"), "MXFP4_MOE", vocab=tiny_vocab()),
+        # a hybrid: a Gated DeltaNet layer (its ssm.* keys, recurrent-layer flags, a convolution) and a gated
+        # attention layer with RoPE sections, experts and a shared expert, and an MTP block read past
+        "qwen35moe-bpe-q8_0": write_model(root / "qwen35moe-bpe-q8_0.gguf", replace(
+            micro, arch="qwen35moe", n_layer=2, n_ff=0, head_dim=16, rope_dim=4, n_expert=4, n_expert_used=2,
+            n_ff_exp=32, n_ff_shexp=32, ssm_state_size=8, ssm_group_count=1, ssm_time_step_rank=2,
+            full_attention_interval=2, n_mtp=1, name="micro-qwen35moe"), "Q8_0", vocab=tiny_vocab()),
     }
     vocab_only = root / "vocab-only-bpe.gguf"
     w = GGUFWriter(str(vocab_only), "llama")

@@ -87,7 +87,7 @@ class Architecture:
     # rope_local_base) and whatever its layer plans need. `get(key, kind, default)` reads "<arch>.<key>"
     # checked as config.py checks every key; `common` holds n_layer (the blocks a forward pass runs), n_blocks
     # (block_count: with the multi-token-prediction blocks), n_embd, n_head, head_dim, rope_freq_base, rope_dim,
-    # n_ff (feed_forward_length as the file gives it, None when absent).
+    # n_ff (feed_forward_length, checked; None when the file has none).
     settings: Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]] = field(
         default=lambda get, common: {})
     # LayerWeights field -> GGUF tensor name (after "blk.N.") where this architecture's files differ from

@@ -239,7 +239,7 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
         raise CorruptFileError(f"RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
     tok = lambda key: md.get(f"tokenizer.ggml.{key}")  # noqa: E731
     common = dict(n_layer=n_layer, n_blocks=n_blocks, n_embd=n_embd, n_head=n_head, head_dim=head_dim,
-                  rope_freq_base=rope_base, rope_dim=rope_dim, n_ff=n_ff_raw)
+                  rope_freq_base=rope_base, rope_dim=rope_dim, n_ff=n_ff if n_ff_raw is not None else None)
     settings = model.settings(lambda key, kind, default=None: get(key, kind, default, required=False), common)
     own = {k: v for k, v in settings.items() if k in _ARCH_FIELDS}
     layers = model.plans(n_layer, tensors, md, settings)

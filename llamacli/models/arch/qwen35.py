@@ -114,7 +114,7 @@ def shared_expert_width(get: Callable[..., Any], common: dict[str, Any], arch: s
     """expert_shared_feed_forward_length, else feed_forward_length (llama.cpp's fallback)."""
     width = get("expert_shared_feed_forward_length", int)
     if width is None:
-        width = common["n_ff"] if type(common["n_ff"]) is int else None
+        width = common["n_ff"]
     if width is None:
         raise MissingMetadataError(f"missing metadata key '{arch}.expert_shared_feed_forward_length'")
     if not 0 < width <= 1 << 22:

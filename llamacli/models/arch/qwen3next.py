@@ -31,7 +31,7 @@ NAME = "qwen3next"
 
 def _settings(get: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
     return {**hybrid_settings(get, common, NAME, sections=False),
-            **expert_settings(get, NAME, common["n_ff"] if type(common["n_ff"]) is int else None, norm_default=True),
+            **expert_settings(get, NAME, common["n_ff"], norm_default=True),
             "n_ff_shexp": shared_expert_width(get, common, NAME)}
 
 
