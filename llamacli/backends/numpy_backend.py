@@ -8,9 +8,9 @@ row p mod rows), as the CUDA backend keeps it.
 A Gated DeltaNet layer (hybrid models, models/arch/qwen35.py) keeps a recurrent state instead: the convolution's
 window [K - 1, C] and the delta rule's state [Hv, d_k, d_v], float32, each with the position it stands at. Both
 are replaced, never written in place, so a stored state (models/seq_cache.py: the snapshots a prompt resumes from)
-is the arrays themselves, kept by reference. The delta rule runs token by token here, prefill included (the
-recurrent form, written to be read: the chunked form is the CUDA prefill's business, and gives the same numbers up
-to rounding).
+is the arrays themselves, kept by reference. The delta rule itself is numpy_delta.py: token by token in a decode
+step, in chunks of 64 positions (aligned to multiples of 64, so that the states stored at multiples of 256 fall on
+chunk ends) in a prompt.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from ..models.moe import route
 from ..models.seq_cache import MAX_SNAPSHOTS, SNAPSHOT_EVERY, snapshot_positions
 from ..models.weights import layer_tensor_names, model_specs
 from ..units import human_bytes
+from . import numpy_delta
 from .base import Backend, LayerWeights, ModelWeights, Progress
+from .numpy_delta import CHUNK
 
 
 def _ieee(op):
@@ -305,8 +307,9 @@ class NumpyBackend(Backend):
 
     @_ieee
     def delta_rule(self, op: DeltaRule, qkv: np.ndarray, a: np.ndarray, b: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """The gated delta rule (block.py DeltaRule) token by token: qkv [T, C], alpha and beta [T, Hv] ->
-        [T, Hv d_v], the layer's state moved on past the last token."""
+        """The gated delta rule (block.py DeltaRule; numpy_delta.py its two forms: a decode step token by token, a
+        prompt in chunks): qkv [T, C], alpha and beta [T, Hv] -> [T, Hv d_v], the layer's state moved on past the
+        last token (and stored where snapshot_positions says)."""
         cfg, L = self.cfg, self.weights.layers[op.layer]
         hk, hv, dk = cfg.ssm_group_count, cfg.ssm_time_step_rank, cfg.ssm_state_size
         t, start = qkv.shape[0], int(pos[0])
@@ -315,24 +318,29 @@ class NumpyBackend(Backend):
         v = qkv[:, 2 * hk * dk :].reshape(t, hv, -1)  # [T, Hv, d_v]
         src = key_heads(op.heads, hk, hv)  # the key head each value head reads
         q, k = q[:, src], k[:, src]  # [T, Hv, d_k]
-        decay = np.exp(L.ssm_a * _softplus(a + L.ssm_dt)).astype(np.float32)  # [T, Hv], in (0, 1]
+        g = (L.ssm_a * _softplus(a + L.ssm_dt)).astype(np.float32)  # [T, Hv] log decay (<= 0: ssm_a < 0)
         beta = _sigmoid(b).astype(np.float32)  # [T, Hv]
         s = self._part(op.layer, start, "ssm")  # [Hv, d_k, d_v]
-        marks = {p - start - 1: p for p in snapshot_positions(start, t)}  # token index -> the position after it
-        out = np.empty_like(v)
-        for i in range(t):
-            s = s * decay[i, :, None, None]  # forget
-            kv = np.einsum("hk,hkv->hv", k[i], s)  # what the state recalls for k: S^T k [Hv, d_v]
-            delta = (v[i] - kv) * beta[i, :, None]  # the correction toward v, at rate beta
-            s = s + k[i, :, :, None] * delta[:, None, :]  # S += k delta^T
-            out[i] = np.einsum("hk,hkv->hv", q[i], s)  # read: S^T q
-            if i in marks:
-                self._store(marks[i], op.layer, 1, s)
+        heads = [x.transpose(1, 0, *range(2, x.ndim)) for x in (q, k, v, g, beta)]  # value heads first
+        if t == 1:  # a decode step: the rule itself
+            out, s = numpy_delta.recurrent(*heads, s)
+        else:  # a prompt: chunks of CHUNK positions (aligned to multiples of CHUNK, where states are stored)
+            marks = set(snapshot_positions(start, t))
+            bounds = sorted({0, t} | {p - start for p in range(-(-start // CHUNK) * CHUNK, start + t, CHUNK)})
+            parts = []
+            for c0, c1 in zip(bounds, bounds[1:]):
+                o, s = numpy_delta.chunked(*(x[:, c0:c1] for x in heads), s)
+                parts.append(o)
+                if start + c1 in marks:
+                    self._store(start + c1, op.layer, 1, s)
+            out = np.concatenate(parts, axis=1)
+        if t == 1:
+            self._store(start + 1, op.layer, 1, s)
         state = self.rec.states[op.layer]
         state.ssm, state.ssm_pos = s, start + t
         if op.layer == self.recurrent_layers[-1]:  # the pass has stored every layer's part
             self._trim(self.rec)
-        return out.reshape(t, -1)
+        return out.transpose(1, 0, 2).reshape(t, -1)
 
     def _part(self, layer: int, start: int, part: str) -> np.ndarray:
         """The state `part` ("conv", "ssm") of `layer` before position `start`: zeros at 0 (a new sequence), else
