@@ -81,3 +81,32 @@ def test_a_recurrent_slot_resumes_only_at_a_stored_state() -> None:
     assert seq.snapshots == set()
     with pytest.raises(ValueError, match="a snapshot at 5 of a slot holding 2 ids"):
         seq.stored(5)
+
+
+def test_a_hybrid_models_delta_net_layers_keep_a_recurrent_state(random_model) -> None:
+    """qwen35's delta-net layers hold no K/V rows (the NumPy backend allocates none) but a recurrent state; the
+    slot then resumes only where the backend holds one (SequenceCache.held, within the ids it holds)."""
+    from llamacli.engine.generate import Model
+
+    m = Model(random_model("tiny-qwen35", "F32"), backend="numpy", ctx=256)
+    try:
+        kinds = [c.kind for c in m.seq.layers]
+        assert kinds == ["recurrent"] * 3 + ["kv"] + ["recurrent"] * 3 + ["kv"] and m.seq.recurrent
+        assert [k.shape[0] for k in m.backend.k_cache] == [0, 0, 0, 256] * 2
+    finally:
+        m.close()
+    seq = SequenceCache([LayerCache("recurrent"), LayerCache("kv", 0, 64)], ctx=64)
+    seq.begin_prompt(0, 10)
+    seq.prompt_done(list(range(10)))
+    seq.held({10, 4, 30, 0})  # what lies past the ids held (30), or at 0, is no resume point
+    assert seq.snapshots == {4, 10} and seq.reusable(list(range(12))) == 10
+
+
+def test_snapshot_positions() -> None:
+    from llamacli.models.seq_cache import SNAPSHOT_EVERY, snapshot_positions
+
+    n = SNAPSHOT_EVERY
+    assert snapshot_positions(0, 10) == [10]
+    assert snapshot_positions(0, n) == [n]  # the end only, once
+    assert snapshot_positions(10, 2 * n) == [n, 2 * n, 2 * n + 10]
+    assert snapshot_positions(n, 1) == [n + 1]
