@@ -133,7 +133,8 @@ def cache_q8(cfg: ModelConfig, cache_types: tuple[str, str]) -> bool:
 def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedLayer, ...]:
     """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); a program
     they do not run, or experts the kernels do not serve, is refused here, before anything is uploaded."""
-    fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))  # (first: names --backend numpy)
+    # the programs first: a hybrid model is refused naming --backend numpy before its experts are looked at
+    fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
     check_moe(cfg, gguf)
     return fused
 
