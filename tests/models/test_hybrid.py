@@ -309,3 +309,38 @@ def test_a_file_without_a_gate_or_state_tensor_is_refused(tmp_path, missing):
     path = write_model(tmp_path / "broken.gguf", "tiny-qwen35moe", "F32", drop_tensors=(missing,))
     with pytest.raises(MissingTensorError, match=missing.replace(".", r"\.")):
         Model(path, backend="numpy")
+
+
+def test_sequences_in_several_slots_keep_their_own_states(pairs):
+    """The scheduler (engine/scheduler.py) runs 6 requests on 3 cache slots, each slot with its own delta-net
+    states and stored snapshots: each request gets what it gets alone (within 1e-5 on logprobs where a slot's
+    stored state gave the prefix); a slot's stored state then serves a prompt that extends a finished reply."""
+    from test_scheduler import concurrently, same
+
+    from llamacli.engine.generate import Completion, Model
+    from llamacli.engine.scheduler import Scheduler
+
+    _, path = pairs("qwen35moe")
+    rng = np.random.default_rng(8)
+    jobs = [(rng.integers(3, VOCAB, size=n).tolist(), dict(max_tokens=m, temperature=t, seed=5))
+            for n, m, t in ((5, 6, 0.0), (40, 4, 0.8), (1, 8, 0.0), (70, 3, 0.0), (12, 7, 1.0), (3, 5, 0.0))]
+
+    def alone(ids, kw):
+        c = Completion()
+        list(Model(path, backend="numpy", ctx=256).run(ids, completion=c, **kw))
+        return c
+
+    want = [alone(ids, kw) for ids, kw in jobs]
+    model = Model(path, backend="numpy", ctx=256, slots=3)
+    sched = Scheduler(model)
+    try:
+        for got, w in zip(concurrently(model, sched, jobs), want):
+            same(got, w, tol=1e-5)
+        ids, kw = jobs[3]
+        first = Completion()
+        list(model.run(ids, completion=first, scheduler=sched, **kw))
+        c = Completion()
+        list(model.run(ids + first.tokens + [7, 8], completion=c, scheduler=sched, **kw))
+        assert c.timings.prompt_tokens == 3  # from the state after the reply's last decode step
+    finally:
+        sched.close()
