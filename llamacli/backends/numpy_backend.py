@@ -140,7 +140,7 @@ class NumpyBackend(Backend):
         self.use_slot(0)
 
     def use_slot(self, slot: int) -> None:
-        self.k_cache, self.v_cache, self.rec = self._caches[slot]
+        self.k_cache, self.v_cache, self.recurrent_slot = self._caches[slot]
 
     # -- host <-> backend --------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> np.ndarray:
@@ -301,7 +301,7 @@ class NumpyBackend(Backend):
             out += full[j : j + t] * w[:, j]
         for p in snapshot_positions(start, t):  # the window after position p - 1: inputs p - K + 1 .. p - 1
             self._store(p, op.layer, 0, full[p - start : p - start + k - 1].copy())
-        state = self.rec.states[op.layer]
+        state = self.recurrent_slot.states[op.layer]
         state.conv, state.conv_pos = full[t:].copy(), start + t
         return (out * _sigmoid(out)).astype(np.float32)
 
@@ -336,10 +336,10 @@ class NumpyBackend(Backend):
             out = np.concatenate(parts, axis=1)
         if t == 1:
             self._store(start + 1, op.layer, 1, s)
-        state = self.rec.states[op.layer]
+        state = self.recurrent_slot.states[op.layer]
         state.ssm, state.ssm_pos = s, start + t
         if op.layer == self.recurrent_layers[-1]:  # the pass has stored every layer's part
-            self._trim(self.rec)
+            self._trim(self.recurrent_slot)
         return out.transpose(1, 0, 2).reshape(t, -1)
 
     def _part(self, layer: int, start: int, part: str) -> np.ndarray:
@@ -349,10 +349,10 @@ class NumpyBackend(Backend):
         if start == 0:
             zeros = LayerState(np.zeros((cfg.ssm_conv_kernel - 1, cfg.ssm_conv_dim), np.float32), 0,
                                np.zeros((cfg.ssm_time_step_rank, cfg.ssm_state_size, cfg.ssm_state_size), np.float32), 0)
-            state = self.rec.states.setdefault(layer, zeros)
+            state = self.recurrent_slot.states.setdefault(layer, zeros)
             setattr(state, part, getattr(zeros, part))
             setattr(state, f"{part}_pos", 0)
-        state = self.rec.states.get(layer)
+        state = self.recurrent_slot.states.get(layer)
         at = -1 if state is None else getattr(state, f"{part}_pos")
         if at != start:
             raise BackendError(f"layer {layer}'s recurrent state stands at position {at}, not {start}: a sequence "
@@ -360,7 +360,7 @@ class NumpyBackend(Backend):
         return getattr(state, part)
 
     def _store(self, pos: int, layer: int, part: int, value: np.ndarray) -> None:
-        self.rec.stored.setdefault(pos, {}).setdefault(layer, [None, None])[part] = value
+        self.recurrent_slot.stored.setdefault(pos, {}).setdefault(layer, [None, None])[part] = value
 
     def _trim(self, rec: RecurrentSlot) -> None:
         """Keep a slot's stored states that are whole (every delta-net layer's two parts), at an end of a prompt
