@@ -113,11 +113,13 @@ def test_greedy_tokens_match_transformers_generate(pairs, arch):
 
 @pytest.mark.parametrize("arch,changes", [("qwen35", dict(linear_num_value_heads=8)),
                                           ("qwen3next", dict(linear_num_value_heads=8)),
-                                          ("qwen35", dict(linear_num_key_heads=4))])
+                                          ("qwen35", dict(linear_num_key_heads=4)),
+                                          ("qwen3next", dict(mlp_only_layers=[1, 3]))])
 def test_other_head_layouts(tmp_path, arch, changes):
     """8 value heads over 2 key heads (4 a key head: tiled by the converter's reorder in qwen35, grouped in
-    qwen3next), and as many key heads as value heads; 4 layers (3 delta-net, 1 attention). A 40-token prompt and 3
-    decode steps against transformers."""
+    qwen3next), and as many key heads as value heads; 4 layers (3 delta-net, 1 attention); and Qwen3-Next with
+    dense FFNs on some layers (the checkpoint's mlp_only_layers: a dense FFN where the file has one). A 40-token
+    prompt and 3 decode steps against transformers."""
     m = hf_model(arch, seed=3, num_hidden_layers=4, **changes)
     path = write_hf_model(tmp_path / f"{arch}.gguf", arch, m.config.to_dict(), state_of(m))
     ours, ids = Ours(path), np.random.default_rng(6).integers(0, VOCAB, size=43).tolist()
