@@ -7,6 +7,7 @@ from typing import Callable
 from .. import gpu_driver
 from ..background import Background
 from ..errors import BackendError, UsageError
+from ..models.config import ModelConfig
 from .base import Backend
 
 BACKENDS = ("auto", "cuda", "numpy")
@@ -41,10 +42,12 @@ def start_early(name: str) -> EarlyStatus | None:
 
 
 def select_backend(name: str, notice: Callable[[str], None] | None = None, early: EarlyStatus | None = None,
-                   ) -> Backend:
-    """`auto` takes CUDA when CuPy imports and a GPU is visible, else NumPy (with a notice); `cuda` without
-    either is a BackendError that says what is missing and how to install it. `early`: start_early's result
-    for this name, where the check already began."""
+                   cfg: ModelConfig | None = None) -> Backend:
+    """`auto` takes CUDA when CuPy imports and a GPU is visible and its kernels run the model `cfg` (a layer the
+    fused paths lack, such as Qwen3.5's delta-net layers, or experts they do not serve: cuda.device.fused_layers),
+    else NumPy (with a notice saying why); `cuda` without either is a BackendError that says what is missing and
+    how to install it (a model it cannot run: at load). `early`: start_early's result for this name, where the
+    check already began."""
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     if name == "numpy":
@@ -52,6 +55,14 @@ def select_backend(name: str, notice: Callable[[str], None] | None = None, early
 
         return NumpyBackend()
     ok, reason = early() if early is not None else cuda_status()
+    if ok and name == "auto" and cfg is not None:
+        from .cuda.device import fused_layers
+
+        try:
+            fused_layers(cfg)
+        except BackendError as exc:  # (nothing is on the GPU yet)
+            ok, reason = False, str(exc).rstrip(".")
+            gpu_driver.release()
     if ok:
         from .cuda import CudaBackend
 

@@ -157,7 +157,7 @@ class Model:
                 with contextlib.suppress(BaseException):
                     early()
             raise
-        self.backend = select_backend(backend, notice, early)
+        self.backend = select_backend(backend, notice, early, self.cfg)
         laps.lap(f"backend start ({self.backend.name})")
         # The tokenizer is built on a thread of its own (Llama 3's 128k tokens and 280k merges take a while)
         # while the weights upload, whose copies leave the GIL free. Not sooner: beside CuPy's import (the
