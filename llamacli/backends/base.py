@@ -31,6 +31,16 @@ from .step import Sampler, SeqStep, StepOut
 Progress = Callable[[int, int, str], None]  # (done, total, what) -> None; called while loading
 
 
+class StepErrors(BackendError):
+    """Some sequences of a step of several failed on their own (a constraint's mask that raised, logits with NaN):
+    `errors` maps their index in the batch to what they raised, `outs` holds the others' results (None for the
+    failed). Each failed sequence must start again with a new Sampler; the others go on."""
+
+    def __init__(self, errors: dict[int, Exception], outs: list[StepOut | None]):
+        super().__init__(f"{len(errors)} of {len(outs)} sequences failed their step")
+        self.errors, self.outs = errors, outs
+
+
 @dataclass
 class LayerWeights:
     """One transformer block. Matrices are backend weight handles of shape [out, in]; vectors float32."""
@@ -249,7 +259,19 @@ class Backend(ABC):
         if len(set(slots)) != len(slots) or not all(type(x) is int and 0 <= x < self.slots for x in slots):
             raise BackendError(f"a step takes at most one sequence per cache slot, slots 0..{self.slots - 1} "
                                f"(got slots {slots})")
-        return [self._step_one(seq) for seq in batch]
+        if len(batch) == 1:
+            return [self._step_one(batch[0])]
+        outs: list[StepOut | None] = []
+        errors: dict[int, Exception] = {}
+        for i, seq in enumerate(batch):  # one sequence's failure (its constraint's mask, its logits) is its own
+            try:
+                outs.append(self._step_one(seq))
+            except Exception as exc:
+                errors[i] = exc
+                outs.append(None)
+        if errors:
+            raise StepErrors(errors, outs)
+        return outs  # type: ignore[return-value]
 
     def _step_one(self, seq: SeqStep) -> StepOut:
         if not hasattr(self, "_slot_sampler"):

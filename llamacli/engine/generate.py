@@ -103,6 +103,8 @@ class Completion:
     stop_sequence: str | None = None  # the stop string that ended the reply (finish_reason "stop"), if one did
     timings: Timings = field(default_factory=Timings)
     logprobs: list[dict[str, Any]] | None = None  # with run(logprobs=N): one entry per id in `tokens`
+    # With run(scheduler=...): cancels the request from any thread (a client gone while it waits for a slot).
+    cancel: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -4,37 +4,42 @@ together in one Backend.step (vLLM's and llama-server's slots; the batching issu
 One worker thread owns the model: every backend call happens there (the CUDA state stays with one thread).
 Requests come in through `tokens()` and wait in arrival order for a free slot. Each turn of the worker:
 
-1. admit waiting requests to free slots, each to the free slot whose cache shares the longest prefix with its
-   prompt: a slot's cache is a prefix cache, so a resent conversation or a shared system prompt is not
-   prefilled again (SequenceCache.reusable says how much a prompt keeps);
+1. admit waiting requests to free slots (llama-server's rule: the free slot whose cache holds the longest part
+   of the prompt, where that part covers at least half of what the slot holds, so that a resent conversation or
+   a shared system prompt is not prefilled again; else the slot used least recently, an empty one first, so
+   that another client's conversation is not evicted while a slot stands empty);
 2. run the prompt steps of the requests admitted (a prefill and the first id each), up to `prefill_budget`
-   prompt tokens per turn (at least one prompt), so that running sequences keep getting their ids while
-   long prompts come in;
+   prompt tokens per turn (at least one prompt). A prompt step runs whole: while it runs, the running
+   sequences wait for their next id;
 3. run one decode step of every running sequence, all in one Backend.step;
-4. hand each id to its request (a queue the consumer reads on its own thread); a request that finished or was
-   cancelled leaves the batch at once and frees its slot.
+4. hand each id to its request (a queue its consumer reads on a thread of its own); a request that finished,
+   failed or was cancelled leaves the batch at once and frees its slot.
 
 A request whose consumer has not taken its last AHEAD ids sits out the decode steps (it keeps its slot) until
 it does: the ids are pulled, as by a single generation's loop, so a client that stops reading (a full socket)
-stops its generation rather than filling a queue.
+stops its generation rather than filling a queue. cancel() (any thread) takes a request out at the next turn,
+waiting or running.
 
-A request joins the running batch at the next turn and leaves it at the step it finishes. `Model.run` takes
-the ids through `scheduler.tokens(...)` instead of its own loop, so the text stream (detokenizing, stop
-strings, the reasoning split) is the same code whether one request runs or many: closing that stream (a stop
-string, a client gone) cancels the request. More than `max_waiting` requests waiting is SchedulerBusy, which
-`serve` answers with 503 and Retry-After.
+`Model.run` takes the ids through `scheduler.tokens(...)` instead of its own loop, so the text stream
+(detokenizing, stop strings, the reasoning split) is the same code whether one request runs or many; closing
+that stream cancels the request, and `Completion.cancel` does from outside. More than `max_waiting` requests
+waiting is SchedulerBusy, which `serve` answers with 503 and Retry-After.
 
-A step that raises fails every request in it (their sequences start again with their next request): a batch
-shares its launches, so one sequence's error cannot be told from the batch's.
+Failures stay with their request: one whose own step fails (a constraint's mask that raised, NaN logits:
+Backend.step's StepErrors) or whose bookkeeping raises (a constraint's advance) gets the error, the others go
+on. A step that fails as a whole fails every request in it, each with its own copy of the error. Should the
+worker itself fail, every request gets the error and the scheduler closes (no consumer is left waiting).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import queue
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from ..backends.base import StepErrors
 from ..backends.step import Sampler, StepOut
 from ..errors import LlamacliError
 from .tokens import Item, TokenRun
@@ -44,8 +49,9 @@ if TYPE_CHECKING:
     from .generate import Completion, Model
 
 DEFAULT_PREFILL_BUDGET = 2048  # prompt tokens per turn before the running sequences get their next step
-DEFAULT_MAX_WAITING = 256  # requests waiting for a slot before new ones are refused (SchedulerBusy)
+DEFAULT_MAX_WAITING = 64  # requests waiting for a slot before new ones are refused (SchedulerBusy)
 AHEAD = 2  # ids a request may have waiting for its consumer before it sits out the decode steps
+REUSE_SHARE = 0.5  # a slot's cache serves a prompt whose shared prefix covers this much of what it holds
 _DONE = object()
 
 
@@ -61,22 +67,32 @@ class SchedulerClosed(LlamacliError):
     exit_code = 1
 
 
+def _own(exc: BaseException) -> BaseException:
+    """A copy of `exc` for one request (the same object raised on several threads would share a traceback)."""
+    try:
+        return copy.copy(exc)
+    except Exception:  # an exception that cannot be rebuilt from its args
+        return LlamacliError(str(exc))
+
+
 class Request:
-    """One generation's ids as the worker hands them out (iterate it on any thread); closing the iterator, or
-    cancel(), takes the request out of the batch at the next turn."""
+    """One generation's ids as the worker hands them out (iterate it on one thread); closing the iterator, or
+    cancel() from any thread, takes the request out at the next turn."""
 
     def __init__(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Completion,
-                 constraint: Constraint | None, logprobs: int | None, wake: Callable[[], None]):
+                 constraint: Constraint | None, logprobs: int | None, wake: Callable[[], None],
+                 on_cancel: Callable[[Request], None]):
         self.ids, self.sampler, self.max_tokens, self.completion = ids, sampler, max_tokens, completion
-        self.constraint, self.logprobs, self.wake = constraint, logprobs, wake
+        self.constraint, self.logprobs, self.wake, self.on_cancel = constraint, logprobs, wake, on_cancel
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.cancelled = threading.Event()
         self.run: TokenRun | None = None  # (the worker's, once admitted)
         self.slot = -1
 
     def cancel(self) -> None:
-        self.cancelled.set()
-        self.wake()
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            self.on_cancel(self)
 
     @property
     def ready(self) -> bool:
@@ -84,14 +100,19 @@ class Request:
         return self.cancelled.is_set() or self.out.qsize() < AHEAD
 
     def __iter__(self) -> Iterator[Item]:
+        c, taken = self.completion, 0
         try:
             while True:
                 item = self.out.get()
                 self.wake()  # (a request that sat out may step again)
-                if item is _DONE:
+                if isinstance(item, tuple) and item and item[0] is _DONE:  # (the end, and why it ended)
+                    c.finish_reason = c.finish_reason or item[1]
                     return
                 if isinstance(item, BaseException):
                     raise item
+                if taken:  # the decode steps whose ids the consumer took (the first id is the prompt's)
+                    c.timings.eval_tokens += 1
+                taken += 1
                 yield item
         finally:
             self.cancel()  # (a consumer that stops early: a stop string, a client gone)
@@ -105,6 +126,8 @@ class Scheduler:
         self.model = model
         self.prefill_budget, self.max_waiting = prefill_budget, max_waiting
         self.free = list(range(len(model.seqs)))  # slots holding no running sequence
+        self.used = [-1] * len(model.seqs)  # per slot, the turn it was last taken (-1: never)
+        self.turn = 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.cv = threading.Condition()
@@ -118,13 +141,14 @@ class Scheduler:
     def tokens(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Completion,
                constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Item]:
         """The ids of a generation from prompt `ids` (Model.run's token generator when it runs here), in arrival
-        order behind the requests already waiting. SchedulerBusy when too many wait, SchedulerClosed after
-        close()."""
-        req = Request(list(ids), sampler, max_tokens, completion, constraint, logprobs, self._wake)
+        order behind the requests already waiting; `completion.cancel` then cancels it from any thread.
+        SchedulerBusy when too many wait, SchedulerClosed after close()."""
+        req = Request(list(ids), sampler, max_tokens, completion, constraint, logprobs, self._wake, self._cancelled)
         with self.cv:
             self._check_room()
             self.waiting.append(req)
             self.cv.notify()
+        completion.cancel = req.cancel
         return iter(req)
 
     def check_room(self) -> None:
@@ -159,68 +183,97 @@ class Scheduler:
         with self.cv:
             self.cv.notify()
 
+    def _cancelled(self, req: Request) -> None:
+        """A request cancelled (any thread): one still waiting leaves the queue at once, never prefilled (its
+        consumer's wait ends now, even while the worker is busy with a step); a running one at the next turn."""
+        with self.cv:
+            if req in self.waiting:
+                self.waiting.remove(req)
+                req.out.put((_DONE, "cancelled"))
+            self.cv.notify()
+
     def _work(self) -> bool:
-        """(Under the lock) whether a turn has anything to do: a request to admit, or one to step or drop."""
+        """(Under the lock) whether a turn has anything to do: a request to admit or drop, one to step."""
         return bool(self.waiting and self.free) or any(req.ready for req in self.running)
 
     def _loop(self) -> None:
-        while True:
-            with self.cv:
-                while not self.closed and not self._work():
-                    self.cv.wait()
-                if self.closed:
-                    for req in [*self.waiting, *self.running]:
-                        req.out.put(SchedulerClosed("the server is shutting down"))
-                    self.waiting.clear()
-                    self.running.clear()
-                    return
-                admitted = self._admit()
-            self._drop_cancelled()
-            self._prompts(admitted)
-            self._decode()
+        try:
+            while self._turn():
+                pass
+        except BaseException as exc:  # the worker itself failed: nobody may wait for it
+            self._end_all(exc)
+            raise
+
+    def _turn(self) -> bool:
+        with self.cv:
+            while not self.closed and not self._work():
+                self.cv.wait()
+            if self.closed:
+                self._end_all(SchedulerClosed("the server is shutting down"))
+                return False
+            admitted = self._admit()
+        self._prompts(admitted)
+        self._decode()
+        return True
+
+    def _end_all(self, exc: BaseException) -> None:
+        """Every request waiting or running gets `exc` (its own copy); no new ones are taken."""
+        with self.cv:
+            self.closed = True
+            reqs = [*self.waiting, *self.running]
+            self.waiting.clear()
+            self.running.clear()
+        for req in reqs:
+            req.out.put(_own(exc))
+
+    def _slot_for(self, ids: list[int]) -> tuple[int, int]:
+        """(slot, prompt ids it keeps) of the free slot for a prompt: the one keeping most, where that covers at
+        least REUSE_SHARE of what it holds; else the least recently used (an empty one first)."""
+        seqs = self.model.seqs
+        keep = {s: seqs[s].reusable(ids) for s in self.free}
+        best = max(self.free, key=lambda s: (keep[s], -s))
+        if keep[best] and keep[best] >= REUSE_SHARE * len(seqs[best]):
+            return best, keep[best]
+        slot = min(self.free, key=lambda s: (self.used[s], s))
+        return slot, keep[slot]
 
     def _admit(self) -> list[Request]:
-        """Waiting requests into free slots (under the lock), each to the slot that keeps most of its prompt,
-        up to the turn's prompt budget (the first always)."""
+        """(Under the lock) waiting requests into free slots, up to the turn's prompt budget (the first always)."""
         admitted, budget = [], self.prefill_budget
+        self.turn += 1
         while self.waiting and self.free and (not admitted or budget > 0):
             req = self.waiting.popleft()
-            if req.cancelled.is_set():
-                req.out.put(_DONE)
-                continue
-            seqs = self.model.seqs
-            slot = max(self.free, key=lambda s: (seqs[s].reusable(req.ids), -s))
+            slot, keep = self._slot_for(req.ids)
             self.free.remove(slot)
+            self.used[slot] = self.turn
             req.slot = slot
-            budget -= len(req.ids) - seqs[slot].reusable(req.ids)
+            budget -= len(req.ids) - keep
             admitted.append(req)
+            self.running.append(req)
         return admitted
 
-    def _release(self, req: Request, item: Any = _DONE) -> None:
-        req.completion.finish_reason = req.completion.finish_reason or (req.run.finish_reason if req.run else None)
-        req.out.put(item)
+    def _release(self, req: Request, item: Any = None) -> None:
+        """End a request (its error, or its finish) and free its slot."""
+        reason = req.run.finish_reason if req.run is not None else None
+        req.out.put(item if item is not None else (_DONE, reason or "cancelled"))
         with self.cv:
             if req in self.running:
                 self.running.remove(req)
-            self.free.append(req.slot)
-
-    def _drop_cancelled(self) -> None:
-        for req in [r for r in self.running if r.cancelled.is_set()]:
-            self._release(req)
+                self.free.append(req.slot)
 
     def _prompts(self, admitted: list[Request]) -> None:
         model = self.model
         for req in admitted:
-            c = req.completion
-            run = req.run = TokenRun(model.seqs[req.slot], req.ids, req.sampler, model.tokenizer, req.max_tokens,
-                                     c.timings, req.constraint, req.logprobs)
+            if req.cancelled.is_set():  # left before its prompt ran: not prefilled
+                self._release(req)
+                continue
+            req.run = TokenRun(model.seqs[req.slot], req.ids, req.sampler, model.tokenizer, req.max_tokens,
+                               req.completion.timings, req.constraint, req.logprobs, count_eval=False)
             try:
-                item = run.prompt_out(model.backend.step([run.prompt_step()])[0])
-            except Exception as exc:  # (the request's own: it runs alone)
+                item = req.run.prompt_out(model.backend.step([req.run.prompt_step()])[0])
+            except Exception as exc:  # (the request's own: its step ran alone)
                 self._release(req, exc)
                 continue
-            with self.cv:
-                self.running.append(req)
             self._hand(req, item)
 
     def _hand(self, req: Request, item: Item | None) -> None:
@@ -232,13 +285,21 @@ class Scheduler:
 
     def _decode(self) -> None:
         batch, reqs = [], []
-        for req in list(self.running):
+        with self.cv:
+            running = list(self.running)
+        for req in running:
+            if req.run is None:  # (admitted this turn, its prompt step failed or not yet run)
+                continue
             if req.cancelled.is_set():
                 self._release(req)
                 continue
             if not req.ready:  # its consumer is behind: it sits this step out
                 continue
-            step = req.run.next_step()
+            try:
+                step = req.run.next_step()  # (a constraint's advance may raise: the request's own)
+            except Exception as exc:
+                self._release(req, exc)
+                continue
             if step is None:
                 self._release(req)
                 continue
@@ -247,12 +308,23 @@ class Scheduler:
         if not batch:
             return
         try:
-            outs: list[StepOut] = self.model.backend.step(batch)
-        except Exception as exc:
+            outs: list[StepOut | None] = list(self.model.backend.step(batch))
+        except StepErrors as exc:  # some sequences failed on their own; the others' steps ran
+            outs = exc.outs
+            for i, err in exc.errors.items():
+                self._release(reqs[i], err)
+        except Exception as exc:  # the step as a whole
             for req in reqs:
-                self._release(req, exc)
+                self._release(req, _own(exc))
             return
         self.steps += 1
         self.batched += len(batch)
         for req, out in zip(reqs, outs):
-            self._hand(req, req.run.step_out(out))
+            if out is None:
+                continue
+            try:
+                item = req.run.step_out(out)
+            except Exception as exc:
+                self._release(req, exc)
+                continue
+            self._hand(req, item)

@@ -46,9 +46,11 @@ class TokenRun:
     count."""
 
     def __init__(self, seq: SequenceCache, ids: list[int], sampler: Sampler, tokenizer: Tokenizer,
-                 max_tokens: int, timings: Any, constraint: Constraint | None = None, logprobs: int | None = None):
+                 max_tokens: int, timings: Any, constraint: Constraint | None = None, logprobs: int | None = None,
+                 count_eval: bool = True):
         self.seq, self.ids, self.sampler, self.tokenizer = seq, ids, sampler, tokenizer
         self.max_tokens, self.timings, self.constraint, self.logprobs = max_tokens, timings, constraint, logprobs
+        self.count_eval = count_eval  # (False: the consumer counts the decode steps whose ids it took)
         self.finish_reason: str | None = None
         self.handed = 0  # ids handed out
         self.last = -1  # the last id handed out: the next decode step's input
@@ -106,7 +108,8 @@ class TokenRun:
         self.seq.token_done(self.last)
         if out.snapshots is not None:
             self.seq.held(out.snapshots)
-        self.timings.eval_tokens += 1
+        if self.count_eval:
+            self.timings.eval_tokens += 1
         return self._hand(out)
 
     def _hand(self, out: StepOut) -> Item | None:

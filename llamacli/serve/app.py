@@ -50,7 +50,8 @@ from . import messages_api, responses_api, tool_api
 from .api import ApiError, Job, api_error, chunk, finish_reason, model_entry, read_job, response, usage_chunk
 from .metrics import CONTENT_TYPE, CountRequests, Metrics
 
-STREAM_THREADS = 80  # requests' text streams at once (more than connections.py's connections)
+STREAM_SPARE = 16  # stream threads beyond one per connection (requests whose clients have just left)
+DISCONNECT_POLL_S = 0.5  # how often a request waiting for its next piece asks whether its client is still there
 MAX_BODY = 16 << 20  # bytes: a long conversation fits; a runaway upload does not
 SMALL_BODY = 256 << 10  # bytes: a body up to this is prepared in the small lane
 LARGE_BODIES = 64 << 20  # bytes of bodies larger than SMALL_BODY held at once (read, parsed, tokenized)
@@ -60,11 +61,15 @@ _END = object()
 class Engine:
     """The model, its scheduler, the stream threads and the preparing lanes."""
 
-    def __init__(self, model, name: str, log: Callable[[str], None] | None = None, max_waiting: int = 256):
+    def __init__(self, model, name: str, log: Callable[[str], None] | None = None, max_waiting: int = 64,
+                 connections: int = 64):
         self.model, self.name = model, printable(name)
         self.scheduler = Scheduler(model, max_waiting=max_waiting)
-        # A request's text stream waits on its ids here: one thread a request at most (connections.py bounds them).
-        self.streams = ThreadPoolExecutor(max_workers=STREAM_THREADS, thread_name_prefix="llamacli-stream")
+        # A request's text stream waits on its ids on a thread of this pool, waiting for a slot included: one
+        # thread per request whose client is there (at most `connections`, connections.py's bound), and those
+        # whose client left give theirs back at once (pieces cancels them).
+        self.streams = ThreadPoolExecutor(max_workers=connections + STREAM_SPARE,
+                                          thread_name_prefix="llamacli-stream")
         self.lanes = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-prepare-small"),
                       ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacli-prepare-large"))
         self.large_bytes = 0  # held by bodies larger than SMALL_BODY (LARGE_BODIES at most)
@@ -87,13 +92,15 @@ class Engine:
         lane = self.lanes[len(data) > SMALL_BODY]
         self.preparing += 1
         try:
-            job = await asyncio.get_running_loop().run_in_executor(lane, _read_job, self.model, data, chat, read)
+            return await asyncio.get_running_loop().run_in_executor(lane, _read_job, self.model, data, chat, read)
         finally:
             self.preparing -= 1
-        # Refused now if the queue is full, while a stream's answer can still be a 503 (once its headers went
-        # out, only an error event could say so).
+
+    def room(self) -> None:
+        """SchedulerBusy (503) when a generation asked for now would find the queue full: the generating routes
+        ask before they answer, while a stream's answer can still be a 503 (once its headers went out, only an
+        error event could say so)."""
         self.scheduler.check_room()
-        return job
 
     def close(self) -> None:
         """Stop the scheduler (what waits or runs ends with SchedulerClosed), the stream threads and the lanes."""
@@ -105,24 +112,33 @@ class Engine:
         """The text of `job` as it is generated, in a cache slot of the scheduler's. A client that left stops
         the generation between two pieces (its stream is closed: the scheduler takes it out of the batch)."""
         gen = self.model.run(list(job.ids), completion=c, scheduler=self.scheduler, **job.run_kwargs())
-        pending = None  # the next() of the stream in flight on a stream thread
+        job_next = None  # the next() of the stream in flight on a stream thread
         try:
             while True:
                 if await request.is_disconnected():
                     c.finish_reason = "disconnected"
                     return
-                pending = self.streams.submit(next, gen, _END)
-                piece = await asyncio.wrap_future(pending)
+                job_next = self.streams.submit(next, gen, _END)
+                pending = asyncio.wrap_future(job_next)
+                # While it waits (for a slot, or for the next id), the client is asked now and then whether it
+                # is still there: one that left is cancelled, which ends the wait.
+                while not (await asyncio.wait({pending}, timeout=DISCONNECT_POLL_S))[0]:
+                    if await request.is_disconnected():
+                        c.finish_reason = "disconnected"
+                        return
+                piece = pending.result()
                 if piece is _END:
                     return
                 yield piece
         finally:
-            # Closing the stream cancels the request; a generator cannot be closed while its next() runs (a
-            # response cancelled by a client that left), so then it is closed right after.
-            if pending is None or pending.done():
-                self.streams.submit(gen.close)
+            if c.cancel is not None:
+                c.cancel()  # (taken out of the queue or the batch: the next() in flight returns)
+            # A generator cannot be closed while its next() runs: it is closed once that returns, on that thread
+            # (at once, on this one, where none runs).
+            if job_next is None:
+                gen.close()
             else:
-                pending.add_done_callback(lambda _: self.streams.submit(gen.close))
+                job_next.add_done_callback(lambda _: gen.close())
             self.served += 1
             self.metrics.generated(request.scope, c)
 
@@ -351,6 +367,7 @@ async def _complete(engine: Engine, request: Request, chat: bool) -> Response:
     finally:
         engine.large_bytes -= held
         del data
+    engine.room()
     if job.stream:
         return StreamingResponse(_events(engine, job, request, t0), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -418,6 +435,7 @@ async def _respond(engine: Engine, store: responses_api.ResponseStore, request: 
     finally:
         engine.large_bytes -= held
         del data
+    engine.room()
     out = responses_api.Output(rjob, Completion(), engine.name)
     if rjob.stream:
         return StreamingResponse(_response_events(engine, out, request, t0), media_type="text/event-stream",

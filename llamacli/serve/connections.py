@@ -56,7 +56,7 @@ class Limits:
     stall_s: float = 60.0  # a response the client does not read while the socket is full
     max_head_bytes: int = 16 << 10  # a request line and headers (h11's default; larger: 400)
     log_every_s: float = 60.0  # at most one line this often about accept() failing
-    max_waiting: int = 256  # requests waiting for a free slot (engine/scheduler.py); more: 503 with Retry-After
+    max_waiting: int = 64  # requests waiting for a free slot (engine/scheduler.py); more: 503 with Retry-After
 
 
 RETRY_ACCEPT_S = 0.25  # after accept() failed (no descriptor free): when to try again

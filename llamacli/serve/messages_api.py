@@ -558,6 +558,7 @@ async def create(engine: Any, request: Request, read_body: Callable, log_done: C
     finally:
         engine.large_bytes -= held
         del data
+    engine.room()
     if mj.job.stream:
         return StreamingResponse(_events(engine, mj, request, t0, log_done), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

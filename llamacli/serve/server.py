@@ -47,7 +47,7 @@ def make_server(model, name: str, sock: socket.socket, api_key: str | None = Non
 
     limits = limits or Limits()
     log = log or (lambda line: None)
-    engine = Engine(model, name, log, max_waiting=limits.max_waiting)
+    engine = Engine(model, name, log, max_waiting=limits.max_waiting, connections=limits.max_connections)
     app = build_app(engine, api_key, loopback=ipaddress.ip_address(sock.getsockname()[0]).is_loopback)
     # h11 and asyncio's own loop whatever else is installed (httptools, uvloop): connections.py adds its
     # deadlines to uvicorn's h11 protocol and accepts on asyncio's loop. limit_concurrency: requests still

@@ -211,3 +211,140 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(model, monk
         assert len(c.tokens) == 5 and c.finish_reason == "length"
     finally:
         sched.close()
+
+
+def drain(gen, timeout: float = 60) -> list:
+    """list(gen) on a thread, failing (not hanging) past `timeout`; what it raised is raised."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["out"] = list(gen)
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            box["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the generation hangs"
+    if "exc" in box:
+        raise box["exc"]
+    return box["out"]
+
+
+class FailingConstraint:
+    """Allows every id; its advance raises at the `at`-th id (an llguidance matcher in error)."""
+
+    def __init__(self, vocab: int, at: int, message: str):
+        self.vocab, self.at, self.message, self.n = vocab, at, message, 0
+
+    def reset(self) -> None:
+        self.n = 0
+
+    def allowed(self):
+        import numpy as np
+
+        return np.ones(self.vocab, bool)
+
+    def advance(self, token: int) -> None:
+        from llamacli.sampling.structured import ConstraintError
+
+        self.n += 1
+        if self.n == self.at:
+            raise ConstraintError(self.message)
+
+    @property
+    def is_done(self) -> bool:
+        return False
+
+
+def test_a_requests_own_failure_stays_its_own(model):
+    """A request whose constraint fails (on the worker thread, batched with another) gets its error; the request
+    beside it finishes untouched, and the scheduler goes on serving."""
+    from llamacli.sampling.structured import ConstraintError
+
+    sched = Scheduler(model)
+    try:
+        bad = model.run("Hello", completion=Completion(), raw=True, max_tokens=12, temperature=0.0, ignore_eos=True,
+                        constraint=FailingConstraint(model.cfg.vocab_size, 4, "someone else's grammar"),
+                        scheduler=sched)
+        good = Completion()
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.update(out=drain(model.run(
+            "Once upon a time", completion=good, raw=True, max_tokens=12, temperature=0.0, ignore_eos=True,
+            scheduler=sched))))
+        t.start()
+        with pytest.raises(ConstraintError, match="someone else's grammar"):
+            drain(bad)
+        t.join(60)
+        assert len(good.tokens) == 12 and good.finish_reason == "length"
+        assert sched.thread.is_alive()
+        c = Completion()
+        drain(model.run("Hi", completion=c, raw=True, max_tokens=3, temperature=0.0, ignore_eos=True,
+                        scheduler=sched))
+        assert len(c.tokens) == 3
+    finally:
+        sched.close()
+
+
+def test_a_cancelled_waiting_request_leaves_at_once_unprefilled(model, monkeypatch):
+    """With the worker held in a step, a waiting request cancelled through Completion.cancel leaves the queue at
+    once (its consumer's wait ends) and its prompt is never prefilled."""
+    sched = Scheduler(model)
+    gate, prompts = threading.Event(), []
+    step = model.backend.step
+
+    def held(batch):
+        gate.wait(30)
+        prompts.extend(len(s.tokens) for s in batch if len(s.tokens) > 1)
+        return step(batch)
+
+    monkeypatch.setattr(model.backend, "step", held)
+    held_runs, threads = [], []
+    try:
+        for _ in range(SLOTS):  # every slot busy, the worker held in the first prompt step
+            g = model.run("Once upon a time", completion=Completion(), raw=True, max_tokens=5, temperature=0.0,
+                          scheduler=sched)
+            held_runs.append(g)
+            threads.append(threading.Thread(target=lambda g=g: drain(g), daemon=True))
+            threads[-1].start()
+        waiting = Completion()
+        ended: dict = {}
+        w = threading.Thread(target=lambda: ended.update(out=drain(model.run(
+            "word " * 40, completion=waiting, raw=True, max_tokens=5, temperature=0.0, scheduler=sched))))
+        w.start()
+        for _ in range(250):  # it waits: every slot is taken (the held requests' prompts, or waits of theirs)
+            if waiting.cancel is not None and sched.load["waiting"] + sched.load["running"] == SLOTS + 1:
+                break
+            threading.Event().wait(0.02)
+        before = sched.load["waiting"]
+        assert before >= 1 and waiting.cancel is not None
+        waiting.cancel()
+        w.join(10)
+        assert not w.is_alive() and ended["out"] == [] and waiting.finish_reason == "cancelled"
+        assert sched.load["waiting"] == before - 1
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(30)
+        sched.close()
+    assert all(n < 20 for n in prompts)  # the 40-word prompt never ran
+
+
+def test_a_conversation_keeps_its_slot_while_others_stand_empty(model):
+    """llama-server's rule: a prompt sharing only a little with a slot's long conversation takes an empty slot,
+    so the conversation's next turn prefills only the new part."""
+    sched = Scheduler(model)
+    try:
+        a = Completion()
+        convo = "System: be brief. User: " + " ".join(f"w{i}" for i in range(30))
+        drain(model.run(convo, completion=a, raw=True, max_tokens=4, temperature=0.0, ignore_eos=True,
+                        scheduler=sched))
+        drain(model.run("System: be brief. User: hi", completion=Completion(), raw=True, max_tokens=2,
+                        temperature=0.0, scheduler=sched))
+        turn = Completion()
+        drain(model.run(convo + " more words", completion=turn, raw=True, max_tokens=2, temperature=0.0,
+                        scheduler=sched))
+        assert turn.timings.prompt_tokens <= len(turn.prompt_tokens) - len(a.prompt_tokens)
+    finally:
+        sched.close()
