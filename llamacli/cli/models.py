@@ -197,8 +197,8 @@ def tokenize(
 def bench(
     model_arg: ModelArg = None,
     model: ModelOpt = None,
-    n_prompt: Annotated[str, typer.Option("--n-prompt", "-p", help="Prompt sizes for prefill tests, comma-separated.")] = "512",
-    n_gen: Annotated[str, typer.Option("--n-gen", "-n", help="Token counts for decode tests, comma-separated.")] = "128",
+    n_prompt: Annotated[str, typer.Option("--n-prompt", "-p", help="Prompt sizes for prefill tests, comma-separated (with --url: about the tokens of each request's prompt).")] = "512",
+    n_gen: Annotated[str, typer.Option("--n-gen", "-n", "--n-predict", help="Token counts for decode tests, comma-separated (with --url: tokens asked of each request).")] = "128",
     pg: Annotated[Optional[list[str]], typer.Option("--pg", help="A combined test P,N: prefill P then decode N (repeatable).")] = None,
     n_depth: Annotated[str, typer.Option("--n-depth", "-d", help="Run each test after this many tokens of context, comma-separated (llama-bench's -d).")] = "0",
     reps: Annotated[int, typer.Option("--repetitions", "-r", help="Timed repetitions after one warm-up.")] = 5,
@@ -213,9 +213,57 @@ def bench(
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     swa_full: SwaFullOpt = False,
+    url: Annotated[Optional[str], typer.Option(
+        "--url", metavar="URL",
+        help="Instead: load a running OpenAI-compatible server (llamacli serve, llama-server, vLLM) at "
+             "http://HOST:PORT with concurrent streaming clients: tok/s, req/s, time to first token, inter-token "
+             "and end-to-end latency (p50, p99) per --clients level; -p and -n give one prompt size and reply.")] = None,
+    clients: Annotated[Optional[str], typer.Option(
+        "--clients", "-npl", metavar="N,N,...",
+        help="With --url: concurrent clients, a level each, comma-separated (llama-batched-bench's -npl). "
+             "Default: 1,4,16.")] = None,
+    requests: Annotated[Optional[int], typer.Option(
+        "--requests", metavar="M", help="With --url: requests per level (default: 4 x clients, at least 8).")] = None,
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="With --url: POST /v1/chat/completions (the prompt a user message) instead of /v1/completions.")] = False,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="LLAMACLI_API_KEY", show_envvar=True,
+        help="With --url: send `Authorization: Bearer KEY` (the environment variable keeps it out of the process list).")] = None,
+    api_key_file: Annotated[Optional[str], typer.Option(
+        "--api-key-file", help="With --url: read the key from the first line of this file.")] = None,
+    shared_prefix: Annotated[int, typer.Option(
+        "--shared-prefix", metavar="N",
+        help="With --url: the first N of -p's tokens are the same in every prompt (a system message with --chat), "
+             "for a server's prefix cache to reuse; by default every prompt differs from its first word.")] = 0,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos/--no-ignore-eos",
+        help="With --url: send \"ignore_eos\": true, so that llama-server and vLLM generate all -n tokens (the "
+             "rows count what each server did generate).")] = True,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", metavar="S", help="With --url: seconds a request may take in all; past them it counts as failed.")] = 600.0,
+    seed: Annotated[Optional[int], typer.Option(
+        "--seed", help="With --url: the prompts' random words (default: new ones each run, so that no cache "
+                       "holds them from an earlier run).")] = None,
 ) -> None:
     """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth.
-    --profile breaks one prefill and one decode step down by kernel family; --kernels times single kernels."""
+    --profile breaks one prefill and one decode step down by kernel family; --kernels times single kernels;
+    --url loads a running server with concurrent clients instead (`bench --url http://127.0.0.1:8080 -npl 1,4,16`)."""
+    load = {"--clients": clients is not None, "--requests": requests is not None, "--chat": chat,
+            "--api-key-file": api_key_file is not None, "--shared-prefix": shared_prefix != 0,
+            "--no-ignore-eos": not ignore_eos, "--timeout": timeout != 600.0, "--seed": seed is not None}
+    if url is not None:
+        model_only = {"--profile": profile, "--kernels": kernels, "--pg": bool(pg), "-d": n_depth != "0",
+                      "-r": reps != 5, "--ctx": ctx is not None, "--backend": backend != "auto",
+                      "-ngl": gpu_layers is not None, "-fa": flash_attn, "-ctk": cache_type_k != "f16",
+                      "-ctv": cache_type_v != "f16", "--swa-full": swa_full}
+        given = [name for name, on in model_only.items() if on]
+        if given:
+            fail(f"{given[0]} measures a model here, not a server: leave it out with --url")
+        return bench_server(url, pick_model(model_arg, model), n_prompt, n_gen, output, clients, requests, chat,
+                            api_key, api_key_file, shared_prefix, ignore_eos, timeout, seed)
+    given = [name for name, on in load.items() if on]
+    if given:
+        fail(f"{given[0]} goes with --url (a running server to load)")
     from ..engine.bench import (
         parse_list,
         parse_pg,
@@ -257,3 +305,39 @@ def bench(
         return
     rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: dim(f"running {t}"), depths=depths)
     print(render(rows, output, m.backend.device_name(), bandwidth))
+
+
+def bench_server(url: str, model: str | None, n_prompt: str, n_gen: str, output: str, clients: str | None,
+                 requests: int | None, chat: bool, api_key: str | None, api_key_file: str | None, shared_prefix: int,
+                 ignore_eos: bool, timeout: float, seed: int | None) -> None:
+    """`bench --url`: the options checked, the server loaded level by level (serve/loadgen.py), the rows on
+    stdout and the progress on stderr."""
+    from ..engine.bench import parse_list
+    from ..errors import UsageError
+    from ..serve.loadgen import LoadSettings, check, notes, parse_clients, parse_url, render, run_load
+
+    if output not in ("md", "json", "csv"):
+        fail(f"--output must be md, json or csv, got {output!r}")
+    parse_url(url)
+    levels = parse_clients(clients if clients is not None else "1,4,16")
+    sizes = {}
+    for flag, text in (("-p", n_prompt), ("-n", n_gen)):
+        values = parse_list(text, flag)
+        if len(values) != 1:
+            fail(f"with --url, {flag} takes one number (each request's), got {text!r}")
+        sizes[flag] = values[0]
+    if api_key_file is not None:
+        if api_key is not None:
+            fail("give the key once: --api-key (or LLAMACLI_API_KEY) or --api-key-file")
+        lines = read_text(api_key_file, "API key file", UsageError, limit=1 << 16).splitlines()
+        api_key = lines[0].strip() if lines else ""
+        if not api_key:
+            fail(f"the API key file {printable(api_key_file)} starts with an empty line")
+    settings = LoadSettings(url=url, clients=levels, n_predict=sizes["-n"], n_prompt=sizes["-p"], requests=requests,
+                            chat=chat, api_key=api_key, model=model, shared_prefix=shared_prefix,
+                            ignore_eos=ignore_eos, timeout=timeout, seed=seed)
+    check(settings)  # (-p, -n, --shared-prefix, --timeout, --requests, --api-key)
+    info, rows = run_load(settings, progress=dim)
+    for line in notes(rows):
+        dim(line)
+    print(render(info, rows, output))

@@ -296,6 +296,11 @@ class Acceptor:
 
         try:
             conn.setblocking(False)
+            # No Nagle: asyncio turns it off only on sockets whose proto says TCP, and socket.create_server's
+            # (server.listen) say 0. With it, each streamed chunk on a kept connection waits for the client's
+            # delayed ACK of the one before (40 ms on Linux): the first token and the whole stream come late.
+            if conn.family in (socket.AF_INET, socket.AF_INET6):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await self.loop.connect_accepted_socket(protocol, conn)
         except Exception:  # noqa: BLE001 (the client left at once, or no memory for it: drop it)
             conn.close()
