@@ -31,3 +31,4 @@ def start(model, name: str, api_key: str | None = None, **kw):  # noqa: ANN001, 
 def stop(server, thread) -> None:  # noqa: ANN001
     server.should_exit = True
     thread.join(10)
+    server.engine.close()  # (its scheduler's worker, stream threads and lanes)

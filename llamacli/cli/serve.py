@@ -89,8 +89,12 @@ def serve(
                        swa_full=swa_full)
         from ..serve.app import stderr_log
 
-        slots = parallel_slots(m, parallel, None if quiet else dim)
-        server = make_server(m, m.path.stem, sock, api_key, None if quiet else stderr_log)
+        try:
+            slots = parallel_slots(m, parallel, None if quiet else dim)
+            server = make_server(m, m.path.stem, sock, api_key, None if quiet else stderr_log)
+        except BaseException:
+            m.close()
+            raise
         where = sock.getsockname()
         url_host = printable(f"[{host}]" if ":" in host else host)
         if is_verbose():

@@ -66,6 +66,7 @@ class Job:
     constraint: Any = None
     echo_prompt: str = ""
     tools: Any = None  # a tool_api.ToolJob: the reply is read for tool calls
+    ignore_eos: bool = False  # llama-server's: the end-of-generation ids masked out, the reply runs to max_tokens
     id: str = field(default_factory=lambda: "")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -79,6 +80,8 @@ class Job:
             kw["constraint"] = self.constraint
         if self.tools is not None:
             kw.update(self.tools.run_kwargs())
+        if self.ignore_eos:
+            kw["ignore_eos"] = True
         return kw
 
 
@@ -95,7 +98,8 @@ def read_job(model, body: Any, chat: bool) -> Job:
     tools = tool_api.read(body) if chat else None
     ids = _ids(model, body, chat, tools)
     job = Job(chat=chat, ids=ids, max_tokens=_max_tokens(model, body), stop=_stop(body), params=_params(body),
-              stream=_bool(body, "stream", False), logprobs=_logprobs(body, chat))
+              stream=_bool(body, "stream", False), logprobs=_logprobs(body, chat),
+              ignore_eos=_bool(body, "ignore_eos", False))
     job.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     options = body.get("stream_options")
     if options is not None:

@@ -15,8 +15,8 @@ its next request as soon as its last one ends (a closed loop), every request str
     e2e       request sent -> the stream's end
 Tokens are the server's counts (`usage`, asked for with stream_options.include_usage); a server that gives
 none has its text chunks counted instead (`tokens_from`: usage or chunks). Requests ask for -n tokens with
-`ignore_eos` (llama-server's and vLLM's field: generation runs to max_tokens); a server without it (llamacli
-serve ignores the field) may stop earlier, and the counts say what it did generate, never what was asked.
+`ignore_eos` (llama-server's, vLLM's and llamacli serve's field: generation runs to max_tokens); a server
+without it may stop earlier, and the counts say what it did generate, never what was asked.
 
 Prompts are random common English words, different in every request (and in every run: --seed repeats
 them), so that no server-side prefix cache makes them trivial; --shared-prefix N makes the first N tokens the

@@ -114,7 +114,8 @@ def test_a_consumer_that_stops_frees_its_slot(model):
         for g in gens:
             g.close()  # the client left
         c = Completion()
-        text = "".join(model.run("Hello", completion=c, raw=True, max_tokens=4, temperature=0.0, scheduler=sched))
+        text = "".join(drain(model.run("Hello", completion=c, raw=True, max_tokens=4, temperature=0.0,
+                                       scheduler=sched)))
         assert c.finish_reason in ("length", "eos") and len(c.tokens) <= 4 and isinstance(text, str)
         for _ in range(100):
             if sched.load["free_slots"] == SLOTS:
@@ -130,9 +131,9 @@ def test_a_slots_cache_serves_a_later_prompts_prefix(model):
     try:
         long = "Numbers: " + " ".join(str(i) for i in range(20))
         first = Completion()
-        list(model.run(long, completion=first, raw=True, max_tokens=2, temperature=0.0, scheduler=sched))
+        drain(model.run(long, completion=first, raw=True, max_tokens=2, temperature=0.0, scheduler=sched))
         second = Completion()
-        list(model.run(long + " and more", completion=second, raw=True, max_tokens=2, temperature=0.0,
+        drain(model.run(long + " and more", completion=second, raw=True, max_tokens=2, temperature=0.0,
                        scheduler=sched))
         assert second.timings.prompt_tokens < len(second.prompt_tokens) // 2  # the shared prefix was not prefilled
     finally:
@@ -144,7 +145,7 @@ def test_a_full_context_ends_with_length(path, model):
     kw = dict(max_tokens=500, temperature=0.0, ignore_eos=True)
     try:
         c = Completion()
-        list(model.run("Once upon a time", completion=c, raw=True, scheduler=sched, **kw))
+        drain(model.run("Once upon a time", completion=c, raw=True, scheduler=sched, **kw))
         # the context's every position holds an id, and the last id handed out needs none of its own
         assert c.finish_reason == "length" and len(c.prompt_tokens) + len(c.tokens) == model.ctx + 1
         same(c, alone(path, "Once upon a time", kw))
@@ -202,11 +203,11 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(model, monk
 
         monkeypatch.setattr(model.backend, "step", flaky)
         with pytest.raises(RuntimeError, match="fell over"):
-            list(model.run("Once upon a time", completion=Completion(), raw=True, max_tokens=10, temperature=0.0,
+            drain(model.run("Once upon a time", completion=Completion(), raw=True, max_tokens=10, temperature=0.0,
                            ignore_eos=True, scheduler=sched))
         monkeypatch.undo()
         c = Completion()
-        list(model.run("Once upon a time", completion=c, raw=True, max_tokens=5, temperature=0.0, ignore_eos=True,
+        drain(model.run("Once upon a time", completion=c, raw=True, max_tokens=5, temperature=0.0, ignore_eos=True,
                        scheduler=sched))
         assert len(c.tokens) == 5 and c.finish_reason == "length"
     finally:

@@ -175,3 +175,26 @@ def test_parallel_on_the_command_line(path):
 
     r = run("serve", str(path), "--backend", "numpy", "-np", "0")
     assert r.code == 2 and r.one_line_error().startswith("error: --parallel must lie in 1..256") and r.out == ""
+
+
+def test_ignore_eos_reaches_the_engine(parallel, monkeypatch):
+    """llama-server's `ignore_eos` (the load tool sends it): the reply runs to max_tokens; not a boolean: 400."""
+    import functools
+
+    url, model, server = parallel
+    seen: list[dict] = []
+    run = model.run
+
+    @functools.wraps(run)  # (the server reads run's signature)
+    def spy(prompt, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append(kw)
+        return run(prompt, **kw)
+
+    monkeypatch.setattr(model, "run", spy)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    r = client.completions.create(model="m", prompt="Hello", max_tokens=12, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    assert seen[-1].get("ignore_eos") is True
+    with pytest.raises(openai.BadRequestError, match="ignore_eos must be true or false"):
+        client.completions.create(model="m", prompt="Hello", max_tokens=2, extra_body={"ignore_eos": "yes"})

@@ -36,7 +36,7 @@ import numpy as np
 
 from ...errors import BackendError
 from ...ggufio.file import GGUFFile
-from ...models.block import Attention, Moe, Rope
+from ...models.block import Attention, Moe
 from ...models.config import ModelConfig
 from ..base import Backend, Progress
 from . import loader as K
@@ -211,9 +211,6 @@ class CudaBackend(Backend):
     def moe(self, op: Moe, h: Any) -> Any:
         return self.experts.forward(op, h)
 
-    def rope_args(self, rope: Rope | None) -> tuple[int, Any, float]:
-        return self.model.rope_args(rope)
-
     # -- whole steps: the fused prefill pass and decode step ---------------------------------------------------
     def forward_prompt(self, ids: np.ndarray, start: int) -> Any:
         self.decoder.drop_ahead()  # a decode step queued ahead is stale once the cache changes
@@ -222,8 +219,10 @@ class CudaBackend(Backend):
         return self.prefill_pass().forward(ids, start)
 
     def prefill_pass(self) -> PrefillPass:
-        """The fused prefill pass (made with its first chunk: its buffers come with it)."""
+        """The fused prefill pass (made with its first chunk: its buffers come with it) of a loaded model."""
         if self.prefill is None:
+            if not hasattr(self.decoder, "qkv_plan"):
+                raise BackendError("the fused prefill pass needs a loaded model (load(), not attach() alone)")
             self.prefill = PrefillPass(self.gpu, self.options, self.model, self.kv, self.linear, self.attn,
                                        self.experts, [bias for _, bias in self.decoder.qkv_plan], self.profiler)
         return self.prefill

@@ -307,7 +307,7 @@ class Linear:
         """y [t, sum rows] = [W0; W1; W2] x (+ bias) (+ resid): up to three row segments of one type (one
         token: W2 may be another int8-activation type than W0 and W1, mv1_kernel).
         One token goes through mv1 (x in shared memory), which can also apply RMSNorm(x) * norm first and
-        reduce the rows to the greedy argmax (`argmax`: the argmax cells, decode.StepIO.am: the id goes to
+        reduce the rows to the greedy argmax (`argmax`: the argmax cells, decode.DecodeStep.am: the id goes to
         step_ids, and step_pos advances); `early`: where it lets a programmatic dependent start
         (decode.DecodeStep.launch_step). `post` (one token): a device array
         of three pointers {blk, w, out}: the input is x + RMSNorm(blk) * w (a gemma block's post-norm and

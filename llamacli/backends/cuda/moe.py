@@ -182,7 +182,7 @@ class Experts:
         d, k, e_n = cfg.n_embd, cfg.n_expert_used, cfg.n_expert
         f, eb = _expert(L.ffn_gate_exps, e_n)
         _, eb_down = _expert(L.ffn_down_exps, e_n)
-        self.linear.dequant_scratch()  # (the fused prefill made it, and the buffers at its chunk size, already)
+        self.linear.dequant_scratch()  # (the fused prefill's buffers() made it, and these at its chunk size)
         b = self.buffers(t)
         self.linear.gemm_weights(h16, t, [L.ffn_gate_inp], b.logits.data.ptr, e_n)
         n = t * e_n
