@@ -59,7 +59,7 @@ from .app import (
 )
 from .generate import Task
 from .keep_alive import PROTOCOL
-from .rendezvous import FrameError, Rendezvous, RendezvousError, peer_credentials, recv_frame, send_frame
+from .rendezvous import FrameError, Rendezvous, RendezvousError, encode, peer_credentials, recv_frame, send_frame
 
 HEADER_S = 10.0  # for a connection's hello and request to arrive
 FIRST_S = 30.0  # for the spawning command's request
@@ -86,12 +86,20 @@ class Request:
     sending: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, message: dict) -> bool:
+        """One small frame, without waiting: a command that does not read what it is sent (its socket's buffer
+        full) has its connection cut, rather than the server held up."""
+        data = encode(message)
         with self.sending:
             try:
-                send_frame(self.conn, message)
-                return True
+                if self.conn.send(len(data).to_bytes(4, "big") + data, socket.MSG_DONTWAIT) == len(data) + 4:
+                    return True
             except OSError:
-                return False
+                pass
+            try:
+                self.conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return False
 
     def close_fds(self) -> None:
         while self.fds:
@@ -384,6 +392,7 @@ class Resident:
             request.left = request.left or gone
             if request.phase in ("new", "queued"):
                 request.phase = "gone"
+                request.close_fds()  # the command's pipes and terminal are let go now, not at its turn
                 return
             if request.phase != "running" or self.current is not request:
                 return

@@ -119,6 +119,40 @@ def spawn(rundir: Path, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_for(rundir))
 
 
+def within(read, seconds: float = 60):
+    """read() on a thread: what it returned, or a test failure after `seconds` (no hang on a pipe kept open)."""
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(read()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not got:
+        pytest.fail(f"nothing came within {seconds} s")
+    return got[0]
+
+
+def long_run(rundir: Path, model: str, wait: bool = True) -> subprocess.Popen:
+    p = spawn(rundir, "generate", model, *NP, "-c", "4096", "-p", "Once", "--raw", "-n", "4000", "--ignore-eos",
+              "--seed", "1", "--keep-alive", "1m", "-v")
+    if wait:
+        assert within(lambda: p.stdout.read(8))  # it is generating
+    return p
+
+
+def finish(p: subprocess.Popen, timeout: float = 30) -> Result:
+    """Its exit code and the rest of its output, which must end (EOF: no one holds its pipes) within `timeout`."""
+    if p.stdin is not None and p.stdin.closed:
+        p.stdin = None
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        for pipe in (p.stdin, p.stdout, p.stderr):
+            if pipe is not None:
+                pipe.close()
+        pytest.fail(f"its output did not end within {timeout} s (exit status {p.poll()}): something holds its pipes")
+    return Result(p.returncode, (out or b"").decode(errors="surrogateescape"), (err or b"").decode(errors="replace"))
+
+
 def pid_of(r: Result) -> int:
     found = PID.search(r.err)
     assert found, r.err
@@ -218,9 +252,11 @@ def test_errors_exit_codes_and_odd_streams_are_the_commands(tiny, rundir):
     p = subprocess.Popen([sys.executable, "-m", "llamacli", "generate", tiny, *NP, "-c", "64", "-p", "hi", "-n", "200",
                           "--ignore-eos", "-q", "--keep-alive", "1m"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=env_for(rundir))
-    p.stdout.read(1)
+    within(lambda: p.stdout.read(1))
     p.stdout.close()
-    assert p.wait(60) == 0 and p.stderr.read() == b""
+    p.stdout = None
+    r = finish(p, 60)
+    assert r.code == 0 and r.err == ""
 
 
 def test_idle_time_keep_alive_0_other_options_ps_and_stop(tiny, other, rundir):
@@ -258,11 +294,7 @@ def test_idle_time_keep_alive_0_other_options_ps_and_stop(tiny, other, rundir):
 
 def test_commands_starting_at_once_start_one_server(tiny, rundir):
     procs = [spawn(rundir, *generate(tiny, "--keep-alive", "1m", "-v")) for _ in range(3)]
-    results = [Result(p.wait(120), p.stdout.read().decode(errors="surrogateescape"), p.stderr.read().decode())
-               for p in procs]
-    for p in procs:
-        p.stdout.close()
-        p.stderr.close()
+    results = [finish(p, 120) for p in procs]
     assert [r.code for r in results] == [0, 0, 0], [r.err for r in results]
     assert len({r.out for r in results}) == 1
     assert len({pid_of(r) for r in results}) == 1 and servers_of(rundir) == [pid_of(results[0])]
@@ -272,46 +304,46 @@ def test_commands_starting_at_once_start_one_server(tiny, rundir):
 # -- interruptions and failures ------------------------------------------------------------------------------
 
 
-def long_run(rundir: Path, model: str) -> subprocess.Popen:
-    p = spawn(rundir, "generate", model, *NP, "-c", "2048", "-p", "Once", "--raw", "-n", "2000", "--ignore-eos",
-              "--seed", "1", "--keep-alive", "1m", "-v")
-    assert p.stdout.read(8)  # it is generating
-    return p
-
-
 def test_ctrl_c_ends_the_command_and_the_server_goes_on(tiny, rundir):
-    p = long_run(rundir, tiny)
-    p.send_signal(signal.SIGINT)
-    code, err = p.wait(30), p.stderr.read().decode()
-    p.stdout.read()
-    p.stdout.close()
-    p.stderr.close()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 130 and lines[-1] == "error: interrupted" and "Traceback" not in err, err
-    r = cli(rundir, "generate", tiny, *NP, "-c", "2048", "-p", "Once", "--raw", "-n", "4", "--keep-alive", "1m", "-v")
-    assert r.code == 0 and pid_of(r) == pid_of(Result(0, "", err))
+    # a chat holds the server (its stdin stays open); a command queued behind it ends at once on Ctrl-C, its
+    # pipes let go (not when its turn would have come)
+    chat = subprocess.Popen([sys.executable, "-m", "llamacli", "chat", tiny, *NP, "-c", "4096", "--greedy", "-n", "4",
+                             "--keep-alive", "1m", "-v"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env_for(rundir))
+    chat.stdin.write(b"Hi!\n")
+    chat.stdin.flush()
+    assert within(chat.stdout.readline)  # its first reply
+    queued = long_run(rundir, tiny, wait=False)
+    assert "1 command ahead" in within(queued.stderr.readline).decode()
+    queued.send_signal(signal.SIGINT)
+    r = finish(queued, 10)
+    assert r.code == 130 and r.err.splitlines() == ["error: interrupted"] and r.out == "", r.err
+    assert chat.poll() is None
+    chat.stdin.close()
+    assert finish(chat).code == 0
+    # Ctrl-C while a reply is generated: 130, and the server goes on
+    running = long_run(rundir, tiny)
+    running.send_signal(signal.SIGINT)
+    r = finish(running)
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert r.code == 130 and lines[-1] == "error: interrupted" and "Traceback" not in r.err, r.err
+    after = cli(rundir, "generate", tiny, *NP, "-c", "4096", "-p", "Once", "--raw", "-n", "4", "--keep-alive", "1m",
+                "-v")
+    assert after.code == 0 and pid_of(after) == pid_of(r) and "resident, 2 commands served" in after.err
 
 
 def test_a_killed_command_lets_go_and_a_killed_server_is_one_line(tiny, rundir):
     p = long_run(rundir, tiny)
     p.kill()
-    done = threading.Event()
-    threading.Thread(target=lambda: (p.stdout.read(), done.set()), daemon=True).start()
-    assert done.wait(10)  # the server no longer holds the command's stdout
-    p.wait(10)
-    p.stdout.close()
-    p.stderr.close()
+    assert finish(p, 10).code == -signal.SIGKILL  # its output ends: the server no longer holds its pipes
     (server,) = servers_of(rundir)
     p = long_run(rundir, tiny)
     os.kill(server, signal.SIGKILL)
-    code, err = p.wait(30), p.stderr.read().decode()
-    p.stdout.read()
-    p.stdout.close()
-    p.stderr.close()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 1 and lines[-1] == (f"error: the llamacli server (pid {server}) that ran this command ended "
-                                       "unexpectedly"), err
-    r = cli(rundir, "generate", tiny, *NP, "-c", "2048", "-p", "Once", "--raw", "-n", "4", "--keep-alive", "1m", "-v")
+    r = finish(p)
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert r.code == 1 and lines[-1] == (f"error: the llamacli server (pid {server}) that ran this command ended "
+                                         "unexpectedly"), r.err
+    r = cli(rundir, "generate", tiny, *NP, "-c", "4096", "-p", "Once", "--raw", "-n", "4", "--keep-alive", "1m", "-v")
     assert r.code == 0 and pid_of(r) != server and "started for this command" in r.err  # the stale socket replaced
 
 
