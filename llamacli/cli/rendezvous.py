@@ -96,12 +96,13 @@ class Rendezvous:
 
     def keys(self) -> list[str]:
         """The keys of the sockets in the directory, live or not."""
-        return sorted(name[:-5] for name in os.listdir(self.fd) if name.endswith(".sock"))
+        return sorted(name[:-5] for name in os.listdir(self.fd) if name.endswith(".sock") and is_key(name[:-5]))
 
     # -- the lock ------------------------------------------------------------------------------------------
     def lock(self, key: str) -> int | None:
         """KEY.lock (made 0600 where missing) locked exclusively without waiting: its descriptor (a server
         spawned with it, Popen's pass_fds, keeps the lock), or None where another process holds it."""
+        _check(key)
         fd = self._open_file(f"{key}.lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -115,6 +116,7 @@ class Rendezvous:
 
     def holder(self, key: str) -> int | None:
         """The pid the server (or the one starting) wrote into KEY.lock; None where there is none."""
+        _check(key)
         try:
             fd = self._open_file(f"{key}.lock", os.O_RDONLY)
         except (FileNotFoundError, RendezvousError):
@@ -151,6 +153,7 @@ class Rendezvous:
     # -- the socket ----------------------------------------------------------------------------------------
     def socket_state(self, key: str) -> tuple[str, int]:
         """("none" | "socket" | "other", inode) of KEY.sock: a socket of this user, or anything else there."""
+        _check(key)
         try:
             st = os.stat(f"{key}.sock", dir_fd=self.fd, follow_symlinks=False)
         except FileNotFoundError:
@@ -162,6 +165,7 @@ class Rendezvous:
         """A connection to KEY.sock's server: None where nothing listens there (no file, or a stale socket).
         RendezvousError where the path is not a socket of this user or the peer is another user's process;
         TimeoutError where connecting takes longer than `timeout`."""
+        _check(key)
         state, _ = self.socket_state(key)
         if state == "none":
             return None
@@ -189,6 +193,7 @@ class Rendezvous:
 
     def clear(self, key: str) -> None:
         """Remove whatever KEY.sock is (only while holding KEY.lock: no server lives)."""
+        _check(key)
         try:
             os.unlink(f"{key}.sock", dir_fd=self.fd)
         except FileNotFoundError:
@@ -198,6 +203,7 @@ class Rendezvous:
 
     def listen(self, key: str, backlog: int = 64) -> tuple[socket.socket, int]:
         """A socket listening on KEY.sock (0600; what was there removed first), and its inode."""
+        _check(key)
         self.clear(key)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -213,9 +219,20 @@ class Rendezvous:
 
     def unlink_if(self, key: str, inode: int) -> None:
         """Remove KEY.sock if it is still the socket `inode` (a server leaving)."""
+        _check(key)
         state, ino = self.socket_state(key)
         if state != "none" and ino == inode:
             self.clear(key)
+
+
+def is_key(text: object) -> bool:
+    """Whether `text` is a key (cli/keep_alive.py server_key: 32 hex digits), and so a safe file name."""
+    return isinstance(text, str) and len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
+def _check(key: str) -> None:
+    if not is_key(key):
+        raise RendezvousError(f"not a key: {key!r:.60}")
 
 
 def _private_dir(path: Path, create: bool = True) -> int:

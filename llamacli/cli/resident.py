@@ -37,6 +37,7 @@ import os
 import queue
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -59,7 +60,16 @@ from .app import (
 )
 from .generate import Task
 from .keep_alive import PROTOCOL
-from .rendezvous import FrameError, Rendezvous, RendezvousError, encode, peer_credentials, recv_frame, send_frame
+from .rendezvous import (
+    FrameError,
+    Rendezvous,
+    RendezvousError,
+    encode,
+    is_key,
+    peer_credentials,
+    recv_frame,
+    send_frame,
+)
 
 HEADER_S = 10.0  # for a connection's hello and request to arrive
 FIRST_S = 30.0  # for the spawning command's request
@@ -178,12 +188,16 @@ class Resident:
     def run(self) -> None:
         for fd in (self.lock_fd, self.channel.fileno()):  # (no program this server starts holds the lock)
             os.set_inheritable(fd, False)
-        Rendezvous.write_pid(self.lock_fd, os.getpid())
         os.chdir("/")
         signal.signal(signal.SIGINT, self._sigint)
         first = self._first()
         if first is None:
             return
+        if not self._holds_the_lock():
+            first.close_fds()
+            self._end(first)
+            return
+        Rendezvous.write_pid(self.lock_fd, os.getpid())
         self._serve(first, first=True)
         if self.model is None or self.listener is None or first.keep_alive == 0:
             self._leave()
@@ -206,6 +220,17 @@ class Resident:
         conn.settimeout(None)
         threading.Thread(target=self._watch, args=(request,), name="llamacli-watch", daemon=True).start()
         return request
+
+    def _holds_the_lock(self) -> bool:
+        """Whether --lock-fd is the rendezvous directory's KEY.lock for the key the first command named (the
+        server writes its pid there, and only there)."""
+        try:
+            self.rendezvous = Rendezvous(self.directory, create=False)
+            named = os.stat(f"{self.key}.lock", dir_fd=self.rendezvous.fd, follow_symlinks=False)
+            held = os.fstat(self.lock_fd)
+        except (OSError, RendezvousError):
+            return False
+        return stat.S_ISREG(held.st_mode) and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
     def _loop(self) -> None:
         while True:
@@ -272,7 +297,6 @@ class Resident:
     def _listen(self) -> None:
         """KEY.sock, once the model is loaded; where that fails, the first command is served and no other."""
         try:
-            self.rendezvous = Rendezvous(self.directory)
             self.listener, self.inode = self.rendezvous.listen(self.key)
         except (OSError, RendezvousError) as exc:
             if is_verbose():
@@ -333,7 +357,7 @@ class Resident:
         try:
             hello, _ = recv_frame(conn)
             op, key = hello.get("op"), hello.get("key")
-            if hello.get("llamacli") != PROTOCOL or not isinstance(key, str):
+            if hello.get("llamacli") != PROTOCOL or not is_key(key):
                 send_frame(conn, {"error": "not this protocol"})
                 return None
             if self.key is None:

@@ -235,6 +235,8 @@ def test_errors_exit_codes_and_odd_streams_are_the_commands(tiny, rundir):
     assert servers_of(rundir)  # (the server stays: a bad request is the command's failure, not the server's)
     r = cli(rundir, "generate", tiny, *NP, "-p", "hi", "--keep-alive", "soon")
     assert r.code == 2 and "--keep-alive (or LLAMACLI_KEEP_ALIVE) takes a duration" in r.one_line_error()
+    r = cli(rundir, "keep-alive-server", "--fd", "0", "--lock-fd", "1", "--dir", str(rundir))  # by hand
+    assert r.code == 2 and "started by --keep-alive, not by hand" in r.one_line_error()
     r = cli(rundir, "chat", tiny, *NP, LLAMACLI_KEEP_ALIVE="9" * 500 + "x")
     assert r.code == 2 and "... (503 characters)" in r.one_line_error()  # (its repr, cut)
     # an encoding that cannot hold the text: escapes, as without the option
@@ -527,6 +529,10 @@ def test_the_server_shrugs_off_hostile_connections(tiny, rundir):
     with connect() as s:  # another key
         send_frame(s, {"op": "hello", "llamacli": 1, "key": "0" * 32})
         assert recv_frame(s)[0] == {"error": "this server holds another model"}
+    for bad in ("../../elsewhere", "", 7, key.upper()):  # not a key: never a file name
+        with connect() as s:
+            send_frame(s, {"op": "hello", "llamacli": 1, "key": bad})
+            assert recv_frame(s)[0] == {"error": "not this protocol"}
     if os.getuid() == 0:  # another user, where the directories and socket let them reach it (a misconfiguration)
         for where, mode in ((rundir, 0o711), (rundir / "llamacli", 0o711), (path, 0o666)):
             os.chmod(where, mode)
