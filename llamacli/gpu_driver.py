@@ -16,10 +16,11 @@ the driver except through os._exit (a model command's end, llamacli._leave), whi
 
 from __future__ import annotations
 
+import os
 import threading
 
 # The commands that load a model (their aliases included; llamacli/cli/parser.py ALIASES has none of these).
-MODEL_COMMANDS = frozenset({"generate", "chat", "run", "bench", "serve"})
+MODEL_COMMANDS = frozenset({"generate", "chat", "run", "bench", "serve", "keep-alive-server"})
 
 
 def loads_model(argv: list[str]) -> bool:
@@ -30,11 +31,27 @@ def loads_model(argv: list[str]) -> bool:
 
 
 def wanted(argv: list[str]) -> bool:
-    """Whether this command line loads a model and may take the CUDA backend (not `--backend numpy`). A
-    guess from the words alone: a wrong one costs a context made and not used."""
-    if not loads_model(argv) or "--backend=numpy" in argv:
+    """Whether this command line loads a model and may take the CUDA backend (not `--backend numpy`), in this
+    process (not with --keep-alive, or LLAMACLI_KEEP_ALIVE, other than 0: the resident server loads it). A
+    guess from the words alone: a wrong one costs a context made and not used, or made late."""
+    if not loads_model(argv) or "--backend=numpy" in argv or _keeps_alive(argv):
         return False
     return not any(a == "--backend" and b == "numpy" for a, b in zip(argv, argv[1:]))
+
+
+def _keeps_alive(argv: list[str]) -> bool:
+    from .units import parse_duration
+
+    value = os.environ.get("LLAMACLI_KEEP_ALIVE")
+    for a, b in zip(argv, argv[1:] + [""]):
+        if a == "--keep-alive":
+            value = b
+        elif a.startswith("--keep-alive="):
+            value = a.partition("=")[2]
+    try:
+        return value is not None and bool(value.strip()) and parse_duration(value) != 0
+    except ValueError:
+        return False
 
 
 class DriverStart:

@@ -6,9 +6,11 @@ from __future__ import annotations
 _started: list[float] = []  # time.perf_counter() when run() began
 
 
-def mark_start(t: float) -> None:
-    """run() calls it first, with time.perf_counter()."""
-    _started[:] = [t]
+def mark_start(t: float | None) -> None:
+    """run() calls it first, with time.perf_counter(); the resident server (cli/resident.py) with the start of
+    the command it runs (perf_counter is the system's monotonic clock: one process's reading means the same
+    in another), or None where that command did not say."""
+    _started[:] = [] if t is None else [t]
 
 
 def started_at() -> float | None:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 from typer.core import TyperOption
@@ -69,9 +69,22 @@ class _Console:
         return getattr(self.console(), name)
 
 
-err = _Console(stderr=True, highlight=False, soft_wrap=True)
-# Tables on stdout keep their full width when piped (rich would cut them at 80 columns).
-out = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout is None or sys.stdout.isatty() else 240)
+err = _Console()
+out = _Console()
+
+
+def reset_consoles(environ: Any = None) -> None:
+    """(Re)make err and out, each on its first use, for the standard streams in force now and `environ` (a
+    mapping; None: os.environ), which rich reads for colours and widths (TERM, NO_COLOR, COLUMNS). Called at
+    import, and by the resident server for each command it runs (cli/resident.py). Tables on stdout keep
+    their full width when piped (rich would cut them at 80 columns)."""
+    extra = {} if environ is None else {"_environ": environ}
+    err.__init__(stderr=True, highlight=False, soft_wrap=True, **extra)
+    out.__init__(highlight=False, soft_wrap=True, width=None if sys.stdout is None or sys.stdout.isatty() else 240,
+                 **extra)
+
+
+reset_consoles()
 
 # --debug, -v; -t as given, the count it came to and the environment variable it came from (None: not one)
 _state: dict = {"debug": False, "verbose": False, "threads": None, "threads_set": None, "threads_from": None}
@@ -100,6 +113,27 @@ def _set_flag(name: str, on: bool) -> None:
 def is_verbose() -> bool:
     """Whether -v/--verbose was given, before or after the command's name."""
     return _state["verbose"]
+
+
+def command_state() -> dict[str, Any]:
+    """-v, --debug and what -t came to: what a command hands to the resident server with its task
+    (cli/keep_alive.py)."""
+    return dict(_state)
+
+
+def adopt_state(state: dict[str, Any] | None) -> None:
+    """The resident server takes a command's command_state() while it runs that command's task, and drops it
+    after (None): --debug's log goes to the stderr in force (cli/resident.py)."""
+    import logging
+
+    _state.update(debug=False, verbose=False, threads=None, threads_set=None, threads_from=None)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+    if state is not None:
+        _state.update({k: state.get(k) for k in _state})
+        _set_flag("debug", bool(_state["debug"]))
 
 
 @app.callback()
@@ -139,7 +173,7 @@ def dim(message: str) -> None:
     err.print(message, style="dim", markup=False)
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """Raise a usage error from a command (exit 2)."""
     raise UsageError(message)
 
@@ -234,6 +268,29 @@ LogprobsOpt = Annotated[Optional[int], typer.Option(
     "--logprobs", metavar="N",
     help="With --json: each token's log-probability and the N (0-20) most likely alternatives, as "
          "\"logprobs\" (log-softmax of the raw logits, before penalties and sampling filters).")]
+KeepAliveOpt = Annotated[Optional[str], typer.Option(
+    "--keep-alive", metavar="DURATION", envvar="LLAMACLI_KEEP_ALIVE", show_envvar=True,
+    help="Keep the model loaded in a background llamacli process for DURATION after this command, as ollama's "
+         "keep_alive (5m, 30s, 1h30m; -1: until `llamacli stop`; 0: unload now, start none): the next command "
+         "with the same model and load options answers without loading it. Off by default. `llamacli ps` lists "
+         "the loaded models.")]
+
+
+def keep_alive_seconds(value: str | None) -> float | None:
+    """--keep-alive (or LLAMACLI_KEEP_ALIVE) in seconds, units.FOREVER for a negative one; None when not given
+    (or given empty): the model loads in this process, as without the option."""
+    from ..textio import brief
+    from ..units import parse_duration
+
+    if value is None or not value.strip():
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError:
+        fail(f"--keep-alive (or LLAMACLI_KEEP_ALIVE) takes a duration such as 5m, 30s, 1h30m, 0 or -1, got "
+             f"{brief(value)}")
+
+
 ThinkOpt = Annotated[
     Optional[bool],
     typer.Option("--think/--no-think", help="Thinking models (Qwen3, SmolLM3, R1 distills): turn the template's "
@@ -257,47 +314,76 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
     user chose (`user_ctx`) past the trained length is warned about once the model is loaded. `cache_types`:
     -ctk / -ctv (models/kv_cache.py), checked before anything is looked up; `swa_full`: --swa-full. -t was
     applied as it was read (ThreadsOpt); what it came to is said here."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from ..engine.generate import Model, context_warning
     from ..models.kv_cache import parse_cache_types
-    from ..paths import local_model
 
     check_gpu_layers(gpu_layers)
     cache_types = parse_cache_types(*cache_types)
     threads_notice(quiet)
     looked_up = time.perf_counter()
+    path = find_model(model)
+    found = time.perf_counter()
+    m = open_model(path, backend, ctx, quiet, cache_types, swa_full)
+    m.lookup = (looked_up, found)
+    after_load(m, quiet, gpu_layers, flash_attn, user_ctx)
+    return m
+
+
+def find_model(model: str | None):
+    """The GGUF file that -m names: a path, else the registry's (its download on first use)."""
+    from ..paths import local_model
+
     path = local_model(model)
     if path is None:  # a name: the registry and the cache, and the download on first use
         from ..registry.registry import resolve_model
 
         path = resolve_model(model)
-    found = time.perf_counter()
-    notice = None if quiet else dim
+    return path
+
+
+def open_model(path, backend: str, ctx: int | None, quiet: bool, cache_types: tuple[str, str], swa_full: bool,
+               said: list[str] | None = None):
+    """Model(path, ...) with a progress bar on a terminal's stderr and the load's notices (the backend's
+    choice) there, unless `quiet`; they are also added to `said` (the resident server repeats them to each
+    command it serves: cli/resident.py)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..engine.generate import Model
+
+    def notice(line: str) -> None:
+        if said is not None:
+            said.append(line)
+        if not quiet:
+            dim(line)
+
     if quiet or not err.is_terminal:
         # No bar at all: a disabled rich Progress still prints an empty line on stderr when it stops, on a
         # stream that is not a terminal (rich before 14.3).
-        m = Model(path, backend=backend, ctx=ctx, notice=notice, cache_types=cache_types, swa_full=swa_full)
-    else:
-        with Progress(
-            TextColumn("loading {task.description}", markup=False), BarColumn(),
-            TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err.console(), transient=True,
-        ) as bar:
-            task = bar.add_task(printable(path.name), total=None)
+        return Model(path, backend=backend, ctx=ctx, notice=notice, cache_types=cache_types, swa_full=swa_full)
+    with Progress(
+        TextColumn("loading {task.description}", markup=False), BarColumn(),
+        TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err.console(), transient=True,
+    ) as bar:
+        task = bar.add_task(printable(path.name), total=None)
 
-            def progress(done: int, total: int, what: str) -> None:
-                bar.update(task, completed=done, total=total)
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total)
 
-            m = Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice, cache_types=cache_types,
-                      swa_full=swa_full)
-    m.lookup = (looked_up, found)
-    if not quiet:
-        for line in llama_cpp_notices(m.backend.name, gpu_layers, flash_attn):
-            dim(line)
-        warning = context_warning(m.cfg, m.ctx) if user_ctx else None
-        if warning:
-            err.print(warning, style="yellow", markup=False)
-    return m
+        return Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice, cache_types=cache_types,
+                     swa_full=swa_full)
+
+
+def after_load(m, quiet: bool, gpu_layers: str | None, flash_attn: bool, user_ctx: bool) -> None:
+    """What is said once a model is loaded (unless `quiet`): why -ngl and -fa change nothing, and a context
+    past the trained length (only where the user chose it: `user_ctx`)."""
+    from ..engine.generate import context_warning
+
+    if quiet:
+        return
+    for line in llama_cpp_notices(m.backend.name, gpu_layers, flash_attn):
+        dim(line)
+    warning = context_warning(m.cfg, m.ctx) if user_ctx else None
+    if warning:
+        err.print(warning, style="yellow", markup=False)
 
 
 def threads_notice(quiet: bool) -> None:
@@ -342,13 +428,23 @@ def llama_cpp_notices(backend: str, gpu_layers: str | None, flash_attn: bool) ->
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: run the app, turning every failure into one line and an exit code."""
     standard_streams()
-    stdout = sys.stdout
-    try:
+
+    def run_app() -> None:
         code = app(args=argv, standalone_mode=False)
         if code == 130:  # typer turns a KeyboardInterrupt outside our own handlers into a returned 130
             raise KeyboardInterrupt
         if isinstance(code, int) and code:
             sys.exit(code)
+
+    guarded(run_app)
+
+
+def guarded(run: Callable[[], None]) -> NoReturn:
+    """run(), then exit: 0, its own sys.exit's status, or one `error:` line and the failure's exit code (main;
+    and the resident server for each command it runs, cli/resident.py)."""
+    stdout = sys.stdout
+    try:
+        run()
         _flush_stdout()
     except SystemExit:
         if sys.stdout is not stdout:  # click's answer to a broken pipe: it wraps stdout and exits 1
@@ -432,7 +528,7 @@ def _click_errors() -> tuple[type[BaseException], ...]:
 _CLICK_ERRORS = _click_errors()
 
 
-def _report(exc: BaseException | None, code: int, message: str | None = None) -> None:
+def _report(exc: BaseException | None, code: int, message: str | None = None) -> NoReturn:
     """Print the one `error:` line for `exc` (or `message`) and exit with `code`; --debug adds the traceback."""
     if _state["debug"] and exc is not None:
         traceback.print_exception(type(exc), exc, exc.__traceback__)

@@ -1,11 +1,14 @@
 """The commands that run a model on a prompt or a conversation: generate, chat, and run (either of them, as
-ollama's). They share the sampling options and load the model the same way (app.load_model)."""
+ollama's). They share the sampling options and load the model the same way (app.load_model). What each does
+once the model is loaded is a Task: run here after the load, or, with --keep-alive, handed to the llamacli
+server that keeps the model loaded (cli/keep_alive.py), which runs the same Task."""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Optional
+from dataclasses import asdict, dataclass, fields
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -25,6 +28,7 @@ from .app import (
     IgnoreEosOpt,
     JsonSchemaFileOpt,
     JsonSchemaOpt,
+    KeepAliveOpt,
     LogprobsOpt,
     MaxTokensOpt,
     MinPOpt,
@@ -52,6 +56,7 @@ from .app import (
     err,
     fail,
     is_verbose,
+    keep_alive_seconds,
     load_model,
 )
 
@@ -76,7 +81,7 @@ def sampling_params(max_tokens: int, ctx: int | None, greedy: bool, temperature:
                     min_p: float, repeat_penalty: float, repeat_last_n: int, presence_penalty: float,
                     frequency_penalty: float, seed: int | None):
     """The options generate and chat share, checked: one-line errors for values that cannot work."""
-    from ..sampling.sampling import SamplingParams
+    from ..sampling.params import SamplingParams
 
     if max_tokens < -1:
         fail(f"--max-tokens must be >= 0, or -1 (until the end of the text or a full context), got {max_tokens}")
@@ -220,6 +225,106 @@ def read_prompt(prompt: str | None, prompt_file: str | None, positional: str | N
     return read_text(prompt_file, "prompt file")
 
 
+# -- what a command does with its model ------------------------------------------------------------------
+
+# The keyword arguments of complete() and converse() a Task carries, with the JSON types each may take.
+_OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
+    "complete": {"text": (str,), "max_tokens": (int,), "stop": (list,), "raw": (bool,), "system": (str, type(None)),
+                 "truncate": (bool,), "as_json": (bool,), "verbose": (bool,), "quiet": (bool,),
+                 "think": (bool, str, type(None)), "logprobs": (int, type(None)), "ignore_eos": (bool,)},
+    "converse": {"system": (str, type(None)), "max_tokens": (int,), "as_json": (bool,), "quiet": (bool,),
+                 "think": (bool, str, type(None)), "stop": (list,), "ignore_eos": (bool,)},
+}
+
+
+@dataclass
+class Task:
+    """What a model command does once its model is loaded, in values JSON carries: one reply to a prompt
+    (`complete`: generate, and run with a prompt) or a conversation (`converse`: chat, and run without one).
+    Here run() follows load_model; with --keep-alive the llamacli server that keeps the model loaded runs
+    the same run() on its model (cli/resident.py), with this command's standard streams."""
+
+    kind: str  # "complete" | "converse"
+    params: dict[str, Any]  # SamplingParams' fields
+    options: dict[str, Any]  # complete()'s / converse()'s keyword arguments, as _OPTIONS lists them
+    grammar: str | None = None  # read_constraint's grammar, built against the loaded model (build_constraint)
+
+    def run(self, m) -> None:
+        from ..sampling.params import SamplingParams
+
+        params = SamplingParams(**self.params).validate()
+        options = {**self.options, "stop": tuple(self.options["stop"])}
+        constraint = build_constraint(m, self.grammar)
+        if self.kind == "complete":
+            text, max_tokens = options.pop("text"), options.pop("max_tokens")
+            complete(m, text, params, max_tokens, constraint=constraint, **options)
+        else:
+            system, max_tokens = options.pop("system"), options.pop("max_tokens")
+            converse(m, system, params, max_tokens, constraint=constraint, **options)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Any) -> Task:
+        """A Task from as_json()'s object, every field checked (ValueError says which is wrong)."""
+        from ..sampling.params import SamplingParams
+
+        if not isinstance(value, dict) or set(value) != {"kind", "params", "options", "grammar"}:
+            raise ValueError("a task has the fields kind, params, options and grammar")
+        kind, params, options, grammar = value["kind"], value["params"], value["options"], value["grammar"]
+        if kind not in _OPTIONS:
+            raise ValueError(f"no task of the kind {kind!r}")
+        names = {f.name for f in fields(SamplingParams)}
+        if not isinstance(params, dict) or not set(params) <= names:
+            raise ValueError("a task's params are SamplingParams' fields")
+        wanted = _OPTIONS[kind]
+        if not isinstance(options, dict) or set(options) != set(wanted):
+            raise ValueError(f"a {kind} task's options are {', '.join(sorted(wanted))}")
+        for name, kinds in wanted.items():
+            if type(options[name]) not in kinds:
+                raise ValueError(f"a task's {name} of the type {type(options[name]).__name__}")
+        if not all(isinstance(x, str) for x in options["stop"]) or not isinstance(grammar, (str, type(None))):
+            raise ValueError("a task's stop strings and grammar are strings")
+        return cls(kind, params, options, grammar)
+
+
+def deliver(load: dict[str, Any], task: Task, keep_alive: float | None) -> None:
+    """Load the model (load_model's keyword arguments `load`) and run `task` on it; with --keep-alive
+    (`keep_alive` seconds), on the llamacli server that keeps the model loaded, started where none runs
+    (cli/keep_alive.py), and this process exits with the exit code the task came to there."""
+    if keep_alive is not None:
+        from .keep_alive import hand_off
+
+        code = hand_off(load, task.as_json(), keep_alive)
+        if code is not None:
+            raise SystemExit(code)
+    task.run(load_model(**load))
+
+
+def _load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v,
+                  swa_full) -> dict[str, Any]:
+    return {"model": model, "backend": backend, "ctx": ctx, "quiet": quiet, "gpu_layers": gpu_layers,
+            "flash_attn": flash_attn, "cache_types": (cache_type_k, cache_type_v), "swa_full": swa_full}
+
+
+def reply_task(params, grammar: str | None, *, text: str, max_tokens: int, stop, raw: bool, system: str | None,
+               truncate: bool, as_json: bool, quiet: bool, think, logprobs: int | None, ignore_eos: bool) -> Task:
+    """The Task of one reply (complete()'s arguments; -v as given)."""
+    return Task("complete", asdict(params), {
+        "text": text, "max_tokens": max_tokens, "stop": list(stop or ()), "raw": raw, "system": system,
+        "truncate": truncate, "as_json": as_json, "verbose": is_verbose(), "quiet": quiet, "think": think,
+        "logprobs": logprobs, "ignore_eos": ignore_eos}, grammar)
+
+
+def conversation_task(params, grammar: str | None, *, system: str | None, max_tokens: int, stop, as_json: bool,
+                      quiet: bool, think, ignore_eos: bool) -> Task:
+    """The Task of a conversation (converse()'s arguments)."""
+    return Task("converse", asdict(params), {
+        "system": system, "max_tokens": max_tokens, "as_json": as_json, "quiet": quiet, "think": think,
+        "stop": list(stop or ()), "ignore_eos": ignore_eos}, grammar)
+
+
 @command()
 def generate(
     model_arg: ModelArg = None,
@@ -260,12 +365,14 @@ def generate(
     grammar: GrammarOpt = None,
     grammar_file: GrammarFileOpt = None,
     logprobs: LogprobsOpt = None,
+    keep_alive: KeepAliveOpt = None,
 ) -> None:
     """Generate a continuation of a prompt. Text streams to stdout; timings go to stderr.
     The model may come first (`llamacli generate model.gguf -p hi`) or with -m; the prompt with -p, -f or
     after the model. --json-schema / --grammar mask sampling so that the output follows them (it ends once
-    complete)."""
+    complete). --keep-alive 5m keeps the model loaded for the next command (as ollama)."""
     model, prompt_arg = model_and_text(model_arg, prompt_arg, model, prompt is not None or prompt_file is not None)
+    seconds = keep_alive_seconds(keep_alive)
     text = read_prompt(prompt, prompt_file, prompt_arg)
     think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
@@ -273,11 +380,11 @@ def generate(
     check_logprobs(logprobs, as_json)
     spec = read_constraint(json_schema, grammar, json_schema_file=json_schema_file, grammar_file=grammar_file,
                            quiet=quiet)
-    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
-                   swa_full=swa_full)
-    complete(m, text, params, max_tokens, stop=stop or (), raw=raw, system=system, truncate=truncate,
-             as_json=as_json, verbose=is_verbose(), quiet=quiet, think=think, logprobs=logprobs,
-             constraint=build_constraint(m, spec), ignore_eos=ignore_eos)
+    task = reply_task(params, spec, text=text, max_tokens=max_tokens, stop=stop, raw=raw, system=system,
+                      truncate=truncate, as_json=as_json, quiet=quiet, think=think, logprobs=logprobs,
+                      ignore_eos=ignore_eos)
+    deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full),
+            task, seconds)
 
 
 def check_logprobs(logprobs: int | None, as_json: bool) -> None:
@@ -409,6 +516,7 @@ def chat(
     json_schema_file: JsonSchemaFileOpt = None,
     grammar: GrammarOpt = None,
     grammar_file: GrammarFileOpt = None,
+    keep_alive: KeepAliveOpt = None,
 ) -> None:
     """Talk with a model (named first, `llamacli chat model.gguf`, or with -m). Each turn prefills only what
     the KV cache does not hold yet; under each reply a dim line on stderr gives its tokens/s. When the context
@@ -423,18 +531,20 @@ def chat(
     From a pipe or file: one user message (or command) per line; stdout carries only the replies, each
     followed by one newline (`printf 'hi\\nbye\\n' | llamacli chat`).
 
-    --json-schema / --grammar: every reply follows them.
+    --json-schema / --grammar: every reply follows them. --keep-alive 5m keeps the model loaded for the next
+    command (as ollama).
     """
     model = pick_model(model_arg, model)
+    seconds = keep_alive_seconds(keep_alive)
     think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     spec = read_constraint(json_schema, grammar, json_schema_file=json_schema_file, grammar_file=grammar_file,
                            quiet=quiet)
-    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
-                   swa_full=swa_full)
-    converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think,
-             constraint=build_constraint(m, spec), stop=stop or (), ignore_eos=ignore_eos)
+    task = conversation_task(params, spec, system=system, max_tokens=max_tokens, stop=stop, as_json=as_json,
+                             quiet=quiet, think=think, ignore_eos=ignore_eos)
+    deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full),
+            task, seconds)
 
 
 def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = False, quiet: bool = False,
@@ -502,10 +612,13 @@ def run(
     grammar: GrammarOpt = None,
     grammar_file: GrammarFileOpt = None,
     logprobs: LogprobsOpt = None,
+    keep_alive: KeepAliveOpt = None,
 ) -> None:
     """Run a model as ollama does: with a prompt (after the model, or -p / -f), one reply through the chat
-    template (as `generate`); without one, a conversation (as `chat`). The model comes first or with -m."""
+    template (as `generate`); without one, a conversation (as `chat`). The model comes first or with -m.
+    --keep-alive 5m keeps the model loaded for the next command (as ollama's; off by default)."""
     model, prompt_arg = model_and_text(model_arg, prompt_arg, model, prompt is not None or prompt_file is not None)
+    seconds = keep_alive_seconds(keep_alive)
     one = prompt_arg is not None or prompt is not None or prompt_file is not None
     text = read_prompt(prompt, prompt_file, prompt_arg) if one else None
     if not one:
@@ -518,13 +631,12 @@ def run(
     check_logprobs(logprobs, as_json)
     spec = read_constraint(json_schema, grammar, json_schema_file=json_schema_file, grammar_file=grammar_file,
                            quiet=quiet)
-    m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
-                   swa_full=swa_full)
-    constraint = build_constraint(m, spec)
     if text is None:
-        converse(m, system, params, max_tokens, as_json=as_json, quiet=quiet, think=think, constraint=constraint,
-                 stop=stop or (), ignore_eos=ignore_eos)
+        task = conversation_task(params, spec, system=system, max_tokens=max_tokens, stop=stop, as_json=as_json,
+                                 quiet=quiet, think=think, ignore_eos=ignore_eos)
     else:
-        complete(m, text, params, max_tokens, stop=stop or (), raw=raw, system=system, truncate=truncate,
-                 as_json=as_json, verbose=is_verbose(), quiet=quiet, think=think, logprobs=logprobs,
-                 constraint=constraint, ignore_eos=ignore_eos)
+        task = reply_task(params, spec, text=text, max_tokens=max_tokens, stop=stop, raw=raw, system=system,
+                          truncate=truncate, as_json=as_json, quiet=quiet, think=think, logprobs=logprobs,
+                          ignore_eos=ignore_eos)
+    deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full),
+            task, seconds)

@@ -22,11 +22,12 @@ earlier prefix (ring_keeps) must still hold that prefix's last window.
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:  # (numpy is imported where used: the CLI checks -ctk/-ctv before anything loads it)
+    import numpy as np
 
 # type -> (values per block, bytes per block)
 CACHE_TYPES: dict[str, tuple[int, int]] = {"f16": (1, 2), "q8_0": (32, 34)}
@@ -95,6 +96,7 @@ def check_cache_types(head_dim: int, types: tuple[str, str]) -> None:
 def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:
     """x [..., D] (D a multiple of 32) -> float32 as stored by a q8_0 cache: Q8_0 blocks along the last axis,
     quantized and dequantized by gguf.quants (a block holding a non-finite value comes back NaN)."""
+    import numpy as np
     from gguf import GGMLQuantizationType as QT, quants
 
     flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])

@@ -14,7 +14,7 @@ from typing import Any
 from ..chat.reasoning import parse_effort
 from ..engine.scheduler import SchedulerBusy, SchedulerClosed
 from ..errors import BadInputError, ContextOverflowError, LlamacliError
-from ..sampling.sampling import SamplingParams, is_finite_real
+from ..sampling.params import SamplingParams, is_finite_real
 from ..textio import brief
 from ..tokenizer.tokenizer import TooManyTokens
 from . import tool_api

@@ -99,9 +99,23 @@ def test_a_model_that_fails_its_checks_leaves_no_start_thread(random_model):
     (["generate", "--help"], False), (["chat", "-h"], False), (["inspect", "m.gguf"], False),
     (["tokenize", "generate"], False), (["models"], False), (["--version"], False), ([], False),
     (["--version", "generate", "-m", "m.gguf"], False),
+    # --keep-alive: the resident server loads the model, not the command (0: the command does, where none runs)
+    (["generate", "-m", "m.gguf", "--keep-alive", "5m"], False), (["run", "m", "--keep-alive=-1"], False),
+    (["run", "m", "--keep-alive", "0"], True), (["chat", "--keep-alive", "soon"], True),
+    (["keep-alive-server", "--fd", "3", "--backend", "auto"], True),
+    (["keep-alive-server", "--fd", "3", "--backend", "numpy"], False),
 ])
-def test_the_cli_starts_the_driver_only_for_commands_that_load_a_model(argv, want):
+def test_the_cli_starts_the_driver_only_for_commands_that_load_a_model(argv, want, monkeypatch):
+    monkeypatch.delenv("LLAMACLI_KEEP_ALIVE", raising=False)
     assert gpu_driver.wanted(argv) is want
+
+
+def test_the_keep_alive_variable_hands_the_load_to_the_server(monkeypatch):
+    monkeypatch.setenv("LLAMACLI_KEEP_ALIVE", "5m")
+    assert not gpu_driver.wanted(["generate", "-m", "m.gguf"])
+    assert gpu_driver.wanted(["generate", "-m", "m.gguf", "--keep-alive", "0"])  # the option wins
+    monkeypatch.setenv("LLAMACLI_KEEP_ALIVE", "0")
+    assert gpu_driver.wanted(["generate", "-m", "m.gguf"])
 
 
 def test_the_driver_thread_runs_once_and_a_numpy_choice_releases_its_context(fake_driver):
