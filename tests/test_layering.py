@@ -251,6 +251,9 @@ def test_the_checks_see_what_they_look_for() -> None:
 FOREIGN_PRIVATE: dict[tuple[str, str], str] = {
     ("tests/models/test_moe.py", "GptOssExperts._apply_gate"):
         "transformers' own gpt-oss gate (clamped SwiGLU): the reference the NumPy backend is compared with",
+    ("tests/cli/test_keep_alive.py", "os._exit"):
+        "the standard library's os._exit (documented, underscore and all): a forked child that plays another "
+        "user must leave without the test process's atexit handlers and pytest's teardown",
     ("tests/backends/test_backend_select.py", "os._exit"):
         "the standard library's os._exit (documented, underscore and all), replaced so that a test sees the "
         "CLI's entry leave through it",

@@ -198,8 +198,8 @@ def _deliver(key: str, request: bytes, fds: list[int], keep_alive: float, quiet:
                 conn, refused = None, exc
             if conn is not None:
                 try:
-                    outcome = _exchange(conn, key, request, fds, quiet, None)
-                except _NotOurs as exc:
+                    outcome = exchange(conn, key, request, fds, quiet, None)
+                except NotOurs as exc:
                     refused = exc
                 else:
                     if outcome is not _GONE:
@@ -216,8 +216,8 @@ def _deliver(key: str, request: bytes, fds: list[int], keep_alive: float, quiet:
                 if conn is None:  # the server that was loading has gone: look again
                     continue
                 try:
-                    outcome = _exchange(conn, key, request, fds, quiet, None)
-                except _NotOurs as exc:
+                    outcome = exchange(conn, key, request, fds, quiet, None)
+                except NotOurs as exc:
                     raise _Unusable(str(exc)) from None
                 if outcome is not _GONE:
                     return outcome
@@ -231,8 +231,8 @@ def _deliver(key: str, request: bytes, fds: list[int], keep_alive: float, quiet:
             finally:
                 os.close(lock)  # (the server holds the lock now, through its copy)
             try:
-                outcome = _exchange(conn, key, request, fds, quiet, proc)
-            except _NotOurs as exc:
+                outcome = exchange(conn, key, request, fds, quiet, proc)
+            except NotOurs as exc:
                 raise _Unusable(str(exc)) from None
             if outcome is _GONE:
                 raise _Unusable(f"the llamacli server it started ended before taking the request{_status(proc)}")
@@ -252,8 +252,8 @@ def _once(rv: Rendezvous, key: str, request: bytes, fds: list[int], quiet: bool)
     if conn is None:
         return None
     try:
-        outcome = _exchange(conn, key, request, fds, quiet, None)
-    except _NotOurs as exc:
+        outcome = exchange(conn, key, request, fds, quiet, None)
+    except NotOurs as exc:
         raise _Unusable(str(exc)) from None
     return None if outcome is _GONE else outcome
 
@@ -327,11 +327,11 @@ def _wait_for_server(rv: Rendezvous, key: str, quiet: bool) -> socket.socket | N
         time.sleep(0.05)
 
 
-class _NotOurs(Exception):
+class NotOurs(Exception):
     """What answered is not a llamacli server for this key (or it did not answer in time)."""
 
 
-def _exchange(conn: socket.socket, key: str, request: bytes, fds: list[int], quiet: bool,
+def exchange(conn: socket.socket, key: str, request: bytes, fds: list[int], quiet: bool,
               proc: subprocess.Popen | None) -> int | object:
     """Hand the request over on `conn` and follow it to its exit code; _GONE where the server left before it
     took the request. Ctrl-C before the server begins is Interrupted here (the server drops the request when
@@ -343,7 +343,7 @@ def _exchange(conn: socket.socket, key: str, request: bytes, fds: list[int], qui
             send_frame(conn, {"op": "hello", "llamacli": PROTOCOL, "key": key})
             hello = _recv(conn, interrupts, SPAWN_S if proc is not None else HANDSHAKE_S)
             if hello.get("hello") != key or type(hello.get("pid")) is not int:
-                raise _NotOurs(f"what answers on its socket is not a llamacli server for this model: {brief_frame(hello)}")
+                raise NotOurs(f"what answers on its socket is not a llamacli server for this model: {brief_frame(hello)}")
             pid = hello["pid"]
             send_frame(conn, request, fds)
             queued = _recv(conn, interrupts, HANDSHAKE_S)
@@ -352,12 +352,12 @@ def _exchange(conn: socket.socket, key: str, request: bytes, fds: list[int], qui
         except (BrokenPipeError, ConnectionResetError):
             return _GONE
         except (FrameError, OSError) as exc:  # TimeoutError included
-            raise _NotOurs(f"the server's answer: {exc or type(exc).__name__}") from None
+            raise NotOurs(f"the server's answer: {exc or type(exc).__name__}") from None
         if "error" in queued:
-            raise _NotOurs(f"the llamacli server refused the request: {printable(str(queued['error']))[:200]}")
+            raise NotOurs(f"the llamacli server refused the request: {printable(str(queued['error']))[:200]}")
         ahead = queued.get("queued")
         if type(ahead) is not int:
-            raise _NotOurs(f"what answers on its socket is not a llamacli server: {brief_frame(queued)}")
+            raise NotOurs(f"what answers on its socket is not a llamacli server: {brief_frame(queued)}")
         if ahead and not quiet:
             dim(f"--keep-alive: waiting for the llamacli server (pid {pid}): {ahead} command"
                 f"{'s' if ahead > 1 else ''} ahead")

@@ -16,6 +16,8 @@ from ..textio import json_text, printable
 from ..units import human_bytes, human_duration
 from .app import command, dim, err, fail, out
 
+ASK_S = 5.0  # a resident server's answer to status or stop (it answers between two commands' steps)
+
 
 def _until(status: dict[str, Any]) -> str:
     left = status.get("expires_in")
@@ -78,11 +80,11 @@ def stop(
         raise LlamacliError(str(exc)) from None
     with rv or contextlib.nullcontext():
         for key in rv.keys() if rv else ():
-            answer = ask(rv, key, {"op": "status", "llamacli": PROTOCOL, "key": key}, 2.0)
+            answer = ask(rv, key, {"op": "status", "llamacli": PROTOCOL, "key": key}, ASK_S)
             status = answer.get("status") if answer else None
             if not isinstance(status, dict) or not (every or _names(spec, status)):
                 continue
-            if ask(rv, key, {"op": "stop", "llamacli": PROTOCOL, "key": key}, 2.0) is not None:
+            if ask(rv, key, {"op": "stop", "llamacli": PROTOCOL, "key": key}, ASK_S) is not None:
                 stopped.append(status)
     if not stopped and not every:
         raise LlamacliError(f"no llamacli server keeps {printable(str(spec))} loaded (llamacli ps lists them)")

@@ -376,8 +376,10 @@ class Resident:
                         self.rendezvous.unlink_if(key, self.inode)
                     except (OSError, RendezvousError):
                         pass
-                self.queue.put(None)
-                send_frame(conn, {"stopping": True})
+                try:  # answered before the worker is told: it may end the process at once
+                    send_frame(conn, {"stopping": True})
+                finally:
+                    self.queue.put(None)
                 return None
             if op != "hello":
                 send_frame(conn, {"error": "unknown operation"})

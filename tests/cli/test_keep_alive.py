@@ -571,8 +571,8 @@ def test_a_silent_or_garbled_peer_is_not_a_server(monkeypatch):
     ours, theirs = socket.socketpair()
     with theirs:
         began = time.monotonic()
-        with pytest.raises(keep_alive._NotOurs):
-            keep_alive._exchange(ours, "k", b"{}", [], True, None)
+        with pytest.raises(keep_alive.NotOurs):
+            keep_alive.exchange(ours, "k", b"{}", [], True, None)
         assert time.monotonic() - began < 3
     for raw in (struct.pack(">I", 1 << 30), struct.pack(">I", 3) + b"[1]", struct.pack(">I", 4) + b"\xff\xfe{}",
                 struct.pack(">I", 10) + b"{}"):
