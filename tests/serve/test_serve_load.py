@@ -326,16 +326,12 @@ def test_connections_run_without_nagle(model):
     so asyncio does not set it: then each small chunk of a stream on a kept connection waited for the client's
     delayed ACK of the one before (40 ms on Linux), and a keep-alive client (`bench --url`, the openai
     library's pool) saw the first token and the rest of the stream 40 ms late, in bursts."""
-    import gc
-
-    from llamacli.serve.connections import GuardedH11
-
-    with serving(model) as (port, _), socket.create_connection(("127.0.0.1", port)) as s:
+    with serving(model) as (port, server), socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # kept open after its answer
         assert select.select([s], [], [], 10)[0] and s.recv(65536).startswith(b"HTTP/1.1 200")
         mine = s.getsockname()
-        open_ = [p.transport.get_extra_info("socket") for p in gc.get_objects()
-                 if isinstance(p, GuardedH11) and p.transport is not None and not p.transport.is_closing()]
+        open_ = [p.transport.get_extra_info("socket") for p in list(server.server_state.connections)
+                 if p.transport is not None and not p.transport.is_closing()]
         served = [sock for sock in open_ if sock.getpeername() == mine]
         assert len(served) == 1
         assert served[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
