@@ -22,14 +22,13 @@ pytest.importorskip("llguidance")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_runner import BACKEND, start, stop  # noqa: E402
+from serve_runner import FamilyServers, start, stop  # noqa: E402
 from test_serve_tools import CLOCK, DEEP, SCRIPTS, WEATHER, Script  # noqa: E402
 
 from llamacli.chat.template import encode_prompt  # noqa: E402
 from llamacli.chat.tool_format import detect  # noqa: E402
 from llamacli.engine.generate import Model  # noqa: E402
-from llamacli.testing import variant, write_model  # noqa: E402
-from llamacli.testing.tool_vocab import FAMILIES, tool_vocab  # noqa: E402
+from llamacli.testing.tool_vocab import FAMILIES  # noqa: E402
 
 TOOLS = [{"name": "get_weather", "description": "The weather forecast", "input_schema": WEATHER},
          {"name": "get_time", "description": "The time", "input_schema": CLOCK}]
@@ -51,26 +50,15 @@ def templates(llama_cpp_models: Path) -> Path:
 @pytest.fixture(scope="module")
 def serve_family(tmp_path_factory, templates):
     """serve_family(name) -> (anthropic client, model): a server over a tiny model of that family (one each)."""
-    running: dict[str, tuple] = {}
+    servers = FamilyServers(tmp_path_factory, templates)
 
     def get(family: str):
-        if family not in running:
-            path = templates / FAMILIES[family][0]
-            if not path.exists():
-                pytest.skip(f"{path.name} is not in this llama.cpp release")
-            spec = variant("tiny-llama", context_length=8192, name=f"tiny-{family}")
-            gguf = write_model(tmp_path_factory.mktemp(family) / "m.gguf", spec, "F32",
-                               vocab=tool_vocab(family, path.read_text(encoding="utf-8")))
-            model = Model(gguf, backend=BACKEND, ctx=8192)
-            url, server, thread = start(model, family)
-            client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
-            running[family] = (client, model, server, thread)
-        return running[family][:2]
+        client, model, _ = servers.get(family, lambda url: anthropic.Anthropic(base_url=url, api_key="unused",
+                                                                              max_retries=0, timeout=120))
+        return client, model
 
     yield get
-    for client, model, server, thread in running.values():
-        stop(server, thread)
-        model.close()
+    servers.close()
 
 
 def prompts(model, monkeypatch) -> list[list[int]]:  # noqa: ANN001

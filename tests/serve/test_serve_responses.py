@@ -21,15 +21,13 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_runner import BACKEND, start, stop  # noqa: E402
+from serve_runner import FamilyServers  # noqa: E402
 from test_serve_tools import CLOCK, DEEP, FORCED_FAMILIES, SCHEMAS, SCRIPTS, WEATHER, Script  # noqa: E402
 
-from llamacli.engine.generate import Model  # noqa: E402
 from llamacli.errors import NumericalError  # noqa: E402
 from llamacli.serve.api import ApiError  # noqa: E402
 from llamacli.serve.responses_api import ENTRY_BYTES, ResponseStore  # noqa: E402
-from llamacli.testing import variant, write_model  # noqa: E402
-from llamacli.testing.tool_vocab import FAMILIES, tool_vocab  # noqa: E402
+from llamacli.testing.tool_vocab import FAMILIES  # noqa: E402
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather forecast", "parameters": WEATHER},
          {"type": "function", "name": "get_time", "description": "The time", "parameters": CLOCK}]
@@ -46,27 +44,16 @@ def templates(llama_cpp_models):  # noqa: ANN001
 @pytest.fixture(scope="module")
 def serve_family(tmp_path_factory, templates):  # noqa: ANN001
     """serve_family(name) -> (openai client, model, the server's ResponseStore): a server over a tiny model of
-    that family with its real template (one each, as test_serve_tools.py makes them)."""
-    running: dict[str, tuple] = {}
+    that family with its real template (one each)."""
+    servers = FamilyServers(tmp_path_factory, templates)
 
     def get(family: str):
-        if family not in running:
-            path = templates / FAMILIES[family][0]
-            if not path.exists():
-                pytest.skip(f"{path.name} is not in this llama.cpp release")
-            spec = variant("tiny-llama", context_length=8192, name=f"tiny-{family}")
-            gguf = write_model(tmp_path_factory.mktemp(family) / "m.gguf", spec, "F32",
-                               vocab=tool_vocab(family, path.read_text(encoding="utf-8")))
-            model = Model(gguf, backend=BACKEND, ctx=8192)
-            url, server, thread = start(model, family)
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            running[family] = (client, model, server.config.app.state.responses, server, thread)
-        return running[family][:3]
+        client, model, server = servers.get(family, lambda url: openai.OpenAI(
+            base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120))
+        return client, model, server.config.app.state.responses
 
     yield get
-    for client, model, store, server, thread in running.values():
-        stop(server, thread)
-        model.close()
+    servers.close()
 
 
 def create(client, **kw):  # noqa: ANN001, ANN003

@@ -21,11 +21,9 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from serve_runner import BACKEND, start, stop  # noqa: E402
+from serve_runner import BACKEND, FamilyServers  # noqa: E402
 
 from llamacli.engine.generate import Model  # noqa: E402
-from llamacli.testing import variant, write_model  # noqa: E402
-from llamacli.testing.tool_vocab import FAMILIES, tool_vocab  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {
     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
@@ -48,26 +46,15 @@ def templates(llama_cpp_models: Path) -> Path:
 @pytest.fixture(scope="module")
 def serve_family(tmp_path_factory, templates):
     """serve_family(name) -> (openai client, model): a server over a tiny model of that family (one each)."""
-    running: dict[str, tuple] = {}
+    servers = FamilyServers(tmp_path_factory, templates)
 
     def get(family: str):
-        if family not in running:
-            path = templates / FAMILIES[family][0]
-            if not path.exists():
-                pytest.skip(f"{path.name} is not in this llama.cpp release")
-            spec = variant("tiny-llama", context_length=8192, name=f"tiny-{family}")
-            gguf = write_model(tmp_path_factory.mktemp(family) / "m.gguf", spec, "F32",
-                               vocab=tool_vocab(family, path.read_text(encoding="utf-8")))
-            model = Model(gguf, backend=BACKEND, ctx=8192)
-            url, server, thread = start(model, family)
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            running[family] = (client, model, server, thread)
-        return running[family][:2]
+        client, model, _ = servers.get(family, lambda url: openai.OpenAI(base_url=url + "/v1", api_key="unused",
+                                                                        max_retries=0, timeout=120))
+        return client, model
 
     yield get
-    for client, model, server, thread in running.values():
-        stop(server, thread)
-        model.close()
+    servers.close()
 
 
 def valid(call) -> dict:  # noqa: ANN001 (an openai tool call)
