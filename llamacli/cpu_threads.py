@@ -1,4 +1,6 @@
-"""How many CPU threads the NumPy backend's BLAS (and any OpenMP pool) may use: `-t/--threads`, as llama.cpp's.
+"""How many CPU threads the CPU backends may use: `-t/--threads`, as llama.cpp's. The NumPy backend's BLAS (and any
+OpenMP pool) is limited here; the CPU backend's numba kernels read the count in force (`threads_in_force`) and
+set it for the thread that runs them (numba's count is per calling thread).
 
 The NumPy backend's matrix products run in the BLAS numpy was built with (OpenBLAS in numpy's wheels), whose
 threads wait for each other by spinning. When other programs keep the CPUs busy, a thread that loses its CPU
@@ -22,6 +24,7 @@ import sys
 # The variables the BLAS and OpenMP libraries read when they load.
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 MAX_THREADS = 1024
+_in_force: int | None = None  # the count set_threads last came to
 
 
 def available_cpus() -> int:
@@ -59,12 +62,16 @@ def set_threads(n: int | None = None) -> int | None:
     another of THREAD_VARIABLES) where one is set, as the libraries themselves would, else default_threads().
     Returns the count in force, or None when it cannot be set (numpy already loaded and threadpoolctl
     missing)."""
+    global _in_force
     check_threads(n)
     if n is None or n == -1:
         given = next((os.environ[v] for v in THREAD_VARIABLES if os.environ.get(v, "").strip()), None)
         if given is not None:
-            return int(given) if given.strip().isdigit() else None  # the libraries read it themselves
+            count = int(given) if given.strip().isdigit() else None  # the libraries read it themselves
+            _in_force = count if count and count <= MAX_THREADS else None
+            return count
         n = default_threads()
+    _in_force = n
     loaded = "numpy" in sys.modules
     if not loaded:  # its BLAS is not loaded yet, so threadpoolctl cannot reach it: the variables do
         for name in THREAD_VARIABLES:
@@ -84,3 +91,12 @@ def blas_threads() -> int | None:
     except ImportError:
         return None
     return next((int(i["num_threads"]) for i in threadpool_info() if i.get("user_api") == "blas"), None)
+
+
+def threads_in_force() -> int:
+    """The thread count -t (or its default, or the environment) came to in this process: set_threads' last
+    count, else what set_threads() would choose (a library caller that never set one)."""
+    if _in_force is None:
+        given = next((os.environ[v] for v in THREAD_VARIABLES if os.environ.get(v, "").strip()), "")
+        return int(given) if given.strip().isdigit() and 0 < int(given) <= MAX_THREADS else default_threads()
+    return _in_force

@@ -1,4 +1,5 @@
-"""Backends: numpy_backend (the readable reference) and the cuda package (CuPy + kernels/*.cu)."""
+"""Backends: numpy_backend (the readable reference), the cpu package (quantized weights, numba kernels) and the
+cuda package (CuPy + kernels/*.cu)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ..errors import BackendError, UsageError
 from ..models.config import ModelConfig
 from .base import Backend
 
-BACKENDS = ("auto", "cuda", "numpy")
+BACKENDS = ("auto", "cuda", "cpu", "numpy")
 EarlyStatus = Callable[[], "tuple[bool, str]"]
 
 
@@ -45,15 +46,17 @@ def select_backend(name: str, notice: Callable[[str], None] | None = None, early
                    cfg: ModelConfig | None = None) -> Backend:
     """`auto` takes CUDA when CuPy imports and a GPU is visible and its kernels run the model `cfg` (a layer the
     fused paths lack, such as Qwen3.5's delta-net layers, or experts they do not serve: cuda.device.fused_layers),
-    else NumPy (with a notice saying why); `cuda` without either is a BackendError that says what is missing and
-    how to install it (a model it cannot run: at load). `early`: start_early's result for this name, where the
-    check already began."""
+    else the CPU backend (with a notice saying why), else, without numba, the NumPy reference (saying that too);
+    `cuda` or `cpu` without what it needs is a BackendError that says what is missing and how to install it (a
+    model CUDA cannot run: at load). `early`: start_early's result for this name, where the check already began."""
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     if name == "numpy":
         from .numpy_backend import NumpyBackend
 
         return NumpyBackend()
+    if name == "cpu":
+        return _cpu_backend()
     ok, reason = early() if early is not None else cuda_status()
     if ok and name == "auto" and cfg is not None:
         from .cuda.device import fused_layers
@@ -69,11 +72,29 @@ def select_backend(name: str, notice: Callable[[str], None] | None = None, early
         return CudaBackend()
     if name == "cuda":
         raise BackendError(f"the CUDA backend is unavailable: {reason}")
+    from .cpu import cpu_available
+
+    cpu_ok, cpu_reason = cpu_available()
+    if cpu_ok:
+        if notice:
+            notice(f"using the CPU backend ({reason})")
+        return _cpu_backend()
     if notice:
-        notice(f"using the NumPy backend ({reason})")
+        notice(f"using the NumPy backend ({reason}; the faster CPU backend needs numba: {cpu_reason})")
     from .numpy_backend import NumpyBackend
 
     return NumpyBackend()
+
+
+def _cpu_backend() -> Backend:
+    from .cpu import cpu_available
+
+    ok, reason = cpu_available()
+    if not ok:
+        raise BackendError(f"the CPU backend is unavailable: {reason}")
+    from .cpu.backend import CpuBackend
+
+    return CpuBackend()
 
 
 def cuda_status(context: bool = False) -> tuple[bool, str]:

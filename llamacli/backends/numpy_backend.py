@@ -85,30 +85,29 @@ class LayerState:
 
 class NumpyBackend(Backend):
     name = "numpy"
+    label = "NumPy"  # in messages
     runnable_types = frozenset(t for t in QT if t in GGML_QUANT_SIZES and can_dequantize(t))
     cache_types = DEFAULT_CACHE  # (load sets the model's)
 
     @_ieee
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
              cache_types: tuple[str, str] = DEFAULT_CACHE) -> None:
-        check_host_memory(cfg, ctx)  # before anything is allocated: the file's sizes or --ctx may be absurd
+        self._check_memory(gguf, cfg, ctx)  # before anything is allocated: the file's sizes or --ctx may be absurd
         self.cfg, self.ctx = cfg, ctx
         self.cache_types = cache_types
-        f32 = gguf.dequantize
         total = cfg.n_layer + 2
         report = progress or (lambda done, total, what: None)
 
-        emb = gguf.tensors["token_embd.weight"]
-        token_embd = QuantTable(gguf.raw(emb.name), emb.type, (emb.shape[0], emb.shape[1]))
+        token_embd = self._embedding(gguf)
         report(1, total, "token_embd")
         layers = []
-        for i in range(cfg.n_layer):  # every tensor the block's plan names, as float32 (experts [E, rows, cols])
+        for i in range(cfg.n_layer):  # every tensor the block's plan names (experts [E, rows, cols])
             names = layer_tensor_names(cfg, i)
-            layers.append(LayerWeights(**{field: f32(name) for field, name in names.items() if name in gguf.tensors}))
+            layers.append(LayerWeights(**{field: self._tensor(gguf, field, name)
+                                          for field, name in names.items() if name in gguf.tensors}))
             report(2 + i, total, f"layer {i}")
-        # The LM head needs the whole matrix every step: dequantize it once (a copy when tied).
-        output = f32("output.weight") if "output.weight" in gguf.tensors else f32("token_embd.weight")
-        self.weights = ModelWeights(token_embd, layers, f32("output_norm.weight"), output)
+        self.weights = ModelWeights(token_embd, layers, gguf.dequantize("output_norm.weight"),
+                                    self._lm_head(gguf, token_embd))
         report(total, total, "output")
 
         self.theta = rope_tables.inv_freq(cfg, gguf, ctx)  # [rope_dim/2]
@@ -117,6 +116,23 @@ class NumpyBackend(Backend):
         self._caches = [self._new_cache()]
         self.slots = 1
         self.use_slot(0)
+
+    # How load() holds the weights (a subclass that keeps them otherwise overrides these: backends/cpu/).
+    def _check_memory(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int) -> None:
+        check_host_memory(cfg, ctx)
+
+    def _embedding(self, gguf: GGUFFile) -> QuantTable:
+        """token_embd kept in its GGUF layout: only the rows asked for are dequantized."""
+        emb = gguf.tensors["token_embd.weight"]
+        return QuantTable(gguf.raw(emb.name), emb.type, (emb.shape[0], emb.shape[1]))
+
+    def _tensor(self, gguf: GGUFFile, field: str, name: str) -> np.ndarray:
+        """A layer's tensor (LayerWeights field `field`) as float32."""
+        return gguf.dequantize(name)
+
+    def _lm_head(self, gguf: GGUFFile, token_embd: QuantTable) -> np.ndarray:
+        """The LM head needs the whole matrix every step: dequantized once (a copy of token_embd when tied)."""
+        return gguf.dequantize("output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
 
     def _new_cache(self) -> tuple[list[np.ndarray], list[np.ndarray], RecurrentSlot]:
         """One slot's K and V caches: per layer [rows, Hkv, Dh] float32 (config.cache_rows); and its recurrent
@@ -131,7 +147,7 @@ class NumpyBackend(Backend):
         if type(n) is not int or n < 1:
             raise UsageError(f"the number of sequences must be a positive integer, got {n!r}")
         if n > len(self._caches):
-            check_host_memory(self.cfg, self.ctx, slots=n, held=len(self._caches))
+            check_host_memory(self.cfg, self.ctx, slots=n, held=len(self._caches), backend=self.label)
         self._forget_slots(min(n, len(self._caches)))
         while len(self._caches) < n:
             self._caches.append(self._new_cache())
@@ -514,18 +530,19 @@ def available_host_memory() -> int | None:
 
 
 def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None, slots: int = 1,
-                      held: int = 0) -> None:
+                      held: int = 0, weights: int | None = None, backend: str = "NumPy") -> None:
     """HostMemoryError, naming a context that would fit, when the weights and the KV caches of `slots`
     sequences at `ctx` exceed the available RAM (`held`: that many caches and the weights are allocated
-    already)."""
+    already). `weights`: the bytes the `backend` holds its weights in, where not host_bytes' float32."""
     chunk = NumpyBackend.prefill_chunk  # None: a prompt of up to ctx tokens in one pass
-    weights, kv = host_bytes(cfg, ctx)
+    float32, kv = host_bytes(cfg, ctx)
+    weights = float32 if weights is None else weights
     scratch = scratch_bytes(cfg, ctx, chunk)
     if held:  # what is allocated already is not asked for again
         weights, kv = 0, kv * (slots - held)
         if free_ok(available, kv + scratch):
             return
-        raise HostMemoryError(f"not enough host memory for {slots} sequences on the NumPy backend: "
+        raise HostMemoryError(f"not enough host memory for {slots} sequences on the {backend} backend: "
                               f"{slots - held} more KV caches need {human_bytes(kv)} (at --ctx {ctx}); "
                               f"ask for fewer, or a smaller context")
     kv *= slots
@@ -547,8 +564,8 @@ def check_host_memory(cfg: ModelConfig, ctx: int, available: int | None = None, 
         else "the weights alone do not fit: use a smaller model, or the CUDA backend"
     )
     raise HostMemoryError(
-        f"not enough host memory for the NumPy backend: the model needs {human_bytes(weights + kv + scratch)} "
-        f"(float32 weights {human_bytes(weights)}, KV cache {human_bytes(kv)}, prefill scratch "
+        f"not enough host memory for the {backend} backend: the model needs {human_bytes(weights + kv + scratch)} "
+        f"({'float32 ' if weights == float32 else ''}weights {human_bytes(weights)}, KV cache {human_bytes(kv)}, prefill scratch "
         f"{human_bytes(scratch)}), {human_bytes(free)} is available; {hint}"
     )
 

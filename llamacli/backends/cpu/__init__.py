@@ -1,0 +1,28 @@
+"""The CPU backend (`--backend cpu`; what `auto` takes without a GPU): the NumPy reference's forward pass with
+the weights kept quantized in memory and the hot operations compiled by numba.
+
+    layouts.py   GGUF blocks re-packed, exactly, into three kernel layouts (4-bit pairs, bytes with a min,
+                 signed bytes), float32 scales per 16 or 32 values
+    simd.py      a weight block's integer dot with int8 activations, as LLVM vector IR (vpdpbusd, vpmaddwd)
+    kernels.py   the matrix products (int8 activations, rows across threads), dequantizing, RMSNorm, RoPE,
+                 the gated activations and a decode step's attention
+    backend.py   CpuBackend: NumpyBackend with those in place of its float32 weights and NumPy operations
+
+Why a backend of its own and not a faster NumPy backend: the NumPy backend is the reference every other
+backend is tested against, written to be read; this one trades some of that (int8 activations, as llama.cpp's
+CPU backend and our CUDA matvecs use) for speed, and is tested against it.
+
+Importing the package needs no numba: `cpu_available()` says whether the backend can run here.
+"""
+
+from __future__ import annotations
+
+
+def cpu_available() -> tuple[bool, str]:
+    """(True, numba's version) when the CPU backend can run here, else (False, why and how to fix it)."""
+    try:
+        import numba
+    except ImportError as exc:  # not installed, or built for another NumPy
+        missing = getattr(exc, "name", None) == "numba"
+        return False, "numba is not installed (pip install numba)" if missing else f"numba failed to import ({exc})"
+    return True, f"numba {numba.__version__}"

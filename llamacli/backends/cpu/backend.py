@@ -1,0 +1,246 @@
+"""CpuBackend: the NumPy reference (numpy_backend.py) with its weights kept quantized and its hot operations
+compiled (kernels.py).
+
+What differs from the reference, and what does not:
+- The matrices the layers multiply by (every Linear weight of the block programs, the router and the experts)
+  and the LM head are re-packed at load into kernel layouts (layouts.py: the file's values, exactly), about the
+  file's size instead of four bytes a weight; token_embd is the same re-packed matrix (one copy when tied), its
+  rows dequantized on demand to the reference's floats. Types without a layout (F32, F16, BF16, the IQ1-IQ3
+  grids) stay float32 matrices, multiplied as the reference does.
+- A product of fewer than DEQUANT_ROWS tokens (a decode step, a short prompt) quantizes x to int8 per 32 values
+  and runs the integer kernels: the error this adds is llama.cpp's CPU backend's (and our CUDA matvecs'), at
+  most half a step of each value's int8 scale (llamacli.testing.act8_bound). From DEQUANT_ROWS tokens on the
+  matrix is dequantized to float32 (the reference's values) and multiplied by BLAS, as the reference does.
+- RMSNorm, RoPE, SwiGLU and GeGLU run compiled, computing what the reference computes in the same precision; a
+  decode step's attention (one query) runs compiled in float32; a prompt's attention is the reference's.
+- Everything else (embedding scale, soft-caps, experts' routing, the delta-net layers, the KV caches, the slots,
+  sampling) is the reference's own code.
+The kernels use -t/--threads threads (cpu_threads.threads_in_force), set for the calling thread at every forward
+pass.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+
+import numba
+import numpy as np
+
+from ...cpu_threads import threads_in_force
+from ...ggufio.file import GGUFFile
+from ...models import rope as rope_tables
+from ...models.block import Attention, Linear, programs
+from ...models.config import ROPE_NEOX, ModelConfig
+from ...models.kv_cache import q8_0_roundtrip
+from ...models.weights import layer_tensor_names, model_specs
+from ..numpy_backend import NumpyBackend, check_host_memory
+from . import kernels
+from .layouts import Packed, pack, packable, packed_bytes
+
+# Tokens from which a product dequantizes its matrix and multiplies in float32 (BLAS) instead of quantizing x
+# to int8: the integer kernels' time grows with the tokens, the dequantized matrix's is paid once a product.
+DEQUANT_ROWS = 32
+# Score-and-value work (positions x query heads x head dim) from which a decode step's attention splits its heads
+# across the threads.
+ATTENTION_THREADS_FROM = 1 << 16
+# LayerWeights fields multiplied by (beyond the programs' Linear weights): the router and the experts (moe()).
+EXPERT_FIELDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_NO_SINKS = np.zeros((0, 0), np.float32)
+
+
+class PackedMatrix:
+    """A weight matrix [N, K] in a kernel layout, with what multiplies by it."""
+
+    def __init__(self, p: Packed):
+        self.packed, self.shape, self.qtype = p, p.shape, p.qtype
+        self._q = p.q.reshape(-1)
+        self._m = p.m if p.m is not None else p.d  # (s8 layouts have no min: their kernel never reads it)
+        self._kernel = kernels.LINEAR[(p.kind, p.block)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def product(self, x: np.ndarray) -> np.ndarray:
+        """x [T, K] float32 -> x @ W^T [T, N]."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.shape[0] >= DEQUANT_ROWS:
+            return x @ self.rows(None).T
+        out = np.empty((x.shape[0], self.shape[0]), np.float32)
+        self._kernel(x, self._q, self.packed.d, self._m, out)
+        return out
+
+    def rows(self, ids: np.ndarray | None) -> np.ndarray:
+        """Rows `ids` (None: all) as float32 [len(ids), K]: the file's values (the embedding's lookup)."""
+        n, k = self.shape
+        idx = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            raise IndexError(f"row index out of range [0, {n})")
+        out = np.empty((idx.size, k), np.float32)
+        p = self.packed
+        if p.kind == "u4":
+            kernels.dequantize_u4(p.q, p.d, self._m, idx, out)
+        else:
+            kernels.dequantize_bytes(p.q, p.d, self._m, p.m is not None, idx, out)
+        return out
+
+
+class PackedExperts:
+    """Experts' matrices [E, rows, cols] in one re-packed array; [e] is expert e's PackedMatrix."""
+
+    def __init__(self, p: Packed, n_expert: int):
+        rows, self.shape = p.shape[0] // n_expert, (n_expert, p.shape[0] // n_expert, p.shape[1])
+        self._experts = [PackedMatrix(Packed(p.kind, p.block, p.q[e * rows:(e + 1) * rows],
+                                             p.d[e * rows:(e + 1) * rows],
+                                             None if p.m is None else p.m[e * rows:(e + 1) * rows],
+                                             (rows, p.shape[1]), p.qtype)) for e in range(n_expert)]
+        self.nbytes = p.nbytes
+
+    def __getitem__(self, e: int) -> PackedMatrix:
+        return self._experts[e]
+
+    def __len__(self) -> int:
+        return len(self._experts)
+
+
+def linear_fields(cfg: ModelConfig) -> frozenset[str]:
+    """The LayerWeights fields that are only multiplied by: every Linear weight of the programs, and the
+    experts' (and their router's) tensors."""
+    return frozenset({op.weight for ops in programs(cfg) for op in ops if isinstance(op, Linear)} | set(EXPERT_FIELDS))
+
+
+class CpuBackend(NumpyBackend):
+    name = "cpu"
+    label = "CPU"
+
+    # -- load: the weights re-packed --------------------------------------------------------------------
+    def _check_memory(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int) -> None:
+        check_host_memory(cfg, ctx, weights=weight_bytes(gguf, cfg), backend=self.label)
+
+    def _embedding(self, gguf: GGUFFile):
+        info = gguf.tensors["token_embd.weight"]
+        if not packable(info.type):
+            return super()._embedding(gguf)
+        return PackedMatrix(pack(gguf.raw(info.name), info.type, info.shape))
+
+    def _tensor(self, gguf: GGUFFile, field: str, name: str):
+        info = gguf.tensors[name]
+        if field not in linear_fields(self.cfg) or not packable(info.type) or len(info.shape) not in (2, 3):
+            return super()._tensor(gguf, field, name)
+        rows = math.prod(info.shape[:-1])
+        p = pack(gguf.raw(name).reshape(rows, -1), info.type, (rows, info.shape[-1]))
+        return PackedMatrix(p) if len(info.shape) == 2 else PackedExperts(p, info.shape[0])
+
+    def _lm_head(self, gguf: GGUFFile, token_embd):
+        if "output.weight" not in gguf.tensors:  # tied: the embedding's matrix itself, where it is re-packed
+            return token_embd if isinstance(token_embd, PackedMatrix) else super()._lm_head(gguf, token_embd)
+        info = gguf.tensors["output.weight"]
+        if not packable(info.type):
+            return super()._lm_head(gguf, token_embd)
+        return PackedMatrix(pack(gguf.raw(info.name), info.type, info.shape))
+
+    # -- whole passes: the threads --------------------------------------------------------------------
+    def _threads(self) -> None:
+        numba.set_num_threads(max(1, min(threads_in_force(), numba.config.NUMBA_NUM_THREADS)))
+
+    def forward_prompt(self, ids: np.ndarray, start: int):
+        self._threads()
+        return super().forward_prompt(ids, start)
+
+    def decode(self, token: int, pos: int):
+        self._threads()
+        return super().decode(token, pos)
+
+    def device_name(self) -> str:
+        return f"CPU ({platform.processor() or platform.machine()}, numba, {threads_in_force()} threads)"
+
+    # -- operations ------------------------------------------------------------------------------------
+    # The compiled operations raise no floating-point warnings: they need no _ieee (np.errstate costs
+    # microseconds a call, dozens of calls a token).
+    def matmul(self, x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
+        if type(w) is not PackedMatrix:
+            return super().matmul(x, w, bias)
+        y = w.product(x)
+        return y if bias is None else self.add(y, bias)
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        if x.dtype != np.float32 or y.dtype != np.float32 or x.shape != y.shape:
+            return super().add(x, y)
+        out = np.empty_like(x)
+        kernels.add(np.ascontiguousarray(x), np.ascontiguousarray(y), out)
+        return out
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        out = np.empty_like(flat)
+        kernels.rms_norm(flat, np.ascontiguousarray(weight, dtype=np.float32), float(eps), out)
+        return out.reshape(x.shape)
+
+    def rope(self, x: np.ndarray, pos: np.ndarray, local: bool = False) -> np.ndarray:
+        cos, sin = self._cos_sin(pos, local)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        kernels.rope(x, cos, sin, self.cfg.rope_type == ROPE_NEOX, self.cfg.rope_dim, out)
+        return out
+
+    def _cos_sin(self, pos: np.ndarray, local: bool) -> tuple[np.ndarray, np.ndarray]:
+        """rope.cos_sin for these positions (the last answer kept: every layer's q and k of a step share it)."""
+        key = (local, pos.tobytes())
+        last = getattr(self, "_last_cos_sin", None)
+        if last is not None and last[0] == key:
+            return last[1]
+        theta, attn = (self.theta_local, 1.0) if local else (self.theta, self.cfg.rope_attn_factor)
+        value = rope_tables.cos_sin(theta, pos, attn)
+        self._last_cos_sin = (key, value)
+        return value
+
+    def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        gate, up = (np.ascontiguousarray(a, dtype=np.float32) for a in (gate, up))
+        out = np.empty_like(gate)
+        kernels.geglu(gate, up, out)
+        return out
+
+    def _attend(self, op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        if q.shape[0] != 1:  # a prompt: the reference's (its products are BLAS's)
+            return super()._attend(op, q, k, v, pos)
+        cfg = self.cfg
+        kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]
+        p = int(pos[0])
+        k_type, v_type = self.cache_types
+        kc[p % kc.shape[0]] = q8_0_roundtrip(k)[0] if k_type == "q8_0" else k[0]
+        vc[p % vc.shape[0]] = q8_0_roundtrip(v)[0] if v_type == "q8_0" else v[0]
+        lo = max(0, p - op.window + 1) if op.window else 0
+        n = p - lo + 1
+        sinks = (self.weights.layers[op.layer].attn_sinks.reshape(cfg.n_head_kv, cfg.n_group).astype(np.float32)
+                 if op.sinks else _NO_SINKS)
+        qg = np.ascontiguousarray(q, dtype=np.float32).reshape(cfg.n_head_kv, cfg.n_group, cfg.head_dim)
+        out = np.empty_like(qg)
+        attend = (kernels.attend_one_threads if n * cfg.n_head * cfg.head_dim >= ATTENTION_THREADS_FROM
+                  else kernels.attend_one)
+        attend(qg, kc, vc, lo, n, np.float32(cfg.query_scale), np.float32(op.softcap), sinks, out)
+        return out.reshape(1, cfg.q_dim)
+
+
+def weight_bytes(gguf: GGUFFile, cfg: ModelConfig) -> int:
+    """Bytes CpuBackend.load keeps the weights in: re-packed matrices at their layouts' sizes (token_embd
+    once, the LM head too when tied), float32 for the rest (as NumpyBackend, the embedding table at its
+    file's size when it stays in its GGUF layout)."""
+    fields = linear_fields(cfg)
+    linear = {name for i in range(cfg.n_layer) for field, name in layer_tensor_names(cfg, i).items() if field in fields}
+    linear |= {"token_embd.weight", "output.weight"}
+    total = 0
+    for spec in model_specs(cfg):
+        info = gguf.tensors.get(spec.name)
+        if info is None:
+            continue
+        if spec.name in linear and packable(info.type) and len(info.shape) in (2, 3):
+            total += packed_bytes(info.type, info.n_elements)
+        elif spec.name == "token_embd.weight":
+            total += info.n_bytes
+        else:
+            total += 4 * info.n_elements
+    emb = gguf.tensors.get("token_embd.weight")
+    if cfg.tied_embeddings and emb is not None and not packable(emb.type):  # the reference's float32 LM head
+        total += 4 * emb.n_elements
+    return total

@@ -1,0 +1,290 @@
+"""The CPU backend's kernels, compiled by numba (cached on disk after the first run): the matrix products on
+re-packed weights (layouts.py), and the operations whose NumPy forms cost more in calls than in arithmetic on a
+decode step of one token (RMSNorm, RoPE, the gated activations, attention over the cache).
+
+Matrix products (llama.cpp's CPU scheme): the activations x [T, K] are quantized per 32 values to int8 with one
+float32 scale each (xd = amax / 127, q = rint(x * 127 / amax), as the CUDA backend's int8 matvecs do:
+llamacli.testing.act8), and each weight block's integer dot with them (simd.py) is scaled by both scales:
+
+    y[t, n] = sum_b d[n, b] xd[t, b] dot(q_w[n, b], q_x[t, b])  (+ m[n, b] sum(x[t, b]) for layouts with a min)
+
+The min's term uses the exact float32 sum of x over the block. Rows of W are split across the threads
+(numba's prange; `numba.set_num_threads` as -t says). A block whose x holds a NaN or an infinity gets xd = NaN,
+so that the output is NaN as the float32 product's would be (sampling reports it).
+
+Float-reduction loops take fastmath's reassociation and contraction only: never 'nnan'/'ninf', under which LLVM
+would drop the checks above. The dequantizing kernels take none, so that scale * q + min rounds as layouts.py's
+reference (and gguf.quants) does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .simd import dot_u4, dot_u8_16, dot_u8_32
+
+FAST = {"reassoc", "contract", "nsz", "arcp"}
+
+
+# -- activations to int8 -------------------------------------------------------------------------------------
+
+
+@njit(cache=True, fastmath=FAST)
+def quantize(x, xq, xd, xs, qs):
+    """x [T, K] float32 (K a multiple of 32) -> xq int8 [T * K] (row t at t * K) and per 16 values (xs, qs
+    [T, K / 16]) the float32 sum of x and the int32 sum of xq; xd [T, K / 32] the scales."""
+    t_n, k = x.shape
+    for t in range(t_n):
+        for b in range(k // 32):
+            amax = np.float32(0.0)
+            finite = True
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            for j in range(32):
+                v = x[t, 32 * b + j]
+                a = abs(v)
+                if not a <= np.float32(3.4028235e38):  # NaN or inf
+                    finite = False
+                elif a > amax:
+                    amax = a
+                if j < 16:
+                    s0 += v
+                else:
+                    s1 += v
+            xs[t, 2 * b] = s0
+            xs[t, 2 * b + 1] = s1
+            base = t * k + 32 * b
+            if not finite:
+                xd[t, b] = np.float32(np.nan)
+                for j in range(32):
+                    xq[base + j] = 0
+                qs[t, 2 * b] = 0
+                qs[t, 2 * b + 1] = 0
+                continue
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            xd[t, b] = amax / np.float32(127.0)
+            q0 = 0
+            q1 = 0
+            for j in range(32):
+                q = np.int32(np.rint(x[t, 32 * b + j] * inv))
+                xq[base + j] = q
+                if j < 16:
+                    q0 += q
+                else:
+                    q1 += q
+            qs[t, 2 * b] = q0
+            qs[t, 2 * b + 1] = q1
+
+
+# -- y = x W^T on the re-packed layouts ----------------------------------------------------------------------
+
+
+def _linear(dot, block: int, block_bytes: int, has_min: bool, biased: bool):
+    """The kernel of one layout: (x [T, K] float32, wq flat, d [N, nb], m [N, nb] (or any array, unread without a
+    min), out [T, N]). x is quantized first (one thread; a few microseconds a token), then the weight rows go to
+    the threads, each running every token of x against its rows. `biased`: the bytes are q + 128 (an s8 layout,
+    layouts.py), whose dot is the unsigned one less 128 times the sum of x's int8 values."""
+    per16 = block // 16
+
+    @njit(parallel=True, cache=True, fastmath=FAST)
+    def linear(x, wq, d, m, out):
+        t_n, n_rows = out.shape
+        nb = d.shape[1]
+        k = nb * block
+        xq = np.empty(t_n * k, np.int8)
+        xd = np.empty((t_n, k // 32), np.float32)
+        xs16 = np.empty((t_n, k // 16), np.float32)
+        qs16 = np.empty((t_n, k // 16), np.int32)
+        quantize(x, xq, xd, xs16, qs16)
+        # per weight block: x's scale, the float sum (the min's term), the int8 sum (the bias's)
+        xdb = np.empty((t_n, nb), np.float32)
+        xsb = np.empty((t_n, nb), np.float32)
+        qsb = np.empty((t_n, nb), np.int32)
+        for t in range(t_n):
+            for b in range(nb):
+                xdb[t, b] = xd[t, (b * block) >> 5]
+                xsb[t, b] = xs16[t, per16 * b] + xs16[t, per16 * b + per16 - 1] if per16 == 2 else xs16[t, b]
+                qsb[t, b] = qs16[t, per16 * b] + qs16[t, per16 * b + per16 - 1] if per16 == 2 else qs16[t, b]
+        row_bytes = nb * block_bytes
+        for n in prange(n_rows):
+            w0 = n * row_bytes
+            for t in range(t_n):
+                x0 = t * k
+                # two chains of sums, each block's term one multiply-add: the float adds' latency, not the
+                # integer dots, would bound a single chain
+                acc0 = np.float32(0.0)
+                acc1 = np.float32(0.0)
+                b = 0
+                while b + 1 < nb:
+                    s0 = dot(wq, w0 + b * block_bytes, xq, x0 + b * block)
+                    s1 = dot(wq, w0 + (b + 1) * block_bytes, xq, x0 + (b + 1) * block)
+                    if biased:
+                        s0 -= 128 * qsb[t, b]
+                        s1 -= 128 * qsb[t, b + 1]
+                    acc0 += d[n, b] * xdb[t, b] * np.float32(s0)
+                    acc1 += d[n, b + 1] * xdb[t, b + 1] * np.float32(s1)
+                    b += 2
+                if b < nb:
+                    s0 = dot(wq, w0 + b * block_bytes, xq, x0 + b * block)
+                    if biased:
+                        s0 -= 128 * qsb[t, b]
+                    acc0 += d[n, b] * xdb[t, b] * np.float32(s0)
+                if has_min:
+                    for b in range(nb):
+                        acc1 += m[n, b] * xsb[t, b]
+                out[t, n] = acc0 + acc1
+
+    return linear
+
+
+LINEAR = {
+    ("u4", 32): _linear(dot_u4, 32, 16, True, False),
+    ("u8", 32): _linear(dot_u8_32, 32, 32, True, False),
+    ("u8", 16): _linear(dot_u8_16, 16, 16, True, False),
+    ("s8", 32): _linear(dot_u8_32, 32, 32, False, True),
+    ("s8", 16): _linear(dot_u8_16, 16, 16, False, True),
+}
+
+
+# -- dequantizing (prefill's large products, the embedding's rows) -------------------------------------------
+
+
+@njit(parallel=True, cache=True)
+def dequantize_u4(q, d, m, rows, out):
+    """Rows `rows` of a u4 matrix -> out [len(rows), K] float32: d * q + m (layouts.dequantize)."""
+    nb = d.shape[1]
+    for i in prange(rows.shape[0]):
+        n = rows[i]
+        for b in range(nb):
+            scale, low = d[n, b], m[n, b]
+            for j in range(16):
+                v = q[n, 16 * b + j]
+                out[i, 32 * b + j] = scale * np.float32(v & 15) + low
+                out[i, 32 * b + 16 + j] = scale * np.float32(v >> 4) + low
+
+
+@njit(parallel=True, cache=True)
+def dequantize_bytes(q, d, m, has_min, rows, out):
+    """Rows `rows` of a u8 matrix (blocks of K / d.shape[1] values) -> out float32: d * q + m; or of an s8
+    matrix (has_min False: its bytes are q + 128) -> d * q."""
+    nb = d.shape[1]
+    block = q.shape[1] // nb
+    for i in prange(rows.shape[0]):
+        n = rows[i]
+        for b in range(nb):
+            scale = d[n, b]
+            if has_min:
+                low = m[n, b]
+                for j in range(block):
+                    out[i, block * b + j] = scale * np.float32(q[n, block * b + j]) + low
+            else:
+                for j in range(block):
+                    out[i, block * b + j] = scale * np.float32(np.int32(q[n, block * b + j]) - 128)
+
+
+# -- the small operations of a decode step -------------------------------------------------------------------
+
+
+@njit(cache=True)
+def rms_norm(x, w, eps, out):
+    """x [R, D] -> x / sqrt(mean(x^2) + eps) (in float64, then float32) * w, as the NumPy reference."""
+    r_n, dim = x.shape
+    for r in range(r_n):
+        ss = 0.0
+        for i in range(dim):
+            v = np.float64(x[r, i])
+            ss += v * v
+        scale = math.sqrt(ss / dim + eps)
+        for i in range(dim):
+            out[r, i] = np.float32(np.float64(x[r, i]) / scale) * w[i]
+
+
+@njit(cache=True)
+def rope(x, cos, sin, neox, rot, out):
+    """x [T, H, Dh] rotated by cos, sin [T, rot / 2] in its first `rot` values per head -> out (the rest copied):
+    pairs (i, i + rot / 2) when `neox`, else (2i, 2i + 1); float32 as the NumPy reference."""
+    t_n, h_n, dh = x.shape
+    half = rot // 2
+    for t in range(t_n):
+        for h in range(h_n):
+            for i in range(rot, dh):
+                out[t, h, i] = x[t, h, i]
+            for i in range(half):
+                c, s = cos[t, i], sin[t, i]
+                ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                a, b = x[t, h, ia], x[t, h, ib]
+                out[t, h, ia] = a * c - b * s
+                out[t, h, ib] = a * s + b * c
+
+
+@njit(cache=True)
+def add(x, y, out):
+    """x + y, elementwise (float32 arrays of one shape)."""
+    a, b, o = x.reshape(-1), y.reshape(-1), out.reshape(-1)
+    for i in range(a.shape[0]):
+        o[i] = a[i] + b[i]
+
+
+@njit(cache=True)
+def swiglu(gate, up, out):
+    """silu(gate) * up in float32, the sigmoid as 0.5 (1 + tanh(gate / 2)) (the NumPy reference's)."""
+    g, u, o = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
+    for i in range(g.shape[0]):
+        sig = np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * g[i]))
+        o[i] = g[i] * sig * u[i]
+
+
+@njit(cache=True)
+def geglu(gate, up, out):
+    """gelu_tanh(gate) * up in float64, then float32 (the NumPy reference's)."""
+    g, u, o = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
+    c = math.sqrt(2.0 / math.pi)
+    for i in range(g.shape[0]):
+        v = np.float64(g[i])
+        o[i] = np.float32(0.5 * v * (1.0 + math.tanh(c * (v + 0.044715 * v * v * v))) * u[i])
+
+
+def _attend_one(q, kc, vc, lo, n, scale, softcap, sinks, out):
+    """One query's attention over a layer's cache: q [Hkv, G, Dh] over the n positions lo .. lo + n - 1 of kc, vc
+    [rows, Hkv, Dh] (row = position mod rows) -> out [Hkv, G, Dh]: softmax(q k * scale, soft-capped when
+    softcap > 0, with the head's sink logit in the denominator when sinks has one per head [Hkv, G]) @ v."""
+    hkv, g_n, dh = q.shape
+    rows = kc.shape[0]
+    for hg in prange(hkv * g_n):
+        h, g = hg // g_n, hg % g_n
+        scores = np.empty(n, np.float32)
+        top = -np.inf
+        for s in range(n):
+            r = (lo + s) % rows
+            acc = np.float32(0.0)
+            for i in range(dh):
+                acc += q[h, g, i] * kc[r, h, i]
+            v = acc * scale
+            if softcap > 0:
+                v = np.float32(softcap * np.tanh(v / softcap))
+            scores[s] = v
+            if v > top:
+                top = v
+        if sinks.shape[0]:
+            top = max(top, sinks[h, g])
+        total = np.float32(0.0)
+        for s in range(n):
+            e = np.exp(scores[s] - top)
+            scores[s] = e
+            total += e
+        if sinks.shape[0]:
+            total += np.exp(sinks[h, g] - top)
+        for i in range(dh):
+            out[h, g, i] = 0.0
+        for s in range(n):
+            p = scores[s] / total
+            r = (lo + s) % rows
+            for i in range(dh):
+                out[h, g, i] += p * vc[r, h, i]
+
+
+attend_one = njit(cache=True, fastmath=FAST)(_attend_one)
+attend_one_threads = njit(parallel=True, cache=True, fastmath=FAST)(_attend_one)
