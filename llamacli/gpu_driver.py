@@ -31,12 +31,13 @@ def loads_model(argv: list[str]) -> bool:
 
 
 def wanted(argv: list[str]) -> bool:
-    """Whether this command line loads a model and may take the CUDA backend (not `--backend numpy`), in this
-    process (not with --keep-alive, or LLAMACLI_KEEP_ALIVE, other than 0: the resident server loads it). A
+    """Whether this command line loads a model and may take the CUDA backend (not `--backend numpy` or `cpu`), in
+    this process (not with --keep-alive, or LLAMACLI_KEEP_ALIVE, other than 0: the resident server loads it). A
     guess from the words alone: a wrong one costs a context made and not used, or made late."""
-    if not loads_model(argv) or "--backend=numpy" in argv or _keeps_alive(argv):
+    host = ("numpy", "cpu")
+    if not loads_model(argv) or any(f"--backend={b}" in argv for b in host) or _keeps_alive(argv):
         return False
-    return not any(a == "--backend" and b == "numpy" for a, b in zip(argv, argv[1:]))
+    return not any(a == "--backend" and b in host for a, b in zip(argv, argv[1:]))
 
 
 def _keeps_alive(argv: list[str]) -> bool:
@@ -104,7 +105,7 @@ class DriverStart:
             self.thread.join()
 
     def release(self) -> None:
-        """Release the primary context context() retained (the NumPy backend runs after all)."""
+        """Release the primary context context() retained (a CPU backend runs after all)."""
         self.wait()
         with self._lock:
             retained, self.retained = self.retained, None
@@ -132,5 +133,5 @@ def wait() -> None:
 
 
 def release() -> None:
-    """PROCESS.release(): let the retained context go (the NumPy backend runs after all)."""
+    """PROCESS.release(): let the retained context go (a CPU backend runs after all)."""
     PROCESS.release()

@@ -28,7 +28,8 @@ from .parser import HabitCommand, HabitGroup
 
 app = typer.Typer(
     name="llamacli",
-    help="Run GGUF language models on NVIDIA GPUs (CuPy + our CUDA kernels), with a NumPy reference backend.",
+    help="Run GGUF language models on NVIDIA GPUs (CuPy + our CUDA kernels), or on the CPU (numba kernels), with a "
+         "NumPy reference backend.",
     epilog="Also: list and ls (= models), show (= inspect). llama.cpp's -m, -p, -f, -c, -n, -s, -t, --temp, "
     "--grammar and --ignore-eos work as there; -ngl and -fa are accepted. --debug and -v work before or after "
     "the command.",
@@ -184,7 +185,9 @@ ModelOpt = Annotated[
     Optional[str],
     typer.Option("--model", "-m", help="A GGUF path, a registry name (llamacli models) or hf://owner/repo/file.gguf. Default: the registry's default model."),
 ]
-BackendOpt = Annotated[str, typer.Option("--backend", help="auto (CUDA when available), cuda or numpy.")]
+BackendOpt = Annotated[str, typer.Option(
+    "--backend", help="auto (CUDA when available, else cpu), cuda, cpu (quantized weights, numba kernels) or numpy "
+                      "(the reference: float32 weights, slow).")]
 ModelArg = Annotated[Optional[str], typer.Argument(metavar="MODEL", help="The model, as -m takes it.", show_default=False)]
 PromptArg = Annotated[Optional[str], typer.Argument(metavar="PROMPT", help="The prompt, as -p takes it.", show_default=False)]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", "-c", "--ctx-size", help="Context size (default: the model's, at most 4096).")]
@@ -201,7 +204,7 @@ SwaFullOpt = Annotated[bool, typer.Option(
 # llama.cpp's options that have nothing to choose here: accepted, with a notice saying why.
 GpuLayersOpt = Annotated[Optional[str], typer.Option(
     "--n-gpu-layers", "-ngl", "--gpu-layers", metavar="N",
-    help="As llama.cpp's; ignored: with CUDA every layer runs on the GPU, with --backend numpy on the CPU.")]
+    help="As llama.cpp's; ignored: with CUDA every layer runs on the GPU, with --backend cpu or numpy on the CPU.")]
 FlashAttnOpt = Annotated[bool, typer.Option(
     "--flash-attn", "-fa", help="As llama.cpp's (on/off/auto may follow); a no-op: CUDA attention is always fused.")]
 
@@ -260,9 +263,9 @@ def _threads_option(value: Optional[int]) -> Optional[int]:
 
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", metavar="N", callback=_threads_option,
-    help="CPU threads for the NumPy backend's matrix products (its BLAS), as llama.cpp's -t. Default (or -1): "
-         "half the CPUs, less those other programs keep busy (a busy CPU stalls every BLAS thread), at least 1; "
-         "OPENBLAS_NUM_THREADS or OMP_NUM_THREADS, where set, instead.")]
+    help="CPU threads of the CPU backends (the cpu backend's kernels, the NumPy backend's BLAS), as llama.cpp's -t. "
+         "Default (or -1): half the CPUs, less those other programs keep busy (a busy CPU stalls every thread), at "
+         "least 1; OPENBLAS_NUM_THREADS or OMP_NUM_THREADS, where set, instead.")]
 # (A command need not pass `threads` on: the callback applied it; load_model says what it came to.)
 LogprobsOpt = Annotated[Optional[int], typer.Option(
     "--logprobs", metavar="N",
@@ -412,7 +415,7 @@ def llama_cpp_notices(backend: str, gpu_layers: str | None, flash_attn: bool) ->
     """Why llama.cpp's -ngl and -fa change nothing here, said once so that their users are not left guessing."""
     lines = []
     if gpu_layers is not None:
-        where = ("the CUDA backend runs every layer on the GPU (--backend numpy runs on the CPU)" if backend == "cuda"
+        where = ("the CUDA backend runs every layer on the GPU (--backend cpu runs on the CPU)" if backend == "cuda"
                  else f"the {backend} backend runs on the CPU")
         lines.append(f"-ngl {gpu_layers} is ignored: {where}")
     if flash_attn:

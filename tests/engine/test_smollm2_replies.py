@@ -9,6 +9,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+
 from llamacli.engine.generate import load
 
 
@@ -21,3 +23,13 @@ def test_stored_greedy_replies_are_the_numpy_backends(smollm2) -> None:
     for prompt, want in data["replies"].items():
         got = m.complete(prompt, max_tokens=data["max_tokens"], temperature=0.0).tokens
         assert got == want, prompt
+
+
+def test_the_cpu_backend_gives_the_stored_greedy_replies(smollm2) -> None:
+    """The CPU backend (quantized weights, int16 activations: llamacli/backends/cpu/) replies as the reference does,
+    64 greedy tokens to each prompt."""
+    pytest.importorskip("numba")
+    data = json.loads((Path(__file__).parents[1] / "smollm2_greedy.json").read_text())
+    m = load(smollm2, backend="cpu", ctx=data["ctx"])
+    for prompt, want in data["replies"].items():
+        assert m.complete(prompt, max_tokens=data["max_tokens"], temperature=0.0).tokens == want, prompt

@@ -3,14 +3,14 @@ the weights kept quantized in memory and the hot operations compiled by numba.
 
     layouts.py   GGUF blocks re-packed, exactly, into three kernel layouts (4-bit pairs, bytes with a min,
                  signed bytes), float32 scales per 16 or 32 values
-    simd.py      a weight block's integer dot with int8 activations, as LLVM vector IR (vpdpbusd, vpmaddwd)
-    kernels.py   the matrix products (int8 activations, rows across threads), dequantizing, RMSNorm, RoPE,
-                 the gated activations and a decode step's attention
+    simd.py      a weight block's integer dot with int16 activations, as LLVM vector IR (vpmaddwd)
+    kernels.py   the matrix products (int16 activations, rows across threads), dequantizing, RMSNorm, RoPE,
+                 GeGLU, the residual add and a decode step's attention
     backend.py   CpuBackend: NumpyBackend with those in place of its float32 weights and NumPy operations
 
 Why a backend of its own and not a faster NumPy backend: the NumPy backend is the reference every other
-backend is tested against, written to be read; this one trades some of that (int8 activations, as llama.cpp's
-CPU backend and our CUDA matvecs use) for speed, and is tested against it.
+backend is tested against, written to be read; this one trades some of that (activations quantized to int16 per
+32 values, where llama.cpp's CPU backend takes int8) for speed, and is tested against it.
 
 Importing the package needs no numba: `cpu_available()` says whether the backend can run here.
 """

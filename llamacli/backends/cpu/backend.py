@@ -7,12 +7,13 @@ What differs from the reference, and what does not:
   file's size instead of four bytes a weight; token_embd is the same re-packed matrix (one copy when tied), its
   rows dequantized on demand to the reference's floats. Types without a layout (F32, F16, BF16, the IQ1-IQ3
   grids) stay float32 matrices, multiplied as the reference does.
-- A product of fewer than DEQUANT_ROWS tokens (a decode step, a short prompt) quantizes x to int8 per 32 values
-  and runs the integer kernels: the error this adds is llama.cpp's CPU backend's (and our CUDA matvecs'), at
-  most half a step of each value's int8 scale (llamacli.testing.act8_bound). From DEQUANT_ROWS tokens on the
-  matrix is dequantized to float32 (the reference's values) and multiplied by BLAS, as the reference does.
-- RMSNorm, RoPE, SwiGLU and GeGLU run compiled, computing what the reference computes in the same precision; a
-  decode step's attention (one query) runs compiled in float32; a prompt's attention is the reference's.
+- A product of fewer than DEQUANT_ROWS tokens (a decode step, a short prompt) quantizes x to int16 per 32 values
+  and runs the integer kernels (kernels.py): each value moves by at most half a step of its block's scale,
+  amax / 32767. From DEQUANT_ROWS tokens on the matrix is dequantized to float32 (the reference's values) and
+  multiplied by BLAS, as the reference does.
+- RMSNorm, RoPE, GeGLU and the residual add run compiled, computing what the reference computes in the same
+  precision; a decode step's attention (one query) runs compiled in float32; a prompt's attention, and SwiGLU
+  (NumPy's vectorised tanh is faster than a compiled loop's), are the reference's.
 - Everything else (embedding scale, soft-caps, experts' routing, the delta-net layers, the KV caches, the slots,
   sampling) is the reference's own code.
 The kernels use -t/--threads threads (cpu_threads.threads_in_force), set for the calling thread at every forward
@@ -39,7 +40,7 @@ from . import kernels
 from .layouts import Packed, pack, packable, packed_bytes
 
 # Tokens from which a product dequantizes its matrix and multiplies in float32 (BLAS) instead of quantizing x
-# to int8: the integer kernels' time grows with the tokens, the dequantized matrix's is paid once a product.
+# to int16: the integer kernels' time grows with the tokens, the dequantized matrix's is paid once a product.
 DEQUANT_ROWS = 32
 # Score-and-value work (positions x query heads x head dim) from which a decode step's attention splits its heads
 # across the threads.

@@ -1,16 +1,16 @@
 """The CPU backend's kernels, compiled by numba (cached on disk after the first run): the matrix products on
 re-packed weights (layouts.py), and the operations whose NumPy forms cost more in calls than in arithmetic on a
-decode step of one token (RMSNorm, RoPE, the gated activations, attention over the cache).
+decode step of one token (RMSNorm, RoPE, GeGLU, the residual add, attention over the cache).
 
-Matrix products (llama.cpp's CPU scheme): the activations x [T, K] are quantized per 32 values to int8 with one
-float32 scale each (xd = amax / 127, q = rint(x * 127 / amax), as the CUDA backend's int8 matvecs do:
-llamacli.testing.act8), and each weight block's integer dot with them (simd.py) is scaled by both scales:
+Matrix products (llama.cpp's CPU scheme, with int16 activations where it uses int8: simd.py says why): x [T, K]
+is quantized per 32 values to int16 with one float32 scale each (xd = amax / 32767, q = rint(x * 32767 / amax)),
+and each weight block's integer dot with them (simd.py) is scaled by both scales:
 
     y[t, n] = sum_b d[n, b] xd[t, b] dot(q_w[n, b], q_x[t, b])  (+ m[n, b] sum(x[t, b]) for layouts with a min)
 
 The min's term uses the exact float32 sum of x over the block. Rows of W are split across the threads
 (numba's prange; `numba.set_num_threads` as -t says). A block whose x holds a NaN or an infinity gets xd = NaN,
-so that the output is NaN as the float32 product's would be (sampling reports it).
+so that the output is NaN as the float32 product's would not be finite either (sampling reports it).
 
 Float-reduction loops take fastmath's reassociation and contraction only: never 'nnan'/'ninf', under which LLVM
 would drop the checks above. The dequantizing kernels take none, so that scale * q + min rounds as layouts.py's
@@ -27,14 +27,15 @@ from numba import njit, prange
 from .simd import dot_u4, dot_u8_16, dot_u8_32
 
 FAST = {"reassoc", "contract", "nsz", "arcp"}
+QMAX = 32767  # int16 activations: q = rint(x * QMAX / amax) per 32 values
 
 
-# -- activations to int8 -------------------------------------------------------------------------------------
+# -- activations to int16 ------------------------------------------------------------------------------------
 
 
 @njit(cache=True, fastmath=FAST)
 def quantize(x, xq, xd, xs, qs):
-    """x [T, K] float32 (K a multiple of 32) -> xq int8 [T * K] (row t at t * K) and per 16 values (xs, qs
+    """x [T, K] float32 (K a multiple of 32) -> xq int16 [T * K] (row t at t * K) and per 16 values (xs, qs
     [T, K / 16]) the float32 sum of x and the int32 sum of xq; xd [T, K / 32] the scales."""
     t_n, k = x.shape
     for t in range(t_n):
@@ -64,8 +65,8 @@ def quantize(x, xq, xd, xs, qs):
                 qs[t, 2 * b] = 0
                 qs[t, 2 * b + 1] = 0
                 continue
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            xd[t, b] = amax / np.float32(127.0)
+            inv = np.float32(QMAX) / amax if amax > 0 else np.float32(0.0)
+            xd[t, b] = amax / np.float32(QMAX)
             q0 = 0
             q1 = 0
             for j in range(32):
@@ -86,7 +87,7 @@ def _linear(dot, block: int, block_bytes: int, has_min: bool, biased: bool):
     """The kernel of one layout: (x [T, K] float32, wq flat, d [N, nb], m [N, nb] (or any array, unread without a
     min), out [T, N]). x is quantized first (one thread; a few microseconds a token), then the weight rows go to
     the threads, each running every token of x against its rows. `biased`: the bytes are q + 128 (an s8 layout,
-    layouts.py), whose dot is the unsigned one less 128 times the sum of x's int8 values."""
+    layouts.py), whose dot is the unsigned one less 128 times the sum of x's int16 values."""
     per16 = block // 16
 
     @njit(parallel=True, cache=True, fastmath=FAST)
@@ -94,12 +95,12 @@ def _linear(dot, block: int, block_bytes: int, has_min: bool, biased: bool):
         t_n, n_rows = out.shape
         nb = d.shape[1]
         k = nb * block
-        xq = np.empty(t_n * k, np.int8)
+        xq = np.empty(t_n * k, np.int16)
         xd = np.empty((t_n, k // 32), np.float32)
         xs16 = np.empty((t_n, k // 16), np.float32)
         qs16 = np.empty((t_n, k // 16), np.int32)
         quantize(x, xq, xd, xs16, qs16)
-        # per weight block: x's scale, the float sum (the min's term), the int8 sum (the bias's)
+        # per weight block: x's scale, the float sum (the min's term), the integer sum (the bias's)
         xdb = np.empty((t_n, nb), np.float32)
         xsb = np.empty((t_n, nb), np.float32)
         qsb = np.empty((t_n, nb), np.int32)
@@ -226,15 +227,6 @@ def add(x, y, out):
     a, b, o = x.reshape(-1), y.reshape(-1), out.reshape(-1)
     for i in range(a.shape[0]):
         o[i] = a[i] + b[i]
-
-
-@njit(cache=True)
-def swiglu(gate, up, out):
-    """silu(gate) * up in float32, the sigmoid as 0.5 (1 + tanh(gate / 2)) (the NumPy reference's)."""
-    g, u, o = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
-    for i in range(g.shape[0]):
-        sig = np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * g[i]))
-        o[i] = g[i] * sig * u[i]
 
 
 @njit(cache=True)

@@ -17,8 +17,8 @@ gguf.quants computes it) gives gguf.quants.dequantize's floats bit for bit, whic
 checks for every type. (Q4_0 and Q4_1's d * (q - 8) = d q - 8 d exactly: both terms and their difference fit
 float32's 24 bits.)
 
-Every layout's bytes are unsigned (s8's hold q + 128): the kernels' integer dot takes unsigned weights and signed
-activations (x86's vpdpbusd), an s8 block's dot less 128 times the sum of the activations' int8 values.
+Every layout's bytes are unsigned (s8's hold q + 128): the kernels' integer dot widens unsigned bytes, an s8
+block's dot less 128 times the sum of the activations' integer values.
 u4 packs a block's 32 values into 16 bytes as Q4_0 does: byte i holds value i in its low nibble and value
 i + 16 in its high one (Q4_K's file order, 32 low nibbles then 32 high ones per 64 values, is re-packed to it).
 Q5's fifth bit and Q6_K's upper two are folded into the byte here (one byte per value: more memory than the
