@@ -20,7 +20,7 @@ def start_early(name: str) -> EarlyStatus | None:
     llamacli.gpu_driver; then CuPy's import and check) on a thread of its own when `name` may take the CUDA
     backend, so that it overlaps what the caller does until select_backend. -> the function select_backend
     calls for its cuda_status() (it waits for the thread, and raises what the thread raised); None for the
-    NumPy backend (which lets go of a context the CLI's entry made). Call it, once started, on every way out
+    CPU and NumPy backends (which let go of a context the CLI's entry made). Call it, once started, on every way out
     (Model does), so that the process never exits with the thread inside the driver."""
     if name not in ("auto", "cuda"):
         gpu_driver.release()

@@ -45,6 +45,7 @@ def fake_driver(monkeypatch):
 
 def test_numpy_starts_nothing(fake_driver):
     assert backends.start_early("numpy") is None
+    assert backends.start_early("cpu") is None
     assert backends.start_early("bogus") is None
 
 
@@ -96,6 +97,7 @@ def test_a_model_that_fails_its_checks_leaves_no_start_thread(random_model):
     (["generate", "-m", "m.gguf"], True), (["--debug", "chat"], True), (["run", "m"], True), (["serve"], True),
     (["bench", "-m", "m.gguf", "--kernels"], True),
     (["generate", "--backend", "numpy"], False), (["bench", "--backend=numpy"], False),
+    (["generate", "--backend", "cpu"], False), (["run", "m", "--backend=cpu"], False),
     (["generate", "--help"], False), (["chat", "-h"], False), (["inspect", "m.gguf"], False),
     (["tokenize", "generate"], False), (["models"], False), (["--version"], False), ([], False),
     (["--version", "generate", "-m", "m.gguf"], False),
@@ -247,9 +249,9 @@ def test_a_machine_without_an_nvidia_driver_is_told_so(monkeypatch):
     assert not ok and "insufficient" in why and "nvidia-smi" in why
 
 
-def test_auto_takes_numpy_with_a_notice_for_a_model_the_cuda_kernels_do_not_run(random_model):
+def test_auto_takes_the_cpu_backend_with_a_notice_for_a_model_the_cuda_kernels_do_not_run(random_model):
     """A GPU that works (faked) and a hybrid model (Qwen3.5's delta-net layers, which the CUDA paths lack): `auto`
-    takes the NumPy backend and says why; `cuda` is still taken at its word (the model is refused at load)."""
+    takes the CPU backend and says why; `cuda` is still taken at its word (the model is refused at load)."""
     from llamacli.ggufio.file import open_gguf
     from llamacli.models.config import ModelConfig
 
@@ -258,5 +260,5 @@ def test_auto_takes_numpy_with_a_notice_for_a_model_the_cuda_kernels_do_not_run(
     g.close()
     said: list[str] = []
     be = backends.select_backend("auto", said.append, early=lambda: (True, "a GPU"), cfg=cfg)
-    assert be.name == "numpy"
-    assert len(said) == 1 and said[0].startswith("using the NumPy backend (") and "delta-net" in said[0]
+    assert be.name == "cpu"
+    assert len(said) == 1 and said[0].startswith("using the CPU backend (") and "delta-net" in said[0]

@@ -103,7 +103,7 @@ def test_broken_hybrid_files_are_refused_with_one_line(tmp_path, metadata, drop,
 
 
 @pytest.mark.gpu
-def test_cuda_refuses_hybrids_naming_the_numpy_backend(random_model):
+def test_cuda_refuses_hybrids_naming_the_cpu_backend(random_model):
     """The CUDA backend has no gated delta-net layers yet: one line, exit 1, the way to run the model named."""
     from llamacli.backends import cuda_status
 
@@ -112,4 +112,4 @@ def test_cuda_refuses_hybrids_naming_the_numpy_backend(random_model):
         pytest.skip(why)
     path = str(random_model("tiny-qwen35", "Q8_0"))
     r = run("generate", path, "--backend", "cuda", "-p", "hi", "-n", "2")
-    assert r.code == 1 and "runs on the NumPy backend for now (--backend numpy)" in r.one_line_error()
+    assert r.code == 1 and "runs on the CPU backend for now (--backend cpu)" in r.one_line_error()

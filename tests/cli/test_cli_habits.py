@@ -61,7 +61,7 @@ def test_ngl_notice_on_cuda_says_where_layers_run():
     from llamacli.cli.app import llama_cpp_notices
 
     (line,) = llama_cpp_notices("cuda", "0", False)
-    assert line.startswith("-ngl 0 is ignored") and "every layer on the GPU" in line and "--backend numpy" in line
+    assert line.startswith("-ngl 0 is ignored") and "every layer on the GPU" in line and "--backend cpu" in line
     assert llama_cpp_notices("cuda", None, False) == []
     assert llama_cpp_notices("cuda", None, True) == ["-fa is a no-op: the CUDA backend's attention is always "
                                                      "fused (flash-attention style)"]

@@ -54,12 +54,12 @@ def test_every_shape_fuses_on_cuda(shape) -> None:
 @pytest.mark.parametrize("shape", sorted(s for s in SHAPES if SHAPES[s].arch in HYBRIDS))
 def test_hybrid_shapes_are_refused_on_cuda_with_the_way_to_run_them(shape) -> None:
     """The CUDA paths have no gated delta-net layers, gated attention or shared experts yet: every layer of the
-    hybrid models is refused with the NumPy backend named, before anything is uploaded (device.py calls match_layer
+    hybrid models is refused with the CPU backend named, before anything is uploaded (device.py calls match_layer
     first)."""
     cfg = config(shape)
     for i in range(cfg.n_layer):
         what = "gated delta-net" if cfg.layers[i].recurrent else "gated attention"
-        with pytest.raises(Unfused, match=f"no {what}.*runs on the NumPy backend for now \\(--backend numpy\\)"):
+        with pytest.raises(Unfused, match=f"no {what}.*runs on the CPU backend for now \\(--backend cpu\\)"):
             match_layer(layer_ops(cfg, i), i)
 
 

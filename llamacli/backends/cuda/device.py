@@ -125,7 +125,7 @@ def cache_q8(cfg: ModelConfig, cache_types: tuple[str, str]) -> bool:
     CUDA backend does not take."""
     if tuple(cache_types) not in (("f16", "f16"), ("q8_0", "q8_0")):  # as llama.cpp's CUDA flash attention
         raise UsageError(f"the CUDA backend takes K and V caches of one type (f16 or q8_0), not "
-                         f"{'/'.join(cache_types)}; the NumPy backend (--backend numpy) takes any pair")
+                         f"{'/'.join(cache_types)}; the CPU backend (--backend cpu) takes any pair")
     check_cache_types(cfg.head_dim, cache_types)
     return cache_types[0] == "q8_0"
 
@@ -133,7 +133,7 @@ def cache_q8(cfg: ModelConfig, cache_types: tuple[str, str]) -> bool:
 def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedLayer, ...]:
     """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); a program
     they do not run, or experts the kernels do not serve, is refused here, before anything is uploaded."""
-    # the programs first: a hybrid model is refused naming --backend numpy before its experts are looked at
+    # the programs first: a hybrid model is refused naming --backend cpu before its experts are looked at
     fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
     check_moe(cfg, gguf)
     return fused

@@ -106,8 +106,8 @@ def _refuse_unported(ops: tuple[Op, ...]) -> None:
         what = "gated attention or shared experts"
     else:
         return
-    raise Unfused(f"the CUDA backend has no {what} yet: this model runs on the NumPy backend for now "
-                  "(--backend numpy)")
+    raise Unfused(f"the CUDA backend has no {what} yet: this model runs on the CPU backend for now "
+                  "(--backend cpu)")
 
 
 def match_layer(ops: tuple[Op, ...], layer: int | None = None) -> FusedLayer:
