@@ -219,3 +219,55 @@ def test_without_numba_auto_takes_the_reference_and_cpu_says_why(monkeypatch):
     assert be.name == "numpy" and len(said) == 1 and "numba" in said[0]
     with pytest.raises(BackendError, match="CPU backend is unavailable.*numba"):
         backends.select_backend("cpu")
+
+
+# -- compiling -----------------------------------------------------------------------------------------------
+
+
+def test_kernels_compile_without_a_cache_where_numba_has_nowhere_to_keep_one(monkeypatch):
+    """numba raises at decoration when it finds no writable place for its cache (a read-only install and home):
+    the kernel is compiled in memory instead."""
+    from llamacli.backends.cpu import kernels
+
+    real = kernels.njit
+
+    def no_cache(**options):
+        if options.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return real(**options)
+
+    monkeypatch.setattr(kernels, "njit", no_cache)
+    add = kernels._jit()(kernels.add.py_func)
+    out = np.empty(3, np.float32)
+    add(np.ones(3, np.float32), np.ones(3, np.float32), out)
+    assert out.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_second_process_loads_the_compiled_kernels(tmp_path):
+    """The kernels are compiled once and then loaded from numba's cache: a second process compiles none of those
+    a decode step uses (a cache key that changed from process to process, as a closure over an intrinsic's did,
+    would compile them again in every command: seconds)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import json, numpy as np
+from llamacli.backends.cpu import kernels, layouts
+from llamacli.backends.cpu.backend import PackedMatrix
+from llamacli.testing import random_quant_rows
+from llamacli.ggufio.ggml_types import GGMLQuantizationType as QT
+rng = np.random.default_rng(0)
+for qt in (QT.Q4_0, QT.Q5_1, QT.Q2_K, QT.Q8_0, QT.Q6_K):
+    cols = 256
+    m = PackedMatrix(layouts.pack(random_quant_rows(qt, 4, cols, rng), qt, (4, cols)))
+    m.product(np.ones((1, cols), np.float32)), m.rows(None)
+used = list(kernels.LINEAR.values()) + [kernels.quantize, kernels.dequantize_u4, kernels.dequantize_bytes]
+print(json.dumps(sum(sum(k.stats.cache_misses.values()) for k in used)))
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    assert runs[1].stdout.strip() == "0"

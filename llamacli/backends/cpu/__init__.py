@@ -17,6 +17,18 @@ Importing the package needs no numba: `cpu_available()` says whether the backend
 
 from __future__ import annotations
 
+import os
+
+# GNU OpenMP (numba's threading layer on Linux) spins its idle threads for GOMP_SPINCOUNT rounds of `pause` (300,000
+# by default: milliseconds) before it puts them to sleep. A decode step opens a parallel region per product,
+# microseconds apart, so a spin of a fraction of a millisecond keeps the threads awake through a step; spinning
+# milliseconds longer only takes CPUs from other programs, and where they keep the CPUs busy every region waits
+# for a thread that lost its CPU (SmolLM2 at -t 2 on a machine loaded 2x over: 0.8 to 3 s a token with the
+# default, 40 to 70 ms with 10,000 or with none). libgomp reads it when it loads (numba's first parallel region);
+# a user's own setting wins.
+if not os.environ.get("GOMP_SPINCOUNT") and not os.environ.get("OMP_WAIT_POLICY"):
+    os.environ["GOMP_SPINCOUNT"] = "10000"
+
 
 def cpu_available() -> tuple[bool, str]:
     """(True, numba's version) when the CPU backend can run here, else (False, why and how to fix it)."""

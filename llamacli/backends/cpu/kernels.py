@@ -27,13 +27,28 @@ from numba import njit, prange
 from .simd import dot_u4, dot_u8_16, dot_u8_32
 
 FAST = {"reassoc", "contract", "nsz", "arcp"}
+
+
+def _jit(**options):
+    """numba.njit with its on-disk cache where numba finds a writable place for it (beside this file, else the
+    user's cache directory); where it finds none (a read-only install and home), compiled anew in each process
+    rather than refused (numba raises at decoration then)."""
+
+    def wrap(fn):
+        try:
+            return njit(cache=True, **options)(fn)
+        except RuntimeError:
+            return njit(**options)(fn)
+
+    return wrap
+
 QMAX = 32767  # int16 activations: q = rint(x * QMAX / amax) per 32 values
 
 
 # -- activations to int16 ------------------------------------------------------------------------------------
 
 
-@njit(cache=True, fastmath=FAST)
+@_jit(fastmath=FAST)
 def quantize(x, xq, xd, xs, qs):
     """x [T, K] float32 (K a multiple of 32) -> xq int16 [T * K] (row t at t * K) and per 16 values (xs, qs
     [T, K / 16]) the float32 sum of x and the int32 sum of xq; xd [T, K / 32] the scales."""
@@ -83,14 +98,33 @@ def quantize(x, xq, xd, xs, qs):
 # -- y = x W^T on the re-packed layouts ----------------------------------------------------------------------
 
 
-def _linear(dot, block: int, block_bytes: int, has_min: bool, biased: bool):
-    """The kernel of one layout: (x [T, K] float32, wq flat, d [N, nb], m [N, nb] (or any array, unread without a
-    min), out [T, N]). x is quantized first (one thread; a few microseconds a token), then the weight rows go to
-    the threads, each running every token of x against its rows. `biased`: the bytes are q + 128 (an s8 layout,
-    layouts.py), whose dot is the unsigned one less 128 times the sum of x's int16 values."""
-    per16 = block // 16
+# The layouts (layouts.py kind and block) as the kernel's `layout` argument.
+LAYOUTS = {("u4", 32): 0, ("u8", 32): 1, ("u8", 16): 2, ("s8", 32): 3, ("s8", 16): 4}
 
-    @njit(parallel=True, cache=True, fastmath=FAST)
+
+@_jit(inline="always")
+def _dot(layout, wq, wo, xq, xo):
+    """One weight block's integer dot with its activations (simd.py) for `layout` (a constant where it is called).
+    An s8 block's bytes are q + 128 (layouts.py): its caller takes 128 times the activations' sum off."""
+    if layout == 0:
+        return dot_u4(wq, wo, xq, xo)
+    if layout == 1 or layout == 3:
+        return dot_u8_32(wq, wo, xq, xo)
+    return dot_u8_16(wq, wo, xq, xo)
+
+
+def _linear(layout: int):
+    """The product kernel of one layout (LAYOUTS): (x [T, K] float32, wq flat, d [N, nb], m [N, nb] (unread without
+    a min: any float32 array of that shape), out [T, N]). x is quantized first (one thread; microseconds a token),
+    then the weight rows go to the threads, each running every token of x against its rows. The closure holds
+    the layout's number only (numba freezes it into the code, and its cache keys on it: a closure over an
+    intrinsic was compiled anew in every process)."""
+    block = 16 if layout in (2, 4) else 32
+    block_bytes = 32 if layout in (1, 3) else 16
+    has_min = layout <= 2
+    biased = layout >= 3
+
+    @_jit(parallel=True, fastmath=FAST)
     def linear(x, wq, d, m, out):
         t_n, n_rows = out.shape
         nb = d.shape[1]
@@ -107,21 +141,25 @@ def _linear(dot, block: int, block_bytes: int, has_min: bool, biased: bool):
         for t in range(t_n):
             for b in range(nb):
                 xdb[t, b] = xd[t, (b * block) >> 5]
-                xsb[t, b] = xs16[t, per16 * b] + xs16[t, per16 * b + per16 - 1] if per16 == 2 else xs16[t, b]
-                qsb[t, b] = qs16[t, per16 * b] + qs16[t, per16 * b + per16 - 1] if per16 == 2 else qs16[t, b]
+                if block == 32:
+                    xsb[t, b] = xs16[t, 2 * b] + xs16[t, 2 * b + 1]
+                    qsb[t, b] = qs16[t, 2 * b] + qs16[t, 2 * b + 1]
+                else:
+                    xsb[t, b] = xs16[t, b]
+                    qsb[t, b] = qs16[t, b]
         row_bytes = nb * block_bytes
         for n in prange(n_rows):
             w0 = n * row_bytes
             for t in range(t_n):
                 x0 = t * k
-                # two chains of sums, each block's term one multiply-add: the float adds' latency, not the
-                # integer dots, would bound a single chain
+                # two chains of sums, each block's term one multiply-add: the float adds' latency, not the integer
+                # dots, would bound a single chain
                 acc0 = np.float32(0.0)
                 acc1 = np.float32(0.0)
                 b = 0
                 while b + 1 < nb:
-                    s0 = dot(wq, w0 + b * block_bytes, xq, x0 + b * block)
-                    s1 = dot(wq, w0 + (b + 1) * block_bytes, xq, x0 + (b + 1) * block)
+                    s0 = _dot(layout, wq, w0 + b * block_bytes, xq, x0 + b * block)
+                    s1 = _dot(layout, wq, w0 + (b + 1) * block_bytes, xq, x0 + (b + 1) * block)
                     if biased:
                         s0 -= 128 * qsb[t, b]
                         s1 -= 128 * qsb[t, b + 1]
@@ -129,7 +167,7 @@ def _linear(dot, block: int, block_bytes: int, has_min: bool, biased: bool):
                     acc1 += d[n, b + 1] * xdb[t, b + 1] * np.float32(s1)
                     b += 2
                 if b < nb:
-                    s0 = dot(wq, w0 + b * block_bytes, xq, x0 + b * block)
+                    s0 = _dot(layout, wq, w0 + b * block_bytes, xq, x0 + b * block)
                     if biased:
                         s0 -= 128 * qsb[t, b]
                     acc0 += d[n, b] * xdb[t, b] * np.float32(s0)
@@ -141,19 +179,13 @@ def _linear(dot, block: int, block_bytes: int, has_min: bool, biased: bool):
     return linear
 
 
-LINEAR = {
-    ("u4", 32): _linear(dot_u4, 32, 16, True, False),
-    ("u8", 32): _linear(dot_u8_32, 32, 32, True, False),
-    ("u8", 16): _linear(dot_u8_16, 16, 16, True, False),
-    ("s8", 32): _linear(dot_u8_32, 32, 32, False, True),
-    ("s8", 16): _linear(dot_u8_16, 16, 16, False, True),
-}
+LINEAR = {key: _linear(layout) for key, layout in LAYOUTS.items()}
 
 
 # -- dequantizing (prefill's large products, the embedding's rows) -------------------------------------------
 
 
-@njit(parallel=True, cache=True)
+@_jit(parallel=True)
 def dequantize_u4(q, d, m, rows, out):
     """Rows `rows` of a u4 matrix -> out [len(rows), K] float32: d * q + m (layouts.dequantize)."""
     nb = d.shape[1]
@@ -167,7 +199,7 @@ def dequantize_u4(q, d, m, rows, out):
                 out[i, 32 * b + 16 + j] = scale * np.float32(v >> 4) + low
 
 
-@njit(parallel=True, cache=True)
+@_jit(parallel=True)
 def dequantize_bytes(q, d, m, has_min, rows, out):
     """Rows `rows` of a u8 matrix (blocks of K / d.shape[1] values) -> out float32: d * q + m; or of an s8
     matrix (has_min False: its bytes are q + 128) -> d * q."""
@@ -189,7 +221,7 @@ def dequantize_bytes(q, d, m, has_min, rows, out):
 # -- the small operations of a decode step -------------------------------------------------------------------
 
 
-@njit(cache=True)
+@_jit()
 def rms_norm(x, w, eps, out):
     """x [R, D] -> x / sqrt(mean(x^2) + eps) (in float64, then float32) * w, as the NumPy reference."""
     r_n, dim = x.shape
@@ -203,7 +235,7 @@ def rms_norm(x, w, eps, out):
             out[r, i] = np.float32(np.float64(x[r, i]) / scale) * w[i]
 
 
-@njit(cache=True)
+@_jit()
 def rope(x, cos, sin, neox, rot, out):
     """x [T, H, Dh] rotated by cos, sin [T, rot / 2] in its first `rot` values per head -> out (the rest copied):
     pairs (i, i + rot / 2) when `neox`, else (2i, 2i + 1); float32 as the NumPy reference."""
@@ -221,7 +253,7 @@ def rope(x, cos, sin, neox, rot, out):
                 out[t, h, ib] = a * s + b * c
 
 
-@njit(cache=True)
+@_jit()
 def add(x, y, out):
     """x + y, elementwise (float32 arrays of one shape)."""
     a, b, o = x.reshape(-1), y.reshape(-1), out.reshape(-1)
@@ -229,7 +261,7 @@ def add(x, y, out):
         o[i] = a[i] + b[i]
 
 
-@njit(cache=True)
+@_jit()
 def geglu(gate, up, out):
     """gelu_tanh(gate) * up in float64, then float32 (the NumPy reference's)."""
     g, u, o = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
@@ -278,5 +310,5 @@ def _attend_one(q, kc, vc, lo, n, scale, softcap, sinks, out):
                 out[h, g, i] += p * vc[r, h, i]
 
 
-attend_one = njit(cache=True, fastmath=FAST)(_attend_one)
-attend_one_threads = njit(parallel=True, cache=True, fastmath=FAST)(_attend_one)
+attend_one = _jit(fastmath=FAST)(_attend_one)
+attend_one_threads = _jit(parallel=True, fastmath=FAST)(_attend_one)
