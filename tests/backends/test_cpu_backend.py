@@ -262,7 +262,7 @@ for qt in (QT.Q4_0, QT.Q5_1, QT.Q2_K, QT.Q8_0, QT.Q6_K):
     cols = 256
     m = PackedMatrix(layouts.pack(random_quant_rows(qt, 4, cols, rng), qt, (4, cols)))
     m.product(np.ones((1, cols), np.float32)), m.rows(None)
-used = list(kernels.LINEAR.values()) + [kernels.quantize, kernels.dequantize_u4, kernels.dequantize_bytes]
+used = [*kernels.LINEAR.values(), *kernels.DEQUANTIZE.values(), kernels.quantize]
 print(json.dumps(sum(sum(k.stats.cache_misses.values()) for k in used)))
 """
     root = Path(__file__).resolve().parents[2]

@@ -41,7 +41,7 @@ from .layouts import Packed, pack, packable, packed_bytes
 
 # Tokens from which a product dequantizes its matrix and multiplies in float32 (BLAS) instead of quantizing x
 # to int16: the integer kernels' time grows with the tokens, the dequantized matrix's is paid once a product.
-DEQUANT_ROWS = 32
+DEQUANT_ROWS = 12
 # Score-and-value work (positions x query heads x head dim) from which a decode step's attention splits its heads
 # across the threads.
 ATTENTION_THREADS_FROM = 1 << 16
@@ -78,13 +78,9 @@ class PackedMatrix:
         idx = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64).reshape(-1)
         if idx.size and (idx.min() < 0 or idx.max() >= n):
             raise IndexError(f"row index out of range [0, {n})")
-        out = np.empty((idx.size, k), np.float32)
-        p = self.packed
-        if p.kind == "u4":
-            kernels.dequantize_u4(p.q, p.d, self._m, idx, out)
-        else:
-            kernels.dequantize_bytes(p.q, p.d, self._m, p.m is not None, idx, out)
-        return out
+        out = np.empty(idx.size * k, np.float32)
+        kernels.DEQUANTIZE[(self.packed.kind, self.packed.block)](self._q, self.packed.d, self._m, idx, out)
+        return out.reshape(idx.size, k)
 
 
 class PackedExperts:

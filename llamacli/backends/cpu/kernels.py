@@ -24,7 +24,16 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .simd import dot_u4, dot_u8_16, dot_u8_32
+from .simd import (
+    dequant_s8_16,
+    dequant_s8_32,
+    dequant_u4,
+    dequant_u8_16,
+    dequant_u8_32,
+    dot_u4,
+    dot_u8_16,
+    dot_u8_32,
+)
 
 FAST = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -185,37 +194,42 @@ LINEAR = {key: _linear(layout) for key, layout in LAYOUTS.items()}
 # -- dequantizing (prefill's large products, the embedding's rows) -------------------------------------------
 
 
-@_jit(parallel=True)
-def dequantize_u4(q, d, m, rows, out):
-    """Rows `rows` of a u4 matrix -> out [len(rows), K] float32: d * q + m (layouts.dequantize)."""
-    nb = d.shape[1]
-    for i in prange(rows.shape[0]):
-        n = rows[i]
-        for b in range(nb):
-            scale, low = d[n, b], m[n, b]
-            for j in range(16):
-                v = q[n, 16 * b + j]
-                out[i, 32 * b + j] = scale * np.float32(v & 15) + low
-                out[i, 32 * b + 16 + j] = scale * np.float32(v >> 4) + low
+@_jit(inline="always")
+def _dequant(layout, wq, wo, scale, low, out, oo):
+    """One weight block's values, scale * q (+ low), into out[oo:] (simd.py) for `layout` (a constant where called)."""
+    if layout == 0:
+        dequant_u4(wq, wo, scale, low, out, oo)
+    elif layout == 1:
+        dequant_u8_32(wq, wo, scale, low, out, oo)
+    elif layout == 2:
+        dequant_u8_16(wq, wo, scale, low, out, oo)
+    elif layout == 3:
+        dequant_s8_32(wq, wo, scale, low, out, oo)
+    else:
+        dequant_s8_16(wq, wo, scale, low, out, oo)
 
 
-@_jit(parallel=True)
-def dequantize_bytes(q, d, m, has_min, rows, out):
-    """Rows `rows` of a u8 matrix (blocks of K / d.shape[1] values) -> out float32: d * q + m; or of an s8
-    matrix (has_min False: its bytes are q + 128) -> d * q."""
-    nb = d.shape[1]
-    block = q.shape[1] // nb
-    for i in prange(rows.shape[0]):
-        n = rows[i]
-        for b in range(nb):
-            scale = d[n, b]
-            if has_min:
-                low = m[n, b]
-                for j in range(block):
-                    out[i, block * b + j] = scale * np.float32(q[n, block * b + j]) + low
-            else:
-                for j in range(block):
-                    out[i, block * b + j] = scale * np.float32(np.int32(q[n, block * b + j]) - 128)
+def _dequantize(layout: int):
+    """The dequantizing kernel of one layout: (wq flat, d [N, nb], m [N, nb] (unread without a min), rows [R] int64,
+    out [R * K] float32): out's row i = row rows[i] of the matrix, the file's values (layouts.dequantize)."""
+    block = 16 if layout in (2, 4) else 32
+    block_bytes = 32 if layout in (1, 3) else 16
+    has_min = layout <= 2
+
+    @_jit(parallel=True)
+    def dequantize(wq, d, m, rows, out):
+        nb = d.shape[1]
+        k = nb * block
+        for i in prange(rows.shape[0]):
+            n = rows[i]
+            for b in range(nb):
+                low = m[n, b] if has_min else np.float32(0.0)
+                _dequant(layout, wq, (n * nb + b) * block_bytes, d[n, b], low, out, i * k + b * block)
+
+    return dequantize
+
+
+DEQUANTIZE = {key: _dequantize(layout) for key, layout in LAYOUTS.items()}
 
 
 # -- the small operations of a decode step -------------------------------------------------------------------

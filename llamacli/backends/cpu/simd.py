@@ -86,3 +86,58 @@ def _dot_intrinsic(n: int, nibbles: bool):
 dot_u4 = _dot_intrinsic(32, nibbles=True)
 dot_u8_32 = _dot_intrinsic(32, nibbles=False)
 dot_u8_16 = _dot_intrinsic(16, nibbles=False)
+
+
+_F32 = ir.FloatType()
+
+
+def _dequant_intrinsic(n: int, nibbles: bool, biased: bool, with_min: bool):
+    """An intrinsic (w, wo, scale, low, out, oo) -> none: out[oo:oo+n] = scale * q (+ low) for the n values at w[wo:]
+    (n / 2 bytes of two nibbles when `nibbles`; bytes q + 128 when `biased`), multiplied and then added in float32
+    as layouts.dequantize does (no fused multiply-add: the file's values exactly)."""
+
+    @intrinsic
+    def dequant(typingctx, w, wo, scale, low, out, oo):
+        if not (_array(w, types.uint8) and _array(out, types.float32) and isinstance(wo, types.Integer)
+                and isinstance(oo, types.Integer) and scale == types.float32 and low == types.float32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            wa, woff, sc, lo_, oa, ooff = args
+            wt, wot, _, _, ot, oot = signature.args
+            woff = context.cast(builder, woff, wot, types.intp)
+            ooff = context.cast(builder, ooff, oot, types.intp)
+            if nibbles:
+                b = _load(context, builder, wt, wa, woff, n // 2, _I8)
+                lo = builder.and_(b, ir.Constant(b.type, [15] * (n // 2)))
+                hi = builder.lshr(b, ir.Constant(b.type, [4] * (n // 2)))
+                q = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, n), list(range(n))))
+            else:
+                q = _load(context, builder, wt, wa, woff, n, _I8)
+            q = builder.zext(q, _vec(_I32, n))
+            if biased:
+                q = builder.sub(q, ir.Constant(q.type, [128] * n))
+            f = builder.sitofp(q, _vec(_F32, n))
+            splat = ir.Constant(_vec(_I32, n), [0] * n)
+            sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(_F32, n), None), sc,
+                                                               ir.Constant(_I32, 0)), ir.Constant(_vec(_F32, n), None), splat)
+            f = builder.fmul(f, sv)
+            if with_min:
+                lv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(_F32, n), None), lo_,
+                                                                   ir.Constant(_I32, 0)), ir.Constant(_vec(_F32, n), None), splat)
+                f = builder.fadd(f, lv)
+            data = context.make_array(ot)(context, builder, oa).data
+            ptr = builder.bitcast(builder.gep(data, [ooff]), _vec(_F32, n).as_pointer())
+            builder.store(f, ptr, align=4)
+            return context.get_dummy_value()
+
+        return types.none(w, wo, scale, low, out, oo), codegen
+
+    return dequant
+
+
+dequant_u4 = _dequant_intrinsic(32, nibbles=True, biased=False, with_min=True)
+dequant_u8_32 = _dequant_intrinsic(32, nibbles=False, biased=False, with_min=True)
+dequant_u8_16 = _dequant_intrinsic(16, nibbles=False, biased=False, with_min=True)
+dequant_s8_32 = _dequant_intrinsic(32, nibbles=False, biased=True, with_min=False)
+dequant_s8_16 = _dequant_intrinsic(16, nibbles=False, biased=True, with_min=False)
