@@ -30,9 +30,11 @@ from .simd import (
     dequant_u4,
     dequant_u8_16,
     dequant_u8_32,
-    dot_u4,
-    dot_u8_16,
-    dot_u8_32,
+    row_dot_s8_16,
+    row_dot_s8_32,
+    row_dot_u4,
+    row_dot_u8_16,
+    row_dot_u8_32,
 )
 
 FAST = {"reassoc", "contract", "nsz", "arcp"}
@@ -58,9 +60,9 @@ QMAX = 32767  # int16 activations: q = rint(x * QMAX / amax) per 32 values
 
 
 @_jit(fastmath=FAST)
-def quantize(x, xq, xd, xs, qs):
-    """x [T, K] float32 (K a multiple of 32) -> xq int16 [T * K] (row t at t * K) and per 16 values (xs, qs
-    [T, K / 16]) the float32 sum of x and the int32 sum of xq; xd [T, K / 32] the scales."""
+def quantize(x, xq, xd, xs):
+    """x [T, K] float32 (K a multiple of 32) -> xq int16 [T * K] (row t at t * K), xd [T, K / 32] the scales, and
+    the float32 sums of x per 16 values xs [T, K / 16]."""
     t_n, k = x.shape
     for t in range(t_n):
         for b in range(k // 32):
@@ -86,22 +88,11 @@ def quantize(x, xq, xd, xs, qs):
                 xd[t, b] = np.float32(np.nan)
                 for j in range(32):
                     xq[base + j] = 0
-                qs[t, 2 * b] = 0
-                qs[t, 2 * b + 1] = 0
                 continue
             inv = np.float32(QMAX) / amax if amax > 0 else np.float32(0.0)
             xd[t, b] = amax / np.float32(QMAX)
-            q0 = 0
-            q1 = 0
             for j in range(32):
-                q = np.int32(np.rint(x[t, 32 * b + j] * inv))
-                xq[base + j] = q
-                if j < 16:
-                    q0 += q
-                else:
-                    q1 += q
-            qs[t, 2 * b] = q0
-            qs[t, 2 * b + 1] = q1
+                xq[base + j] = np.int16(np.rint(x[t, 32 * b + j] * inv))
 
 
 # -- y = x W^T on the re-packed layouts ----------------------------------------------------------------------
@@ -112,14 +103,18 @@ LAYOUTS = {("u4", 32): 0, ("u8", 32): 1, ("u8", 16): 2, ("s8", 32): 3, ("s8", 16
 
 
 @_jit(inline="always")
-def _dot(layout, wq, wo, xq, xo):
-    """One weight block's integer dot with its activations (simd.py) for `layout` (a constant where it is called).
-    An s8 block's bytes are q + 128 (layouts.py): its caller takes 128 times the activations' sum off."""
+def _row_dot(layout, wq, w0, d, d0, xd, x0d, xq, x0, nb):
+    """sum_b d[d0 + b] xd[x0d + b] dot(weight block b, x's block b) over a row (simd.py) for `layout` (a constant
+    where it is called)."""
     if layout == 0:
-        return dot_u4(wq, wo, xq, xo)
-    if layout == 1 or layout == 3:
-        return dot_u8_32(wq, wo, xq, xo)
-    return dot_u8_16(wq, wo, xq, xo)
+        return row_dot_u4(wq, w0, d, d0, xd, x0d, xq, x0, nb)
+    if layout == 1:
+        return row_dot_u8_32(wq, w0, d, d0, xd, x0d, xq, x0, nb)
+    if layout == 2:
+        return row_dot_u8_16(wq, w0, d, d0, xd, x0d, xq, x0, nb)
+    if layout == 3:
+        return row_dot_s8_32(wq, w0, d, d0, xd, x0d, xq, x0, nb)
+    return row_dot_s8_16(wq, w0, d, d0, xd, x0d, xq, x0, nb)
 
 
 def _linear(layout: int):
@@ -131,7 +126,6 @@ def _linear(layout: int):
     block = 16 if layout in (2, 4) else 32
     block_bytes = 32 if layout in (1, 3) else 16
     has_min = layout <= 2
-    biased = layout >= 3
 
     @_jit(parallel=True, fastmath=FAST)
     def linear(x, wq, d, m, out):
@@ -141,49 +135,23 @@ def _linear(layout: int):
         xq = np.empty(t_n * k, np.int16)
         xd = np.empty((t_n, k // 32), np.float32)
         xs16 = np.empty((t_n, k // 16), np.float32)
-        qs16 = np.empty((t_n, k // 16), np.int32)
-        quantize(x, xq, xd, xs16, qs16)
-        # per weight block: x's scale, the float sum (the min's term), the integer sum (the bias's)
-        xdb = np.empty((t_n, nb), np.float32)
+        quantize(x, xq, xd, xs16)
+        # per weight block: x's scale and its float sum (the min's term)
+        xdb = np.empty(t_n * nb, np.float32)
         xsb = np.empty((t_n, nb), np.float32)
-        qsb = np.empty((t_n, nb), np.int32)
         for t in range(t_n):
             for b in range(nb):
-                xdb[t, b] = xd[t, (b * block) >> 5]
-                if block == 32:
-                    xsb[t, b] = xs16[t, 2 * b] + xs16[t, 2 * b + 1]
-                    qsb[t, b] = qs16[t, 2 * b] + qs16[t, 2 * b + 1]
-                else:
-                    xsb[t, b] = xs16[t, b]
-                    qsb[t, b] = qs16[t, b]
+                xdb[t * nb + b] = xd[t, (b * block) >> 5]
+                xsb[t, b] = xs16[t, 2 * b] + xs16[t, 2 * b + 1] if block == 32 else xs16[t, b]
+        df = d.reshape(-1)
         row_bytes = nb * block_bytes
         for n in prange(n_rows):
-            w0 = n * row_bytes
             for t in range(t_n):
-                x0 = t * k
-                # two chains of sums, each block's term one multiply-add: the float adds' latency, not the integer
-                # dots, would bound a single chain
-                acc0 = np.float32(0.0)
-                acc1 = np.float32(0.0)
-                b = 0
-                while b + 1 < nb:
-                    s0 = _dot(layout, wq, w0 + b * block_bytes, xq, x0 + b * block)
-                    s1 = _dot(layout, wq, w0 + (b + 1) * block_bytes, xq, x0 + (b + 1) * block)
-                    if biased:
-                        s0 -= 128 * qsb[t, b]
-                        s1 -= 128 * qsb[t, b + 1]
-                    acc0 += d[n, b] * xdb[t, b] * np.float32(s0)
-                    acc1 += d[n, b + 1] * xdb[t, b + 1] * np.float32(s1)
-                    b += 2
-                if b < nb:
-                    s0 = _dot(layout, wq, w0 + b * block_bytes, xq, x0 + b * block)
-                    if biased:
-                        s0 -= 128 * qsb[t, b]
-                    acc0 += d[n, b] * xdb[t, b] * np.float32(s0)
-                if has_min:
+                acc = _row_dot(layout, wq, n * row_bytes, df, n * nb, xdb, t * nb, xq, t * k, nb)
+                if has_min:  # + sum_b m_b sum(x_b)
                     for b in range(nb):
-                        acc1 += m[n, b] * xsb[t, b]
-                out[t, n] = acc0 + acc1
+                        acc += m[n, b] * xsb[t, b]
+                out[t, n] = acc
 
     return linear
 

@@ -6,7 +6,7 @@ float32 scale and min (ggml-common.h's formats, gguf.quants' dequantization):
     kind  values q (per row, [N, K])               types                           block   min
     u4    0..15, two per byte (below)              Q4_0 (min -8 d), Q4_1, Q4_K      32      yes
     u8    0..31 (or 0..3), one per byte            Q5_1, Q5_K; Q2_K                 32; 16  yes
-    s8    -128..127, one byte each, as q + 128     Q8_0, Q5_0 (q - 16), IQ4_NL,     32      no
+    s8    signed, one per byte                     Q8_0, Q5_0 (q - 16), IQ4_NL,     32      no
                                                    IQ4_XS, MXFP4 (their value
                                                    tables); Q6_K (q - 32), Q3_K     16
 
@@ -17,8 +17,6 @@ gguf.quants computes it) gives gguf.quants.dequantize's floats bit for bit, whic
 checks for every type. (Q4_0 and Q4_1's d * (q - 8) = d q - 8 d exactly: both terms and their difference fit
 float32's 24 bits.)
 
-Every layout's bytes are unsigned (s8's hold q + 128): the kernels' integer dot widens unsigned bytes, an s8
-block's dot less 128 times the sum of the activations' integer values.
 u4 packs a block's 32 values into 16 bytes as Q4_0 does: byte i holds value i in its low nibble and value
 i + 16 in its high one (Q4_K's file order, 32 low nibbles then 32 high ones per 64 values, is re-packed to it).
 Q5's fifth bit and Q6_K's upper two are folded into the byte here (one byte per value: more memory than the
@@ -41,8 +39,8 @@ QK_K = 256
 
 @dataclass(frozen=True)
 class Packed:
-    """A matrix [N, K] in one kernel layout: values `q` ([N, K / 2] uint8 for u4, [N, K] uint8 else: s8's as
-    q + 128), float32 `d` and `m` [N, K / block] (m None for s8)."""
+    """A matrix [N, K] in one kernel layout: values `q` ([N, K / 2] uint8 for u4, [N, K] uint8 for u8, int8 for
+    s8), float32 `d` and `m` [N, K / block] (m None for s8)."""
 
     kind: str  # "u4", "u8", "s8"
     block: int  # 16 or 32
@@ -78,8 +76,6 @@ def pack(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> Packed:
     q = q.reshape(n, k)
     if kind == "u4":
         q = _nibbles(q)
-    elif kind == "s8":
-        q = q.view(np.uint8) ^ np.uint8(0x80)  # q + 128
     d = np.ascontiguousarray(d, dtype=np.float32).reshape(n, k // block)
     if m is not None:
         m = np.ascontiguousarray(m, dtype=np.float32).reshape(n, k // block)
@@ -94,8 +90,6 @@ def dequantize(p: Packed) -> np.ndarray:
         b = q.reshape(n, k // 32, 16)
         q = np.concatenate([b & 15, b >> 4], axis=-1)
     v = q.reshape(n, k // p.block, p.block).astype(np.float32)
-    if p.kind == "s8":
-        v = v - 128
     out = p.d[..., None] * v
     if p.m is not None:
         out = out + p.m[..., None]

@@ -1,24 +1,24 @@
-"""The integer dot product of one weight block with one block of int16 activations, as numba intrinsics written in
-LLVM's portable vector IR.
+"""A row's integer dot products with int16 activations, and a weight block's dequantization, as numba intrinsics
+written in LLVM's portable vector IR.
 
-Why IR and not a numba loop: a numba loop over a block's 16 or 32 values is unrolled whole before LLVM's
-vectorizers see it, and what comes out is scalar code (a multiply per value; for the 4-bit blocks nothing
-better either), with numba widening small integers to int64 on the way. Written as whole vectors (load, widen,
-multiply, llvm.vector.reduce.add), the x86 backend picks the machine's integer dot instructions itself (vpmaddwd
-on AVX2 and AVX-512, pmaddwd on SSE2) for the one source: fast wherever numba runs and correct everywhere
-(tests/backends/test_cpu_backend.py compares the kernels with NumPy on every layout).
+Why IR and not numba loops: a numba loop over a block's 16 or 32 values is unrolled whole before LLVM's vectorizers
+see it, and what comes out is scalar code (a multiply or a conversion per value), with numba widening small
+integers to int64 on the way. Written as whole vectors (load, widen, multiply, add in pairs, convert, scale), the
+x86 backend picks the machine's instructions itself (vpmaddwd and vcvtdq2ps on AVX2 and AVX-512; pmaddwd on SSE2)
+for the one source: fast wherever numba runs and correct everywhere (tests/backends/test_cpu_backend.py compares
+the kernels with NumPy on every layout).
 
-Why int16 activations and not llama.cpp's int8 (whose unsigned-by-signed byte dots, vpdpbusd, run some 20%
-faster here): with int8, the real SmolLM2's greedy replies left the NumPy reference's from their second or third
-token on (its logits moved by up to 2.5 of 25); with int16 they are the reference's, 64 tokens of each of
+Why int16 activations and not llama.cpp's int8 (whose unsigned-by-signed byte dots, vpdpbusd, ran some 20% faster
+here): with int8, the real SmolLM2's greedy replies left the NumPy reference's from their second or third token on
+(its logits moved by up to 2.5 of 25); with int16 they are the reference's, 64 tokens of each of
 tests/smollm2_greedy.json's five prompts, the logits within 0.01.
 
-Each intrinsic reads `w[wo:]` (bytes) and `x[xo:]` (int16) of 1-D C-contiguous arrays without bounds checks: the
-callers (kernels.py) index whole blocks of arrays whose shapes the backend made. The sums fit int32: at most 32
+The intrinsics read and write 1-D C-contiguous arrays at the offsets given, without bounds checks: the callers
+(kernels.py) index whole blocks of arrays whose shapes the backend made. A block's integer sums fit int32: 32
 products of a byte (< 256) and an int16 (|x| <= 32767).
 
-    dot_u4(w, wo, x, xo)   16 bytes: low nibbles times x[xo:xo+16], high nibbles times x[xo+16:xo+32]
-    dot_u8_32 / dot_u8_16  32 / 16 unsigned bytes times as many int16
+    row_dot_u4 / _u8_32 / _u8_16 / _s8_32 / _s8_16   sum_b scale_b * dot(block b, x's block b): a row's float32
+    dequant_u4 / _u8_32 / _u8_16 / _s8_32 / _s8_16   one block: scale * q (+ min) into float32
 """
 
 from __future__ import annotations
@@ -46,59 +46,92 @@ def _load(context, builder, arr_type, arr, offset, n: int, elem: ir.Type):
     return builder.load(ptr, align=1)
 
 
-def _sum(builder, v):
-    """llvm.vector.reduce.add of an <n x i32>."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [v.type]),
-                                        f"llvm.vector.reduce.add.v{v.type.count}i32")
-    return builder.call(fn, [v])
-
-
-def _dot_intrinsic(n: int, nibbles: bool):
-    """An intrinsic (w, wo, x, xo) -> int32: n unsigned weights at w[wo:] (n / 2 bytes of two nibbles when
-    `nibbles`) times n int16 at x[xo:]."""
-
-    @intrinsic
-    def dot(typingctx, w, wo, x, xo):
-        if not (_array(w, types.uint8) and _array(x, types.int16)
-                and isinstance(wo, types.Integer) and isinstance(xo, types.Integer)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            wa, woff, xa, xoff = args
-            wt, wot, xt, xot = signature.args
-            woff = context.cast(builder, woff, wot, types.intp)
-            xoff = context.cast(builder, xoff, xot, types.intp)
-            xv = builder.sext(_load(context, builder, xt, xa, xoff, n, _I16), _vec(_I32, n))
-            if nibbles:  # n / 2 bytes -> n values: the low nibbles, then the high ones
-                b = _load(context, builder, wt, wa, woff, n // 2, _I8)
-                lo = builder.and_(b, ir.Constant(b.type, [15] * (n // 2)))
-                hi = builder.lshr(b, ir.Constant(b.type, [4] * (n // 2)))
-                wv = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, n), list(range(n))))
-            else:
-                wv = _load(context, builder, wt, wa, woff, n, _I8)
-            return _sum(builder, builder.mul(builder.zext(wv, _vec(_I32, n)), xv))
-
-        return types.int32(w, wo, x, xo), codegen
-
-    return dot
-
-
-dot_u4 = _dot_intrinsic(32, nibbles=True)
-dot_u8_32 = _dot_intrinsic(32, nibbles=False)
-dot_u8_16 = _dot_intrinsic(16, nibbles=False)
-
-
 _F32 = ir.FloatType()
 
 
-def _dequant_intrinsic(n: int, nibbles: bool, biased: bool, with_min: bool):
+def _splat(builder, value, n: int):
+    """<n x float> of `value`."""
+    v = builder.insert_element(ir.Constant(_vec(_F32, n), None), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(_vec(_F32, n), None), ir.Constant(_vec(_I32, n), [0] * n))
+
+
+def _row_dot_intrinsic(n: int, nibbles: bool = False, signed: bool = False):
+    """An intrinsic (w, w0, d, d0, s, s0, x, x0, nb) -> float32: sum over b < nb of d[d0 + b] * s[s0 + b] * (the
+    integer dot of block b's n weights at w[w0 + b * bytes:] (bytes, unsigned or `signed`; n / 2 bytes of two
+    nibbles when `nibbles`, low ones first) with the n int16 at x[x0 + b * n:]).
+
+    Each block's products are summed in pairs (vpmaddwd's pattern) and then to eight int32 lanes, converted and
+    multiplied by the block's scale into eight float32 lanes, which are summed once at the end of the row (a
+    reduction to one number per block costs more than the block's dot)."""
+    nbytes = n // 2 if nibbles else n
+
+    @intrinsic
+    def row_dot(typingctx, w, w0, d, d0, s, s0, x, x0, nb):
+        ints = (w0, d0, s0, x0, nb)
+        if not (_array(w, types.int8 if signed else types.uint8) and _array(d, types.float32) and _array(s, types.float32)
+                and _array(x, types.int16) and all(isinstance(i, types.Integer) for i in ints)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            wa, w0v, da, d0v, sa, s0v, xa, x0v, nbv = args
+            wt, w0t, dt, d0t, st, s0t, xt, x0t, nbt = signature.args
+            w0v, d0v, s0v, x0v, nbv = (context.cast(builder, v, t, types.intp)
+                                       for v, t in ((w0v, w0t), (d0v, d0t), (s0v, s0t), (x0v, x0t), (nbv, nbt)))
+            dp = context.make_array(dt)(context, builder, da).data
+            sp = context.make_array(st)(context, builder, sa).data
+            acc = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), None))
+            with cgutils.for_range(builder, nbv) as loop:
+                b = loop.index
+                woff = builder.add(w0v, builder.mul(b, ir.Constant(b.type, nbytes)))
+                xoff = builder.add(x0v, builder.mul(b, ir.Constant(b.type, n)))
+                if nibbles:
+                    raw = _load(context, builder, wt, wa, woff, n // 2, _I8)
+                    lo = builder.and_(raw, ir.Constant(raw.type, [15] * (n // 2)))
+                    hi = builder.lshr(raw, ir.Constant(raw.type, [4] * (n // 2)))
+                    wv = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, n), list(range(n))))
+                else:
+                    wv = _load(context, builder, wt, wa, woff, n, _I8)
+                xv = _load(context, builder, xt, xa, xoff, n, _I16)
+                wv = builder.sext(wv, _vec(_I32, n)) if signed else builder.zext(wv, _vec(_I32, n))
+                p = builder.mul(wv, builder.sext(xv, _vec(_I32, n)))
+                even = builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, n // 2), list(range(0, n, 2))))
+                odd = builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, n // 2), list(range(1, n, 2))))
+                pairs = builder.add(even, odd)
+                if n == 32:  # 16 pair sums -> 8
+                    pairs = builder.add(
+                        builder.shuffle_vector(pairs, pairs, ir.Constant(_vec(_I32, 8), list(range(8)))),
+                        builder.shuffle_vector(pairs, pairs, ir.Constant(_vec(_I32, 8), list(range(8, 16)))))
+                scale = builder.fmul(builder.load(builder.gep(dp, [builder.add(d0v, b)])),
+                                     builder.load(builder.gep(sp, [builder.add(s0v, b)])))
+                term = builder.fmul(builder.sitofp(pairs, _vec(_F32, 8)), _splat(builder, scale, 8), flags=["contract"])
+                builder.store(builder.fadd(builder.load(acc), term, flags=["contract", "reassoc"]), acc)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32, _vec(_F32, 8)]),
+                                                "llvm.vector.reduce.fadd.v8f32")
+            total = builder.call(fn, [ir.Constant(_F32, 0.0), builder.load(acc)])
+            total.flags = ["reassoc"]  # (the lanes in any order: a tree, not eight dependent adds)
+            return total
+
+        return types.float32(w, w0, d, d0, s, s0, x, x0, nb), codegen
+
+    return row_dot
+
+
+row_dot_u4 = _row_dot_intrinsic(32, nibbles=True)
+row_dot_u8_32 = _row_dot_intrinsic(32)
+row_dot_u8_16 = _row_dot_intrinsic(16)
+row_dot_s8_32 = _row_dot_intrinsic(32, signed=True)
+row_dot_s8_16 = _row_dot_intrinsic(16, signed=True)
+
+
+def _dequant_intrinsic(n: int, nibbles: bool = False, signed: bool = False, with_min: bool = True):
     """An intrinsic (w, wo, scale, low, out, oo) -> none: out[oo:oo+n] = scale * q (+ low) for the n values at w[wo:]
-    (n / 2 bytes of two nibbles when `nibbles`; bytes q + 128 when `biased`), multiplied and then added in float32
+    (bytes, unsigned or `signed`; n / 2 bytes of two nibbles when `nibbles`), multiplied and then added in float32
     as layouts.dequantize does (no fused multiply-add: the file's values exactly)."""
 
     @intrinsic
     def dequant(typingctx, w, wo, scale, low, out, oo):
-        if not (_array(w, types.uint8) and _array(out, types.float32) and isinstance(wo, types.Integer)
+        if not (_array(w, types.int8 if signed else types.uint8) and _array(out, types.float32)
+                and isinstance(wo, types.Integer)
                 and isinstance(oo, types.Integer) and scale == types.float32 and low == types.float32):
             return None
 
@@ -114,18 +147,10 @@ def _dequant_intrinsic(n: int, nibbles: bool, biased: bool, with_min: bool):
                 q = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, n), list(range(n))))
             else:
                 q = _load(context, builder, wt, wa, woff, n, _I8)
-            q = builder.zext(q, _vec(_I32, n))
-            if biased:
-                q = builder.sub(q, ir.Constant(q.type, [128] * n))
-            f = builder.sitofp(q, _vec(_F32, n))
-            splat = ir.Constant(_vec(_I32, n), [0] * n)
-            sv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(_F32, n), None), sc,
-                                                               ir.Constant(_I32, 0)), ir.Constant(_vec(_F32, n), None), splat)
-            f = builder.fmul(f, sv)
+            q = builder.sext(q, _vec(_I32, n)) if signed else builder.zext(q, _vec(_I32, n))
+            f = builder.fmul(builder.sitofp(q, _vec(_F32, n)), _splat(builder, sc, n))
             if with_min:
-                lv = builder.shuffle_vector(builder.insert_element(ir.Constant(_vec(_F32, n), None), lo_,
-                                                                   ir.Constant(_I32, 0)), ir.Constant(_vec(_F32, n), None), splat)
-                f = builder.fadd(f, lv)
+                f = builder.fadd(f, _splat(builder, lo_, n))
             data = context.make_array(ot)(context, builder, oa).data
             ptr = builder.bitcast(builder.gep(data, [ooff]), _vec(_F32, n).as_pointer())
             builder.store(f, ptr, align=4)
@@ -136,8 +161,8 @@ def _dequant_intrinsic(n: int, nibbles: bool, biased: bool, with_min: bool):
     return dequant
 
 
-dequant_u4 = _dequant_intrinsic(32, nibbles=True, biased=False, with_min=True)
-dequant_u8_32 = _dequant_intrinsic(32, nibbles=False, biased=False, with_min=True)
-dequant_u8_16 = _dequant_intrinsic(16, nibbles=False, biased=False, with_min=True)
-dequant_s8_32 = _dequant_intrinsic(32, nibbles=False, biased=True, with_min=False)
-dequant_s8_16 = _dequant_intrinsic(16, nibbles=False, biased=True, with_min=False)
+dequant_u4 = _dequant_intrinsic(32, nibbles=True)
+dequant_u8_32 = _dequant_intrinsic(32)
+dequant_u8_16 = _dequant_intrinsic(16)
+dequant_s8_32 = _dequant_intrinsic(32, signed=True, with_min=False)
+dequant_s8_16 = _dequant_intrinsic(16, signed=True, with_min=False)
