@@ -90,12 +90,17 @@ def test_products_are_the_int16_activation_products(qtype, tokens):
         assert np.all(np.abs(out[t] - w @ x[t]) <= step + rounding)
 
 
-def test_long_products_are_the_references_float_product():
-    """From DEQUANT_ROWS tokens a product is the reference's: the dequantized matrix (the file's values) times x."""
+def test_long_products_are_the_references_float_product(monkeypatch):
+    """From DEQUANT_ROWS tokens a product is the reference's: the dequantized matrix (the file's values) times x, in
+    one piece, or DEQUANT_BYTES of rows at a time (here a row or two: the same products, column by column)."""
     raw, cols = _weights(QT.Q4_K, 5)
     x = np.random.default_rng(3).standard_normal((DEQUANT_ROWS, cols)).astype(np.float32)
-    ref = x @ gq.dequantize(raw, QT.Q4_K).reshape(5, cols).T
-    assert np.array_equal(PackedMatrix(layouts.pack(raw, QT.Q4_K, (5, cols))).product(x), ref)
+    w = gq.dequantize(raw, QT.Q4_K).reshape(5, cols)
+    m = PackedMatrix(layouts.pack(raw, QT.Q4_K, (5, cols)))
+    assert np.array_equal(m.product(x), x @ w.T)
+    monkeypatch.setattr(cpu_backend, "DEQUANT_BYTES", 2 * 4 * cols)
+    pieces = m.product(x)
+    assert np.allclose(pieces, x @ w.T, rtol=1e-6, atol=1e-6 * np.abs(x @ w.T).max())
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
@@ -271,3 +276,26 @@ print(json.dumps(sum(sum(k.stats.cache_misses.values()) for k in used)))
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr
     assert runs[1].stdout.strip() == "0"
+
+
+def test_the_memory_check_counts_the_packed_weights(random_model, monkeypatch):
+    """The host-memory check counts what the CPU backend holds: a model whose float32 weights do not fit the memory
+    but whose packed ones do loads on the CPU backend (the NumPy backend refuses it), and one that does not fit
+    even so is refused naming the CPU backend."""
+    from llamacli.backends import numpy_backend
+    from llamacli.errors import HostMemoryError
+
+    path = random_model("small-llama", "Q4_0")
+    g = open_gguf(path)
+    cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
+    float32, kv = numpy_backend.host_bytes(cfg, 64)
+    rest = kv + numpy_backend.scratch_bytes(cfg, 64)
+    packed = cpu_backend.weight_bytes(g, cfg)
+    assert packed < float32 / 4
+    monkeypatch.setattr(numpy_backend, "available_host_memory", lambda: (packed + float32) // 2 + rest)
+    CpuBackend().load(g, cfg, 64)
+    with pytest.raises(HostMemoryError, match="NumPy backend"):
+        NumpyBackend().load(g, cfg, 64)
+    monkeypatch.setattr(numpy_backend, "available_host_memory", lambda: packed // 2)
+    with pytest.raises(HostMemoryError, match="for the CPU backend: .* weights"):
+        CpuBackend().load(g, cfg, 64)

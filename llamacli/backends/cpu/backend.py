@@ -42,6 +42,7 @@ from .layouts import Packed, pack, packable, packed_bytes
 # Tokens from which a product dequantizes its matrix and multiplies in float32 (BLAS) instead of quantizing x
 # to int16: the integer kernels' time grows with the tokens, the dequantized matrix's is paid once a product.
 DEQUANT_ROWS = 12
+DEQUANT_BYTES = 64 << 20  # float32 rows dequantized at once by such a product
 # Score-and-value work (positions x query heads x head dim) from which a decode step's attention splits its heads
 # across the threads.
 ATTENTION_THREADS_FROM = 1 << 16
@@ -64,12 +65,21 @@ class PackedMatrix:
         return self.packed.nbytes
 
     def product(self, x: np.ndarray) -> np.ndarray:
-        """x [T, K] float32 -> x @ W^T [T, N]."""
+        """x [T, K] float32 -> x @ W^T [T, N]: the integer kernel below DEQUANT_ROWS tokens, else BLAS on the
+        dequantized matrix, DEQUANT_BYTES of its rows at a time (an LM head's all-token logits would otherwise
+        dequantize gigabytes at once)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.shape[0] >= DEQUANT_ROWS:
+        n, k = self.shape
+        if x.shape[0] < DEQUANT_ROWS:
+            out = np.empty((x.shape[0], n), np.float32)
+            self._kernel(x, self._q, self.packed.d, self._m, out)
+            return out
+        step = max(1, DEQUANT_BYTES // (4 * k))
+        if n <= step:
             return x @ self.rows(None).T
-        out = np.empty((x.shape[0], self.shape[0]), np.float32)
-        self._kernel(x, self._q, self.packed.d, self._m, out)
+        out = np.empty((x.shape[0], n), np.float32)
+        for r in range(0, n, step):
+            out[:, r : r + step] = x @ self.rows(np.arange(r, min(n, r + step))).T
         return out
 
     def rows(self, ids: np.ndarray | None) -> np.ndarray:
