@@ -43,8 +43,8 @@ from .layouts import Packed, pack, packable, packed_bytes
 # to int16: the integer kernels' time grows with the tokens, the dequantized matrix's is paid once a product.
 DEQUANT_ROWS = 12
 DEQUANT_BYTES = 64 << 20  # float32 rows dequantized at once by such a product
-# Score-and-value work (positions x query heads x head dim) from which a decode step's attention splits its heads
-# across the threads.
+# Score-and-value work (positions x query heads x head dim) from which a decode step's attention splits its KV
+# heads across the threads.
 ATTENTION_THREADS_FROM = 1 << 16
 # LayerWeights fields multiplied by (beyond the programs' Linear weights): the router and the experts (moe()).
 EXPERT_FIELDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")

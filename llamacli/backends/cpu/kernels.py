@@ -256,40 +256,50 @@ def geglu(gate, up, out):
 def _attend_one(q, kc, vc, lo, n, scale, softcap, sinks, out):
     """One query's attention over a layer's cache: q [Hkv, G, Dh] over the n positions lo .. lo + n - 1 of kc, vc
     [rows, Hkv, Dh] (row = position mod rows) -> out [Hkv, G, Dh]: softmax(q k * scale, soft-capped when
-    softcap > 0, with the head's sink logit in the denominator when sinks has one per head [Hkv, G]) @ v."""
+    softcap > 0, with the head's sink logit in the denominator when sinks has one per head [Hkv, G]) @ v. The G
+    query heads of a KV head go together (each cache row read once for them), KV heads across the threads."""
     hkv, g_n, dh = q.shape
     rows = kc.shape[0]
-    for hg in prange(hkv * g_n):
-        h, g = hg // g_n, hg % g_n
-        scores = np.empty(n, np.float32)
-        top = -np.inf
+    first = lo % rows
+    for h in prange(hkv):
+        scores = np.empty((g_n, n), np.float32)
+        top = np.full(g_n, -np.inf, np.float32)
+        r = first
         for s in range(n):
-            r = (lo + s) % rows
-            acc = np.float32(0.0)
+            for g in range(g_n):
+                acc = np.float32(0.0)
+                for i in range(dh):
+                    acc += q[h, g, i] * kc[r, h, i]
+                v = acc * scale
+                if softcap > 0:
+                    v = np.float32(softcap * np.tanh(v / softcap))
+                scores[g, s] = v
+                if v > top[g]:
+                    top[g] = v
+            r += 1
+            if r == rows:
+                r = 0
+        total = np.zeros(g_n, np.float32)
+        for g in range(g_n):
+            if sinks.shape[0]:
+                top[g] = max(top[g], sinks[h, g])
+            for s in range(n):
+                e = np.exp(scores[g, s] - top[g])
+                scores[g, s] = e
+                total[g] += e
+            if sinks.shape[0]:
+                total[g] += np.exp(sinks[h, g] - top[g])
             for i in range(dh):
-                acc += q[h, g, i] * kc[r, h, i]
-            v = acc * scale
-            if softcap > 0:
-                v = np.float32(softcap * np.tanh(v / softcap))
-            scores[s] = v
-            if v > top:
-                top = v
-        if sinks.shape[0]:
-            top = max(top, sinks[h, g])
-        total = np.float32(0.0)
+                out[h, g, i] = 0.0
+        r = first
         for s in range(n):
-            e = np.exp(scores[s] - top)
-            scores[s] = e
-            total += e
-        if sinks.shape[0]:
-            total += np.exp(sinks[h, g] - top)
-        for i in range(dh):
-            out[h, g, i] = 0.0
-        for s in range(n):
-            p = scores[s] / total
-            r = (lo + s) % rows
-            for i in range(dh):
-                out[h, g, i] += p * vc[r, h, i]
+            for g in range(g_n):
+                p = scores[g, s] / total[g]
+                for i in range(dh):
+                    out[h, g, i] += p * vc[r, h, i]
+            r += 1
+            if r == rows:
+                r = 0
 
 
 attend_one = _jit(fastmath=FAST)(_attend_one)
