@@ -299,3 +299,30 @@ def test_the_memory_check_counts_the_packed_weights(random_model, monkeypatch):
     monkeypatch.setattr(numpy_backend, "available_host_memory", lambda: packed // 2)
     with pytest.raises(HostMemoryError, match="for the CPU backend: .* weights"):
         CpuBackend().load(g, cfg, 64)
+
+
+def test_passes_from_several_threads(random_model, monkeypatch):
+    """Two threads running their own models at once get what each gets alone; where numba's threading layer is its
+    work queue (which aborts the process on parallel launches from two threads at once) passes take a lock."""
+    import threading
+
+    path = random_model("tiny-llama", "Q8_0")
+    pairs = [_pair(path)[1:] for _ in range(2)]
+    alone = []
+    for be, cfg in pairs:
+        alone.append([prefill(be, cfg, [3, 4, 5], 0)[-1]] + [be.decode(7, p)[-1] for p in range(3, 9)])
+    got: list = [None, None]
+
+    def run(i):
+        be, cfg = pairs[i]
+        got[i] = [prefill(be, cfg, [3, 4, 5], 0)[-1]] + [be.decode(7, p)[-1] for p in range(3, 9)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(np.array_equal(a, b) for i in range(2) for a, b in zip(alone[i], got[i]))
+    be = pairs[0][0]
+    monkeypatch.setattr(cpu_backend.kernels, "threading_layer", lambda: "workqueue")
+    assert be._threads() is cpu_backend._PASSES

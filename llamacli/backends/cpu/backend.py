@@ -22,8 +22,10 @@ pass.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
+import threading
 
 import numba
 import numpy as np
@@ -49,6 +51,7 @@ ATTENTION_THREADS_FROM = 1 << 16
 # LayerWeights fields multiplied by (beyond the programs' Linear weights): the router and the experts (moe()).
 EXPERT_FIELDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _NO_SINKS = np.zeros((0, 0), np.float32)
+_PASSES = threading.Lock()  # (see CpuBackend._threads)
 
 
 class PackedMatrix:
@@ -148,16 +151,20 @@ class CpuBackend(NumpyBackend):
         return PackedMatrix(pack(gguf.raw(info.name), info.type, info.shape))
 
     # -- whole passes: the threads --------------------------------------------------------------------
-    def _threads(self) -> None:
+    def _threads(self) -> contextlib.AbstractContextManager:
+        """Set the kernels' thread count for this thread; -> what a pass runs inside: a process-wide lock where
+        numba's threading layer is its own work queue (no OpenMP or TBB found), which aborts the process when two
+        threads launch parallel kernels at once, else nothing."""
         numba.set_num_threads(max(1, min(threads_in_force(), numba.config.NUMBA_NUM_THREADS)))
+        return _PASSES if kernels.threading_layer() == "workqueue" else contextlib.nullcontext()
 
     def forward_prompt(self, ids: np.ndarray, start: int):
-        self._threads()
-        return super().forward_prompt(ids, start)
+        with self._threads():
+            return super().forward_prompt(ids, start)
 
     def decode(self, token: int, pos: int):
-        self._threads()
-        return super().decode(token, pos)
+        with self._threads():
+            return super().decode(token, pos)
 
     def device_name(self) -> str:
         return f"CPU ({platform.processor() or platform.machine()}, numba, {threads_in_force()} threads)"

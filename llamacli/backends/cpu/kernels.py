@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -54,6 +55,21 @@ def _jit(**options):
     return wrap
 
 QMAX = 32767  # int16 activations: q = rint(x * QMAX / amax) per 32 values
+
+
+@_jit(parallel=True)
+def _touch(out):
+    for i in prange(out.shape[0]):
+        out[i] = i
+
+
+def threading_layer() -> str:
+    """numba's threading layer ("omp", "tbb" or "workqueue"), started by a first parallel kernel if need be."""
+    try:
+        return numba.threading_layer()
+    except ValueError:  # none started yet
+        _touch(np.zeros(2))
+        return numba.threading_layer()
 
 
 # -- activations to int16 ------------------------------------------------------------------------------------
