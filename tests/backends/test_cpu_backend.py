@@ -263,7 +263,7 @@ from llamacli.backends.cpu.backend import PackedMatrix
 from llamacli.testing import random_quant_rows
 from llamacli.ggufio.ggml_types import GGMLQuantizationType as QT
 rng = np.random.default_rng(0)
-for qt in (QT.Q4_0, QT.Q5_1, QT.Q2_K, QT.Q8_0, QT.Q6_K):
+for qt in (QT.Q4_0, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q8_0, QT.Q6_K):
     cols = 256
     m = PackedMatrix(layouts.pack(random_quant_rows(qt, 4, cols, rng), qt, (4, cols)))
     m.product(np.ones((1, cols), np.float32)), m.rows(None)

@@ -26,14 +26,18 @@ import numpy as np
 from numba import njit, prange
 
 from .simd import (
+    dequant_s5,
     dequant_s8_16,
     dequant_s8_32,
     dequant_u4,
+    dequant_u5,
     dequant_u8_16,
     dequant_u8_32,
+    row_dot_s5,
     row_dot_s8_16,
     row_dot_s8_32,
     row_dot_u4,
+    row_dot_u5,
     row_dot_u8_16,
     row_dot_u8_32,
 )
@@ -115,7 +119,10 @@ def quantize(x, xq, xd, xs):
 
 
 # The layouts (layouts.py kind and block) as the kernel's `layout` argument.
-LAYOUTS = {("u4", 32): 0, ("u8", 32): 1, ("u8", 16): 2, ("s8", 32): 3, ("s8", 16): 4}
+LAYOUTS = {("u4", 32): 0, ("u8", 32): 1, ("u8", 16): 2, ("s8", 32): 3, ("s8", 16): 4, ("u5", 32): 5, ("s5", 32): 6}
+_BLOCKS = {0: (32, 16), 1: (32, 32), 2: (16, 16), 3: (32, 32), 4: (16, 16), 5: (32, 20), 6: (32, 20)}  # values, bytes
+_WITH_MIN = (0, 1, 2, 5)
+
 
 
 @_jit(inline="always")
@@ -130,7 +137,11 @@ def _row_dot(layout, wq, w0, d, d0, xd, x0d, xq, x0, nb):
         return row_dot_u8_16(wq, w0, d, d0, xd, x0d, xq, x0, nb)
     if layout == 3:
         return row_dot_s8_32(wq, w0, d, d0, xd, x0d, xq, x0, nb)
-    return row_dot_s8_16(wq, w0, d, d0, xd, x0d, xq, x0, nb)
+    if layout == 4:
+        return row_dot_s8_16(wq, w0, d, d0, xd, x0d, xq, x0, nb)
+    if layout == 5:
+        return row_dot_u5(wq, w0, d, d0, xd, x0d, xq, x0, nb)
+    return row_dot_s5(wq, w0, d, d0, xd, x0d, xq, x0, nb)
 
 
 def _linear(layout: int):
@@ -139,9 +150,8 @@ def _linear(layout: int):
     then the weight rows go to the threads, each running every token of x against its rows. The closure holds
     the layout's number only (numba freezes it into the code, and its cache keys on it: a closure over an
     intrinsic was compiled anew in every process)."""
-    block = 16 if layout in (2, 4) else 32
-    block_bytes = 32 if layout in (1, 3) else 16
-    has_min = layout <= 2
+    block, block_bytes = _BLOCKS[layout]
+    has_min = layout in _WITH_MIN
 
     @_jit(parallel=True, fastmath=FAST)
     def linear(x, wq, d, m, out):
@@ -189,16 +199,19 @@ def _dequant(layout, wq, wo, scale, low, out, oo):
         dequant_u8_16(wq, wo, scale, low, out, oo)
     elif layout == 3:
         dequant_s8_32(wq, wo, scale, low, out, oo)
-    else:
+    elif layout == 4:
         dequant_s8_16(wq, wo, scale, low, out, oo)
+    elif layout == 5:
+        dequant_u5(wq, wo, scale, low, out, oo)
+    else:
+        dequant_s5(wq, wo, scale, low, out, oo)
 
 
 def _dequantize(layout: int):
     """The dequantizing kernel of one layout: (wq flat, d [N, nb], m [N, nb] (unread without a min), rows [R] int64,
     out [R * K] float32): out's row i = row rows[i] of the matrix, the file's values (layouts.dequantize)."""
-    block = 16 if layout in (2, 4) else 32
-    block_bytes = 32 if layout in (1, 3) else 16
-    has_min = layout <= 2
+    block, block_bytes = _BLOCKS[layout]
+    has_min = layout in _WITH_MIN
 
     @_jit(parallel=True)
     def dequantize(wq, d, m, rows, out):

@@ -5,10 +5,13 @@ float32 scale and min (ggml-common.h's formats, gguf.quants' dequantization):
 
     kind  values q (per row, [N, K])               types                           block   min
     u4    0..15, two per byte (below)              Q4_0 (min -8 d), Q4_1, Q4_K      32      yes
-    u8    0..31 (or 0..3), one per byte            Q5_1, Q5_K; Q2_K                 32; 16  yes
-    s8    signed, one per byte                     Q8_0, Q5_0 (q - 16), IQ4_NL,     32      no
-                                                   IQ4_XS, MXFP4 (their value
-                                                   tables); Q6_K (q - 32), Q3_K     16
+    u5    0..31: u4's nibbles, then 4 bytes of     Q5_1, Q5_K                       32      yes
+          fifth bits (bit j: value j's)
+    s5    -16..15 as u5's bytes of q + 16          Q5_0                             32      no
+    u8    0..3, one per byte                       Q2_K                             16      yes
+    s8    signed, one per byte                     Q8_0, IQ4_NL, IQ4_XS, MXFP4      32      no
+                                                   (their value tables); Q6_K
+                                                   (q - 32), Q3_K                   16
 
 A K-quant's super-block of 256 values keeps an fp16 scale and sub-block scales of 6 or 8 bits: its sub-block's
 scale d * sc (and min dmin * m) is one float32 product of the two, exact (11 by at most 8 significant bits), and
@@ -19,8 +22,8 @@ float32's 24 bits.)
 
 u4 packs a block's 32 values into 16 bytes as Q4_0 does: byte i holds value i in its low nibble and value
 i + 16 in its high one (Q4_K's file order, 32 low nibbles then 32 high ones per 64 values, is re-packed to it).
-Q5's fifth bit and Q6_K's upper two are folded into the byte here (one byte per value: more memory than the
-file, and no bit planes for the kernels to gather).
+Q5's fifth bits are kept as a 32-bit mask per block, as the file has them (Q5_K's in its order); Q6_K's upper two
+and Q3_K's are folded into a byte per value (more memory than the file; fewer bit planes for the kernels).
 
 Other types (F32, F16, BF16, the IQ1-IQ3 grids, TQ*) are not re-packed: the backend keeps those matrices as
 float32, as the NumPy reference does.
@@ -39,10 +42,10 @@ QK_K = 256
 
 @dataclass(frozen=True)
 class Packed:
-    """A matrix [N, K] in one kernel layout: values `q` ([N, K / 2] uint8 for u4, [N, K] uint8 for u8, int8 for
-    s8), float32 `d` and `m` [N, K / block] (m None for s8)."""
+    """A matrix [N, K] in one kernel layout: values `q` ([N, K / 2] uint8 for u4, [N, K / 32 * 20] for u5 and s5,
+    [N, K] uint8 for u8, int8 for s8), float32 `d` and `m` [N, K / block] (m None for s5 and s8)."""
 
-    kind: str  # "u4", "u8", "s8"
+    kind: str  # "u4", "u5", "s5", "u8", "s8"
     block: int  # 16 or 32
     q: np.ndarray
     d: np.ndarray
@@ -62,8 +65,8 @@ def packable(qtype: QT) -> bool:
 def packed_bytes(qtype: QT, n_values: int) -> int:
     """Bytes `pack` keeps for n_values values of `qtype` (a packable type)."""
     kind, block = _PACKERS[qtype][0], _PACKERS[qtype][1]
-    per_value = 0.5 if kind == "u4" else 1.0
-    return int(n_values * per_value) + (n_values // block) * 4 * (1 if kind == "s8" else 2)
+    per_value = {"u4": 0.5, "u5": 20 / 32, "s5": 20 / 32}.get(kind, 1.0)
+    return int(n_values * per_value) + (n_values // block) * 4 * (1 if kind in ("s5", "s8") else 2)
 
 
 def pack(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> Packed:
@@ -76,6 +79,8 @@ def pack(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> Packed:
     q = q.reshape(n, k)
     if kind == "u4":
         q = _nibbles(q)
+    elif kind in ("u5", "s5"):
+        q = _nibbles_and_bits(q.astype(np.int16) + 16 if kind == "s5" else q)
     d = np.ascontiguousarray(d, dtype=np.float32).reshape(n, k // block)
     if m is not None:
         m = np.ascontiguousarray(m, dtype=np.float32).reshape(n, k // block)
@@ -89,6 +94,11 @@ def dequantize(p: Packed) -> np.ndarray:
     if p.kind == "u4":  # [N, K/32, 16] -> [N, K/32, 32]
         b = q.reshape(n, k // 32, 16)
         q = np.concatenate([b & 15, b >> 4], axis=-1)
+    elif p.kind in ("u5", "s5"):  # [N, K/32, 20] -> [N, K/32, 32]
+        b = q.reshape(n, k // 32, 20)
+        bits = np.unpackbits(b[..., 16:], axis=-1, bitorder="little")
+        q = (np.concatenate([b[..., :16] & 15, b[..., :16] >> 4], axis=-1) | (bits << 4)).astype(np.int16)
+        q = q - 16 if p.kind == "s5" else q
     v = q.reshape(n, k // p.block, p.block).astype(np.float32)
     out = p.d[..., None] * v
     if p.m is not None:
@@ -101,6 +111,15 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
     n, k = q.shape
     b = q.reshape(n, k // 32, 2, 16).astype(np.uint8)
     return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def _nibbles_and_bits(q: np.ndarray) -> np.ndarray:
+    """Values 0..31 [N, K] -> [N, K / 32 * 20] bytes: per 32 values, u4's 16 bytes of their low four bits, then
+    their fifth bits as a little-endian 32-bit mask (bit j: value j)."""
+    n, k = q.shape
+    low = _nibbles((q & 15).astype(np.uint8)).reshape(n, k // 32, 16)
+    bits = np.packbits(((q >> 4) & 1).astype(np.uint8).reshape(n, k // 32, 32), axis=-1, bitorder="little")
+    return np.concatenate([low, bits], axis=-1).reshape(n, k // 32 * 20)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -231,9 +250,9 @@ _PACKERS = {
     QT.Q4_0: ("u4", 32, _q4_0),
     QT.Q4_1: ("u4", 32, _q4_1),
     QT.Q4_K: ("u4", 32, _q4_k),
-    QT.Q5_0: ("s8", 32, _q5_0),
-    QT.Q5_1: ("u8", 32, _q5_1),
-    QT.Q5_K: ("u8", 32, _q5_k),
+    QT.Q5_0: ("s5", 32, _q5_0),
+    QT.Q5_1: ("u5", 32, _q5_1),
+    QT.Q5_K: ("u5", 32, _q5_k),
     QT.Q8_0: ("s8", 32, _q8_0),
     QT.Q6_K: ("s8", 16, _q6_k),
     QT.Q3_K: ("s8", 16, _q3_k),

@@ -17,8 +17,9 @@ The intrinsics read and write 1-D C-contiguous arrays at the offsets given, with
 (kernels.py) index whole blocks of arrays whose shapes the backend made. A block's integer sums fit int32: 32
 products of a byte (< 256) and an int16 (|x| <= 32767).
 
-    row_dot_u4 / _u8_32 / _u8_16 / _s8_32 / _s8_16   sum_b scale_b * dot(block b, x's block b): a row's float32
-    dequant_u4 / _u8_32 / _u8_16 / _s8_32 / _s8_16   one block: scale * q (+ min) into float32
+    row_dot_<layout>   sum_b scale_b * dot(block b, x's block b): a row's float32
+    dequant_<layout>   one block: scale * q (+ min) into float32
+(layouts u4, u5, s5, u8_32, u8_16, s8_32, s8_16: layouts.py's kinds and block sizes)
 """
 
 from __future__ import annotations
@@ -55,21 +56,46 @@ def _splat(builder, value, n: int):
     return builder.shuffle_vector(v, ir.Constant(_vec(_F32, n), None), ir.Constant(_vec(_I32, n), [0] * n))
 
 
-def _row_dot_intrinsic(n: int, nibbles: bool = False, signed: bool = False):
+# A block's bytes and its values, per layout kind (layouts.py).
+_BLOCK_BYTES = {"u4": 16, "u5": 20, "s5": 20}
+
+
+def _values(context, builder, wt, wa, woff, n: int, kind: str):
+    """Block `kind`'s n values at w[woff:] as <n x i32>: u4 two nibbles a byte (the low ones first); u5 those and a
+    32-bit mask of fifth bits; s5 u5's less 16; u8 and s8 a byte each, unsigned and signed."""
+    if kind in ("u4", "u5", "s5"):
+        raw = _load(context, builder, wt, wa, woff, 16, _I8)
+        lo = builder.and_(raw, ir.Constant(raw.type, [15] * 16))
+        hi = builder.lshr(raw, ir.Constant(raw.type, [4] * 16))
+        v = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32))))
+        if kind != "u4":
+            data = context.make_array(wt)(context, builder, wa).data
+            mask = builder.load(builder.bitcast(builder.gep(data, [builder.add(woff, ir.Constant(woff.type, 16))]),
+                                                _I32.as_pointer()), align=1)
+            bits = builder.zext(builder.bitcast(mask, _vec(ir.IntType(1), 32)), _vec(_I8, 32))
+            v = builder.or_(v, builder.shl(bits, ir.Constant(_vec(_I8, 32), [4] * 32)))
+        v = builder.zext(v, _vec(_I32, n))
+        return builder.sub(v, ir.Constant(v.type, [16] * n)) if kind == "s5" else v
+    v = _load(context, builder, wt, wa, woff, n, _I8)
+    return builder.sext(v, _vec(_I32, n)) if kind == "s8" else builder.zext(v, _vec(_I32, n))
+
+
+def _row_dot_intrinsic(n: int, kind: str):
     """An intrinsic (w, w0, d, d0, s, s0, x, x0, nb) -> float32: sum over b < nb of d[d0 + b] * s[s0 + b] * (the
-    integer dot of block b's n weights at w[w0 + b * bytes:] (bytes, unsigned or `signed`; n / 2 bytes of two
-    nibbles when `nibbles`, low ones first) with the n int16 at x[x0 + b * n:]).
+    integer dot of block b's n values of layout `kind` (_values) at w[w0 + b * bytes:] with the n int16 at
+    x[x0 + b * n:]).
 
     Each block's products are summed in pairs (vpmaddwd's pattern) and then to eight int32 lanes, converted and
     multiplied by the block's scale into eight float32 lanes, which are summed once at the end of the row (a
     reduction to one number per block costs more than the block's dot)."""
-    nbytes = n // 2 if nibbles else n
+    nbytes = _BLOCK_BYTES.get(kind, n)
 
     @intrinsic
     def row_dot(typingctx, w, w0, d, d0, s, s0, x, x0, nb):
         ints = (w0, d0, s0, x0, nb)
-        if not (_array(w, types.int8 if signed else types.uint8) and _array(d, types.float32) and _array(s, types.float32)
-                and _array(x, types.int16) and all(isinstance(i, types.Integer) for i in ints)):
+        if not (_array(w, types.int8 if kind == "s8" else types.uint8) and _array(d, types.float32)
+                and _array(s, types.float32) and _array(x, types.int16)
+                and all(isinstance(i, types.Integer) for i in ints)):
             return None
 
         def codegen(context, builder, signature, args):
@@ -84,15 +110,8 @@ def _row_dot_intrinsic(n: int, nibbles: bool = False, signed: bool = False):
                 b = loop.index
                 woff = builder.add(w0v, builder.mul(b, ir.Constant(b.type, nbytes)))
                 xoff = builder.add(x0v, builder.mul(b, ir.Constant(b.type, n)))
-                if nibbles:
-                    raw = _load(context, builder, wt, wa, woff, n // 2, _I8)
-                    lo = builder.and_(raw, ir.Constant(raw.type, [15] * (n // 2)))
-                    hi = builder.lshr(raw, ir.Constant(raw.type, [4] * (n // 2)))
-                    wv = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, n), list(range(n))))
-                else:
-                    wv = _load(context, builder, wt, wa, woff, n, _I8)
+                wv = _values(context, builder, wt, wa, woff, n, kind)
                 xv = _load(context, builder, xt, xa, xoff, n, _I16)
-                wv = builder.sext(wv, _vec(_I32, n)) if signed else builder.zext(wv, _vec(_I32, n))
                 p = builder.mul(wv, builder.sext(xv, _vec(_I32, n)))
                 even = builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, n // 2), list(range(0, n, 2))))
                 odd = builder.shuffle_vector(p, p, ir.Constant(_vec(_I32, n // 2), list(range(1, n, 2))))
@@ -116,23 +135,26 @@ def _row_dot_intrinsic(n: int, nibbles: bool = False, signed: bool = False):
     return row_dot
 
 
-row_dot_u4 = _row_dot_intrinsic(32, nibbles=True)
-row_dot_u8_32 = _row_dot_intrinsic(32)
-row_dot_u8_16 = _row_dot_intrinsic(16)
-row_dot_s8_32 = _row_dot_intrinsic(32, signed=True)
-row_dot_s8_16 = _row_dot_intrinsic(16, signed=True)
+row_dot_u4 = _row_dot_intrinsic(32, "u4")
+row_dot_u5 = _row_dot_intrinsic(32, "u5")
+row_dot_s5 = _row_dot_intrinsic(32, "s5")
+row_dot_u8_32 = _row_dot_intrinsic(32, "u8")
+row_dot_u8_16 = _row_dot_intrinsic(16, "u8")
+row_dot_s8_32 = _row_dot_intrinsic(32, "s8")
+row_dot_s8_16 = _row_dot_intrinsic(16, "s8")
 
 
-def _dequant_intrinsic(n: int, nibbles: bool = False, signed: bool = False, with_min: bool = True):
-    """An intrinsic (w, wo, scale, low, out, oo) -> none: out[oo:oo+n] = scale * q (+ low) for the n values at w[wo:]
-    (bytes, unsigned or `signed`; n / 2 bytes of two nibbles when `nibbles`), multiplied and then added in float32
-    as layouts.dequantize does (no fused multiply-add: the file's values exactly)."""
+def _dequant_intrinsic(n: int, kind: str):
+    """An intrinsic (w, wo, scale, low, out, oo) -> none: out[oo:oo+n] = scale * q (+ low, for the kinds with a min)
+    for block `kind`'s n values at w[wo:] (_values), multiplied and then added in float32 as layouts.dequantize does
+    (no fused multiply-add: the file's values exactly)."""
+    with_min = kind in ("u4", "u5", "u8")
 
     @intrinsic
     def dequant(typingctx, w, wo, scale, low, out, oo):
-        if not (_array(w, types.int8 if signed else types.uint8) and _array(out, types.float32)
-                and isinstance(wo, types.Integer)
-                and isinstance(oo, types.Integer) and scale == types.float32 and low == types.float32):
+        if not (_array(w, types.int8 if kind == "s8" else types.uint8) and _array(out, types.float32)
+                and isinstance(wo, types.Integer) and isinstance(oo, types.Integer)
+                and scale == types.float32 and low == types.float32):
             return None
 
         def codegen(context, builder, signature, args):
@@ -140,14 +162,7 @@ def _dequant_intrinsic(n: int, nibbles: bool = False, signed: bool = False, with
             wt, wot, _, _, ot, oot = signature.args
             woff = context.cast(builder, woff, wot, types.intp)
             ooff = context.cast(builder, ooff, oot, types.intp)
-            if nibbles:
-                b = _load(context, builder, wt, wa, woff, n // 2, _I8)
-                lo = builder.and_(b, ir.Constant(b.type, [15] * (n // 2)))
-                hi = builder.lshr(b, ir.Constant(b.type, [4] * (n // 2)))
-                q = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, n), list(range(n))))
-            else:
-                q = _load(context, builder, wt, wa, woff, n, _I8)
-            q = builder.sext(q, _vec(_I32, n)) if signed else builder.zext(q, _vec(_I32, n))
+            q = _values(context, builder, wt, wa, woff, n, kind)
             f = builder.fmul(builder.sitofp(q, _vec(_F32, n)), _splat(builder, sc, n))
             if with_min:
                 f = builder.fadd(f, _splat(builder, lo_, n))
@@ -161,8 +176,10 @@ def _dequant_intrinsic(n: int, nibbles: bool = False, signed: bool = False, with
     return dequant
 
 
-dequant_u4 = _dequant_intrinsic(32, nibbles=True)
-dequant_u8_32 = _dequant_intrinsic(32)
-dequant_u8_16 = _dequant_intrinsic(16)
-dequant_s8_32 = _dequant_intrinsic(32, signed=True, with_min=False)
-dequant_s8_16 = _dequant_intrinsic(16, signed=True, with_min=False)
+dequant_u4 = _dequant_intrinsic(32, "u4")
+dequant_u5 = _dequant_intrinsic(32, "u5")
+dequant_s5 = _dequant_intrinsic(32, "s5")
+dequant_u8_32 = _dequant_intrinsic(32, "u8")
+dequant_u8_16 = _dequant_intrinsic(16, "u8")
+dequant_s8_32 = _dequant_intrinsic(32, "s8")
+dequant_s8_16 = _dequant_intrinsic(16, "s8")
