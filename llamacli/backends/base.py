@@ -255,10 +255,7 @@ class Backend(ABC):
         through the fastest form the sampler allows: the argmax or the whole sampler inside the step, a
         constraint's mask applied where the logits are, or the logits to the host (logprobs). The sequences run
         one after the other here; a backend with batched kernels runs the decode steps together."""
-        slots = [seq.slot for seq in batch]
-        if len(set(slots)) != len(slots) or not all(type(x) is int and 0 <= x < self.slots for x in slots):
-            raise BackendError(f"a step takes at most one sequence per cache slot, slots 0..{self.slots - 1} "
-                               f"(got slots {slots})")
+        self._check_slots(batch)
         if len(batch) == 1:
             return [self._step_one(batch[0])]
         outs: list[StepOut | None] = []
@@ -272,6 +269,12 @@ class Backend(ABC):
         if errors:
             raise StepErrors(errors, outs)
         return outs  # type: ignore[return-value]
+
+    def _check_slots(self, batch: Sequence[SeqStep]) -> None:
+        slots = [seq.slot for seq in batch]
+        if len(set(slots)) != len(slots) or not all(type(x) is int and 0 <= x < self.slots for x in slots):
+            raise BackendError(f"a step takes at most one sequence per cache slot, slots 0..{self.slots - 1} "
+                               f"(got slots {slots})")
 
     def _step_one(self, seq: SeqStep) -> StepOut:
         if not hasattr(self, "_slot_sampler"):

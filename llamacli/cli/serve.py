@@ -123,22 +123,22 @@ DEFAULT_PARALLEL = 4
 
 def parallel_slots(m, parallel: int | None, notice) -> int:  # noqa: ANN001 (a Model; notice: dim or None)
     """Give the model the cache slots serve runs at once: `parallel` (--parallel), or DEFAULT_PARALLEL where the
-    backend holds several and the host's memory the caches (fewer where it holds fewer); 1 on a backend that
-    holds one sequence (CUDA until batched decode), with a notice when more were asked for. -> the slots."""
-    from ..errors import BackendError, HostMemoryError
+    backend holds several and the memory the caches (fewer where it holds fewer); 1 on a backend that holds one
+    sequence, with a notice when more were asked for. -> the slots."""
+    from ..errors import BackendError, DeviceMemoryError, HostMemoryError
 
     want = parallel or DEFAULT_PARALLEL
     while want > 1:
         try:
             m.set_slots(want)
             return want
-        except BackendError:
-            if parallel is not None and notice is not None:
-                notice(f"the {m.backend.name} backend generates one request at a time for now: --parallel {parallel} "
-                       "makes the others wait their turn")
-            return 1
-        except HostMemoryError:
+        except (HostMemoryError, DeviceMemoryError):
             if parallel is not None:
                 raise
             want //= 2  # the default: as many as fit
+        except BackendError:
+            if parallel is not None and notice is not None:
+                notice(f"the {m.backend.name} backend generates one request at a time: --parallel {parallel} "
+                       "makes the others wait their turn")
+            return 1
     return 1

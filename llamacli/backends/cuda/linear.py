@@ -220,6 +220,10 @@ class Linear:
         self.alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self.cublas_ws: Any = None
         self.dq: Any = None  # gemm_weights' dequantized fp16 weights (dequant_scratch)
+        # matmul's rows are separate sequences (the batched step, batch.py): every row through matvec_<t> in
+        # launches of up to MATVEC_TMAX rows (each weight read once per launch), so that a row's arithmetic is the
+        # same whatever the number of rows beside it
+        self.rows_apart = False
 
     def dequant_scratch(self) -> Any:
         """gemm_weights' fp16 scratch of DEQUANT_CHUNK values, made once (before any capture: a captured pass
@@ -237,6 +241,13 @@ class Linear:
         if k != w.cols:
             raise BackendError(f"matmul: x has {k} columns, the weight {w.cols}")
         y = cp.empty((t, w.rows), dtype=cp.float32)
+        if self.rows_apart:  # each row its own sequence: the same kernel whatever the number of rows
+            for r in range(0, t, MATVEC_TMAX):
+                n = min(MATVEC_TMAX, t - r)
+                K.launch("matvec", f"matvec_{qname(w.qtype)}", (K.cdiv(w.rows, 4 * (32 // _lpr(k))),), (128,),
+                         w0=w.ptr, w1=0, w2=0, n0=w.rows, n1=0, N=w.rows, K=k, x=x[r : r + n], T=n, y=y[r : r + n],
+                         bias=bias, resid=None, lpr=_lpr(k))
+            return y
         if t <= MATVEC_TMAX:
             self.matvec((w,), x, t, y, bias=bias)
             return y

@@ -1,0 +1,84 @@
+"""The batched decode step of the CUDA backend: B sequences, one token each, each in its own cache slot.
+
+The step runs the model's program operation by operation (models/block.run: the layer as written once), so a
+model the op-by-op path runs is batched with nothing of its own; only the attention knows the rows are separate
+sequences (attention.AttentionKernels.attention_batch: each row's K/V into its slot's cache, each row's
+attention over it). The linear layers read each weight once for all B rows (linear.Linear.matmul: the matvec
+kernels up to MATVEC_TMAX rows, dequantized rows on cuBLAS above). After the LM head the step takes each row's
+argmax and a flag for rows whose logits are not finite; a row whose sequence samples, has a constraint or asks
+for its logits is chosen from its logits row as a single step's logits are (Backend._choose).
+
+The inputs (ids, positions, slots) live in device buffers, so a batch size seen before is captured into a CUDA
+graph and replayed. The step's intermediate arrays come from a memory pool of its own: a graph keeps the
+addresses it was captured with, and only this step allocates from that pool, one run at a time, so those
+addresses hold nothing else between runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+log = logging.getLogger("llamacli.cuda")
+
+BATCH_GRAPHS = 16  # captured batch sizes kept (least recently used dropped)
+
+
+class BatchStep:
+    """The batched decode step over `slots` cache slots (see the module docstring). `forward(ids, pos, slots)`
+    runs the model on device int32 arrays [B] -> logits [B, V] (CudaBackend's op-by-op path with the batched
+    attention)."""
+
+    def __init__(self, gpu: Any, options: Any, forward: Callable[[Any, Any, Any], Any], slots: int, vocab: int):
+        cp = self.cp = gpu.cp
+        self.gpu, self.options, self.forward = gpu, options, forward
+        self.inputs = cp.zeros((3, slots), dtype=cp.int32)  # ids, positions, slots
+        self.logits = cp.empty((slots, vocab), dtype=cp.float32)
+        self.choice = cp.zeros((2, slots), dtype=cp.int32)  # each row's argmax, and 1 where its logits are not finite
+        mem = cp.cuda.alloc_pinned_memory(8 * slots)
+        self._host = np.frombuffer(mem, np.int32, 2 * slots).reshape(2, slots)
+        self._stage = np.zeros((3, slots), dtype=np.int32)
+        self.pool = cp.cuda.MemoryPool()
+        self._graphs: dict[int, Any] = {}
+        self._seen: set[int] = set()
+        self._graph_ok = True
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> tuple[np.ndarray, Any]:
+        """One step of B = len(ids) sequences -> (choice [2, B] on the host: argmax ids, non-finite flags; the
+        logits [B, V], a device buffer the next run overwrites)."""
+        cp, b = self.cp, len(ids)
+        self._stage[:, :b] = (ids, positions, slots)
+        self.inputs[:, :b].set(self._stage[:, :b])
+        graph = self._graphs.get(b)
+        if graph is None and self.options.use_graph and self._graph_ok and b in self._seen:
+            try:
+                graph = self.gpu.capture(lambda: self._launch(b))
+            except Exception as exc:  # a capture that fails: this step runs its kernels directly from now on
+                log.warning("batched step capture failed (%s: %s); it runs without graphs", type(exc).__name__, exc)
+                self._graph_ok = False
+            else:
+                self._graphs[b] = graph
+                while len(self._graphs) > BATCH_GRAPHS:
+                    self._graphs.pop(next(iter(self._graphs)))
+        stream = cp.cuda.get_current_stream()
+        if graph is not None:
+            self._graphs[b] = self._graphs.pop(b)  # (most recently used last)
+            graph.launch(stream)
+        else:
+            self._launch(b)
+            self._seen.add(b)
+        cp.cuda.runtime.memcpy2DAsync(self._host.ctypes.data, self._host.strides[0], self.choice.data.ptr,
+                                      self.choice.strides[0], 4 * b, 2, 2, stream.ptr)  # device -> host
+        stream.synchronize()
+        return self._host[:, :b].copy(), self.logits[:b]
+
+    def _launch(self, b: int) -> None:
+        cp = self.cp
+        ids, pos, slots = self.inputs[0, :b], self.inputs[1, :b], self.inputs[2, :b]
+        with cp.cuda.using_allocator(self.pool.malloc):
+            logits = self.forward(ids, pos, slots)
+            self.logits[:b] = logits
+            self.choice[0, :b] = cp.argmax(logits, axis=1)
+            self.choice[1, :b] = ~cp.isfinite(cp.max(logits, axis=1))
