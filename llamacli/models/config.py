@@ -37,8 +37,9 @@ class ModelConfig:
     rope_dim: int  # dims of each head that rotate (<= head_dim: Phi-4-mini rotates 96 of 128)
     rope_freq_base: float
     # RoPE scaling: "none", "linear" (positions / factor), "llama3" (per-frequency factors in the
-    # rope_freqs tensor; "proportional": gemma4's, factors 1 and 1e30 so that only the first pairs rotate), "longrope" (phi3: rope_factors_long/short tensors and an attention factor),
-    # "yarn" (frequencies blended between interpolated and original by a ramp; rope.py).
+    # rope_freqs tensor; "proportional": gemma4's, factors 1 and 1e30 so that only the first pairs rotate),
+    # "longrope" (phi3: rope_factors_long/short tensors and an attention factor), "yarn" (frequencies blended
+    # between interpolated and original by a ramp; rope.py).
     rope_scaling: str
     rope_scaling_factor: float
     rope_original_context: int

@@ -23,7 +23,7 @@ from llamacli.errors import CorruptFileError, MissingMetadataError, MissingTenso
 from llamacli.ggufio.file import open_gguf  # noqa: E402
 from llamacli.models.config import ModelConfig  # noqa: E402
 from llamacli.models.seq_cache import layer_caches  # noqa: E402
-from llamacli.testing import SHAPES, model_metadata, tensor_shapes, write_model  # noqa: E402
+from llamacli.testing import SHAPES, model_metadata, tensor_shapes, variant, write_model  # noqa: E402
 from llamacli.testing.hf_gemma4 import write_hf_model  # noqa: E402
 
 VOCAB = 300
@@ -177,10 +177,11 @@ def test_several_sequences_in_slots(pairs):
         sched.close()
 
 
-@pytest.mark.parametrize("shape", ["tiny-gemma4", "tiny-gemma4-moe"])
+@pytest.mark.parametrize("shape", ["tiny-gemma4", "tiny-gemma4-moe",
+                                   variant("tiny-gemma4", n_layer=1, n_kv_shared=0, name="one-layer")])
 def test_random_files_of_each_shape_run(random_model, shape):
-    """llamacli.testing's tiny shapes (Q8_0, its fallbacks for odd rows) load and give finite logits; a prompt run
-    whole and the same prompt in two steps agree."""
+    """llamacli.testing's tiny shapes (Q8_0, its fallbacks for odd rows; and a model of one layer) load and give
+    finite logits; a prompt run whole and the same prompt in two steps agree."""
     path = random_model(shape, "Q8_0", std=0.08)
     ours = Ours(path)
     ids = list(range(5, 45))

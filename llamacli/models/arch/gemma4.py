@@ -76,7 +76,7 @@ def sharing(local: tuple[bool, ...], shared: int) -> tuple[int, ...]:
     their own KV, is refused."""
     n_layer = len(local)
     first = n_layer - shared
-    if shared > n_layer - 2:
+    if shared and shared > n_layer - 2:
         raise CorruptFileError(f"metadata key '{NAME}.attention.shared_kv_layers' is {shared}: at most {n_layer - 2} "
                                f"of the {n_layer} layers may share another layer's KV cache")
     out = []
