@@ -89,6 +89,17 @@ class LayerWeights:
     ssm_a: Any = None  # [Hv] float32, -exp(A_log)
     ssm_norm: Any = None  # [d_v] float32
     ssm_out: Any = None  # [D, Hv d_v]
+    # Gemma 4 (models/arch/gemma4.py); its attention tensors are of the layer's own head size
+    ffn_gate_up_exps: Any = None  # [E, 2 F_exp, D] rows [gate; up] of each expert
+    ffn_gate_inp_scale: Any = None  # [D] float32: the router input's scale
+    ffn_down_exps_scale: Any = None  # [E] float32: each expert's output scale
+    ffn_post_norm_1: Any = None  # [D] after the dense FFN beside the experts
+    ffn_pre_norm_2: Any = None  # [D] the experts' input norm
+    ffn_post_norm_2: Any = None  # [D] after the experts
+    per_layer_inp_gate: Any = None  # [P, D]
+    per_layer_proj: Any = None  # [D, P]
+    per_layer_post_norm: Any = None  # [D]
+    layer_output_scale: Any = None  # [1] float32
 
 
 @dataclass
@@ -98,6 +109,10 @@ class ModelWeights:
     output_norm: Any  # [D]
     output: Any  # [V, D]; token_embd's handle when tied
     extra: dict[str, Any] = field(default_factory=dict)
+    # Gemma 4's per-layer embeddings (cfg.n_embd_per_layer = P > 0; block.per_layer_inputs)
+    per_layer_token_embd: Any = None  # [V, L P], kept quantized: rows are gathered
+    per_layer_model_proj: Any = None  # [L P, D]
+    per_layer_proj_norm: Any = None  # [P]
 
 
 class Backend(ABC):
@@ -165,7 +180,8 @@ class Backend(ABC):
 
     @abstractmethod
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
-        """[..., D] -> x / sqrt(mean(x^2) + eps) * weight, over the last axis ([T, H, Dh]: per head)."""
+        """[..., D] -> x / sqrt(mean(x^2) + eps) * weight, over the last axis ([T, H, Dh]: per head); weight None:
+        no weight."""
 
     @abstractmethod
     def matmul(self, x: Any, w: Any, bias: Any = None) -> Any:
@@ -178,9 +194,10 @@ class Backend(ABC):
 
     @abstractmethod
     def attention(self, op: Attention, q: Any, k: Any, v: Any, pos: Any) -> Any:
-        """Write k, v [T, Hkv, Dh] into layer op.layer's cache at pos, then causal GQA of q [T, Hq, Dh] over cache
-        positions 0..pos[t] for each t (only pos[t] - window < k with op.window), scores scaled by
-        cfg.query_scale and soft-capped by op.softcap, op.sinks: attn_sinks in the denominator -> [T, Hq*Dh]."""
+        """Write k, v [T, Hkv, Dh] into layer op.layer's cache at pos (not with op.store False: a shared-KV layer,
+        k and v None), then causal GQA of q [T, Hq, Dh] over cache positions 0..pos[t] for each t (only
+        pos[t] - window < k with op.window), scores scaled by cfg.query_scale and soft-capped by op.softcap,
+        op.sinks: attn_sinks in the denominator -> [T, Hq*Dh]. Dh and Hkv are the layer's own (its cache's)."""
 
     @abstractmethod
     def swiglu(self, gate: Any, up: Any) -> Any:
@@ -207,11 +224,21 @@ class Backend(ABC):
         """cap * tanh(x / cap) (gemma2's final logits)."""
         raise BackendError(f"the {self.name} backend has no logit soft-capping (gemma2 models)")
 
-    def moe(self, op: Moe, h: Any) -> Any:
+    def moe(self, op: Moe, h: Any, router_in: Any = None) -> Any:
         """The mixture-of-experts FFN of block op.layer on the normalised input h [T, D]: route each token
-        (llamacli/moe.py route with op.gating: ids and weights of cfg.n_expert_used experts), run the chosen
-        experts' gated FFNs (op.activation, biases when op.bias) -> sum_j w_j FFN_j(h) [T, D]."""
+        (llamacli/moe.py route with op.gating over ffn_gate_inp of `router_in` [T, D], else of h: ids and weights of
+        cfg.n_expert_used experts; op.expert_scale: each weight times ffn_down_exps_scale of its expert), run the
+        chosen experts' gated FFNs (op.activation, biases when op.bias) -> sum_j w_j FFN_j(h) [T, D]."""
         raise BackendError(f"the {self.name} backend has no mixture-of-experts FFN")
+
+    def scale(self, x: Any, factor: float, weight: Any = None) -> Any:
+        """x * factor (* weight, broadcast over the last axis)."""
+        raise BackendError(f"the {self.name} backend has no separate scale operation (gemma4 models)")
+
+    def embed_per_layer(self, ids: Any) -> Any:
+        """[T] ids -> [T, L, P] rows of per_layer_token_embd, dequantized, times sqrt(P) (gemma4's per-layer
+        embeddings)."""
+        raise BackendError(f"the {self.name} backend has no per-layer embeddings (gemma4 models)")
 
     def sigmoid_gate(self, x: Any, gate: Any) -> Any:
         """x * sigmoid(gate), gate [T, N] or [T, 1] (a gated attention's output; the shared expert's)."""

@@ -96,7 +96,8 @@ class Completion:
     text: str = ""  # the answer: a thinking model's <think> block goes to `reasoning` once generation ends
     reasoning: str = ""
     think_open: bool = False  # the prompt left a <think> block open: the output starts inside it
-    reasoning_format: str = "think"  # "think" (<think> blocks) or "harmony" (gpt-oss channels): chat/reasoning.py
+    reasoning_format: str = "think"  # "think" (<think> blocks), "harmony" (gpt-oss channels) or "channel" (Gemma 4's
+    #                                   <|channel>thought ... <channel|> block): chat/reasoning.py
     tokens: list[int] = field(default_factory=list)  # generated ids (an end-of-generation id is not included)
     prompt_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "interrupted"
@@ -153,7 +154,8 @@ class Model:
                 raise UsageError(f"the number of parallel sequences must be a positive integer, got {slots!r}")
             self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
             self.cache_types = parse_cache_types(*cache_types)
-            check_cache_types(self.cfg.head_dim, self.cache_types)
+            for head_dim in sorted(self.cfg.head_dims):  # (gemma4: its sliding and global layers' own)
+                check_cache_types(head_dim, self.cache_types)
         except BaseException:
             if early is not None:  # the thread leaves the driver before the process may exit
                 with contextlib.suppress(BaseException):
@@ -513,6 +515,7 @@ def context_warning(cfg: ModelConfig, ctx: int) -> str | None:
         "none": "no RoPE scaling applies",
         "linear": f"the file's linear RoPE scaling (factor {cfg.rope_scaling_factor:g}) applies unchanged",
         "llama3": f"the file's llama3 RoPE scaling (from {cfg.rope_original_context} tokens) applies unchanged",
+        "proportional": "no RoPE scaling applies",
         "longrope": f"the long RoPE factors apply (as past {cfg.rope_original_context} tokens)",
         "yarn": f"the file's YaRN RoPE scaling (factor {cfg.rope_scaling_factor:g}, from "
                 f"{cfg.rope_original_context} tokens) applies unchanged",

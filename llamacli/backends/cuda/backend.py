@@ -328,7 +328,9 @@ class CudaBackend(Backend):
         return out
 
     @profiled("FFN")
-    def moe(self, op: Moe, h: Any) -> Any:
+    def moe(self, op: Moe, h: Any, router_in: Any = None) -> Any:
+        if router_in is not None:  # (fused_layers refuses such models at load: gemma4's normalised router input)
+            raise BackendError("the CUDA backend has no separate router input (Gemma 4's experts) yet")
         return self.experts.forward(op, h)
 
     # -- whole steps: the fused prefill pass and decode step ---------------------------------------------------

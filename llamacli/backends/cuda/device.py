@@ -24,7 +24,7 @@ from ..base import LayerWeights, ModelWeights
 from ..memory_fit import not_enough_memory, q8_pair_bytes
 from . import loader as K
 from .attention import decode_splits
-from .fusion import FusedLayer, match_layer
+from .fusion import FusedLayer, match_layer, refuse_unported_model
 from .gpu import Gpu
 from .linear import DEQUANT_CHUNK, DeviceMatrix
 from .moe import check_moe, dense_ff, moe_family_needed, moe_scratch_bytes
@@ -133,8 +133,9 @@ def cache_q8(cfg: ModelConfig, cache_types: tuple[str, str]) -> bool:
 def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedLayer, ...]:
     """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); a program
     they do not run, or experts the kernels do not serve, is refused here, before anything is uploaded."""
-    # the programs first: a hybrid model is refused naming --backend numpy before its experts are looked at
+    # the programs first: a hybrid or Gemma 4 model is refused naming --backend numpy before its experts are looked at
     fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
+    refuse_unported_model(cfg)
     check_moe(cfg, gguf)
     return fused
 
