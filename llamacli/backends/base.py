@@ -37,7 +37,9 @@ class StepErrors(BackendError):
     failed). Each failed sequence must start again with a new Sampler; the others go on."""
 
     def __init__(self, errors: dict[int, Exception], outs: list[StepOut | None]):
-        super().__init__(f"{len(errors)} of {len(outs)} sequences failed their step")
+        first = next(iter(errors.values()), None)
+        super().__init__(f"{len(errors)} of {len(outs)} sequences failed their step"
+                         + (f" (the first: {type(first).__name__}: {first})" if first is not None else ""))
         self.errors, self.outs = errors, outs
 
 

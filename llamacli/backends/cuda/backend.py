@@ -231,11 +231,11 @@ class CudaBackend(Backend):
 
     def _forward_batch(self, ids: Any, pos: Any, slots: Any) -> Any:
         """The model op by op on rows that are sequences of their own (slots [B]) -> logits [B, V]."""
-        self.attn.batch_slots, self.linear.rows_apart = slots, True
+        self.attn.batch_slots, self.linear.batch_rows = slots, self.slots
         try:
             return block.run(self, self.cfg, ids, pos, all_logits=True)
         finally:
-            self.attn.batch_slots, self.linear.rows_apart = None, False
+            self.attn.batch_slots, self.linear.batch_rows = None, 0
 
     def _setup_decode(self, s: Any, pos: int) -> str:
         """Backend._setup_decode; with several slots a plain greedy sequence keeps the fused greedy step (its slot's

@@ -3,8 +3,12 @@
 The step runs the model's program operation by operation (models/block.run: the layer as written once), so a
 model the op-by-op path runs is batched with nothing of its own; only the attention knows the rows are separate
 sequences (attention.AttentionKernels.attention_batch: each row's K/V into its slot's cache, each row's
-attention over it). The linear layers read each weight once for all B rows (linear.Linear.matmul: the matvec
-kernels up to MATVEC_TMAX rows, dequantized rows on cuBLAS above). After the LM head the step takes each row's
+attention over it). The linear layers read each weight once for all B rows: dequantized to fp16 and multiplied on
+cuBLAS as as many rows as there are slots, whatever B (linear.Linear.matmul's batch_rows), so that a row's arithmetic
+does not depend on what runs beside it (the attention's splits do not either: AttentionKernels.batch_split), and a
+seeded request draws the same ids in any company; a mixture of experts groups its rows by expert, and there it
+does. (A matvec of several tokens on the quantized blocks, int8 dots as the one-token mv1, is what small batches
+of a large model still need.) After the LM head the step takes each row's
 argmax and a flag for rows whose logits are not finite; a row whose sequence samples, has a constraint or asks
 for its logits is chosen from its logits row as a single step's logits are (Backend._choose).
 
@@ -34,12 +38,12 @@ class BatchStep:
     def __init__(self, gpu: Any, options: Any, forward: Callable[[Any, Any, Any], Any], slots: int, vocab: int):
         cp = self.cp = gpu.cp
         self.gpu, self.options, self.forward = gpu, options, forward
-        self.inputs = cp.zeros((3, slots), dtype=cp.int32)  # ids, positions, slots
+        self.inputs = cp.zeros(3 * slots, dtype=cp.int32)  # a run of B: ids, positions, slots in its first 3 B
         self.logits = cp.empty((slots, vocab), dtype=cp.float32)
         self.choice = cp.zeros((2, slots), dtype=cp.int32)  # each row's argmax, and 1 where its logits are not finite
         mem = cp.cuda.alloc_pinned_memory(8 * slots)
         self._host = np.frombuffer(mem, np.int32, 2 * slots).reshape(2, slots)
-        self._stage = np.zeros((3, slots), dtype=np.int32)
+        self._stage = np.zeros(3 * slots, dtype=np.int32)
         self.pool = cp.cuda.MemoryPool()
         self._graphs: dict[int, Any] = {}
         self._seen: set[int] = set()
@@ -49,8 +53,8 @@ class BatchStep:
         """One step of B = len(ids) sequences -> (choice [2, B] on the host: argmax ids, non-finite flags; the
         logits [B, V], a device buffer the next run overwrites)."""
         cp, b = self.cp, len(ids)
-        self._stage[:, :b] = (ids, positions, slots)
-        self.inputs[:, :b].set(self._stage[:, :b])
+        self._stage[: 3 * b] = np.concatenate([ids, positions, slots])
+        self.inputs[: 3 * b].set(self._stage[: 3 * b])
         graph = self._graphs.get(b)
         if graph is None and self.options.use_graph and self._graph_ok and b in self._seen:
             try:
@@ -76,7 +80,7 @@ class BatchStep:
 
     def _launch(self, b: int) -> None:
         cp = self.cp
-        ids, pos, slots = self.inputs[0, :b], self.inputs[1, :b], self.inputs[2, :b]
+        ids, pos, slots = self.inputs[:b], self.inputs[b : 2 * b], self.inputs[2 * b : 3 * b]
         with cp.cuda.using_allocator(self.pool.malloc):
             logits = self.forward(ids, pos, slots)
             self.logits[:b] = logits

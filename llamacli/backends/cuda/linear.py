@@ -220,10 +220,10 @@ class Linear:
         self.alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self.cublas_ws: Any = None
         self.dq: Any = None  # gemm_weights' dequantized fp16 weights (dequant_scratch)
-        # matmul's rows are separate sequences (the batched step, batch.py): every row through matvec_<t> in
-        # launches of up to MATVEC_TMAX rows (each weight read once per launch), so that a row's arithmetic is the
-        # same whatever the number of rows beside it
-        self.rows_apart = False
+        # The batched step (batch.py): matmul's rows are separate sequences, multiplied on cuBLAS as batch_rows
+        # rows whatever their number (zeros past them): one GEMM shape, so that a row's arithmetic is the same
+        # whatever runs beside it. 0: off.
+        self.batch_rows = 0
 
     def dequant_scratch(self) -> Any:
         """gemm_weights' fp16 scratch of DEQUANT_CHUNK values, made once (before any capture: a captured pass
@@ -233,24 +233,21 @@ class Linear:
         return self.dq
 
     def matmul(self, x: Any, w: DeviceMatrix, bias: Any = None) -> Any:
-        """Backend.matmul: x [t, K] @ W^T (+ bias) -> [t, N] f32; mv1/matvec for few tokens, else dequantized
-        row chunks times x in fp16 on cuBLAS."""
+        """Backend.matmul: x [t, K] @ W^T (+ bias) -> [t, N] f32; mv1/matvec for few tokens, else (and in the
+        batched step, batch_rows) dequantized row chunks times x in fp16 on cuBLAS."""
         cp = self.cp
         x = self.gpu.f32(x)
         t, k = x.shape
         if k != w.cols:
             raise BackendError(f"matmul: x has {k} columns, the weight {w.cols}")
-        y = cp.empty((t, w.rows), dtype=cp.float32)
-        if self.rows_apart:  # each row its own sequence: the same kernel whatever the number of rows
-            for r in range(0, t, MATVEC_TMAX):
-                n = min(MATVEC_TMAX, t - r)
-                K.launch("matvec", f"matvec_{qname(w.qtype)}", (K.cdiv(w.rows, 4 * (32 // _lpr(k))),), (128,),
-                         w0=w.ptr, w1=0, w2=0, n0=w.rows, n1=0, N=w.rows, K=k, x=x[r : r + n], T=n, y=y[r : r + n],
-                         bias=bias, resid=None, lpr=_lpr(k))
-            return y
-        if t <= MATVEC_TMAX:
+        if t <= MATVEC_TMAX and not self.batch_rows:
+            y = cp.empty((t, w.rows), dtype=cp.float32)
             self.matvec((w,), x, t, y, bias=bias)
             return y
+        rows = t
+        if t < self.batch_rows:  # rows of separate sequences: as many rows as any batch has (zeros past t)
+            x = cp.concatenate([x, cp.zeros((self.batch_rows - t, k), dtype=cp.float32)])
+        y = cp.empty((x.shape[0], w.rows), dtype=cp.float32)
         # Prefill: dequantize row chunks to fp16, multiply with cuBLAS on tensor cores. Accumulation and output
         # are fp32 (GemmEx): an fp16 output overflowed at 65504 on FFN down projections (Llama-3.2-1B shape,
         # 512 tokens). Rows of x beyond fp16's comfortable range are scaled down by a power of two first and
@@ -272,7 +269,7 @@ class Linear:
         n_all = y.size
         K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n_all, 256), 4096),), (256,), y=y, scale=scale,
                  b=bias, n=n_all, N=w.rows)
-        return y
+        return y[:rows]
 
     def to_f16_scaled(self, x: Any) -> tuple[Any, Any]:
         """x [t, k] float32 -> (x / s as fp16 [t, k], s [t]): s = 1, or the power of two that brings a row's

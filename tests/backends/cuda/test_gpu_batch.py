@@ -65,7 +65,7 @@ CASES = [("tiny-llama", QT.Q8_0), ("small-qwen2", QT.Q4_K), ("tiny-qwen3", "Q4_K
 @pytest.mark.parametrize("shape,qtype", CASES, ids=lambda c: c if isinstance(c, str) else getattr(c, "name", str(c)))
 def test_sequences_decode_together_as_they_would_alone(random_model, shape, qtype) -> None:
     """Eleven sequences in eleven slots (prompts of 1 to 60 tokens: the op-by-op prefill and the fused pass), their
-    decode steps together (up to 11 rows: two matvec launches per weight), two joining late and some leaving
+    decode steps together (up to 11 rows), two joining late and some leaving
     early; half bring their logits back (the host path), half take the device argmax. Each sequence's ids equal
     the reference's alone, and its logits agree within the tolerance of the CUDA backend's own tests."""
     path = random_model(shape, qtype)
@@ -75,7 +75,7 @@ def test_sequences_decode_together_as_they_would_alone(random_model, shape, qtyp
     lengths = (5, 1, 12, 7, 60, 3, 9, 2, 17, 30, 4)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in lengths]
     steps = [12, 12, 8, 12, 12, 5, 12, 12, 10, 12, 12]
-    want = [alone(p, n) for p, n in zip(prompts, steps)]
+    want = [alone(path, p, n) for p, n in zip(prompts, steps)]
     samplers = [greedy(i % 2 == 0) for i in range(11)]
     got: list[list[tuple[int, np.ndarray | None]]] = [[] for _ in prompts]
     late = {9: 2, 10: 4}  # sequence -> the round it joins
@@ -102,8 +102,8 @@ def test_sequences_decode_together_as_they_would_alone(random_model, shape, qtyp
 
 def test_a_row_is_the_same_whatever_runs_beside_it(random_model) -> None:
     """Batch invariance on a dense model: a sequence's logits are bit for bit the same in a batch of 2 and of 9
-    (the matvecs take each row alike, the attention's splits do not depend on the batch), so a seeded sampled
-    request draws the same ids whatever else runs."""
+    (the GEMMs take as many rows as there are slots, the attention's splits do not depend on the batch), so a
+    seeded sampled request draws the same ids whatever else runs."""
     path = random_model("small-qwen2", QT.Q4_K)
     cfg, be = loaded(path, CudaBackend())
     be.set_slots(9)
