@@ -80,6 +80,7 @@ class CudaBackend(Backend):
     attention_wg = _Option()
     pdl = _Option()
     mv1_stream = _Option()
+    batch_matvec = _Option()
     pdl_max_bytes = _Option()
     pdl_early_bytes = _Option()
 

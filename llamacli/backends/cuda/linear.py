@@ -220,9 +220,10 @@ class Linear:
         self.alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self.cublas_ws: Any = None
         self.dq: Any = None  # gemm_weights' dequantized fp16 weights (dequant_scratch)
-        # The batched step (batch.py): matmul's rows are separate sequences, multiplied on cuBLAS as batch_rows
-        # rows whatever their number (zeros past them): one GEMM shape, so that a row's arithmetic is the same
-        # whatever runs beside it. 0: off.
+        # The batched step (batch.py): matmul's rows are separate sequences, each multiplied on its own
+        # (matvec_rows), or with options.batch_matvec off on cuBLAS as batch_rows rows whatever their number
+        # (zeros past them: one GEMM shape); either way a row's arithmetic is the same whatever runs beside it.
+        # 0: off.
         self.batch_rows = 0
 
     def dequant_scratch(self) -> Any:
@@ -244,6 +245,8 @@ class Linear:
             y = cp.empty((t, w.rows), dtype=cp.float32)
             self.matvec((w,), x, t, y, bias=bias)
             return y
+        if self.batch_rows and self.options.batch_matvec:
+            return self.matvec_rows(w, x, bias)
         rows = t
         if t < self.batch_rows:  # rows of separate sequences: as many rows as any batch has (zeros past t)
             x = cp.concatenate([x, cp.zeros((self.batch_rows - t, k), dtype=cp.float32)])
@@ -270,6 +273,28 @@ class Linear:
         K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n_all, 256), 4096),), (256,), y=y, scale=scale,
                  b=bias, n=n_all, N=w.rows)
         return y[:rows]
+
+    def matvec_rows(self, w: DeviceMatrix, x: Any, bias: Any = None) -> Any:
+        """x [t, K] @ W^T (+ bias) -> [t, N] for rows that are separate sequences (the batched step): each row
+        staged as mv1 stages its x (stage_rows_q8 / _f32: int8 units for the MV1_ACT8 types), then mvb_<t> over
+        up to MATVEC_TMAX rows per launch, each weight read once per launch; a row's arithmetic is its own."""
+        cp = self.cp
+        t, k = x.shape
+        units = K.cdiv(k, 32)
+        act8 = w.qtype in MV1_ACT8
+        stride = K.cdiv(units * (40 if act8 else 132), 16) * 16
+        xs = cp.empty(t * stride, dtype=cp.uint8)
+        K.launch("matvec", "stage_rows_q8" if act8 else "stage_rows_f32", (t,), (256,), x=x, K=k, T=t, xs=xs,
+                 stride=stride)
+        y = cp.empty((t, w.rows), dtype=cp.float32)
+        lpr = _lpr(k)
+        bias = None if bias is None else self.gpu.f32(bias)
+        for r in range(0, t, MATVEC_TMAX):
+            n = min(MATVEC_TMAX, t - r)
+            K.launch("matvec", f"mvb_{qname(w.qtype)}", (K.cdiv(w.rows, MV1_WARPS * (32 // lpr)),), (32 * MV1_WARPS,),
+                     w=w.ptr, N=w.rows, K=k, xs=xs[r * stride :], stride=stride, T=n, y=y[r : r + n], bias=bias,
+                     lpr=lpr)
+        return y
 
     def to_f16_scaled(self, x: Any) -> tuple[Any, Any]:
         """x [t, k] float32 -> (x / s as fp16 [t, k], s [t]): s = 1, or the power of two that brings a row's
