@@ -20,7 +20,9 @@ around each phase (every step returns its ids to the host, so each has finished 
 
 Unlike llama-batched-bench, whose -c is the context all sequences share, each sequence has a cache slot of
 its own of the model's context (-c, as `serve --parallel` gives each slot): a configuration runs where PP + TG
-fits one slot (others are skipped with a notice, as llama-batched-bench skips those past its context).
+fits one slot (others are skipped with a notice, as llama-batched-bench skips those past its context), and
+where the backend holds B slots (a B it cannot hold, or whose caches the memory cannot, is skipped likewise:
+the CUDA backend holds one until its batched decode).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import numpy as np
 
 from ..backends.base import StepErrors
 from ..backends.step import Sampler, SeqStep
-from ..errors import BackendError, UsageError
+from ..errors import BackendError, HostMemoryError, UsageError
 from ..sampling.sampling import SamplingParams, make_rng
 from ..textio import printable
 from .generate import Model
@@ -104,20 +106,16 @@ def context_for(pps: list[int], tgs: list[int]) -> int:
 def run_batched(model: Model, pps: list[int], tgs: list[int], npls: list[int],
                 progress: Callable[[str], None] | None = None, seed: int = 0) -> list[BatchedRow]:
     """The table's rows, PP outermost and B innermost as llama-batched-bench orders them; a configuration whose
-    PP + TG does not fit a slot's context is skipped (said through `progress`). The model gets max(-npl) cache
-    slots (set_slots: BackendError where its backend holds fewer, HostMemoryError where they do not fit); their
-    caches are left empty."""
+    PP + TG does not fit a slot's context is skipped, and so is a B the backend cannot hold (set_slots: a
+    backend of fewer slots, or not enough memory for their caches), each said through `progress`; where
+    nothing is left, the reason is raised. The model keeps the most slots it got, their caches left empty."""
     check_sizes(pps, tgs, npls)
-    fits = [(pp, tg, b) for pp in pps for tg in tgs for b in npls if pp + tg <= model.ctx]
-    if not fits:
+    if min(pps) + min(tgs) > model.ctx:
         raise UsageError(f"no -npp/-ntg pair fits a context of {model.ctx} per sequence (PP + TG at most that): "
                          f"raise -c or lower -npp/-ntg")
-    need = max(b for _, _, b in fits)
-    if len(model.seqs) < need:
-        try:
-            model.set_slots(need)
-        except BackendError as exc:
-            raise BackendError(f"-npl {need}: {exc}") from None
+    held, refused = _slots(model, npls)
+    if not held:
+        raise refused
     rng = np.random.default_rng(seed)
     rows = []
     try:
@@ -129,6 +127,10 @@ def run_batched(model: Model, pps: list[int], tgs: list[int], npls: list[int],
                             progress(f"skipping PP {pp}, TG {tg}: a sequence needs a context of {pp + tg}, "
                                      f"have {model.ctx} (-c)")
                         continue
+                    if b > held:
+                        if progress:
+                            progress(f"skipping B {b}: {refused}")
+                        continue
                     if progress:
                         progress(f"running PP {pp}, TG {tg}, B {b}")
                     for _ in range(2 if b == 1 else 1):  # (a prefill chunk's graph is captured at its second run)
@@ -139,6 +141,21 @@ def run_batched(model: Model, pps: list[int], tgs: list[int], npls: list[int],
         for seq in model.seqs:  # random ids went into the caches: a later prompt starts afresh
             seq.clear()
     return rows
+
+
+def _slots(model: Model, npls: list[int]) -> tuple[int, Exception | None]:
+    """Give the model the most cache slots of -npl's values it can hold -> (those slots, or 0; why more were
+    refused, or None)."""
+    refused: Exception | None = None
+    for b in sorted(set(npls), reverse=True):
+        if len(model.seqs) >= b:
+            return b, refused
+        try:
+            model.set_slots(b)
+            return b, refused
+        except (BackendError, HostMemoryError) as exc:
+            refused = refused or type(exc)(f"-npl {b}: {exc}")
+    return 0, refused
 
 
 def _run(model: Model, rng: np.random.Generator, pp: int, tg: int, b: int) -> tuple[float, float]:

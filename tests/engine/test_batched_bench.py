@@ -11,6 +11,7 @@ import json
 import pytest
 
 from clirun import run
+from llamacli.backends.numpy_backend import NumpyBackend
 from llamacli.engine.batched_bench import BatchedRow, run_batched
 from llamacli.engine.generate import Model
 from llamacli.testing import tiny_vocab, write_model
@@ -103,15 +104,24 @@ def test_sizes_that_cannot_run_are_one_error_line(tiny: str, args: list[str], me
     assert r.out == ""
 
 
-def test_more_sequences_than_the_backend_holds_is_one_line(tiny: str) -> None:
-    """A backend of one cache slot (the CUDA backend until its batched decode) refuses -npl 2 in one line."""
+def test_more_sequences_than_the_backend_holds_are_skipped(tiny: str) -> None:
+    """A backend of one cache slot (the CUDA backend until its batched decode): -npl 1,2 runs B = 1 and says why
+    B = 2 is skipped; -npl 2 alone is one error line naming it."""
     from llamacli.backends.base import Backend
-    from llamacli.errors import BackendError
 
-    m = Model(tiny, backend="numpy", ctx=32)
-    m.backend.set_slots = lambda n: Backend.set_slots(m.backend, n)  # (the base class's: one slot)
-    with pytest.raises(BackendError, match=r"^-npl 2: the numpy backend holds one sequence's cache"):
-        run_batched(m, [4], [2], [1, 2])
+    r = run("bench", "-m", tiny, "--backend", "numpy", "-npl", "1,2", "-npp", "4", "-ntg", "2", "-o", "json")
+    assert r.code == 0 and [x["n_parallel"] for x in json.loads(r.out)] == [1, 2]
+    real = NumpyBackend.set_slots
+    try:
+        NumpyBackend.set_slots = Backend.set_slots  # (the base class's: one slot)
+        r = run("bench", "-m", tiny, "--backend", "numpy", "-npl", "1,2", "-npp", "4", "-ntg", "2", "-o", "json")
+        assert r.code == 0 and [x["n_parallel"] for x in json.loads(r.out)] == [1]
+        assert "skipping B 2: -npl 2: the numpy backend holds one sequence's cache at a time" in r.err
+        r = run("bench", "-m", tiny, "--backend", "numpy", "-npl", "2", "-npp", "4", "-ntg", "2")
+        assert r.code == 1 and r.out == ""
+        assert r.one_line_error().startswith("error: -npl 2: the numpy backend holds one sequence's cache")
+    finally:
+        NumpyBackend.set_slots = real
 
 
 def test_rows_without_decode_steps() -> None:
