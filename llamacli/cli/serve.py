@@ -61,10 +61,14 @@ def serve(
         help="Memory the prefix cache may use, in MiB (llama-server's option; on CUDA it is GPU memory): prompts' "
              "K/V blocks kept for any later request. 0 turns it off. Default: as many positions as the slots "
              "hold, at most 8192 MiB and a quarter of the free memory.")] = None,
-    no_prefix_cache: Annotated[bool, typer.Option(
-        "--no-prefix-cache", "--no-enable-prefix-caching",
-        help="No prefix cache (vLLM's --no-enable-prefix-caching): a request reuses only what its own slot "
-             "holds.")] = False,
+    use_prefix_cache: Annotated[bool, typer.Option(
+        "--prefix-cache/--no-prefix-cache", "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="The prefix cache (on by default; vLLM's names too). Off: a request reuses only what its own slot "
+             "holds.")] = True,
+    cache_reuse: Annotated[Optional[int], typer.Option(
+        "--cache-reuse", metavar="N",
+        help="Accepted for llama-server's command lines and explained: llamacli does not shift cached K/V to "
+             "reuse chunks at other positions; prompts reuse cached prefixes.", show_default=False)] = None,
 ) -> None:
     """Serve the model over the OpenAI HTTP API: POST /v1/chat/completions and /v1/completions (streamed
     with "stream": true), Anthropic's /v1/messages, OpenAI's /v1/responses, GET /v1/models, /health and /metrics
@@ -79,8 +83,10 @@ def serve(
         fail(f"--parallel must lie in 1..{MAX_PARALLEL}, got {parallel}")
     if cache_ram is not None and not 0 <= cache_ram <= MAX_CACHE_RAM:
         fail(f"--cache-ram takes MiB from 0 (no prefix cache) to {MAX_CACHE_RAM}, got {cache_ram}")
-    if no_prefix_cache and cache_ram:
+    if not use_prefix_cache and cache_ram:
         fail("--no-prefix-cache and --cache-ram: give one (--cache-ram 0 turns the prefix cache off too)")
+    if cache_reuse is not None and cache_reuse < 0:
+        fail(f"--cache-reuse must be >= 0, got {cache_reuse}")
     if not host.strip():  # '' would bind every interface
         fail("--host is empty: give an address (127.0.0.1: this machine only, 0.0.0.0: every interface)")
     if api_key_file is not None:
@@ -104,7 +110,7 @@ def serve(
 
         try:
             slots = parallel_slots(m, parallel, None if quiet else dim)
-            cached = prefix_cache(m, 0 if no_prefix_cache else cache_ram, None if quiet else dim)
+            cached = prefix_cache(m, cache_ram if use_prefix_cache else 0, None if quiet else dim)
             server = make_server(m, m.path.stem, sock, api_key, None if quiet else stderr_log)
         except BaseException:
             m.close()
@@ -117,6 +123,9 @@ def serve(
         if not quiet:
             for line in prompt_notices(m, None, chat=True):
                 dim(line)
+            if cache_reuse:
+                dim(f"--cache-reuse {cache_reuse}: llamacli does not shift cached K/V to reuse chunks at other "
+                    "positions (llama-server's KV shifting); a prompt reuses the cached prefix it starts with")
             if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
                 dim(f"listening on {printable(host)} without --api-key: anyone who reaches this port can use the model")
             at_once = "one request at a time" if slots == 1 else f"{slots} requests at once"

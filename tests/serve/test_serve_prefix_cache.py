@@ -6,6 +6,10 @@ without the cache gives; --cache-ram and --no-prefix-cache on the command line."
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -152,6 +156,7 @@ def test_clients_sharing_a_system_prompt_get_the_answers_of_a_server_without_it(
     (["--cache-ram", "-1"], "error: --cache-ram takes MiB from 0"),
     (["--cache-ram", str(1 << 40)], "error: --cache-ram takes MiB from 0"),
     (["--no-prefix-cache", "--cache-ram", "64"], "error: --no-prefix-cache and --cache-ram"),
+    (["--cache-reuse", "-1"], "error: --cache-reuse must be >= 0"),
 ])
 def test_prefix_cache_options_on_the_command_line(path, args, message):
     """Checked before the model loads: one error line, exit 2."""
@@ -159,3 +164,37 @@ def test_prefix_cache_options_on_the_command_line(path, args, message):
 
     r = run("serve", str(path), "--backend", "numpy", *args)
     assert r.code == 2 and r.one_line_error().startswith(message) and r.out == ""
+
+
+def serve_lines(args: list[str], wait_for: str) -> list[str]:
+    """`llamacli serve ARGS --port 0` in a subprocess: its stderr lines up to the one containing `wait_for`,
+    then /health answered, then stopped."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "llamacli", "serve", *args, "--port", "0"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    try:
+        while not lines or wait_for not in lines[-1]:
+            line = p.stderr.readline()
+            assert line, lines
+            lines.append(line.rstrip("\n"))
+        port = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", lines[-1])
+        if port:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/health", timeout=30) as r:
+                assert json.loads(r.read())["status"] == "ok"
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    return lines
+
+
+def test_the_start_up_line_names_the_prefix_cache(path, random_model):
+    lines = serve_lines([str(path), "--backend", "numpy", "-c", "256", "-np", "2", "--cache-ram", "3",
+                         "--cache-reuse", "256"], "serving ")
+    assert "2 requests at once; prefix cache 3.00 MiB (" in lines[-1]
+    assert any(line.startswith("--cache-reuse 256: llamacli does not shift cached K/V") for line in lines)
+    assert not any("prefix cache" in line for line in serve_lines(
+        [str(path), "--backend", "numpy", "-c", "256", "--no-enable-prefix-caching"], "serving "))
+    hybrid = serve_lines([str(random_model("tiny-qwen35", "F32")), "--backend", "numpy", "-c", "64"], "serving ")
+    assert any(line.startswith("no prefix cache: the prefix cache is off for models with recurrent layers")
+               for line in hybrid)
