@@ -22,8 +22,8 @@ keeps all but that id.
 
 Layers whose cache is a ring (a sliding window: models/kv_cache.py) hold only their last rows: a block keeps the
 ring's rows where the ring still held them when it was stored (every position above `written - rows`,
-SequenceCache), and a chain is used up to a position m only where the blocks over the window before m have them;
-the rows of the window before m are copied back then. Models with recurrent layers (Gated DeltaNet) get no prefix
+SequenceCache), and a chain is used only where the blocks over the window before the prefill's start have them
+(the chain's end, or the prompt's last id); the rows of that window are copied back then. Models with recurrent layers (Gated DeltaNet) get no prefix
 cache: their state resumes only where the backend stored one, and those stored states stay in their slot
 (SequenceCache.reusable still resumes a slot's own prompt there).
 
@@ -121,14 +121,14 @@ class PrefixCache:
             chain.append(node)
         return chain
 
-    def _usable(self, chain: list[_Block]) -> int:
-        """How many leading blocks of `chain` a prefill may start behind: every block over the ring layers' window
-        before their end keeps the rings' rows."""
+    def _usable(self, chain: list[_Block], n: int) -> int:
+        """How many leading blocks of `chain` a prompt of n ids may start behind: every block over the ring layers'
+        window before where its prefill starts (the chain's end, or n - 1) keeps the rings' rows."""
         k = len(chain)
         if not self.rings:
             return k
         while k > 0:
-            lo = max(0, k * self.block - self.window + 1) // self.block
+            lo = max(0, min(k * self.block, n - 1) - self.window + 1) // self.block
             if all(node.ring for node in chain[lo:k]):
                 break
             k -= 1
@@ -151,7 +151,7 @@ class PrefixCache:
         now (at most len(ids) - 1)."""
         self.queried += len(ids)
         chain = self._chain(ids)
-        k = self._usable(chain)
+        k = self._usable(chain, len(ids))
         m = k * self.block
         new_keep = min(m, len(ids) - 1)
         if new_keep <= keep:
@@ -163,15 +163,16 @@ class PrefixCache:
             positions = np.arange(first, m, dtype=np.int64)
             self.backend.copy_kv_rows(seq.slot, self.full_layers, positions, self._rows(chain, positions), False)
             high = -1
-            for (window, rows), layers in self.rings.items():  # the window before m, on each ring
-                positions = np.arange(max(0, m - window + 1), m, dtype=np.int64)
+            for (window, rows), layers in self.rings.items():  # the window before the prefill, on each ring
+                positions = np.arange(max(0, new_keep - window + 1), m, dtype=np.int64)
                 self.backend.copy_kv_rows(seq.slot, layers, positions, self._rows(chain, positions), False)
                 high = max(high, m - window + rows)
         except BaseException:
             seq.clear()  # (what the slot holds is unknown now)
             raise
-        # A ring holds the window before m now, and what was written after it: `high` makes SequenceCache
-        # count no older position of a ring as held (written - rows >= m - window).
+        # A ring holds the window before the prefill now (from new_keep - window + 1 >= m - window), and what is
+        # written after it: `high` makes SequenceCache count no older position of a ring as held (written - rows
+        # >= m - window).
         seq.restored(ids[:new_keep], high, keep)
         self._touch(chain)
         self.hits += new_keep - keep

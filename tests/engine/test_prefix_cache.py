@@ -229,6 +229,11 @@ def test_sliding_window_rings_restore_the_window_before_the_prefix(ring_path):
         c = system[:500] + ids(12, 36, 270)
         got = run(m, c, sched)
         assert got.timings.cached_tokens == got.timings.prefix_cached_tokens == 496 and same(got, whole(ref, c))
+        # A prompt that ends on a block's end (688 ids): all but its last id kept (500 of them the slot's own),
+        # whose query reads the ring's window before it, position 680 included.
+        edge = system[:688]
+        got = run(m, edge, sched)
+        assert got.timings.cached_tokens == 687 and same(got, whole(ref, edge))
         held.close()
     finally:
         sched.close()
