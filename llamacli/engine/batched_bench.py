@@ -9,8 +9,8 @@ llama.cpp's tools/batched-bench/batched-bench.cpp:
 
 It runs through the step contract (backends/step.py): each step is one Backend.step of B SeqSteps in slots
 0..B-1 (the prompts', then each decode step's), every sequence greedy, so it measures whatever the backend does
-with a batch: the NumPy backend runs the sequences one after another; a backend with batched decode reads the
-weights once a step for all of them. A prompt step also picks the first id (llama-batched-bench computes the
+with a batch: the NumPy backend runs the sequences one after another; the CUDA backend's batched step reads the
+weights once a step for all of them (backends/cuda/batch.py). A prompt step also picks the first id (llama-batched-bench computes the
 last prompt token's logits): the TG decode steps then give TG more ids per sequence.
 
 Each configuration runs untimed first, its prompts and two decode steps (compilation, cuBLAS's plans, the CUDA
@@ -21,8 +21,7 @@ around each phase (every step returns its ids to the host, so each has finished 
 Unlike llama-batched-bench, whose -c is the context all sequences share, each sequence has a cache slot of
 its own of the model's context (-c, as `serve --parallel` gives each slot): a configuration runs where PP + TG
 fits one slot (others are skipped with a notice, as llama-batched-bench skips those past its context), and
-where the backend holds B slots (a B it cannot hold, or whose caches the memory cannot, is skipped likewise:
-the CUDA backend holds one until its batched decode).
+where the backend holds B slots (a B it cannot hold, or whose caches the memory cannot, is skipped likewise).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def test_sizes_that_cannot_run_are_one_error_line(tiny: str, args: list[str], me
 
 
 def test_more_sequences_than_the_backend_holds_are_skipped(tiny: str) -> None:
-    """A backend of one cache slot (the CUDA backend until its batched decode): -npl 1,2 runs B = 1 and says why
+    """A backend of one cache slot (the base Backend's set_slots): -npl 1,2 runs B = 1 and says why
     B = 2 is skipped; -npl 2 alone is one error line naming it."""
     from llamacli.backends.base import Backend
 

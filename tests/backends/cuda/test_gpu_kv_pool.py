@@ -109,3 +109,41 @@ def test_a_prompt_from_the_prefix_cache_gets_the_ids_of_a_whole_prefill(random_m
     finally:
         m.close()
         ref.close()
+
+
+@pytest.mark.parametrize("shape", ["small-llama", "tiny-gemma3"])
+def test_a_prefix_computed_in_one_slot_serves_another(random_model, shape):
+    """Two cache slots under the scheduler: a request held in slot 0 stored the 700-id prefix; a request in slot 1
+    copies it from the pool (a device-to-device copy into another slot's arrays) and gets the ids of its prompt
+    prefilled whole."""
+    from llamacli.engine.scheduler import Scheduler
+
+    path = random_model(shape, "Q4_K_M")
+    m = Model(path, backend="cuda", ctx=1024, slots=2)
+    ref = Model(path, backend="cuda", ctx=1024)
+    sched = None
+    try:
+        m.enable_prefix_cache(64 << 20)
+        sched = Scheduler(m)
+        rng = np.random.default_rng(6)
+        vocab = m.cfg.vocab_size
+        prefix = rng.integers(10, vocab - 10, size=700).tolist()
+        held = m.run(prefix + rng.integers(10, vocab - 10, size=20).tolist(), completion=Completion(),
+                     max_tokens=50, temperature=0.0, ignore_eos=True, scheduler=sched)
+        next(held)  # slot 0 kept: its consumer reads no further
+        b = prefix + rng.integers(10, vocab - 10, size=20).tolist()
+        got = Completion()
+        for _ in m.run(b, completion=got, max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2,
+                       scheduler=sched):
+            pass
+        assert got.timings.prefix_cached_tokens == 688
+        want = greedy(ref, b)
+        assert got.tokens == want.tokens
+        for x, y in zip(got.logprobs, want.logprobs):
+            assert abs(x["logprob"] - y["logprob"]) <= 2e-2
+        held.close()
+    finally:
+        if sched is not None:
+            sched.close()
+        m.close()
+        ref.close()
