@@ -157,7 +157,8 @@ class NumpyBackend(Backend):
     # written, so a pool no prefix has filled yet costs no memory) -----------------------------------------------
     def kv_row_bytes(self) -> int:
         cfg = self.cfg
-        return sum(2 * 4 * cfg.kv_dim for n in cfg.cache_rows(self.ctx) if n)
+        return sum(2 * 4 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i, n in enumerate(cfg.cache_rows(self.ctx))
+                   if n)
 
     def alloc_kv_pool(self, rows: int) -> None:
         if type(rows) is not int or rows < 0:
@@ -166,9 +167,9 @@ class NumpyBackend(Backend):
         self._pool = []
         if rows and not free_ok(None, rows * self.kv_row_bytes()):
             raise HostMemoryError(f"not enough host memory for a prefix cache of {human_bytes(rows * self.kv_row_bytes())}")
-        shape = (rows, cfg.n_head_kv, cfg.head_dim)
+        shapes = [(rows, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layer)]  # (each layer's)
         self._pool = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) if n and rows else None
-                      for n in cfg.cache_rows(self.ctx)]
+                      for shape, n in zip(shapes, cfg.cache_rows(self.ctx))]
 
     def copy_kv_rows(self, slot: int, layers, positions: np.ndarray, rows: np.ndarray, to_pool: bool) -> None:
         k, v, _ = self._caches[slot]

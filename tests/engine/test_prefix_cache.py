@@ -258,3 +258,20 @@ def test_a_ring_that_moved_on_serves_no_prefix(ring_path):
     b = system + ids(10, 35, 270)
     got = run(m, b)
     assert got.timings.cached_tokens == 0 and same(got, whole(ref, b))
+
+
+def test_layers_of_their_own_shapes_and_shared_kv(random_model):
+    """Gemma 4: K/V heads of one size on sliding layers and another on global ones, and layers that read an
+    earlier layer's cache (none of their own): the pool holds each layer's own shape, the shared layers none."""
+    path = random_model("tiny-gemma4", "F32")
+    ref, m = Model(path, backend="numpy", ctx=192), Model(path, backend="numpy", ctx=192)
+    cache = m.enable_prefix_cache()
+    vocab = m.cfg.vocab_size
+    assert {m.cfg.layer_head_dim(i) for i in range(m.cfg.n_layer)} == {32, 64}
+    assert any(c.kind == "shared" for c in m.seq.layers) and len(cache.full_layers) < m.cfg.n_layer
+    a = ids(40, 40, vocab)
+    run(m, a)
+    run(m, ids(5, 41, vocab))
+    b = a[:35] + ids(6, 42, vocab)
+    got = run(m, b)
+    assert got.timings.prefix_cached_tokens == 32 and same(got, whole(ref, b))
