@@ -276,6 +276,32 @@ class Backend(ABC):
         None for a model without recurrent layers."""
         return None
 
+    # -- the prefix cache's pool (engine/prefix_cache.py) ------------------------------------------------------
+    # K and V rows kept apart from the slots, so that a prompt's prefix computed for one sequence is copied into
+    # any slot for another: one pool array per layer with a KV cache, in the layout of that layer's cache.
+    def kv_row_bytes(self) -> int:
+        """Bytes of one position's K and V over every layer with a KV cache, as the pool holds them; 0 where this
+        backend keeps no pool (the prefix cache is off then)."""
+        return 0
+
+    def alloc_kv_pool(self, rows: int) -> None:
+        """Hold a pool of `rows` positions (replacing any; 0 frees it). BackendError where the memory is not there
+        (or this backend keeps no pool)."""
+        raise BackendError(f"the {self.name} backend keeps no prefix cache")
+
+    def copy_kv_rows(self, slot: int, layers: Sequence[int], positions: np.ndarray, rows: np.ndarray,
+                     to_pool: bool) -> None:
+        """Copy the K and V of `positions` (int64 [n]) in slot `slot`'s cache, each at its row there (p mod the
+        layer's rows: a ring's), to pool rows `rows` (int64 [n]) with `to_pool`, or from those pool rows back to
+        those positions, on each layer of `layers` (layers with a KV cache). Queued in order with the steps (a
+        GPU's copies run on the stream the steps run on); positions on a ring must fall on distinct rows."""
+        raise BackendError(f"the {self.name} backend keeps no prefix cache")
+
+    def free_memory(self) -> int | None:
+        """Bytes the backend could still allocate (host RAM; a GPU's free memory), None where unknown: the prefix
+        cache's default bound."""
+        return None
+
     # -- the step contract (backends/step.py) ----------------------------------------------------------------
     def step(self, batch: Sequence[SeqStep]) -> list[StepOut]:
         """Run one step of each sequence in `batch` (one per cache slot) -> its chosen id (and logits where asked),

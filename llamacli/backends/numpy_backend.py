@@ -124,6 +124,7 @@ class NumpyBackend(Backend):
         self.recurrent_layers = [i for i, plan in enumerate(cfg.layers) if plan.recurrent]
         self.prefill_chunk = shared_ring_chunk(cfg, ctx)
         self._caches = [self._new_cache()]
+        self._pool: list[tuple[np.ndarray, np.ndarray] | None] = []  # the prefix cache's rows per layer
         self.slots = 1
         self.use_slot(0)
 
@@ -151,6 +152,40 @@ class NumpyBackend(Backend):
 
     def use_slot(self, slot: int) -> None:
         self.k_cache, self.v_cache, self.recurrent_slot = self._caches[slot]
+
+    # -- the prefix cache's pool: float32 rows as the caches hold them (np.zeros: pages are taken as rows are
+    # written, so a pool no prefix has filled yet costs no memory) -----------------------------------------------
+    def kv_row_bytes(self) -> int:
+        cfg = self.cfg
+        return sum(2 * 4 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i, n in enumerate(cfg.cache_rows(self.ctx))
+                   if n)
+
+    def alloc_kv_pool(self, rows: int) -> None:
+        if type(rows) is not int or rows < 0:
+            raise UsageError(f"a prefix-cache pool takes a number of rows >= 0, got {rows!r}")
+        cfg = self.cfg
+        self._pool = []
+        if rows and not free_ok(None, rows * self.kv_row_bytes()):
+            raise HostMemoryError(f"not enough host memory for a prefix cache of {human_bytes(rows * self.kv_row_bytes())}")
+        shapes = [(rows, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layer)]  # (each layer's)
+        self._pool = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) if n and rows else None
+                      for shape, n in zip(shapes, cfg.cache_rows(self.ctx))]
+
+    def copy_kv_rows(self, slot: int, layers, positions: np.ndarray, rows: np.ndarray, to_pool: bool) -> None:
+        k, v, _ = self._caches[slot]
+        for layer in layers:
+            pool = self._pool[layer] if layer < len(self._pool) else None
+            if pool is None:
+                raise BackendError(f"layer {layer} has no prefix-cache pool")
+            at = positions % k[layer].shape[0]  # the cache rows (a ring's: position mod rows)
+            for cache, part in zip((k[layer], v[layer]), pool):
+                if to_pool:
+                    part[rows] = cache[at]
+                else:
+                    cache[at] = part[rows]
+
+    def free_memory(self) -> int | None:
+        return available_host_memory()
 
     # -- host <-> backend --------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> np.ndarray:

@@ -39,6 +39,7 @@ from .tokens import TokenRun, TokenSource
 
 if TYPE_CHECKING:
     from ..sampling.structured import Constraint
+    from .prefix_cache import PrefixCache
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 DEFAULT_CTX_CAP = 4096  # default context: the model's, capped here (the KV cache grows with it)
@@ -49,6 +50,8 @@ class Timings:
     load_ms: float = 0.0
     prompt_ms: float = 0.0
     prompt_tokens: int = 0  # tokens actually prefilled (a reused cache prefix is not counted)
+    cached_tokens: int = 0  # prompt tokens not prefilled: their K/V were in the slot or came from the prefix cache
+    prefix_cached_tokens: int = 0  # of those, the ones the prefix cache gave (engine/prefix_cache.py)
     eval_ms: float = 0.0
     eval_tokens: int = 0  # decode steps
     # What --verbose shows besides: (stage, ms) of the prompt's way to its first token, and when that came
@@ -189,6 +192,7 @@ class Model:
         # Each cache slot's record: which ids it holds (slot 0 is the one generate/chat use; the scheduler all).
         self.seqs = [SequenceCache(layer_caches(self.cfg, self.ctx), self.ctx)]
         self.seq = self.seqs[0]
+        self.prefix_cache: PrefixCache | None = None  # (enable_prefix_cache)
         if slots != 1:
             try:
                 self.set_slots(slots)
@@ -206,6 +210,27 @@ class Model:
         self.backend.set_slots(n)
         layers = layer_caches(self.cfg, self.ctx)
         self.seqs = self.seqs[:n] + [SequenceCache(layers, self.ctx, slot) for slot in range(len(self.seqs), n)]
+
+    def enable_prefix_cache(self, budget: int | None = None) -> PrefixCache:
+        """Keep prompts' K/V rows across requests, for any slot (engine/prefix_cache.py), in at most `budget` bytes
+        (None: prefix_cache.default_budget, as many positions as the slots hold within the free memory; 0 turns
+        it off). PrefixCacheOff where it cannot run (a model with recurrent layers, a bound under one block),
+        BackendError or HostMemoryError where the memory is not there."""
+        from .prefix_cache import PrefixCache, PrefixCacheOff, default_budget
+
+        self.disable_prefix_cache()
+        if budget == 0:
+            raise PrefixCacheOff("the prefix cache is off (a bound of 0)")
+        if budget is None:
+            budget = default_budget(self.backend, self.ctx * len(self.seqs))
+        self.prefix_cache = PrefixCache(self.backend, layer_caches(self.cfg, self.ctx), self.ctx, budget)
+        return self.prefix_cache
+
+    def disable_prefix_cache(self) -> None:
+        """Drop the prefix cache and its memory."""
+        if self.prefix_cache is not None:
+            self.prefix_cache = None
+            self.backend.alloc_kv_pool(0)
 
     # -- text <-> ids -------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, special: bool = False, add_bos: bool | None = None,
@@ -428,7 +453,8 @@ class Model:
         (max_tokens, or the context full), "stop" (the constraint complete). The consumer stops it otherwise
         (a stop string in the text): nothing more is computed then."""
         be = self.backend
-        run = TokenRun(self.seq, ids, sampler, self.tokenizer, max_tokens, c.timings, constraint, logprobs)
+        run = TokenRun(self.seq, ids, sampler, self.tokenizer, max_tokens, c.timings, constraint, logprobs,
+                       cache=self.prefix_cache)
         step = run.prompt_step()
         laps.lap("prompt to ids")
 
@@ -450,6 +476,7 @@ class Model:
                 item = run.step_out(be.step([step])[0])
         finally:
             c.finish_reason = c.finish_reason or run.finish_reason
+            run.finish()
 
     def close(self) -> None:
         self.backend.close()

@@ -114,6 +114,14 @@ class SequenceCache:
         self.snapshots = {p for p in self.snapshots if p <= keep}
         self.written = max(self.written if keep else -1, n_ids)
 
+    def restored(self, ids: Sequence[int], high: int = -1, kept: int = 0) -> None:
+        """The K/V rows of `ids` (positions 0..len-1) past the first `kept` (which the slot held) were copied into
+        the slot (the prefix cache, engine/prefix_cache.py), a ring's only over the window before their end:
+        `written` becomes at least `high`, so that no older position counts as held on a ring (-1: none)."""
+        self.ids = list(ids)
+        self.snapshots = set()
+        self.written = max(self.written if kept else -1, high)
+
     def prompt_done(self, ids: Sequence[int]) -> None:
         """After the prompt's step ran whole: the slot holds `ids`."""
         self.ids = list(ids)

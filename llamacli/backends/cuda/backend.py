@@ -15,6 +15,7 @@ through (none reaches into another's attributes):
     profile.Profiler          bench --profile's sections, bench's clock
     device.DeviceModel        the weights on the device, each layer's fused form, the RoPE tables
     kv.KVCache                the KV cache and its writers
+    kv_pool.KVPool            the prefix cache's rows (engine/prefix_cache.py), apart from the KV cache
     linear.Linear             matvec / GEMM launchers, cuBLAS's workspace, prefill's dequantize scratch
     attention.AttentionKernels  the attention launchers, attention_split's counters
     moe.Experts               the expert FFN's launchers and buffers
@@ -35,11 +36,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...errors import BackendError, UsageError
+from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...ggufio.file import GGUFFile
 from ...models import block
 from ...models.block import Attention, Moe
 from ...models.config import ModelConfig
+from ...units import human_bytes
 from ..base import Backend, Progress, StepErrors
 from ..step import SeqStep, StepOut
 from . import loader as K
@@ -49,6 +51,7 @@ from .decode import DecodeStep
 from .device import DeviceModel, cache_q8, compile_kernels, cuda_available, fused_layers
 from .gpu import Gpu, Options
 from .kv import KVCache
+from .kv_pool import KVPool
 from .linear import RUNNABLE, DeviceMatrix, Linear
 from .moe import Experts
 from .ops import add_into, embed_rows, glu_into, rms_norm_into, rope_into, softcap_into
@@ -102,6 +105,7 @@ class CudaBackend(Backend):
         self.decoder: DecodeStep | None = None
         self.prefill: PrefillPass | None = None
         self.batch: BatchStep | None = None
+        self.kv_pool: KVPool | None = None  # the prefix cache's rows (alloc_kv_pool)
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
@@ -137,10 +141,12 @@ class CudaBackend(Backend):
                                   self.profiler)
         self.prefill = self.batch = None
         self.slots = 1
+        self.kv_pool = None
 
     def close(self) -> None:
         self.batch = None
         self.decoder = self.prefill = self.sampler = self.experts = self.attn = self.linear = self.kv = None
+        self.kv_pool = None
         self.model = None
         self.weights = None  # type: ignore[assignment]
         self.cp.get_default_memory_pool().free_all_blocks()
@@ -378,6 +384,46 @@ class CudaBackend(Backend):
     def queued_ahead(self) -> tuple[int, int] | None:
         """The (token, pos) of the step queued ahead and not handed out yet, or None (decode.DecodeStep)."""
         return self.decoder.queued_ahead
+
+    # -- the prefix cache's pool (kv_pool.py) ------------------------------------------------------------------
+    def _slot_kv(self, slot: int) -> tuple[list[Any], list[Any]]:
+        """The K and V arrays of cache slot `slot` (kv.KVCache.slot_caches)."""
+        if self.kv is None or type(slot) is not int or not 0 <= slot < len(self.kv.slot_caches):
+            raise BackendError(f"the cuda backend holds no cache slot {slot!r}")
+        return self.kv.slot_caches[slot]
+
+    def kv_row_bytes(self) -> int:
+        return KVPool.row_bytes(self.kv) if self.kv is not None else 0
+
+    def alloc_kv_pool(self, rows: int) -> None:
+        if type(rows) is not int or rows < 0:
+            raise BackendError(f"a prefix-cache pool takes a number of rows >= 0, got {rows!r}")
+        self.kv_pool = None
+        if not rows:
+            return
+        need, free = rows * self.kv_row_bytes(), self.free_memory() or 0
+        if need > free - (256 << 20):  # (room kept for the steps' buffers and graphs, as KVCache.set_slots keeps)
+            raise DeviceMemoryError(f"a prefix cache of {human_bytes(need)} needs more GPU memory than is free "
+                                    f"({human_bytes(free)}): give --cache-ram less")
+        try:
+            self.kv_pool = KVPool(self.cp, self.kv, rows)
+        except self.cp.cuda.memory.OutOfMemoryError:
+            self.kv_pool = None
+            self.cp.get_default_memory_pool().free_all_blocks()
+            raise DeviceMemoryError(f"not enough GPU memory for a prefix cache of {human_bytes(need)}: give "
+                                    "--cache-ram less") from None
+
+    def copy_kv_rows(self, slot: int, layers: Any, positions: np.ndarray, rows: np.ndarray, to_pool: bool) -> None:
+        if self.kv_pool is None:
+            raise BackendError("the cuda backend holds no prefix-cache pool (alloc_kv_pool)")
+        caches = self._slot_kv(slot)
+        if not to_pool:  # a decode step queued ahead is stale once a cache changes (it may be this slot's)
+            self.decoder.drop_ahead()
+        self.kv_pool.copy(caches, layers, positions, rows, to_pool)
+
+    def free_memory(self) -> int | None:
+        free, _ = self.cp.cuda.runtime.memGetInfo()
+        return int(free) + int(self.cp.get_default_memory_pool().free_bytes())
 
     # -- sampling ------------------------------------------------------------------------------------------
     def start_sampling(self, params: Any, rng: np.random.Generator, recent: list[int]) -> bool:
