@@ -3,12 +3,14 @@
 The step runs the model's program operation by operation (models/block.run: the layer as written once), so a
 model the op-by-op path runs is batched with nothing of its own; only the attention knows the rows are separate
 sequences (attention.AttentionKernels.attention_batch: each row's K/V into its slot's cache, each row's
-attention over it). The linear layers read each weight once for all B rows: dequantized to fp16 and multiplied on
-cuBLAS as as many rows as there are slots, whatever B (linear.Linear.matmul's batch_rows), so that a row's arithmetic
-does not depend on what runs beside it (the attention's splits do not either: AttentionKernels.batch_split), and a
-seeded request draws the same ids in any company; a mixture of experts groups its rows by expert, and there it
-does. (A matvec of several tokens on the quantized blocks, int8 dots as the one-token mv1, is what small batches
-of a large model still need.) After the LM head the step takes each row's
+attention over it). The linear layers read each weight once for up to MATVEC_TMAX rows (linear.Linear.matvec_rows:
+mvb_<t>, mv1's unit dots for each row), and larger batches dequantize it to fp16 for cuBLAS, which multiplies as
+many rows as there are slots whatever B (zeros past them). Within each of the two a row's arithmetic does not depend
+on what runs beside it (nor do the attention's splits: AttentionKernels.batch_split), so a seeded request draws the
+same ids in any company of the same side of MATVEC_TMAX; a mixture of experts groups its rows by expert, and there
+it does depend. (mvb_<t> decodes each weight unit once per row: past a few rows it is bound by that work, not by the
+weights' bytes; a product that decodes a unit once for all rows, and a step with fewer launches than the op-by-op
+program, are what the batched step still needs.) After the LM head the step takes each row's
 argmax and a flag for rows whose logits are not finite; a row whose sequence samples, has a constraint or asks
 for its logits is chosen from its logits row as a single step's logits are (Backend._choose).
 

@@ -60,8 +60,14 @@ class KVCache:
                 raise DeviceMemoryError(f"the KV caches of {n} sequences need {human_bytes(need)} more GPU memory, "
                                    f"{human_bytes(free)} is free: run fewer at once (--parallel) or a shorter "
                                    f"context (-c)")
-        while len(self.slot_caches) < n:
-            self.slot_caches.append(self._allocate())
+        held = len(self.slot_caches)
+        try:
+            while len(self.slot_caches) < n:
+                self.slot_caches.append(self._allocate())
+        except self.cp.cuda.memory.OutOfMemoryError:  # (the pool's free blocks counted above may not serve)
+            del self.slot_caches[held:]
+            raise DeviceMemoryError(f"the KV caches of {n} sequences do not fit in the GPU's free memory: run fewer "
+                                    f"at once (--parallel) or a shorter context (-c)") from None
         del self.slot_caches[n:]
         self._tables = None
         self.use(0)

@@ -220,10 +220,10 @@ class Linear:
         self.alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self.cublas_ws: Any = None
         self.dq: Any = None  # gemm_weights' dequantized fp16 weights (dequant_scratch)
-        # The batched step (batch.py): matmul's rows are separate sequences, each multiplied on its own
-        # (matvec_rows), or with options.batch_matvec off on cuBLAS as batch_rows rows whatever their number
-        # (zeros past them: one GEMM shape); either way a row's arithmetic is the same whatever runs beside it.
-        # 0: off.
+        # The batched step (batch.py): matmul's rows are separate sequences. Up to MATVEC_TMAX of them are each
+        # multiplied on their own (matvec_rows; not with options.batch_matvec off), more on cuBLAS as batch_rows
+        # rows whatever their number (zeros past them: one GEMM shape). Within each of the two, a row's
+        # arithmetic is the same whatever runs beside it. 0: off.
         self.batch_rows = 0
 
     def dequant_scratch(self) -> Any:
@@ -245,7 +245,7 @@ class Linear:
             y = cp.empty((t, w.rows), dtype=cp.float32)
             self.matvec((w,), x, t, y, bias=bias)
             return y
-        if self.batch_rows and self.options.batch_matvec:
+        if self.batch_rows and t <= MATVEC_TMAX and self.options.batch_matvec:
             return self.matvec_rows(w, x, bias)
         rows = t
         if t < self.batch_rows:  # rows of separate sequences: as many rows as any batch has (zeros past t)

@@ -71,6 +71,9 @@ def test_sequences_decode_together_as_they_would_alone(random_model, shape, qtyp
     path = random_model(shape, qtype)
     cfg, be = loaded(path, CudaBackend())
     be.set_slots(11)
+    # K-quants and MXFP4 dot int8 activations (rounded per 32 values, llama.cpp's MMVQ numerics) in the batches of
+    # up to MATVEC_TMAX rows: the logits move up to about 1e-2 from the float reference there
+    tol = 2e-2 if qtype in ("Q4_K_M", "MXFP4_MOE", QT.Q4_K, QT.Q5_K, QT.Q6_K) else 1e-2
     rng = np.random.default_rng(5)
     lengths = (5, 1, 12, 7, 60, 3, 9, 2, 17, 30, 4)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in lengths]
@@ -97,16 +100,17 @@ def test_sequences_decode_together_as_they_would_alone(random_model, shape, qtyp
         if samplers[i].logits:
             for (_, a), (_, b) in zip(got[i], want[i]):
                 assert np.isfinite(a).all()
-                assert rel_l2(a, b) <= 1e-2, i
+                assert rel_l2(a, b) <= tol, i
 
 
 def test_a_row_is_the_same_whatever_runs_beside_it(random_model) -> None:
-    """Batch invariance on a dense model: a sequence's logits are bit for bit the same in a batch of 2 and of 9
-    (the GEMMs take as many rows as there are slots, the attention's splits do not depend on the batch), so a
-    seeded sampled request draws the same ids whatever else runs."""
+    """Batch invariance on a dense model: a sequence's logits are bit for bit the same in a batch of 2 and of 7
+    (mvb_<t>: each row dotted on its own) and in a batch of 9 and of 12 (cuBLAS, as many rows as slots), the
+    attention's splits the same for any batch; so a seeded sampled request draws the same ids whatever else runs
+    on its side of MATVEC_TMAX."""
     path = random_model("small-qwen2", QT.Q4_K)
     cfg, be = loaded(path, CudaBackend())
-    be.set_slots(9)
+    be.set_slots(12)
     prompt = [3, 17, 5, 9, 11, 2]
 
     def run(companions: int) -> list[tuple[int, np.ndarray]]:
@@ -123,10 +127,11 @@ def test_a_row_is_the_same_whatever_runs_beside_it(random_model) -> None:
             last = [o.id for o in out[1:]]
         return mine
 
-    a, b = run(1), run(8)
-    assert [t for t, _ in a] == [t for t, _ in b]
-    for (_, x), (_, y) in zip(a[1:], b[1:]):  # (the prompt's step is the prefill's, alone in both)
-        np.testing.assert_array_equal(x, y)
+    for few, many in ((1, 6), (8, 11)):
+        a, b = run(few), run(many)
+        assert [t for t, _ in a] == [t for t, _ in b]
+        for (_, x), (_, y) in zip(a[1:], b[1:]):  # (the prompt's step is the prefill's, alone in both)
+            np.testing.assert_array_equal(x, y)
 
 
 def test_a_failing_row_is_its_own(random_model) -> None:
@@ -154,7 +159,7 @@ def test_a_failing_row_is_its_own(random_model) -> None:
 def test_slots_that_do_not_fit_are_refused_in_one_line(random_model) -> None:
     path = random_model("tiny-llama", QT.Q8_0)
     _, be = loaded(path, CudaBackend(), ctx=4096)
-    free = cp.cuda.runtime.memGetInfo()[0]
+    free = cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()  # (what set_slots counts)
     n = int(free // be.kv.slot_bytes) + 2
     with pytest.raises(DeviceMemoryError, match="--parallel"):
         be.set_slots(n)
