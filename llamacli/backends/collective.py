@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -65,8 +65,9 @@ class Collective(ABC):
         """x to rank `dst`, which takes it with recv(this rank)."""
 
     @abstractmethod
-    def recv(self, src: int) -> Any:
-        """What rank `src` sent to this rank, in the order it was sent."""
+    def recv(self, src: int, shape: tuple[int, ...], dtype: str = "float32") -> Any:
+        """What rank `src` sent to this rank, in the order it was sent: an array of `shape` and `dtype` (NCCL
+        moves bytes: the receiver says what they are)."""
 
 
 class HostGroup:
@@ -186,13 +187,9 @@ class HostCollective(Collective):
     def send(self, x: Any, dst: int) -> None:
         self.group.post(self.rank, dst, x)
 
-    def recv(self, src: int) -> Any:
-        return self.group.take(src, self.rank)
-
-
-def reduce_all(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """The sum a HostGroup's all_reduce gives for `parts` (in rank order): for tests and one-thread callers."""
-    total = np.array(parts[0], copy=True)
-    for part in parts[1:]:
-        total += part
-    return total
+    def recv(self, src: int, shape: tuple[int, ...], dtype: str = "float32") -> Any:
+        x = self.group.take(src, self.rank)
+        if tuple(x.shape) != tuple(shape) or x.dtype != np.dtype(dtype):
+            raise GroupAborted(f"rank {self.rank} expected {dtype} {list(shape)} from rank {src}, got {x.dtype} "
+                               f"{list(x.shape)}")
+        return x

@@ -54,10 +54,12 @@ class Rank:
 
     def forward(self, ids: np.ndarray, pos: np.ndarray, all_logits: bool = False) -> np.ndarray | None:
         """ids [T] at positions pos [T] -> logits [1, V] of the last (all T with all_logits) on the ranks that
-        end with them (tensor: every one; layer: the LM head's), None on the others."""
-        if self.plan.mode == "tensor":
-            return self._tensor(ids, pos, all_logits)
-        return self._layers(ids, pos, all_logits)
+        end with them (tensor: every one; layer: the LM head's), None on the others. NaN and inf flow through as
+        IEEE values (the sums of the collectives too), as in NumpyBackend's operations."""
+        with np.errstate(all="ignore"):  # (a thread's own: each rank's starts from numpy's default)
+            if self.plan.mode == "tensor":
+                return self._tensor(ids, pos, all_logits)
+            return self._layers(ids, pos, all_logits)
 
     def _tensor(self, ids: np.ndarray, pos: np.ndarray, all_logits: bool) -> np.ndarray:
         dev, cfg = self.device, self.device.cfg
@@ -83,8 +85,8 @@ class Rank:
             x = dev.embed(ids)  # [T, D]
             ple = per_layer_inputs(dev, cfg, ids, x) if n_ple else None  # [T, L, P]
         else:
-            x = self.comm.recv(self.rank - 1)
-            ple = self.comm.recv(self.rank - 1) if n_ple else None
+            x = self.comm.recv(self.rank - 1, (ids.size, cfg.n_embd))
+            ple = self.comm.recv(self.rank - 1, (ids.size, cfg.n_layer, n_ple)) if n_ple else None
         progs = programs(cfg)
         for i in range(first, end):
             x = run_layer(dev, cfg, i, progs[i], dev.weights.layers[i], x, pos, None if ple is None else ple[:, i])

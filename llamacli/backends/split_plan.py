@@ -605,6 +605,39 @@ def take(data: Any, shard: Shard, block: int = 1, type_size: int = 0) -> Any:
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
 
 
+def shard_bytes(shape: tuple[int, ...], row_bytes: int, shard: Shard, block: int = 1, type_size: int = 0) -> list[Range]:
+    """Where shard `shard` of a tensor of `shape` (rows of `row_bytes` in the file; `block` values of `type_size`
+    bytes for a block type) lies in the tensor's data: [start, end) byte ranges, in the order take() joins them,
+    runs that touch merged. What a loader reads from the file for one device (GGUFFile.read_bytes at the tensor's
+    offset plus each start): a row cut is one range, a column cut one per row."""
+    rows = math.prod(shape[:-1])
+    if shard.axis is None:
+        return [(0, rows * row_bytes)]
+    axis = shard.axis % len(shape)
+    runs: list[Range] = []
+    if axis == len(shape) - 1:  # columns: a range of each row
+        per = (lambda a: a // block * type_size) if type_size else (lambda a: a * (row_bytes // shape[-1]))
+        for r in range(rows):
+            for a, b in shard.pieces:
+                runs.append((r * row_bytes + per(a), r * row_bytes + per(b)))
+    else:  # whole rows: a range of each index of the dims before the axis
+        inner = math.prod(shape[axis + 1:-1]) * row_bytes  # bytes of one step along the axis
+        outer = math.prod(shape[:axis])
+        for o in range(outer):
+            for a, b in shard.pieces:
+                base = o * shape[axis] * inner
+                runs.append((base + a * inner, base + b * inner))
+    merged: list[Range] = []
+    for a, b in runs:
+        if b <= a:
+            continue
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
 # -- memory --------------------------------------------------------------------------------------------------
 
 

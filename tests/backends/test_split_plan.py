@@ -21,6 +21,7 @@ from llamacli.backends.split_plan import (
     emulated_devices,
     parse_split_options,
     plan_split,
+    shard_bytes,
     take,
 )
 from llamacli.errors import UsageError
@@ -310,9 +311,20 @@ def test_take_cuts_the_files_layout_as_the_values():
             want = take(full, shard)
             assert want.shape == shard.shape((40, 1024))
             assert np.array_equal(dequantize(part, qtype).reshape(want.shape), want), (qtype, shard)
+            bytes_ = raw.reshape(-1).view(np.uint8)
+            ranges = shard_bytes((40, 1024), raw.nbytes // 40, shard, block, size if block > 1 else 0)
+            assert np.array_equal(np.concatenate([bytes_[a:b] for a, b in ranges]),
+                                  np.ascontiguousarray(part).reshape(-1).view(np.uint8)), (qtype, shard)
         if block > 1:
             with pytest.raises(ValueError, match="splits a"):
                 take(raw, Shard(1, ((0, block // 2),)), block, size)
+    # experts [E, F, D]: a cut of F (gate/up, axis 1) is a range per expert; of E, one range
+    raw = random_quant_rows(QT.Q8_0, 4 * 64, 64, rng, 0.1).reshape(4, 64, -1)
+    for shard, runs in ((Shard(1, ((16, 48),)), 4), (Shard(0, ((1, 3),)), 1)):
+        ranges = shard_bytes((4, 64, 64), raw.shape[-1], shard, 32, 34)
+        assert len(ranges) == runs
+        got = np.concatenate([raw.reshape(-1)[a:b] for a, b in ranges])
+        assert np.array_equal(got, np.ascontiguousarray(take(raw, shard, 32, 34)).reshape(-1))
 
 
 def test_memory_per_device():
@@ -368,7 +380,7 @@ def test_host_group_sums_gathers_and_passes_in_rank_order():
         joined = me.all_gather(parts[r][:, :1] * 10, axis=-1)
         if r < 2:
             me.send(total + r, r + 1)
-        got = me.recv(r - 1) if r > 0 else None
+        got = me.recv(r - 1, (2, 3)) if r > 0 else None
         return total, joined, got
 
     out = group.run(work)
@@ -388,7 +400,7 @@ def test_a_failing_rank_stops_the_others_and_is_raised():
         if r == 1:
             raise ValueError("rank 1 broke")
         try:
-            return group.member(r).all_reduce(np.ones(2)) if r == 0 else group.member(r).recv(1)
+            return group.member(r).all_reduce(np.ones(2)) if r == 0 else group.member(r).recv(1, (2,))
         except Exception as exc:
             seen.append(type(exc).__name__)
             raise

@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from clirun import run
+from clirun import run, run_subprocess
 from llamacli.cli.generate import Task
 from llamacli.cli.keep_alive import model_identity, server_key
 from llamacli.cli.resident import BadRequest, read_request
+from llamacli.ggufio.file import open_gguf
+from llamacli.testing import write_model
 
 NP = ("--backend", "numpy")
 
@@ -83,6 +86,20 @@ def test_verbose_shows_the_plan_and_numpy_notes_a_gpu_choice(tiny):
     assert "device 1: query heads 2-3 of 4 (KV heads 1-1 of 2), FFN columns 64-127" in r.err
     r = run("generate", tiny, *NP, "-p", "Hello", "-n", "2", "-mg", "1")
     assert r.code == 0 and "--main-gpu and -dev choose a GPU: the NumPy backend runs on the CPU" in r.err
+
+
+def test_inf_weights_on_emulated_devices_are_one_line_in_a_real_process(tmp_path):
+    """inf in a shard's weights flows through the devices' sums (no numpy RuntimeWarning on any rank's thread)
+    to the NaN logits the engine reports in one line (exit 1)."""
+    path = write_model(tmp_path / "f16.gguf", "tiny-llama", "F16")
+    g = open_gguf(path)
+    info = g.tensors["blk.0.ffn_down.weight"]
+    data = bytearray(path.read_bytes())
+    data[info.offset : info.offset + info.n_bytes] = np.full(info.n_elements, np.inf, np.float16).tobytes()
+    path.write_bytes(bytes(data))
+    for split in (("-sm", "tensor", "-ts", "1,1"), ("-sm", "layer", "-ts", "1,2")):
+        r = run_subprocess("generate", "-m", str(path), *NP, "-p", "hello", "-n", "4", "-q", *split)
+        assert r.code == 1 and "NaN" in r.one_line_error() and r.out == "", (split, r.err)
 
 
 def test_bench_url_refuses_the_split_options():
