@@ -33,9 +33,11 @@ columns (the dimension its blocks run along), an expert, a vocabulary row. A dev
 that this leaves without any layer, head, column or expert is refused with one line (fewer devices, other
 proportions, or the other mode); a share of 0 leaves a device out, as in llama.cpp.
 
-The CUDA side: each rank takes its Share (plan.shares), its config (plan.local_config: the heads and widths it
-holds) and its slice of each tensor (plan.shard(rank, spec), then take(): rows, or whole blocks of columns of
-the GGUF layout), and meets the others at the collectives of backends/collective.py.
+The CUDA side: each rank (a process on its GPU) takes its Share (plan.shares), its config (plan.local_config: the
+heads and widths it holds; the fused forms of the programs built from it), its slice of each tensor
+(plan.shard(rank, spec); shard_bytes says where it lies in the file, take() cuts it from data in memory: rows,
+or whole blocks of columns of the GGUF layout) and the cache of its layers or KV heads, and meets the others at
+the collectives (backends/collective.py; backends/cuda/nccl.py), where numpy_split.py's ranks meet.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ class SplitOptions:
         if value["mode"] not in MODES or value["moe"] not in MOE_SPLITS:
             raise ValueError("a split mode or MoE split")
         if not isinstance(props, list) or len(props) > MAX_DEVICES or not all(
-                type(p) in (int, float) and math.isfinite(p) and p >= 0 for p in props):
+                type(p) in (int, float) and math.isfinite(p) and p >= 0 for p in props) or (
+                props and not 0 < sum(props) < math.inf):
             raise ValueError("split proportions")
         if devices is not None and (not isinstance(devices, list) or len(devices) > MAX_DEVICES or not all(
                 type(d) is int and 0 <= d < 1000 for d in devices)):
@@ -168,6 +171,8 @@ def _parse_proportions(text: str) -> tuple[float, ...]:
 
 def _parse_devices(text: str) -> tuple[int, ...]:
     """-dev CUDA0,CUDA1 (llama.cpp's names; bare ordinals too) or none: the devices in that order."""
+    if len(text) > 1000:
+        raise UsageError(f"-dev is {len(text)} characters long: name at most {MAX_DEVICES} devices")
     words = [w.strip() for w in text.split(",")]
     if [w.lower() for w in words] == ["none"]:
         return ()
@@ -400,6 +405,8 @@ def plan_split(cfg: ModelConfig, tensors: Mapping[str, Any] | None, options: Spl
     props += [0.0] * (len(chosen) - len(props))
     taking = [(d, p) for d, p in zip(chosen, props) if p > 0]
     total = sum(p for _, p in taking)
+    if not taking or not total < math.inf:
+        raise UsageError("--tensor-split needs a positive proportion for at least one device (and a finite sum)")
     cum, acc = [], 0.0
     for _, p in taking:
         acc += p

@@ -100,6 +100,8 @@ def test_options_as_llama_cpp_reads_them():
     ((None, None, None, "gpu0"), "-dev takes devices such as CUDA0,CUDA1 (or none), got 'gpu0'"),
     ((None, None, None, "\x1b[31m"), "got '\\x1b[31m'"),
     ((None, None, None, ""), "-dev takes devices"),
+    ((None, None, None, "0," * 600), "-dev is 1200 characters long"),
+    ((None, None, None, ",".join(map(str, range(17)))), "-dev names 17 devices: at most 16"),
     (("layer", None, None, "none"), "-dev none runs on no GPU"),
     (("layer", "1,1,1", None, "CUDA0,CUDA1"), "3 proportions for the 2 devices"),
 ])
@@ -121,7 +123,8 @@ def test_split_options_from_json_refuse_what_json_can_hold():
     good = tensor("tensor", "1,1").as_json()
     for bad in (None, [], {**good, "extra": 1}, {**good, "mode": "row"}, {**good, "proportions": [float("nan")]},
                 {**good, "proportions": ["1"]}, {**good, "devices": [-1]}, {**good, "main_gpu": True},
-                {**good, "moe": "rows"}, {**good, "proportions": [1] * 17}):
+                {**good, "moe": "rows"}, {**good, "proportions": [1] * 17}, {**good, "proportions": [0, 0]},
+                {**good, "proportions": [1e308, 1e308]}):
         with pytest.raises(ValueError):
             SplitOptions.from_json(bad)
 
