@@ -171,7 +171,7 @@ class NumpyBackend(Backend):
     def kv_row_bytes(self) -> int:
         cfg = self.cfg
         return sum(2 * 4 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i, n in enumerate(cfg.cache_rows(self.ctx))
-                   if n)
+                   if n and i in self.held)
 
     def alloc_kv_pool(self, rows: int) -> None:
         if type(rows) is not int or rows < 0:
@@ -181,8 +181,8 @@ class NumpyBackend(Backend):
         if rows and not free_ok(None, rows * self.kv_row_bytes()):
             raise HostMemoryError(f"not enough host memory for a prefix cache of {human_bytes(rows * self.kv_row_bytes())}")
         shapes = [(rows, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layer)]  # (each layer's)
-        self._pool = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) if n and rows else None
-                      for shape, n in zip(shapes, cfg.cache_rows(self.ctx))]
+        self._pool = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) if n and rows and i in self.held
+                      else None for i, (shape, n) in enumerate(zip(shapes, cfg.cache_rows(self.ctx)))]
 
     def copy_kv_rows(self, slot: int, layers, positions: np.ndarray, rows: np.ndarray, to_pool: bool) -> None:
         k, v, _ = self._caches[slot]

@@ -162,6 +162,20 @@ class NumpySplitBackend(NumpyBackend):
         held = [s for s in (rank.device.snapshots(slot, prompt_end) for rank in self.ranks) if s is not None]
         return frozenset.intersection(*held) if held else None
 
+    # -- the prefix cache's pool: each device keeps the rows of its own layers or KV heads -----------------------
+    def kv_row_bytes(self) -> int:
+        return sum(rank.device.kv_row_bytes() for rank in self.ranks)
+
+    def alloc_kv_pool(self, rows: int) -> None:
+        for rank in self.ranks:
+            rank.device.alloc_kv_pool(rows)
+
+    def copy_kv_rows(self, slot: int, layers, positions: np.ndarray, rows: np.ndarray, to_pool: bool) -> None:
+        for rank in self.ranks:
+            held = [i for i in layers if i in rank.device.held]
+            if held:
+                rank.device.copy_kv_rows(slot, held, positions, rows, to_pool)
+
     # -- whole steps ------------------------------------------------------------------------------------------
     def forward_prompt(self, ids: np.ndarray, start: int) -> np.ndarray:
         return self.forward(self.token_ids(ids), self.positions(start, int(ids.size)))

@@ -154,6 +154,27 @@ def test_slots_and_a_resumed_prompt(models):
     assert runs[0] == runs[1]
 
 
+def test_the_prefix_cache_on_emulated_devices(models):
+    """The prefix cache's pool on a split: each device keeps the rows of its layers (layer split) or of its KV heads
+    (tensor split); a prompt that comes back after its slot held another takes its blocks from the cache and gives
+    the one device's tokens."""
+    from llamacli.engine.generate import Completion
+
+    path = models("tiny-gemma3")
+    first, other = list(range(5, 45)), list(range(50, 70))
+    want = Model(path, backend="numpy", ctx=128).complete(first + [3, 4], max_tokens=6, temperature=0.0).tokens
+    for options in (parse_split_options("tensor", "1,1"), parse_split_options("layer", "1,2")):
+        m = Model(path, backend="numpy", ctx=128, split=options)
+        m.enable_prefix_cache()
+        assert m.backend.kv_row_bytes() >= NumpyBackend.kv_row_bytes(m.backend.ranks[0].device)
+        for prompt in (first, other):
+            m.complete(prompt, max_tokens=2, temperature=0.0)
+        c = Completion()
+        for _ in m.run(first + [3, 4], completion=c, max_tokens=6, temperature=0.0):
+            pass
+        assert c.timings.prefix_cached_tokens == 32 and c.tokens == want, options
+
+
 def test_the_engine_and_the_cli_path(models):
     """Model(..., split=...) runs the split end to end (the step contract, the sampler on the host): tensor and
     layer split give one device's greedy tokens, and sampled ones for a seed."""
