@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 from .. import gpu_driver
@@ -9,6 +10,7 @@ from ..background import Background
 from ..errors import BackendError, UsageError
 from ..models.config import ModelConfig
 from .base import Backend
+from .split_plan import SplitOptions
 
 BACKENDS = ("auto", "cuda", "numpy")
 EarlyStatus = Callable[[], "tuple[bool, str]"]
@@ -42,18 +44,29 @@ def start_early(name: str) -> EarlyStatus | None:
 
 
 def select_backend(name: str, notice: Callable[[str], None] | None = None, early: EarlyStatus | None = None,
-                   cfg: ModelConfig | None = None) -> Backend:
+                   cfg: ModelConfig | None = None, split: SplitOptions | None = None) -> Backend:
     """`auto` takes CUDA when CuPy imports and a GPU is visible and its kernels run the model `cfg` (a layer the
     fused paths lack, such as Qwen3.5's delta-net layers, or experts they do not serve: cuda.device.fused_layers),
     else NumPy (with a notice saying why); `cuda` without either is a BackendError that says what is missing and
     how to install it (a model it cannot run: at load). `early`: start_early's result for this name, where the
-    check already began."""
+    check already began. `split`: --split-mode and its options (split_plan.py): the NumPy backend emulates the
+    devices of a split; a backend runs the modes its `split_modes` lists; `-dev none` means no GPU."""
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    split = split or SplitOptions()
+    if split.devices == ():  # -dev none: llama.cpp's "no GPU"
+        if name == "cuda":
+            raise UsageError("-dev none runs on no GPU: leave it out, or use --backend numpy (the CPU)")
+        if name == "auto":
+            if early is not None:  # (the thread leaves the driver before the process may exit)
+                with contextlib.suppress(Exception):
+                    early()
+                gpu_driver.release()
+            if notice:
+                notice("-dev none: running on the CPU (the NumPy backend)")
+            name = "numpy"
     if name == "numpy":
-        from .numpy_backend import NumpyBackend
-
-        return NumpyBackend()
+        return _numpy(split, notice)
     ok, reason = early() if early is not None else cuda_status()
     if ok and name == "auto" and cfg is not None:
         from .cuda.device import fused_layers
@@ -66,14 +79,40 @@ def select_backend(name: str, notice: Callable[[str], None] | None = None, early
     if ok:
         from .cuda import CudaBackend
 
-        return CudaBackend()
+        return takes_split(CudaBackend(), split)
     if name == "cuda":
         raise BackendError(f"the CUDA backend is unavailable: {reason}")
     if notice:
         notice(f"using the NumPy backend ({reason})")
+    return _numpy(split, notice)
+
+
+def _numpy(split: SplitOptions, notice: Callable[[str], None] | None) -> Backend:
+    """The NumPy backend, over the devices it emulates for a split (numpy_split.py)."""
+    if split.split:
+        from .numpy_split import NumpySplitBackend
+
+        return NumpySplitBackend(split)
+    if notice and (split.main_gpu or split.devices):
+        notice("--main-gpu and -dev choose a GPU: the NumPy backend runs on the CPU")
     from .numpy_backend import NumpyBackend
 
     return NumpyBackend()
+
+
+def takes_split(backend: Backend, split: SplitOptions) -> Backend:
+    """`backend` with the split options it will load with, where it runs that split (Backend.split_modes);
+    a BackendError naming the way that does, where it does not."""
+    if split.mode not in backend.split_modes:
+        raise BackendError(f"the {backend.name} backend runs a model on one GPU for now: --split-mode {split.mode} "
+                           "over several is on its way (issue 43); --backend numpy emulates it on the CPU")
+    if split.mode == "none" and (split.main_gpu or (split.devices and split.devices[0] != 0)) \
+            and not backend.any_gpu:
+        gpu = split.devices[split.main_gpu] if split.devices else split.main_gpu
+        raise BackendError(f"the {backend.name} backend runs on the first visible GPU for now: to run on GPU {gpu}, "
+                           f"set CUDA_VISIBLE_DEVICES={gpu}")
+    backend.split = split
+    return backend
 
 
 def cuda_status(context: bool = False) -> tuple[bool, str]:

@@ -126,6 +126,11 @@ class Backend(ABC):
     prefill_chunk: int | None = None
     # (stage, ms) of the last load() where the backend times its parts (--verbose lists them).
     load_stages: tuple[tuple[str, float], ...] = ()
+    # The --split-mode values the backend runs (split_plan.py), and whether it runs on a GPU other than the first
+    # visible one (--main-gpu, -dev); `split` holds the options it loads with (select_backend sets them).
+    split_modes: tuple[str, ...] = ("none",)
+    any_gpu: bool = False
+    split: Any = None
     # Cache slots: sequences whose caches the backend holds at once (set_slots); step() takes one sequence per
     # slot. Per slot, step() keeps the sequence whose cache it is (its Sampler) and the decode form chosen for it.
     slots: int = 1

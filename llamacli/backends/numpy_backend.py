@@ -93,8 +93,6 @@ class NumpyBackend(Backend):
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
              cache_types: tuple[str, str] = DEFAULT_CACHE) -> None:
         check_host_memory(cfg, ctx)  # before anything is allocated: the file's sizes or --ctx may be absurd
-        self.cfg, self.ctx = cfg, ctx
-        self.cache_types = cache_types
         f32 = gguf.dequantize
         total = cfg.n_layer + 2
         report = progress or (lambda done, total, what: None)
@@ -112,16 +110,27 @@ class NumpyBackend(Backend):
             report(2 + i, total, f"layer {i}")
         # The LM head needs the whole matrix every step: dequantize it once (a copy when tied).
         output = f32("output.weight") if "output.weight" in gguf.tensors else f32("token_embd.weight")
-        self.weights = ModelWeights(token_embd, layers, f32("output_norm.weight"), output)
+        weights = ModelWeights(token_embd, layers, f32("output_norm.weight"), output)
         if cfg.n_embd_per_layer:  # gemma4: the per-layer token embeddings stay quantized, as token_embd does
-            w = self.weights
-            w.per_layer_token_embd = table("per_layer_token_embd.weight")
-            w.per_layer_model_proj, w.per_layer_proj_norm = f32("per_layer_model_proj.weight"), f32("per_layer_proj_norm.weight")
+            weights.per_layer_token_embd = table("per_layer_token_embd.weight")
+            weights.per_layer_model_proj = f32("per_layer_model_proj.weight")
+            weights.per_layer_proj_norm = f32("per_layer_proj_norm.weight")
         report(total, total, "output")
+        self.adopt(cfg, ctx, weights, rope_tables.inv_freq(cfg, gguf, ctx),  # [rope_dim/2]
+                   rope_tables.inv_freq(cfg, gguf, ctx, local=True), cache_types)
 
-        self.theta = rope_tables.inv_freq(cfg, gguf, ctx)  # [rope_dim/2]
-        self.theta_local = rope_tables.inv_freq(cfg, gguf, ctx, local=True)  # [local_rope_dim/2]
-        self.recurrent_layers = [i for i, plan in enumerate(cfg.layers) if plan.recurrent]
+    def adopt(self, cfg: ModelConfig, ctx: int, weights: ModelWeights, theta: np.ndarray, theta_local: np.ndarray,
+              cache_types: tuple[str, str] = DEFAULT_CACHE, layers: range | None = None,
+              experts: tuple[int, int] | None = None) -> None:
+        """Run with `weights` at `ctx` (load() reads them from the file; numpy_split.py gives an emulated device
+        its shard): the RoPE tables `theta` [rope_dim/2], `theta_local` [local_rope_dim/2], a KV cache of
+        `cache_types` for the `layers` it runs (None: every one) and, where its experts are a slice, the experts
+        [first, end) of each MoE layer."""
+        self.cfg, self.ctx, self.cache_types, self.weights = cfg, ctx, cache_types, weights
+        self.theta, self.theta_local = theta, theta_local
+        self.held = range(cfg.n_layer) if layers is None else layers
+        self.experts = experts
+        self.recurrent_layers = [i for i, plan in enumerate(cfg.layers) if plan.recurrent and i in self.held]
         self.prefill_chunk = shared_ring_chunk(cfg, ctx)
         self._caches = [self._new_cache()]
         self._pool: list[tuple[np.ndarray, np.ndarray] | None] = []  # the prefix cache's rows per layer
@@ -130,9 +139,9 @@ class NumpyBackend(Backend):
 
     def _new_cache(self) -> tuple[list[np.ndarray], list[np.ndarray], RecurrentSlot]:
         """One slot's K and V caches: per layer [rows, Hkv, Dh] float32 (config.cache_rows; the layer's own Hkv and
-        Dh); and its recurrent states (delta-net layers)."""
+        Dh; no rows for a layer it does not run); and its recurrent states (delta-net layers)."""
         cfg = self.cfg
-        k = [np.zeros((n, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)), dtype=np.float32)
+        k = [np.zeros((n if i in self.held else 0, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)), dtype=np.float32)
              for i, n in enumerate(cfg.cache_rows(self.ctx))]  # (none on a shared-KV layer: [0, Hkv, Dh])
         return k, [np.zeros_like(x) for x in k], RecurrentSlot()
 
@@ -143,6 +152,10 @@ class NumpyBackend(Backend):
             raise UsageError(f"the number of sequences must be a positive integer, got {n!r}")
         if n > len(self._caches):
             check_host_memory(self.cfg, self.ctx, slots=n, held=len(self._caches))
+        self.resize_slots(n)
+
+    def resize_slots(self, n: int) -> None:
+        """set_slots without the memory check (numpy_split.py checks the whole model's once, for its devices)."""
         self._forget_slots(min(n, len(self._caches)))
         while len(self._caches) < n:
             self._caches.append(self._new_cache())
@@ -158,7 +171,7 @@ class NumpyBackend(Backend):
     def kv_row_bytes(self) -> int:
         cfg = self.cfg
         return sum(2 * 4 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i, n in enumerate(cfg.cache_rows(self.ctx))
-                   if n)
+                   if n and i in self.held)
 
     def alloc_kv_pool(self, rows: int) -> None:
         if type(rows) is not int or rows < 0:
@@ -168,8 +181,8 @@ class NumpyBackend(Backend):
         if rows and not free_ok(None, rows * self.kv_row_bytes()):
             raise HostMemoryError(f"not enough host memory for a prefix cache of {human_bytes(rows * self.kv_row_bytes())}")
         shapes = [(rows, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layer)]  # (each layer's)
-        self._pool = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) if n and rows else None
-                      for shape, n in zip(shapes, cfg.cache_rows(self.ctx))]
+        self._pool = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) if n and rows and i in self.held
+                      else None for i, (shape, n) in enumerate(zip(shapes, cfg.cache_rows(self.ctx)))]
 
     def copy_kv_rows(self, slot: int, layers, positions: np.ndarray, rows: np.ndarray, to_pool: bool) -> None:
         k, v, _ = self._caches[slot]
@@ -320,6 +333,7 @@ class NumpyBackend(Backend):
         row. A token picks distinct experts, so within one expert its rows are distinct and a plain indexed add
         suffices."""
         cfg, L = self.cfg, self.weights.layers[op.layer]
+        first, end = self.experts or (0, cfg.n_expert)  # (an emulated device of an expert split holds a slice)
         logits = self.matmul(h if router_in is None else router_in, L.ffn_gate_inp, L.ffn_gate_inp_bias)  # [T, E]
         ids, weights = route(logits, cfg.n_expert_used, op.gating, cfg.expert_weights_norm)  # [T, k]
         if op.expert_scale:
@@ -333,14 +347,16 @@ class NumpyBackend(Backend):
         bias = lambda b, e: None if b is None else b[e]  # noqa: E731
         f = cfg.n_ff_exp
         for e, s0, s1 in zip(experts.tolist(), starts.tolist(), ends.tolist()):
+            if not first <= e < end:
+                continue
             slots = order[s0:s1]
             tok = slots // k
-            x = h[tok]  # [T_e, D]
-            gate = L.ffn_gate_up_exps[e, :f] if op.gate_up else L.ffn_gate_exps[e]  # [F_exp, D]
-            up = L.ffn_gate_up_exps[e, f:] if op.gate_up else L.ffn_up_exps[e]
-            g = self.matmul(x, gate, bias(L.ffn_gate_exps_bias, e))  # [T_e, F_exp]
-            u = self.matmul(x, up, bias(L.ffn_up_exps_bias, e))
-            y = self.matmul(self.gated(op.activation, g, u), L.ffn_down_exps[e], bias(L.ffn_down_exps_bias, e))
+            x, j = h[tok], e - first  # [T_e, D]; the expert's place in the tensors held
+            gate = L.ffn_gate_up_exps[j, :f] if op.gate_up else L.ffn_gate_exps[j]  # [F_exp, D]
+            up = L.ffn_gate_up_exps[j, f:] if op.gate_up else L.ffn_up_exps[j]
+            g = self.matmul(x, gate, bias(L.ffn_gate_exps_bias, j))  # [T_e, F_exp]
+            u = self.matmul(x, up, bias(L.ffn_up_exps_bias, j))
+            y = self.matmul(self.gated(op.activation, g, u), L.ffn_down_exps[j], bias(L.ffn_down_exps_bias, j))
             out[tok] += y * wflat[slots, None]  # [T_e, D]
         return out
 

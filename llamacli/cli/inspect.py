@@ -23,7 +23,9 @@ from ..units import human_bytes, human_count
 MAX_LIST_ITEMS = 8  # long arrays are abbreviated in --metadata
 
 
-def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False, with_metadata: bool = False) -> dict[str, Any]:
+def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False, with_metadata: bool = False,
+                  split: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What `inspect` shows. `split`: plan the model over GPUs (split_plans' keyword arguments)."""
     from ..backends.numpy_backend import NumpyBackend  # the widest set of runnable types
 
     with open_gguf(path) as g:
@@ -42,6 +44,8 @@ def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False,
             info["kv_cache_bytes_at_ctx"] = {"ctx": ctx, "bytes": cfg.kv_cache_bytes(ctx)}
             if all(cache_type_fits(d, "q8_0") for d in cfg.head_dims):
                 info["kv_cache_bytes_at_ctx"]["bytes_q8_0"] = cfg.kv_cache_bytes(ctx, ("q8_0", "q8_0"))
+        if split is not None and cfg is not None and not vocab_only:
+            info["split"] = split_plans(g, cfg, ctx=ctx, **split)
         if with_tensors:
             info["tensors"] = [
                 {"name": t.name, "type": t.type_name, "shape": list(t.shape), "bytes": t.n_bytes, "offset": t.offset}
@@ -50,6 +54,31 @@ def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False,
         if with_metadata:
             info["metadata"] = {k: _abbreviate(v) for k, v in md.items()}
         return info
+
+
+def split_plans(g: GGUFFile, cfg: ModelConfig, *, options: dict[str, Any], mode_given: bool, gpus: int,
+                memory: list[int] | None, ctx: int | None) -> dict[str, Any]:
+    """The model over `gpus` GPUs (backends/split_plan.py) at `ctx` (default: the context a model command would
+    take) with an fp16 cache: the plan of the mode asked for, or of layer and tensor both where none was (a
+    mode that cannot cut this model: the reason); `memory` the bytes of each GPU (one for all), else unknown."""
+    from ..backends.split_plan import DeviceMemory, SplitOptions, plan_split
+    from ..engine.generate import DEFAULT_CTX_CAP
+    from ..errors import UsageError
+
+    ctx = ctx or min(cfg.context_length, DEFAULT_CTX_CAP)
+    sizes = (memory * gpus if len(memory) == 1 else memory) if memory else [None] * gpus
+    devices = [DeviceMemory(i, size, size) for i, size in enumerate(sizes)]
+    base = SplitOptions.from_json(options)
+    modes = [base.mode] if mode_given or gpus == 1 else ["layer", "tensor"]
+    plans = []
+    for mode in modes:
+        try:
+            plan = plan_split(cfg, g.tensors, SplitOptions(mode, base.proportions, base.main_gpu, base.devices,
+                                                           base.moe), ctx=ctx, devices=devices)
+            plans.append({**plan.as_json(), "lines": plan.lines()})
+        except UsageError as exc:
+            plans.append({"mode": mode, "error": str(exc)})
+    return {"gpus": gpus, "ctx": ctx, "memory": sizes if memory else None, "plans": plans}
 
 
 def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
@@ -304,9 +333,26 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
         for k, v in info["metadata"].items():
             m.add_row(_cell(k), _cell(repr(v)))
         out.print(m)
+    if "split" in info:
+        render_split(out, info["split"])
 
 
 def _cell(value: str) -> Text:
     """A table cell holding a string from the file: escaped (printable), so that a control sequence in a
     model's name cannot act on the terminal, and a Text, so that '[/INST]' is not rich markup."""
     return Text(printable(value))
+
+
+def render_split(out: Console, split: dict[str, Any]) -> None:
+    """The split plans of `inspect --gpus N`: per mode, a line per GPU (what it holds, what it needs)."""
+    known = split["memory"] is not None
+    out.print(Text(f"\nsplit over {split['gpus']} GPU{'s' * (split['gpus'] != 1)} at --ctx {split['ctx']} (fp16 KV "
+                   "cache; the CUDA backend's scratch, a few hundred MiB a GPU, not counted)", style="bold"))
+    for plan in split["plans"]:
+        if "error" in plan:
+            out.print(Text(f"{plan['mode']}: cannot split this model: {plan['error']}"))
+            continue
+        verdict = ("fits" if plan["fits"] else "does not fit") if known else "needs"
+        out.print(Text(f"{plan['mode']}: {verdict}"))
+        for line in plan["lines"]:
+            out.print(Text("  " + line))

@@ -15,11 +15,15 @@ from .app import (
     CacheTypeKOpt,
     CacheTypeVOpt,
     CtxOpt,
+    DeviceOpt,
     FlashAttnOpt,
     GpuLayersOpt,
+    MainGpuOpt,
     ModelArg,
     ModelOpt,
+    SplitModeOpt,
     SwaFullOpt,
+    TensorSplitOpt,
     ThreadsOpt,
     check_gpu_layers,
     command,
@@ -27,6 +31,7 @@ from .app import (
     fail,
     is_verbose,
     load_model,
+    split_options,
 )
 from .generate import pick_model, prompt_notices, startup_line, template_line
 
@@ -52,6 +57,10 @@ def serve(
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     swa_full: SwaFullOpt = False,
+    split_mode: SplitModeOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    main_gpu: MainGpuOpt = None,
+    device: DeviceOpt = None,
     parallel: Annotated[Optional[int], typer.Option(
         "--parallel", "-np", help="Requests generated at once, each in a cache slot of its own (llama-server's "
         "-np); more wait in arrival order. Default: 4 where the backend runs several and the memory holds "
@@ -99,13 +108,14 @@ def serve(
     if api_key is not None and not api_key.strip():
         fail("--api-key is empty")
     check_gpu_layers(gpu_layers)
+    split = split_options(split_mode, tensor_split, main_gpu, device)
     from ..serve.server import listen, make_server, need_extra
 
     need_extra()
     sock = listen(host, port)
     try:
         m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
-                       swa_full=swa_full)
+                       swa_full=swa_full, split=split)
         from ..serve.app import stderr_log
 
         try:

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..backends import select_backend, start_early
 from ..backends.base import Backend, Progress
+from ..backends.split_plan import SplitOptions
 from ..backends.step import Sampler, StepOut
 from ..background import Background
 from ..chat.reasoning import prompt_opens_think, reply_format, split_reasoning
@@ -135,6 +136,7 @@ class Model:
         cache_types: tuple[str, str] = DEFAULT_CACHE,
         swa_full: bool = False,
         slots: int = 1,
+        split: SplitOptions | None = None,
     ):
         t0 = self.load_started = time.perf_counter()
         laps = _Laps()
@@ -164,7 +166,7 @@ class Model:
                 with contextlib.suppress(BaseException):
                     early()
             raise
-        self.backend = select_backend(backend, notice, early, self.cfg)
+        self.backend = select_backend(backend, notice, early, self.cfg, split)  # (split: --split-mode and its kin)
         laps.lap(f"backend start ({self.backend.name})")
         # The tokenizer is built on a thread of its own (Llama 3's 128k tokens and 280k merges take a while)
         # while the weights upload, whose copies leave the GIL free. Not sooner: beside CuPy's import (the

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 
@@ -339,9 +339,11 @@ def per_layer_inputs(be: Any, cfg: Any, ids: Any, x: Any) -> Any:
     return be.scale(be.add(proj, be.embed_per_layer(ids)), 1.0 / math.sqrt(2.0))
 
 
-def run_layer(be: Any, cfg: Any, i: int, ops: tuple[Op, ...], L: Any, x: Any, pos: Any, ple: Any = None) -> Any:
+def run_layer(be: Any, cfg: Any, i: int, ops: tuple[Op, ...], L: Any, x: Any, pos: Any, ple: Any = None,
+              after: Callable[[Op, Any], Any] | None = None) -> Any:
     """Block i's program `ops` on the residual x [T, D] (eager; `ple` [T, P]: its per-layer input) -> the new
-    residual."""
+    residual. `after(op, out)`, where given, sees each operation's output and returns what takes its place: a
+    tensor-split device sums the partial outputs of its shard there (backends/numpy_split.py)."""
     t, dh = x.shape[0], cfg.layer_head_dim(i)
     env: dict[str, Any] = {"x": x, "ple": ple}
     for op in ops:
@@ -383,6 +385,8 @@ def run_layer(be: Any, cfg: Any, i: int, ops: tuple[Op, ...], L: Any, x: Any, po
             env[op.dst] = be.add(env[op.dst], env[op.src])
         else:  # pragma: no cover - every Op is handled above
             raise TypeError(f"unknown operation {op!r}")
+        if after is not None and not isinstance(op, (Add, Rope, Split)):
+            env[op.dst] = after(op, env[op.dst])
     return env["x"]
 
 
