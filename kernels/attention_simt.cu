@@ -50,8 +50,10 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
                                                int Hq, int Hkv, int Dh, float scale, int chunk, float* out,
                                                int out_stride, float* part_o, float* part_ml, int n_split,
                                                int window = 0, float softcap = 0.0f,
-                                               const float* __restrict__ sinks = nullptr, int ring = 0) {
+                                               const float* __restrict__ sinks = nullptr, int ring = 0,
+                                               int rb = -1) {
     extern __shared__ float smem[];
+    if (rb < 0) rb = blockIdx.x;  // the block's group of ATT_ROWS query rows
     const int G = Hq / Hkv;
     const int kvh = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -67,7 +69,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
     if (threadIdx.x == 0) s_kend = 0, s_pmin = 0x7fffffff;
     __syncthreads();
     if (threadIdx.x < ATT_ROWS) {
-        const int t = (blockIdx.x * ATT_ROWS + threadIdx.x) / G;
+        const int t = (rb * ATT_ROWS + threadIdx.x) / G;
         if (t < T) atomicMax(&s_kend, pos[t] + 1);
         if (EXT && t < T) atomicMin(&s_pmin, pos[t]);
     }
@@ -79,7 +81,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
     const int first = EXT && window > 0 ? max(begin, max(0, s_pmin - window + 1) / ATT_TILE * ATT_TILE) : begin;
     for (int e = threadIdx.x; e < ATT_ROWS * Dh; e += blockDim.x) {
         const int r = e / Dh, d = e - r * Dh;
-        const int gr = blockIdx.x * ATT_ROWS + r, t = gr / G, h = kvh * G + gr % G;
+        const int gr = rb * ATT_ROWS + r, t = gr / G, h = kvh * G + gr % G;
         qs[e] = t < T ? q[(long long)t * q_stride + h * Dh + d] * scale : 0.0f;
     }
     __syncthreads();
@@ -88,7 +90,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
     float m[ATT_RPW], l[ATT_RPW], acc[ATT_RPW][NPL];
 #pragma unroll
     for (int rr = 0; rr < ATT_RPW; ++rr) {
-        const int gr = blockIdx.x * ATT_ROWS + rr * ATT_WARPS + warp, t = gr / G;
+        const int gr = rb * ATT_ROWS + rr * ATT_WARPS + warp, t = gr / G;
         qpos[rr] = t < T ? pos[t] : -1;
         m[rr] = -INFINITY;
         l[rr] = 0.0f;
@@ -149,7 +151,7 @@ __device__ __forceinline__ void attention_body(const float* __restrict__ q, int 
 
 #pragma unroll
     for (int rr = 0; rr < ATT_RPW; ++rr) {
-        const int gr = blockIdx.x * ATT_ROWS + rr * ATT_WARPS + warp, t = gr / G, h = kvh * G + gr % G;
+        const int gr = rb * ATT_ROWS + rr * ATT_WARPS + warp, t = gr / G, h = kvh * G + gr % G;
         if (t >= T || qpos[rr] < begin) continue;
         const float lt = warp_sum(l[rr]);
         if (n_split == 1) {
@@ -206,8 +208,9 @@ template <bool EXT>
 __device__ __forceinline__ void combine_body(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                              const int* __restrict__ pos, int T, int Hq, int Dh, int n_split,
                                              int chunk, float* out, int out_stride, int window,
-                                             const float* __restrict__ sinks) {
-    const int row = blockIdx.x, t = row / Hq, h = row - t * Hq, d = threadIdx.x;
+                                             const float* __restrict__ sinks, int row = -1) {
+    if (row < 0) row = blockIdx.x;
+    const int t = row / Hq, h = row - t * Hq, d = threadIdx.x;
     const int n = min(n_split, (pos[t] + chunk) / chunk);  // splits that saw keys: ceil((pos+1)/chunk)
     // EXT: the first split holding a key of the window (the ones before wrote nothing)
     const int s0 = EXT && window > 0 ? max(0, pos[t] - window + 1) / chunk : 0;
@@ -238,6 +241,60 @@ extern "C" __global__ void attention_combine_w(const float* __restrict__ part_o,
                                                int chunk, float* out, int out_stride, int window,
                                                const float* sinks) {
     combine_body<true>(part_o, part_ml, pos, T, Hq, Dh, n_split, chunk, out, out_stride, window, sinks);
+}
+
+// The batched decode step (cuda/batch.py): B sequences, one query token each, each in its own cache slot.
+// attention_batch_npl<N>(q, q_stride, kt, vt, slot, pos, B, Hq, Hkv, Dh, scale, chunk, out, out_stride, part_o,
+//   part_ml, n_split, window, softcap, sinks, ring): grid (B * ceil(G / ATT_ROWS), Hkv, n_split); block x -> the
+//   sequence b = x / ceil(G / ATT_ROWS) and its group of query rows; row b's cache is kt[slot[b]], vt[slot[b]]
+//   (device addresses of each slot's [ring, Hkv, Dh] fp16 arrays for this layer), its keys 0..pos[b] (window,
+//   soft-cap, sinks and ring as attention_w_npl). Partials per sequence: part_o [B][n_split][Hq][Dh], part_ml
+//   [B][n_split][Hq][2]; attention_combine_batch merges them (grid B * Hq).
+// kv_store_batch(k, k_stride, v, v_stride, T, Hkv, Dh, pos, slot, kt, vt, ring): row t into slot[t]'s cache.
+#define ATTENTION_BATCH_KERNEL(N)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) attention_batch_npl##N(                               \
+        const float* q, int q_stride, const unsigned long long* kt, const unsigned long long* vt,             \
+        const int* slot, const int* pos, int B, int Hq, int Hkv, int Dh, float scale, int chunk, float* out,   \
+        int out_stride, float* part_o, float* part_ml, int n_split, int window, float softcap,                \
+        const float* sinks, int ring) {                                                                      \
+        const int groups = (Hq / Hkv + ATT_ROWS - 1) / ATT_ROWS;                                              \
+        const int b = blockIdx.x / groups, rb = blockIdx.x - b * groups;                                      \
+        if (b >= B) return;                                                                                   \
+        const u16* kc = reinterpret_cast<const u16*>(kt[slot[b]]);                                           \
+        const u16* vc = reinterpret_cast<const u16*>(vt[slot[b]]);                                           \
+        const long long po = (long long)b * n_split * Hq;                                                     \
+        attention_body<N, true>(q + (long long)b * q_stride, q_stride, kc, vc, pos + b, 1, Hq, Hkv, Dh, scale, \
+                                chunk, out + (long long)b * out_stride, out_stride,                           \
+                                part_o ? part_o + po * Dh : nullptr, part_ml ? part_ml + 2 * po : nullptr,    \
+                                n_split, window, softcap, sinks, ring, rb);                                   \
+    }
+ATTENTION_BATCH_KERNEL(1)
+ATTENTION_BATCH_KERNEL(2)
+ATTENTION_BATCH_KERNEL(3)
+ATTENTION_BATCH_KERNEL(4)
+ATTENTION_BATCH_KERNEL(8)
+
+extern "C" __global__ void attention_combine_batch(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                                   const int* __restrict__ pos, int B, int Hq, int Dh, int n_split,
+                                                   int chunk, float* out, int out_stride, int window,
+                                                   const float* sinks) {
+    const int b = blockIdx.x / Hq, h = blockIdx.x - b * Hq;
+    const long long po = (long long)b * n_split * Hq;
+    combine_body<true>(part_o + po * Dh, part_ml + 2 * po, pos + b, 1, Hq, Dh, n_split, chunk,
+                       out + (long long)b * out_stride, out_stride, window, sinks, h);
+}
+
+extern "C" __global__ void kv_store_batch(const float* k, int k_stride, const float* v, int v_stride, int T, int Hkv,
+                                          int Dh, const int* pos, const int* slot, const unsigned long long* kt,
+                                          const unsigned long long* vt, int ring) {
+    const long long n = (long long)T * Hkv * Dh;
+    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
+        const int t = (int)(e / (Hkv * Dh));
+        const int rest = (int)(e - (long long)t * Hkv * Dh);
+        const long long dst = (long long)(pos[t] % ring) * Hkv * Dh + rest;
+        reinterpret_cast<u16*>(kt[slot[t]])[dst] = f2h(k[(long long)t * k_stride + rest]);
+        reinterpret_cast<u16*>(vt[slot[t]])[dst] = f2h(v[(long long)t * v_stride + rest]);
+    }
 }
 
 extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v, int v_stride, int T, int Hkv,

@@ -876,6 +876,78 @@ __device__ __forceinline__ void mv1_body(const u8* __restrict__ w0, const u8* __
 FOR_EACH_QTYPE(MV1_KERNELS)
 #endif
 
+// ---- several sequences' tokens (the batched decode step, cuda/batch.py) ---------------------------------------
+// stage_rows_q8(x, K, T, xs, stride) / stage_rows_f32(...): each of the T rows of x [T, K] staged as mv1 stages
+// its x in shared memory (stage_xq: int8 units, then xd and xsum; stage_x: float slots, then xsum), here into
+// global memory, row t at xs + t * stride bytes. Grid T, block 256.
+// mvb_<t>(w, N, K, xs, stride, T, y, bias, lpr): y [T, N] = W x_t (+ bias) for the T <= MATVEC_TMAX staged rows
+// from xs: each lane dots its units with every row's staged x by mv1's unit dots (mv1_dot: int8 x for the act8
+// types, __dp4a), the unit's weight bytes read from memory once per launch (the later rows from L1), the staged
+// rows from L1 / L2. A row's arithmetic is that of its own x alone, whatever T and the other rows. Block 256
+// (8 warps of 32/lpr rows each), grid ceil(N / (8 * 32/lpr)).
+// (kernels made by macros, as every kernel of this file: kernels/moe.cu includes the bodies only)
+#define STAGE_ROWS_KERNEL(kind, STAGE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) stage_rows_##kind(const float* x, int K, int T, u8* xs, \
+                                                                        long long stride) {                  \
+        if ((int)blockIdx.x < T) STAGE(x + (long long)blockIdx.x * K, K, xs + blockIdx.x * stride);           \
+    }
+__device__ __forceinline__ void stage_row_q8(const float* x, int K, u8* out) {
+    stage_xq(x, K, nullptr, 0.0f, reinterpret_cast<uint4*>(out));
+}
+__device__ __forceinline__ void stage_row_f32(const float* x, int K, u8* out) {
+    stage_x<true>(x, K, nullptr, 0.0f, reinterpret_cast<float4*>(out));
+}
+#ifndef MATVEC_BODIES_ONLY
+STAGE_ROWS_KERNEL(q8, stage_row_q8)
+STAGE_ROWS_KERNEL(f32, stage_row_f32)
+#endif
+
+template <class Q>
+__device__ __forceinline__ void mvb_body(const u8* __restrict__ w, int N, int K, const u8* __restrict__ xs,
+                                         long long stride, int T, float* y, const float* __restrict__ bias, int lpr) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int sub = lane % lpr;
+    const int n = ((int)blockIdx.x * (int)(blockDim.x >> 5) + warp) * (32 / lpr) + lane / lpr;
+    const long long row_bytes = (long long)((K + Q::QK - 1) / Q::QK) * Q::BYTES;
+    const int units = (K + 31) / 32;
+    const bool active = n < N;
+    const u8* ra = active ? w + n * row_bytes : w;
+    float acc[MATVEC_TMAX];
+#pragma unroll
+    for (int t = 0; t < MATVEC_TMAX; ++t) acc[t] = 0.0f;
+    for (int u = sub; active && u < units; u += lpr) {
+#pragma unroll
+        for (int t = 0; t < MATVEC_TMAX; ++t) {
+            if (t < T) {
+                const u8* base = xs + t * stride;
+                const uint4* xq4 = reinterpret_cast<const uint4*>(base);
+                const float4* xs4 = reinterpret_cast<const float4*>(base);
+                const float* xd = reinterpret_cast<const float*>(xq4 + 2 * units);
+                const float* xsum = act8<Q>::value ? xd + units : reinterpret_cast<const float*>(xs4 + units * 8);
+                acc[t] += mv1_dot<Q>(ra, u, K, xs4, xq4, xd, xsum);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MATVEC_TMAX; ++t) {
+        if (t < T) {
+            float a = acc[t];
+            for (int o = lpr >> 1; o > 0; o >>= 1) a += __shfl_xor_sync(FULL_MASK, a, o);
+            if (active && sub == 0) y[(long long)t * N + n] = bias ? a + bias[n] : a;
+        }
+    }
+}
+
+#define MVB_KERNELS(name, Q)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) mvb_##name(const u8* w, int N, int K, const u8* xs,    \
+                                                                 long long stride, int T, float* y,          \
+                                                                 const float* bias, int lpr) {               \
+        mvb_body<Q>(w, N, K, xs, stride, T, y, bias, lpr);                                                    \
+    }
+#ifndef MATVEC_BODIES_ONLY
+FOR_EACH_QTYPE(MVB_KERNELS)
+#endif
+
 // The QKV launch of Q4_K_M-style layers: Q and K rows (w0, w1) of type QA, V rows (w2) of type QB.
 #define MV1_MIXED(a, QA, b, QB)                                                                              \
     extern "C" __global__ void __launch_bounds__(256, MV1_MINB8) mv1_mixed_##a##_##b(                        \

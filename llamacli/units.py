@@ -61,3 +61,22 @@ def human_duration(seconds: float) -> str:
     minutes, secs = divmod(rest, 60)
     text = (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "") + (f"{secs}s" if secs else "")
     return text or "0s"
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b?)", re.IGNORECASE)
+_SIZE_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """A size in bytes: a number with an optional unit, binary as llama.cpp and nvidia-smi count (80G, 80GiB:
+    80 x 2^30; 512M, 512MiB) unless written decimal (141GB: 141 x 10^9); a bare number is bytes. ValueError
+    for anything else, and for a size past 2^60 bytes."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None or m.group(3).lower() == "i" or (m.group(3).lower() == "ib" and not m.group(2)):
+        raise ValueError("not a size (examples: 80G, 80GiB, 141GB, 24576M)")
+    number, power, suffix = float(m.group(1)), _SIZE_POWER[m.group(2).lower()], m.group(3).lower()
+    decimal = suffix == "b" and power > 0
+    size = number * (1000 ** power if decimal else 1024 ** power)
+    if not size < 2 ** 60:
+        raise ValueError("a size past 2^60 bytes")
+    return int(size)

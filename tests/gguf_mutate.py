@@ -247,6 +247,12 @@ def write_seed_models(root: Path) -> dict[str, Path]:
             micro, arch="qwen35moe", n_layer=2, n_ff=0, head_dim=16, rope_dim=4, n_expert=4, n_expert_used=2,
             n_ff_exp=32, n_ff_shexp=32, ssm_state_size=8, ssm_group_count=1, ssm_time_step_rank=2,
             full_attention_interval=2, n_mtp=1, name="micro-qwen35moe"), "Q8_0", vocab=tiny_vocab()),
+        # Gemma 4: sliding and global layers of their own head sizes and KV heads, two layers sharing the first
+        # two's KV, per-layer embeddings, experts beside the dense FFN, V = K on global layers (its per-layer keys)
+        "gemma4-bpe-q8_0": write_model(root / "gemma4-bpe-q8_0.gguf", replace(
+            micro, arch="gemma4", n_layer=4, head_dim=32, head_dim_swa=16, n_head_kv_global=1, window=4,
+            swa_layers=(True, False, True, False), n_kv_shared=2, n_embd_per_layer=8, n_expert=4, n_expert_used=2,
+            n_ff_exp=32, k_eq_v=True, final_softcap=30.0, name="micro-gemma4"), "Q8_0", vocab=tiny_vocab()),
     }
     vocab_only = root / "vocab-only-bpe.gguf"
     w = GGUFWriter(str(vocab_only), "llama")

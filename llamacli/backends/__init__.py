@@ -3,6 +3,7 @@ cuda package (CuPy + kernels/*.cu)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 from .. import gpu_driver
@@ -10,6 +11,8 @@ from ..background import Background
 from ..errors import BackendError, UsageError
 from ..models.config import ModelConfig
 from .base import Backend
+from .cpu import cpu_available
+from .split_plan import SplitOptions
 
 BACKENDS = ("auto", "cuda", "cpu", "numpy")
 EarlyStatus = Callable[[], "tuple[bool, str]"]
@@ -43,20 +46,33 @@ def start_early(name: str) -> EarlyStatus | None:
 
 
 def select_backend(name: str, notice: Callable[[str], None] | None = None, early: EarlyStatus | None = None,
-                   cfg: ModelConfig | None = None) -> Backend:
+                   cfg: ModelConfig | None = None, split: SplitOptions | None = None) -> Backend:
     """`auto` takes CUDA when CuPy imports and a GPU is visible and its kernels run the model `cfg` (a layer the
     fused paths lack, such as Qwen3.5's delta-net layers, or experts they do not serve: cuda.device.fused_layers),
     else the CPU backend (with a notice saying why), else, without numba, the NumPy reference (saying that too);
     `cuda` or `cpu` without what it needs is a BackendError that says what is missing and how to install it (a
-    model CUDA cannot run: at load). `early`: start_early's result for this name, where the check already began."""
+    model CUDA cannot run: at load). `early`: start_early's result for this name, where the check already began.
+    `split`: --split-mode and its options (split_plan.py): the NumPy backend emulates the devices of a split (and
+    `auto` takes it for one, without a GPU); a backend runs the modes its `split_modes` lists; `-dev none` means no
+    GPU."""
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    split = split or SplitOptions()
+    if split.devices == ():  # -dev none: llama.cpp's "no GPU"
+        if name == "cuda":
+            raise UsageError("-dev none runs on no GPU: leave it out, or use --backend cpu")
+        if name == "auto":
+            if early is not None:  # (the thread leaves the driver before the process may exit)
+                with contextlib.suppress(Exception):
+                    early()
+                gpu_driver.release()
+            name = "numpy" if split.split or not cpu_available()[0] else "cpu"
+            if notice:
+                notice(f"-dev none: running on the CPU (the {'NumPy' if name == 'numpy' else 'CPU'} backend)")
     if name == "numpy":
-        from .numpy_backend import NumpyBackend
-
-        return NumpyBackend()
+        return _numpy(split, notice)
     if name == "cpu":
-        return _cpu_backend()
+        return _cpu(split, notice)
     ok, reason = early() if early is not None else cuda_status()
     if ok and name == "auto" and cfg is not None:
         from .cuda.device import fused_layers
@@ -69,32 +85,61 @@ def select_backend(name: str, notice: Callable[[str], None] | None = None, early
     if ok:
         from .cuda import CudaBackend
 
-        return CudaBackend()
+        return takes_split(CudaBackend(), split)
     if name == "cuda":
         raise BackendError(f"the CUDA backend is unavailable: {reason}")
-    from .cpu import cpu_available
-
     cpu_ok, cpu_reason = cpu_available()
-    if cpu_ok:
+    if cpu_ok and not split.split:
         if notice:
             notice(f"using the CPU backend ({reason})")
-        return _cpu_backend()
+        return _cpu(split, notice)
     if notice:
-        notice(f"using the NumPy backend ({reason}; the faster CPU backend needs numba: {cpu_reason})")
+        why = "" if cpu_ok else f"; the faster CPU backend needs numba: {cpu_reason}"
+        notice(f"using the NumPy backend ({reason}{why})")
+    return _numpy(split, notice)
+
+
+def _numpy(split: SplitOptions, notice: Callable[[str], None] | None) -> Backend:
+    """The NumPy backend, over the devices it emulates for a split (numpy_split.py)."""
+    if split.split:
+        from .numpy_split import NumpySplitBackend
+
+        return NumpySplitBackend(split)
+    if notice and (split.main_gpu or split.devices):
+        notice("--main-gpu and -dev choose a GPU: the NumPy backend runs on the CPU")
     from .numpy_backend import NumpyBackend
 
     return NumpyBackend()
 
 
-def _cpu_backend() -> Backend:
-    from .cpu import cpu_available
-
+def _cpu(split: SplitOptions, notice: Callable[[str], None] | None) -> Backend:
+    """The CPU backend (numba): a BackendError saying why where it cannot run, or where a split is asked of it."""
     ok, reason = cpu_available()
     if not ok:
         raise BackendError(f"the CPU backend is unavailable: {reason}")
+    if split.split:
+        raise BackendError(f"the CPU backend runs a model in one process: --backend numpy emulates --split-mode "
+                           f"{split.mode} on the CPU")
+    if notice and (split.main_gpu or split.devices):
+        notice("--main-gpu and -dev choose a GPU: the CPU backend runs on the CPU")
     from .cpu.backend import CpuBackend
 
     return CpuBackend()
+
+
+def takes_split(backend: Backend, split: SplitOptions) -> Backend:
+    """`backend` with the split options it will load with, where it runs that split (Backend.split_modes);
+    a BackendError naming the way that does, where it does not."""
+    if split.mode not in backend.split_modes:
+        raise BackendError(f"the {backend.name} backend runs a model on one GPU for now: --split-mode {split.mode} "
+                           "over several is on its way (issue 43); --backend numpy emulates it on the CPU")
+    if split.mode == "none" and (split.main_gpu or (split.devices and split.devices[0] != 0)) \
+            and not backend.any_gpu:
+        gpu = split.devices[split.main_gpu] if split.devices else split.main_gpu
+        raise BackendError(f"the {backend.name} backend runs on the first visible GPU for now: to run on GPU {gpu}, "
+                           f"set CUDA_VISIBLE_DEVICES={gpu}")
+    backend.split = split
+    return backend
 
 
 def cuda_status(context: bool = False) -> tuple[bool, str]:

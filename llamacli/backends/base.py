@@ -37,7 +37,9 @@ class StepErrors(BackendError):
     failed). Each failed sequence must start again with a new Sampler; the others go on."""
 
     def __init__(self, errors: dict[int, Exception], outs: list[StepOut | None]):
-        super().__init__(f"{len(errors)} of {len(outs)} sequences failed their step")
+        first = next(iter(errors.values()), None)
+        super().__init__(f"{len(errors)} of {len(outs)} sequences failed their step"
+                         + (f" (the first: {type(first).__name__}: {first})" if first is not None else ""))
         self.errors, self.outs = errors, outs
 
 
@@ -89,6 +91,17 @@ class LayerWeights:
     ssm_a: Any = None  # [Hv] float32, -exp(A_log)
     ssm_norm: Any = None  # [d_v] float32
     ssm_out: Any = None  # [D, Hv d_v]
+    # Gemma 4 (models/arch/gemma4.py); its attention tensors are of the layer's own head size
+    ffn_gate_up_exps: Any = None  # [E, 2 F_exp, D] rows [gate; up] of each expert
+    ffn_gate_inp_scale: Any = None  # [D] float32: the router input's scale
+    ffn_down_exps_scale: Any = None  # [E] float32: each expert's output scale
+    ffn_post_norm_1: Any = None  # [D] after the dense FFN beside the experts
+    ffn_pre_norm_2: Any = None  # [D] the experts' input norm
+    ffn_post_norm_2: Any = None  # [D] after the experts
+    per_layer_inp_gate: Any = None  # [P, D]
+    per_layer_proj: Any = None  # [D, P]
+    per_layer_post_norm: Any = None  # [D]
+    layer_output_scale: Any = None  # [1] float32
 
 
 @dataclass
@@ -98,6 +111,10 @@ class ModelWeights:
     output_norm: Any  # [D]
     output: Any  # [V, D]; token_embd's handle when tied
     extra: dict[str, Any] = field(default_factory=dict)
+    # Gemma 4's per-layer embeddings (cfg.n_embd_per_layer = P > 0; block.per_layer_inputs)
+    per_layer_token_embd: Any = None  # [V, L P], kept quantized: rows are gathered
+    per_layer_model_proj: Any = None  # [L P, D]
+    per_layer_proj_norm: Any = None  # [P]
 
 
 class Backend(ABC):
@@ -109,6 +126,11 @@ class Backend(ABC):
     prefill_chunk: int | None = None
     # (stage, ms) of the last load() where the backend times its parts (--verbose lists them).
     load_stages: tuple[tuple[str, float], ...] = ()
+    # The --split-mode values the backend runs (split_plan.py), and whether it runs on a GPU other than the first
+    # visible one (--main-gpu, -dev); `split` holds the options it loads with (select_backend sets them).
+    split_modes: tuple[str, ...] = ("none",)
+    any_gpu: bool = False
+    split: Any = None
     # Cache slots: sequences whose caches the backend holds at once (set_slots); step() takes one sequence per
     # slot. Per slot, step() keeps the sequence whose cache it is (its Sampler) and the decode form chosen for it.
     slots: int = 1
@@ -165,7 +187,8 @@ class Backend(ABC):
 
     @abstractmethod
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
-        """[..., D] -> x / sqrt(mean(x^2) + eps) * weight, over the last axis ([T, H, Dh]: per head)."""
+        """[..., D] -> x / sqrt(mean(x^2) + eps) * weight, over the last axis ([T, H, Dh]: per head); weight None:
+        no weight."""
 
     @abstractmethod
     def matmul(self, x: Any, w: Any, bias: Any = None) -> Any:
@@ -178,9 +201,10 @@ class Backend(ABC):
 
     @abstractmethod
     def attention(self, op: Attention, q: Any, k: Any, v: Any, pos: Any) -> Any:
-        """Write k, v [T, Hkv, Dh] into layer op.layer's cache at pos, then causal GQA of q [T, Hq, Dh] over cache
-        positions 0..pos[t] for each t (only pos[t] - window < k with op.window), scores scaled by
-        cfg.query_scale and soft-capped by op.softcap, op.sinks: attn_sinks in the denominator -> [T, Hq*Dh]."""
+        """Write k, v [T, Hkv, Dh] into layer op.layer's cache at pos (not with op.store False: a shared-KV layer,
+        k and v None), then causal GQA of q [T, Hq, Dh] over cache positions 0..pos[t] for each t (only
+        pos[t] - window < k with op.window), scores scaled by cfg.query_scale and soft-capped by op.softcap,
+        op.sinks: attn_sinks in the denominator -> [T, Hq*Dh]. Dh and Hkv are the layer's own (its cache's)."""
 
     @abstractmethod
     def swiglu(self, gate: Any, up: Any) -> Any:
@@ -207,11 +231,21 @@ class Backend(ABC):
         """cap * tanh(x / cap) (gemma2's final logits)."""
         raise BackendError(f"the {self.name} backend has no logit soft-capping (gemma2 models)")
 
-    def moe(self, op: Moe, h: Any) -> Any:
+    def moe(self, op: Moe, h: Any, router_in: Any = None) -> Any:
         """The mixture-of-experts FFN of block op.layer on the normalised input h [T, D]: route each token
-        (llamacli/moe.py route with op.gating: ids and weights of cfg.n_expert_used experts), run the chosen
-        experts' gated FFNs (op.activation, biases when op.bias) -> sum_j w_j FFN_j(h) [T, D]."""
+        (llamacli/moe.py route with op.gating over ffn_gate_inp of `router_in` [T, D], else of h: ids and weights of
+        cfg.n_expert_used experts; op.expert_scale: each weight times ffn_down_exps_scale of its expert), run the
+        chosen experts' gated FFNs (op.activation, biases when op.bias) -> sum_j w_j FFN_j(h) [T, D]."""
         raise BackendError(f"the {self.name} backend has no mixture-of-experts FFN")
+
+    def scale(self, x: Any, factor: float, weight: Any = None) -> Any:
+        """x * factor (* weight, broadcast over the last axis)."""
+        raise BackendError(f"the {self.name} backend has no separate scale operation (gemma4 models)")
+
+    def embed_per_layer(self, ids: Any) -> Any:
+        """[T] ids -> [T, L, P] rows of per_layer_token_embd, dequantized, times sqrt(P) (gemma4's per-layer
+        embeddings)."""
+        raise BackendError(f"the {self.name} backend has no per-layer embeddings (gemma4 models)")
 
     def sigmoid_gate(self, x: Any, gate: Any) -> Any:
         """x * sigmoid(gate), gate [T, N] or [T, 1] (a gated attention's output; the shared expert's)."""
@@ -247,6 +281,32 @@ class Backend(ABC):
         None for a model without recurrent layers."""
         return None
 
+    # -- the prefix cache's pool (engine/prefix_cache.py) ------------------------------------------------------
+    # K and V rows kept apart from the slots, so that a prompt's prefix computed for one sequence is copied into
+    # any slot for another: one pool array per layer with a KV cache, in the layout of that layer's cache.
+    def kv_row_bytes(self) -> int:
+        """Bytes of one position's K and V over every layer with a KV cache, as the pool holds them; 0 where this
+        backend keeps no pool (the prefix cache is off then)."""
+        return 0
+
+    def alloc_kv_pool(self, rows: int) -> None:
+        """Hold a pool of `rows` positions (replacing any; 0 frees it). BackendError where the memory is not there
+        (or this backend keeps no pool)."""
+        raise BackendError(f"the {self.name} backend keeps no prefix cache")
+
+    def copy_kv_rows(self, slot: int, layers: Sequence[int], positions: np.ndarray, rows: np.ndarray,
+                     to_pool: bool) -> None:
+        """Copy the K and V of `positions` (int64 [n]) in slot `slot`'s cache, each at its row there (p mod the
+        layer's rows: a ring's), to pool rows `rows` (int64 [n]) with `to_pool`, or from those pool rows back to
+        those positions, on each layer of `layers` (layers with a KV cache). Queued in order with the steps (a
+        GPU's copies run on the stream the steps run on); positions on a ring must fall on distinct rows."""
+        raise BackendError(f"the {self.name} backend keeps no prefix cache")
+
+    def free_memory(self) -> int | None:
+        """Bytes the backend could still allocate (host RAM; a GPU's free memory), None where unknown: the prefix
+        cache's default bound."""
+        return None
+
     # -- the step contract (backends/step.py) ----------------------------------------------------------------
     def step(self, batch: Sequence[SeqStep]) -> list[StepOut]:
         """Run one step of each sequence in `batch` (one per cache slot) -> its chosen id (and logits where asked),
@@ -255,10 +315,7 @@ class Backend(ABC):
         through the fastest form the sampler allows: the argmax or the whole sampler inside the step, a
         constraint's mask applied where the logits are, or the logits to the host (logprobs). The sequences run
         one after the other here; a backend with batched kernels runs the decode steps together."""
-        slots = [seq.slot for seq in batch]
-        if len(set(slots)) != len(slots) or not all(type(x) is int and 0 <= x < self.slots for x in slots):
-            raise BackendError(f"a step takes at most one sequence per cache slot, slots 0..{self.slots - 1} "
-                               f"(got slots {slots})")
+        self._check_slots(batch)
         if len(batch) == 1:
             return [self._step_one(batch[0])]
         outs: list[StepOut | None] = []
@@ -272,6 +329,12 @@ class Backend(ABC):
         if errors:
             raise StepErrors(errors, outs)
         return outs  # type: ignore[return-value]
+
+    def _check_slots(self, batch: Sequence[SeqStep]) -> None:
+        slots = [seq.slot for seq in batch]
+        if len(set(slots)) != len(slots) or not all(type(x) is int and 0 <= x < self.slots for x in slots):
+            raise BackendError(f"a step takes at most one sequence per cache slot, slots 0..{self.slots - 1} "
+                               f"(got slots {slots})")
 
     def _step_one(self, seq: SeqStep) -> StepOut:
         if not hasattr(self, "_slot_sampler"):

@@ -1,9 +1,10 @@
 """The NumPy backend: the readable reference every CUDA kernel is tested against.
 
 Weights are dequantized to float32 once at load (layer by layer; experts as [E, rows, cols] arrays); the
-embedding table stays quantized and only the rows asked for are dequantized. The KV cache is float32,
-one [rows, Hkv, Dh] array per layer: ctx rows, or on a sliding-window layer a ring (kv_cache.py: position p at
-row p mod rows), as the CUDA backend keeps it.
+embedding tables (token_embd, Gemma 4's per_layer_token_embd) stay quantized and only the rows asked for are
+dequantized. The KV cache is float32, one [rows, Hkv, Dh] array per layer (the layer's own Hkv and Dh): ctx rows, or
+on a sliding-window layer a ring (kv_cache.py: position p at row p mod rows), as the CUDA backend keeps it; none on a
+shared-KV layer (Gemma 4), whose queries read the cache of the layer it names.
 
 A Gated DeltaNet layer (hybrid models, models/arch/qwen35.py) keeps a recurrent state instead: the convolution's
 window [K - 1, C] and the delta rule's state [Hv, d_k, d_v], float32, each with the position it stands at. Both
@@ -93,27 +94,46 @@ class NumpyBackend(Backend):
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
              cache_types: tuple[str, str] = DEFAULT_CACHE) -> None:
         self._check_memory(gguf, cfg, ctx)  # before anything is allocated: the file's sizes or --ctx may be absurd
-        self.cfg, self.ctx = cfg, ctx
-        self.cache_types = cache_types
+        f32 = gguf.dequantize
         total = cfg.n_layer + 2
         report = progress or (lambda done, total, what: None)
+
+        def table(name: str) -> QuantTable:  # an embedding table, kept in its GGUF layout
+            t = gguf.tensors[name]
+            return QuantTable(gguf.raw(name), t.type, (t.shape[0], t.shape[1]))
 
         token_embd = self._embedding(gguf)
         report(1, total, "token_embd")
         layers = []
         for i in range(cfg.n_layer):  # every tensor the block's plan names (experts [E, rows, cols])
             names = layer_tensor_names(cfg, i)
-            layers.append(LayerWeights(**{field: self._tensor(gguf, field, name)
+            layers.append(LayerWeights(**{field: self._tensor(gguf, cfg, field, name)
                                           for field, name in names.items() if name in gguf.tensors}))
             report(2 + i, total, f"layer {i}")
-        self.weights = ModelWeights(token_embd, layers, gguf.dequantize("output_norm.weight"),
-                                    self._lm_head(gguf, token_embd))
+        weights = ModelWeights(token_embd, layers, f32("output_norm.weight"), self._lm_head(gguf, token_embd))
+        if cfg.n_embd_per_layer:  # gemma4: the per-layer token embeddings stay quantized, as token_embd does
+            weights.per_layer_token_embd = table("per_layer_token_embd.weight")
+            weights.per_layer_model_proj = f32("per_layer_model_proj.weight")
+            weights.per_layer_proj_norm = f32("per_layer_proj_norm.weight")
         report(total, total, "output")
+        self.adopt(cfg, ctx, weights, rope_tables.inv_freq(cfg, gguf, ctx),  # [rope_dim/2]
+                   rope_tables.inv_freq(cfg, gguf, ctx, local=True), cache_types)
 
-        self.theta = rope_tables.inv_freq(cfg, gguf, ctx)  # [rope_dim/2]
-        self.theta_local = rope_tables.inv_freq(cfg, gguf, ctx, local=True)
-        self.recurrent_layers = [i for i, plan in enumerate(cfg.layers) if plan.recurrent]
+    def adopt(self, cfg: ModelConfig, ctx: int, weights: ModelWeights, theta: np.ndarray, theta_local: np.ndarray,
+              cache_types: tuple[str, str] = DEFAULT_CACHE, layers: range | None = None,
+              experts: tuple[int, int] | None = None) -> None:
+        """Run with `weights` at `ctx` (load() reads them from the file; numpy_split.py gives an emulated device
+        its shard): the RoPE tables `theta` [rope_dim/2], `theta_local` [local_rope_dim/2], a KV cache of
+        `cache_types` for the `layers` it runs (None: every one) and, where its experts are a slice, the experts
+        [first, end) of each MoE layer."""
+        self.cfg, self.ctx, self.cache_types, self.weights = cfg, ctx, cache_types, weights
+        self.theta, self.theta_local = theta, theta_local
+        self.held = range(cfg.n_layer) if layers is None else layers
+        self.experts = experts
+        self.recurrent_layers = [i for i, plan in enumerate(cfg.layers) if plan.recurrent and i in self.held]
+        self.prefill_chunk = shared_ring_chunk(cfg, ctx)
         self._caches = [self._new_cache()]
+        self._pool: list[tuple[np.ndarray, np.ndarray] | None] = []  # the prefix cache's rows per layer
         self.slots = 1
         self.use_slot(0)
 
@@ -126,7 +146,7 @@ class NumpyBackend(Backend):
         emb = gguf.tensors["token_embd.weight"]
         return QuantTable(gguf.raw(emb.name), emb.type, (emb.shape[0], emb.shape[1]))
 
-    def _tensor(self, gguf: GGUFFile, field: str, name: str) -> np.ndarray:
+    def _tensor(self, gguf: GGUFFile, cfg: ModelConfig, field: str, name: str) -> np.ndarray:
         """A layer's tensor (LayerWeights field `field`) as float32."""
         return gguf.dequantize(name)
 
@@ -135,10 +155,11 @@ class NumpyBackend(Backend):
         return gguf.dequantize("output.weight" if "output.weight" in gguf.tensors else "token_embd.weight")
 
     def _new_cache(self) -> tuple[list[np.ndarray], list[np.ndarray], RecurrentSlot]:
-        """One slot's K and V caches: per layer [rows, Hkv, Dh] float32 (config.cache_rows); and its recurrent
-        states (delta-net layers)."""
+        """One slot's K and V caches: per layer [rows, Hkv, Dh] float32 (config.cache_rows; the layer's own Hkv and
+        Dh; no rows for a layer it does not run); and its recurrent states (delta-net layers)."""
         cfg = self.cfg
-        k = [np.zeros((n, cfg.n_head_kv, cfg.head_dim), dtype=np.float32) for n in cfg.cache_rows(self.ctx)]
+        k = [np.zeros((n if i in self.held else 0, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)), dtype=np.float32)
+             for i, n in enumerate(cfg.cache_rows(self.ctx))]  # (none on a shared-KV layer: [0, Hkv, Dh])
         return k, [np.zeros_like(x) for x in k], RecurrentSlot()
 
     def set_slots(self, n: int) -> None:
@@ -148,6 +169,10 @@ class NumpyBackend(Backend):
             raise UsageError(f"the number of sequences must be a positive integer, got {n!r}")
         if n > len(self._caches):
             check_host_memory(self.cfg, self.ctx, slots=n, held=len(self._caches), backend=self.label)
+        self.resize_slots(n)
+
+    def resize_slots(self, n: int) -> None:
+        """set_slots without the memory check (numpy_split.py checks the whole model's once, for its devices)."""
         self._forget_slots(min(n, len(self._caches)))
         while len(self._caches) < n:
             self._caches.append(self._new_cache())
@@ -157,6 +182,40 @@ class NumpyBackend(Backend):
 
     def use_slot(self, slot: int) -> None:
         self.k_cache, self.v_cache, self.recurrent_slot = self._caches[slot]
+
+    # -- the prefix cache's pool: float32 rows as the caches hold them (np.zeros: pages are taken as rows are
+    # written, so a pool no prefix has filled yet costs no memory) -----------------------------------------------
+    def kv_row_bytes(self) -> int:
+        cfg = self.cfg
+        return sum(2 * 4 * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i, n in enumerate(cfg.cache_rows(self.ctx))
+                   if n and i in self.held)
+
+    def alloc_kv_pool(self, rows: int) -> None:
+        if type(rows) is not int or rows < 0:
+            raise UsageError(f"a prefix-cache pool takes a number of rows >= 0, got {rows!r}")
+        cfg = self.cfg
+        self._pool = []
+        if rows and not free_ok(None, rows * self.kv_row_bytes()):
+            raise HostMemoryError(f"not enough host memory for a prefix cache of {human_bytes(rows * self.kv_row_bytes())}")
+        shapes = [(rows, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layer)]  # (each layer's)
+        self._pool = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) if n and rows and i in self.held
+                      else None for i, (shape, n) in enumerate(zip(shapes, cfg.cache_rows(self.ctx)))]
+
+    def copy_kv_rows(self, slot: int, layers, positions: np.ndarray, rows: np.ndarray, to_pool: bool) -> None:
+        k, v, _ = self._caches[slot]
+        for layer in layers:
+            pool = self._pool[layer] if layer < len(self._pool) else None
+            if pool is None:
+                raise BackendError(f"layer {layer} has no prefix-cache pool")
+            at = positions % k[layer].shape[0]  # the cache rows (a ring's: position mod rows)
+            for cache, part in zip((k[layer], v[layer]), pool):
+                if to_pool:
+                    part[rows] = cache[at]
+                else:
+                    cache[at] = part[rows]
+
+    def free_memory(self) -> int | None:
+        return available_host_memory()
 
     # -- host <-> backend --------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> np.ndarray:
@@ -173,10 +232,21 @@ class NumpyBackend(Backend):
         rows = self.weights.token_embd.rows(ids)  # [T, D]
         return rows * np.float32(self.cfg.embd_scale) if self.cfg.embd_scale != 1.0 else rows
 
+    def embed_per_layer(self, ids: np.ndarray) -> np.ndarray:
+        cfg = self.cfg
+        rows = self.weights.per_layer_token_embd.rows(ids)  # [T, L P]
+        return (rows * np.float32(math.sqrt(cfg.n_embd_per_layer))).reshape(len(ids), cfg.n_layer, cfg.n_embd_per_layer)
+
     @_ieee
-    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
         ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
-        return (x / np.sqrt(ms + eps)).astype(np.float32) * weight
+        y = (x / np.sqrt(ms + eps)).astype(np.float32)
+        return y if weight is None else y * weight
+
+    @_ieee
+    def scale(self, x: np.ndarray, factor: float, weight: np.ndarray | None = None) -> np.ndarray:
+        y = x * np.float32(factor) if factor != 1.0 else x
+        return y if weight is None else y * weight
 
     @_ieee
     def matmul(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -190,7 +260,7 @@ class NumpyBackend(Backend):
         cos, sin = rope_tables.cos_sin(theta, pos, attn)  # [T, R/2]
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
         out = x.copy()
-        r = cfg.rope_dim
+        r = cfg.local_rope_dim if local else cfg.rope_dim
         if cfg.rope_type == ROPE_NEOX:  # pairs (i, i + R/2)
             a, b = x[..., : r // 2], x[..., r // 2 : r]
             out[..., : r // 2] = a * cos - b * sin
@@ -203,29 +273,32 @@ class NumpyBackend(Backend):
 
     @_ieee
     def attention(self, op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """q [T, q_dim], k and v [T, Hkv, Dh] at consecutive positions pos [T] -> [T, q_dim]. K and V go into
+        """q [T, Hq, Dh], k and v [T, Hkv, Dh] at consecutive positions pos [T] -> [T, Hq Dh]. K and V go into
         layer op.layer's cache first (a ring takes at most kv_cache.ring_span positions per pass, so a long chunk
-        goes in several)."""
-        span = ring_span(op.window, self.k_cache[op.layer].shape[0], self.ctx)
+        goes in several); a shared-KV layer's queries (op.store False, k and v None) read the cache as the layer
+        that wrote it left it in this pass (a pass is at most a ring's span long then: shared_ring_chunk)."""
+        span = ring_span(op.window, self.k_cache[op.layer].shape[0], self.ctx) if op.store else self.ctx
         t = q.shape[0]
         if t <= span:
             return self._attend(op, q, k, v, pos)
         return np.concatenate([self._attend(op, q[s : s + span], k[s : s + span], v[s : s + span],
                                             pos[s : s + span]) for s in range(0, t, span)])
 
-    def _attend(self, op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _attend(self, op: Attention, q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None,
+                pos: np.ndarray) -> np.ndarray:
         cfg = self.cfg
-        kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]
-        # [T, Hkv, Dh] at their rows (position mod rows); an 8-bit cache keeps what its blocks hold (kv_cache.py)
-        k_type, v_type = self.cache_types
-        kc[pos % kc.shape[0]] = q8_0_roundtrip(k) if k_type == "q8_0" else k
-        vc[pos % vc.shape[0]] = q8_0_roundtrip(v) if v_type == "q8_0" else v
+        kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]  # [rows, Hkv, Dh]
+        if op.store:  # [T, Hkv, Dh] at their rows (position mod rows); an 8-bit cache keeps what its blocks hold
+            k_type, v_type = self.cache_types
+            kc[pos % kc.shape[0]] = q8_0_roundtrip(k) if k_type == "q8_0" else k
+            vc[pos % vc.shape[0]] = q8_0_roundtrip(v) if v_type == "q8_0" else v
         lo = max(0, int(pos.min()) - op.window + 1) if op.window else 0  # the first key any query sees
         key_pos = np.arange(lo, int(pos.max()) + 1)
         keys, values = _rows(kc, lo, key_pos.size), _rows(vc, lo, key_pos.size)  # [S, Hkv, Dh]
         t, n = q.shape[0], key_pos.size
-        qg = q.reshape(t, cfg.n_head_kv, cfg.n_group, cfg.head_dim)  # query heads grouped by their KV head
-        out = np.empty((t, cfg.n_head_kv, cfg.n_group, cfg.head_dim), dtype=np.float32)
+        hkv, dh = kc.shape[1], kc.shape[2]  # the layer's own (gemma4's sliding and global layers differ)
+        qg = q.reshape(t, hkv, q.shape[1] // hkv, dh)  # query heads grouped by their KV head
+        out = np.empty(qg.shape, dtype=np.float32)
         rows = attention_rows(cfg, t, n)  # query rows per pass: the score arrays stay within ATT_SCRATCH
         for r in range(0, t, rows):
             qr, pr = qg[r : r + rows], pos[r : r + rows]
@@ -238,7 +311,7 @@ class NumpyBackend(Backend):
             scores = np.where(hidden, -np.inf, scores)
             top = scores.max(axis=-1, keepdims=True)  # [Hkv, G, rows, 1]
             if op.sinks:  # gpt-oss: the head's sink logit joins the denominator (and the max), no value row
-                sink = self.weights.layers[op.layer].attn_sinks.reshape(cfg.n_head_kv, cfg.n_group, 1, 1)
+                sink = self.weights.layers[op.layer].attn_sinks.reshape(hkv, -1, 1, 1)
                 top = np.maximum(top, sink)
             p = np.exp(scores - top)
             denom = p.sum(axis=-1, keepdims=True)
@@ -246,7 +319,7 @@ class NumpyBackend(Backend):
                 denom += np.exp(sink - top)
             p /= denom
             out[r : r + rows] = np.einsum("hgts,shd->thgd", p, values)  # [rows, Hkv, G, Dh]
-        return out.reshape(t, cfg.q_dim)
+        return out.reshape(t, -1)
 
     @_ieee
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -269,14 +342,19 @@ class NumpyBackend(Backend):
         return (g / (1.0 + np.exp(-alpha * g)) * (u + 1.0)).astype(np.float32)
 
     @_ieee
-    def moe(self, op: Moe, h: np.ndarray) -> np.ndarray:
-        """Route each token of h [T, D] to cfg.n_expert_used experts (moe.route), then run expert by expert
-        over the tokens that chose it: gate/up [T_e, F_exp] (+ biases), the activation, down [T_e, D]
-        (+ bias), times the token's weight, added into its row. A token picks distinct experts, so within
-        one expert its rows are distinct and a plain indexed add suffices."""
+    def moe(self, op: Moe, h: np.ndarray, router_in: np.ndarray | None = None) -> np.ndarray:
+        """Route each token of h [T, D] to cfg.n_expert_used experts (moe.route over the router's logits of
+        router_in, else of h; op.expert_scale: each weight times its expert's ffn_down_exps_scale), then run expert
+        by expert over the tokens that chose it: gate/up [T_e, F_exp] (+ biases; op.gate_up: the two halves of one
+        ffn_gate_up_exps matrix), the activation, down [T_e, D] (+ bias), times the token's weight, added into its
+        row. A token picks distinct experts, so within one expert its rows are distinct and a plain indexed add
+        suffices."""
         cfg, L = self.cfg, self.weights.layers[op.layer]
-        logits = self.matmul(h, L.ffn_gate_inp, L.ffn_gate_inp_bias)  # [T, E]
+        first, end = self.experts or (0, cfg.n_expert)  # (an emulated device of an expert split holds a slice)
+        logits = self.matmul(h if router_in is None else router_in, L.ffn_gate_inp, L.ffn_gate_inp_bias)  # [T, E]
         ids, weights = route(logits, cfg.n_expert_used, op.gating, cfg.expert_weights_norm)  # [T, k]
+        if op.expert_scale:
+            weights = weights * L.ffn_down_exps_scale[ids]
         k = ids.shape[1]
         flat, wflat = ids.reshape(-1), weights.reshape(-1)  # slot s = token s // k
         order = np.argsort(flat, kind="stable")  # slots grouped by expert
@@ -284,13 +362,18 @@ class NumpyBackend(Backend):
         ends = np.append(starts[1:], flat.size)
         out = np.zeros((h.shape[0], cfg.n_embd), dtype=np.float32)
         bias = lambda b, e: None if b is None else b[e]  # noqa: E731
+        f = cfg.n_ff_exp
         for e, s0, s1 in zip(experts.tolist(), starts.tolist(), ends.tolist()):
+            if not first <= e < end:
+                continue
             slots = order[s0:s1]
             tok = slots // k
-            x = h[tok]  # [T_e, D]
-            g = self.matmul(x, L.ffn_gate_exps[e], bias(L.ffn_gate_exps_bias, e))  # [T_e, F_exp]
-            u = self.matmul(x, L.ffn_up_exps[e], bias(L.ffn_up_exps_bias, e))
-            y = self.matmul(self.gated(op.activation, g, u), L.ffn_down_exps[e], bias(L.ffn_down_exps_bias, e))
+            x, j = h[tok], e - first  # [T_e, D]; the expert's place in the tensors held
+            gate = L.ffn_gate_up_exps[j, :f] if op.gate_up else L.ffn_gate_exps[j]  # [F_exp, D]
+            up = L.ffn_gate_up_exps[j, f:] if op.gate_up else L.ffn_up_exps[j]
+            g = self.matmul(x, gate, bias(L.ffn_gate_exps_bias, j))  # [T_e, F_exp]
+            u = self.matmul(x, up, bias(L.ffn_up_exps_bias, j))
+            y = self.matmul(self.gated(op.activation, g, u), L.ffn_down_exps[j], bias(L.ffn_down_exps_bias, j))
             out[tok] += y * wflat[slots, None]  # [T_e, D]
         return out
 
@@ -459,6 +542,16 @@ def _rows(cache: np.ndarray, start: int, n: int) -> np.ndarray:
     return np.concatenate([cache[a:], cache[: a + n - rows]])
 
 
+def shared_ring_chunk(cfg: ModelConfig, ctx: int) -> int | None:
+    """The longest prefill pass when a shared-KV layer reads a ring (gemma4's sliding layers): the ring's span
+    (kv_cache.ring_span, at least RING_CHUNK), so that when the shared layer runs, the layer it reads still holds the
+    window before the pass's first position; None (the whole prompt at once) otherwise."""
+    rows = cfg.cache_rows(ctx)
+    spans = [ring_span(cfg.layers[p.kv_from].window, rows[p.kv_from], ctx) for p in cfg.layers
+             if p.shares_kv and rows[p.kv_from] < ctx]
+    return min(spans) if spans else None
+
+
 def attention_rows(cfg: ModelConfig, t: int, span: int) -> int:
     """Query rows per attention pass so that one [Hq, rows, span] score array holds at most ATT_SCRATCH
     floats (at least one row)."""
@@ -471,7 +564,11 @@ def scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int | None = None) -> int:
     temporaries, q/k/v and their rotations, gate/up and SwiGLU's temporaries) and four score arrays of one
     attention pass of query rows over the whole context (einsum, scaled, where(), exp())."""
     t = min(ctx, chunk or ctx)
-    acts = t * (8 * cfg.n_embd + 4 * cfg.q_dim + 4 * cfg.kv_dim + 6 * max(cfg.n_ff, cfg.n_ff_exp))
+    layers = range(cfg.n_layer)
+    q_dim = max(cfg.n_head * cfg.layer_head_dim(i) for i in layers)  # (gemma4: the widest layer's)
+    kv_dim = max(cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i in layers)
+    ff = max(max(cfg.layer_n_ff(i) for i in layers), cfg.n_ff_exp)
+    acts = t * (8 * cfg.n_embd + 4 * q_dim + 4 * kv_dim + 6 * ff + 4 * cfg.n_layer * cfg.n_embd_per_layer)
     if any(p.moe for p in cfg.layers):  # router logits and their float64 softmax [T, E], the gathered rows
         acts += t * (6 * cfg.n_expert + 2 * cfg.n_embd)
     if any(p.recurrent for p in cfg.layers):  # q/k/v before and after the convolution, its window joined, z, the
@@ -483,15 +580,16 @@ def scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int | None = None) -> int:
 
 
 def host_bytes(cfg: ModelConfig, ctx: int) -> tuple[int, int]:
-    """(weights, cache) bytes this backend allocates: every tensor but the embedding table as float32 (the
+    """(weights, cache) bytes this backend allocates: every tensor but the embedding tables as float32 (the
     LM head too, a copy when tied; experts, all E of them, [E, rows, cols]), and K and V float32 [rows, Hkv,
-    Dh] per layer (config.cache_rows) plus, with delta-net layers, the live recurrent state, the stored ones
+    Dh] per layer (config.cache_rows; none on a shared-KV layer) plus, with delta-net layers, the live recurrent state, the stored ones
     (MAX_SNAPSHOTS) and one a pass is storing."""
-    weights = sum(4 * math.prod(s.shape) for s in model_specs(cfg) if s.name != "token_embd.weight")
+    tables = ("token_embd.weight", "per_layer_token_embd.weight")  # kept quantized
+    weights = sum(4 * math.prod(s.shape) for s in model_specs(cfg) if s.name not in tables)
     if cfg.tied_embeddings:
         weights += 4 * cfg.vocab_size * cfg.n_embd
     states = (MAX_SNAPSHOTS + 2) * cfg.recurrent_state_bytes()
-    return weights, 2 * 4 * sum(cfg.cache_rows(ctx)) * cfg.kv_dim + states
+    return weights, 2 * 4 * cfg.kv_values(ctx) + states
 
 
 def available_host_memory() -> int | None:

@@ -14,8 +14,8 @@ backend stored there, and every step says which positions it holds stored states
 that raised, or a cache another sequence has taken since, leaves the sequence to be started again with a new
 Sampler (the backend refuses it with one line).
 
-Today a batch holds one sequence in cache slot 0 (the backends hold one KV cache); the batching issue runs
-many sequences through the same contract.
+A batch holds at most one sequence per cache slot (Backend.set_slots); the NumPy backend runs them one after the
+other, the CUDA backend runs their decode steps as one batched step (backends/cuda/batch.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ output is reasoning. Everything up to `</think>` is reasoning; the answer is wha
 lines between. A stream that ends inside the block (max tokens reached) is all reasoning, as llama-server
 reports it.
 
-gpt-oss writes channels instead ("harmony", harmony.py): the prompt says which format a reply has
-(`reply_format`), and `make_splitter(completion)` gives the splitter for it; both have the same interface.
+gpt-oss writes channels instead ("harmony", harmony.py), and Gemma 4 its own ("channel": `<|channel>thought\n ...
+<channel|>` before the answer, ChannelSplitter below; its template ends the prompt with an empty block when thinking
+is off). The prompt says which format a reply has (`reply_format`), and `make_splitter(completion)` gives the
+splitter for it; all have the same interface.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from .harmony import HarmonySplitter, opens_reply, split_harmony
 from .splitter import Splitter, partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
+# Gemma 4 (its chat template; llama.cpp's common/parsers/gemma4.cpp): a channel block, named by its first word
+CHANNEL_OPEN, CHANNEL_CLOSE, THOUGHT = "<|channel>", "<channel|>", "thought"
+# How Gemma 4's template leaves the prompt for a reply: a new model turn (with thinking off, an empty thought block
+# after it), or the same turn after tool responses
+CHANNEL_REPLY_ENDS = ("<|turn>model\n", "<|turn>model\n" + CHANNEL_OPEN + THOUGHT + "\n" + CHANNEL_CLOSE,
+                      "<tool_response|>")
 EFFORTS = ("low", "medium", "high")  # gpt-oss's reasoning efforts ("Reasoning: ..." in its system message)
 # OpenAI's reasoning_effort also takes "minimal", a level gpt-oss's template lacks: taken as its least, "low".
 EFFORT_ALIASES = {"minimal": "low"}
@@ -75,14 +83,20 @@ def template_variables(template_source: str | None, think: bool | str | None) ->
 
 
 def reply_format(prompt_tail: str) -> str:
-    """'harmony' when the prompt ends as gpt-oss's template leaves it for the reply, else 'think'."""
-    return "harmony" if opens_reply(prompt_tail) else "think"
+    """'harmony' when the prompt ends as gpt-oss's template leaves it for the reply, 'channel' as Gemma 4's does,
+    else 'think'."""
+    if opens_reply(prompt_tail):
+        return "harmony"
+    return "channel" if prompt_tail.endswith(CHANNEL_REPLY_ENDS) else "think"
 
 
-def make_splitter(completion: Any) -> "ReasoningSplitter | HarmonySplitter":
+def make_splitter(completion: Any) -> "ReasoningSplitter | HarmonySplitter | ChannelSplitter":
     """The splitter for a completion's reply format (Completion.reasoning_format, think_open)."""
-    if getattr(completion, "reasoning_format", "think") == "harmony":
+    form = getattr(completion, "reasoning_format", "think")
+    if form == "harmony":
         return HarmonySplitter()
+    if form == "channel":
+        return ChannelSplitter()
     return ReasoningSplitter(completion.think_open)
 
 
@@ -134,11 +148,74 @@ class ReasoningSplitter(Splitter):
         return self._record("", text)
 
 
+class ChannelSplitter(Splitter):
+    """Gemma 4's reply: what a channel block holds (`<|channel>thought\n...<channel|>`) is reasoning, without the
+    channel's name; the rest is the answer, without the blank lines right after a block. As llama.cpp's Gemma 4
+    parser reads it: a reply may hold several blocks (joined by a blank line; the model sometimes writes an empty
+    one after its answer), a `<channel|>` outside a block is dropped, and a reply cut off inside a block is all
+    reasoning. A piece that may begin a marker is held back until the next decides it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = "answer"  # answer -> name (the channel's name) -> think -> gap (blank lines) -> answer
+        self.name = ""
+        self.joined = True  # the current block's reasoning follows the earlier blocks' (or there were none)
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        text, self.pending = self.pending + piece, ""
+        think, answer = [], []
+        while text:
+            if self.state in ("answer", "gap"):
+                if self.state == "gap":
+                    text = text.lstrip()
+                    if not text:
+                        break
+                    self.state = "answer"
+                at = min((i for i in (text.find(CHANNEL_OPEN), text.find(CHANNEL_CLOSE)) if i >= 0), default=-1)
+                if at < 0:
+                    keep = max(partial_suffix(text, CHANNEL_OPEN), partial_suffix(text, CHANNEL_CLOSE))
+                    answer.append(text[: len(text) - keep])
+                    self.pending, text = text[len(text) - keep :], ""
+                elif text.startswith(CHANNEL_CLOSE, at):  # a stray close: dropped
+                    answer.append(text[:at])
+                    text = text[at + len(CHANNEL_CLOSE) :]
+                else:
+                    answer.append(text[:at])
+                    self.state, self.name, text = "name", "", text[at + len(CHANNEL_OPEN) :]
+                    self.joined = not (self.reasoning or think)
+            elif self.state == "name":  # the channel's name ("thought"), dropped (the whitespace after it too, as
+                self.name, text = self.name + text, ""  # reasoning's edges are: Splitter.texts, ReplyRouter)
+                if len(self.name) < len(THOUGHT) and THOUGHT.startswith(self.name):
+                    continue  # a partial name: wait for more
+                self.state, text = "think", self.name[len(THOUGHT) :] if self.name.startswith(THOUGHT) else self.name
+            elif self.state == "think":
+                at = text.find(CHANNEL_CLOSE)
+                end = at if at >= 0 else len(text) - partial_suffix(text, CHANNEL_CLOSE)
+                body = text[:end]
+                if not self.joined:  # a later block: a blank line before its first words, its leading space dropped
+                    body, self.joined = ("\n\n" + body.lstrip(), True) if body.strip() else ("", False)
+                think.append(body)
+                if at >= 0:
+                    self.state, text = "gap", text[at + len(CHANNEL_CLOSE) :]
+                else:
+                    self.pending, text = text[end:], ""
+        return self._record("".join(think), "".join(answer))
+
+    def finish(self) -> tuple[str, str]:
+        """The end of the stream: what was held back is released (a partial marker is just text)."""
+        text, self.pending = self.pending, ""
+        if self.state == "think":
+            return self._record(text, "")
+        if self.state in ("name", "gap"):
+            return "", ""
+        return self._record("", text)
+
+
 def split_reasoning(text: str, opened: bool = False, reply: str = "think") -> tuple[str, str]:
-    """(reasoning, answer) of a whole output in a reply format ('think' or 'harmony')."""
+    """(reasoning, answer) of a whole output in a reply format ('think', 'harmony' or 'channel')."""
     if reply == "harmony":
         return split_harmony(text)
-    s = ReasoningSplitter(opened)
+    s = ChannelSplitter() if reply == "channel" else ReasoningSplitter(opened)
     s.feed(text)
     s.finish()
     return s.texts
@@ -151,7 +228,7 @@ class ReplyRouter:
 
     def __init__(self, completion, answer, side=None):  # noqa: ANN001 (Completion, callable, text stream)
         self.completion, self.answer, self.side = completion, answer, side
-        self.splitter: ReasoningSplitter | HarmonySplitter | None = None
+        self.splitter: ReasoningSplitter | HarmonySplitter | ChannelSplitter | None = None
         self.shown = False  # some reasoning went to `side`
         self.dimmed = False  # the terminal's dim attribute is on
         self.last = ""  # the last text written to `side`

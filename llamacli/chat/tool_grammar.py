@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .reasoning import CHANNEL_CLOSE, CHANNEL_OPEN
 from .tool_format import HARMONY_RECIPIENT, ToolFormat
 
 # JSON whitespace as llama.cpp's schema grammars allow it: a space, or a line break and up to 20 of indentation
@@ -29,7 +30,7 @@ X_GUIDANCE = {"whitespace_pattern": "( |\\n[ \\t]{0,20})", "lenient": True}
 HARMONY_CALL = "<|channel|>commentary " + HARMONY_RECIPIENT  # how a forced call's header begins
 HARMONY_BODY = " <|constrain|>json<|message|>"  # ... and ends (openai/harmony's own examples)
 HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant")
-PREFIXES = ("none", "think", "think_open", "harmony")
+PREFIXES = ("none", "think", "think_open", "harmony", "channel")
 MAX_GEMMA_DEPTH = 32  # schema levels written out for Gemma's syntax; deeper ones take any value
 
 
@@ -38,7 +39,7 @@ def tool_grammar(fmt: ToolFormat, tools: list[tuple[str, Any]], *, forced: str |
     """The Lark grammar for a reply with `tools` ([(name, parameters schema)]): tool_choice auto when `forced`
     is None, else "required" or the one tool's name. `prefix`: "think" (an optional <think> block first),
     "think_open" (the prompt opened one: the reply begins inside it), "harmony" (an optional analysis message
-    first, forced calls only), "none"."""
+    first, forced calls only), "channel" (an optional Gemma 4 channel block first), "none"."""
     if prefix not in PREFIXES:
         raise ValueError(f"prefix must be one of {PREFIXES}, got {prefix!r}")
     return _Writer(fmt, tools, forced, parallel and fmt.parallel, prefix).text()
@@ -101,6 +102,8 @@ class _Writer:
             return f"{self.until('</think>')} WS?"
         if self.prefix == "think":
             return f"({self.lit('<think>')} {self.until('</think>')} WS?)?"
+        if self.prefix == "channel":
+            return f"({self.lit(CHANNEL_OPEN)} {self.until(CHANNEL_CLOSE)} WS?)?"
         if self.prefix == "harmony" and self.forced is not None:
             opening, end, start = HARMONY_ANALYSIS
             return f"({self.lit(opening)} {self.until(end)} {self.lit(start)})?"

@@ -208,6 +208,37 @@ GpuLayersOpt = Annotated[Optional[str], typer.Option(
 FlashAttnOpt = Annotated[bool, typer.Option(
     "--flash-attn", "-fa", help="As llama.cpp's (on/off/auto may follow); a no-op: CUDA attention is always fused.")]
 
+# Several GPUs (llama.cpp's options and meanings; backends/split_plan.py): checked before anything loads.
+SplitModeOpt = Annotated[Optional[str], typer.Option(
+    "--split-mode", "-sm", metavar="MODE",
+    help="How to split the model over several GPUs, as llama.cpp's: none (one GPU, --main-gpu), layer (each GPU a "
+         "range of layers and their KV cache) or tensor (each GPU a share of every layer's heads and columns, summed "
+         "by all-reduces). Default: none, or layer where --tensor-split or -dev names several devices. --backend "
+         "numpy emulates the devices --tensor-split lists.")]
+TensorSplitOpt = Annotated[Optional[str], typer.Option(
+    "--tensor-split", "-ts", metavar="A,B,...",
+    help="Each GPU's share of the model, as llama.cpp's (3,1: three quarters on the first); a 0 leaves a GPU out. "
+         "Default: by free memory.")]
+MainGpuOpt = Annotated[Optional[int], typer.Option(
+    "--main-gpu", "-mg", metavar="INDEX",
+    help="The GPU for the whole model with --split-mode none (an index into -dev's list where given); with "
+         "tensor, the one that gathers the logits and samples.")]
+DeviceOpt = Annotated[Optional[str], typer.Option(
+    "--device", "-dev", metavar="DEV,...",
+    help="The GPUs to use, in order, as llama.cpp's: CUDA0,CUDA1 (or 0,1); none: no GPU (the NumPy backend).")]
+
+
+def split_options(split_mode: str | None, tensor_split: str | None, main_gpu: int | None,
+                  device: str | None) -> dict[str, Any] | None:
+    """-sm, -ts, -mg and -dev checked (one line and exit 2 for a value that cannot work), as the load options
+    carry them (JSON: --keep-alive hands them to the process that keeps the model); None for one GPU, the
+    default (a model kept loaded without them keeps its key)."""
+    from ..backends.split_plan import SplitOptions, parse_split_options
+
+    options = parse_split_options(split_mode, tensor_split, main_gpu, device)
+    return None if options == SplitOptions() else options.as_json()
+
+
 # Sampling options, shared by generate and chat (each command gives its defaults in its signature).
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", "--n-predict",
                                            help="Most tokens to generate (-1: until the end of the text or a full "
@@ -311,12 +342,12 @@ ReasoningEffortOpt = Annotated[
 
 def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gpu_layers: str | None = None,
                flash_attn: bool = False, user_ctx: bool = True, cache_types: tuple[str, str] = ("f16", "f16"),
-               swa_full: bool = False):
+               swa_full: bool = False, split: dict[str, Any] | None = None):
     """Resolve, open and upload a model, with a progress bar on stderr. `gpu_layers` and `flash_attn` are
     llama.cpp's -ngl and -fa: checked, then explained in a notice once the backend is known. A context the
     user chose (`user_ctx`) past the trained length is warned about once the model is loaded. `cache_types`:
-    -ctk / -ctv (models/kv_cache.py), checked before anything is looked up; `swa_full`: --swa-full. -t was
-    applied as it was read (ThreadsOpt); what it came to is said here."""
+    -ctk / -ctv (models/kv_cache.py), checked before anything is looked up; `swa_full`: --swa-full; `split`:
+    split_options(). -t was applied as it was read (ThreadsOpt); what it came to is said here."""
     from ..models.kv_cache import parse_cache_types
 
     check_gpu_layers(gpu_layers)
@@ -325,7 +356,7 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
     looked_up = time.perf_counter()
     path = find_model(model)
     found = time.perf_counter()
-    m = open_model(path, backend, ctx, quiet, cache_types, swa_full)
+    m = open_model(path, backend, ctx, quiet, cache_types, swa_full, split=split)
     m.lookup = (looked_up, found)
     after_load(m, quiet, gpu_layers, flash_attn, user_ctx)
     return m
@@ -344,13 +375,16 @@ def find_model(model: str | None):
 
 
 def open_model(path, backend: str, ctx: int | None, quiet: bool, cache_types: tuple[str, str], swa_full: bool,
-               said: list[str] | None = None):
+               said: list[str] | None = None, split: dict[str, Any] | None = None):
     """Model(path, ...) with a progress bar on a terminal's stderr and the load's notices (the backend's
     choice) there, unless `quiet`; they are also added to `said` (the resident server repeats them to each
-    command it serves: cli/resident.py)."""
+    command it serves: cli/resident.py). `split`: split_options() (None: one device)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..backends.split_plan import SplitOptions
     from ..engine.generate import Model
+
+    options = SplitOptions() if split is None else SplitOptions.from_json(split)
 
     def notice(line: str) -> None:
         if said is not None:
@@ -361,7 +395,8 @@ def open_model(path, backend: str, ctx: int | None, quiet: bool, cache_types: tu
     if quiet or not err.is_terminal:
         # No bar at all: a disabled rich Progress still prints an empty line on stderr when it stops, on a
         # stream that is not a terminal (rich before 14.3).
-        return Model(path, backend=backend, ctx=ctx, notice=notice, cache_types=cache_types, swa_full=swa_full)
+        return Model(path, backend=backend, ctx=ctx, notice=notice, cache_types=cache_types, swa_full=swa_full,
+                     split=options)
     with Progress(
         TextColumn("loading {task.description}", markup=False), BarColumn(),
         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err.console(), transient=True,
@@ -372,7 +407,7 @@ def open_model(path, backend: str, ctx: int | None, quiet: bool, cache_types: tu
             bar.update(task, completed=done, total=total)
 
         return Model(path, backend=backend, ctx=ctx, progress=progress, notice=notice, cache_types=cache_types,
-                     swa_full=swa_full)
+                     swa_full=swa_full, split=options)
 
 
 def after_load(m, quiet: bool, gpu_layers: str | None, flash_attn: bool, user_ctx: bool) -> None:
@@ -384,6 +419,11 @@ def after_load(m, quiet: bool, gpu_layers: str | None, flash_attn: bool, user_ct
         return
     for line in llama_cpp_notices(m.backend.name, gpu_layers, flash_attn):
         dim(line)
+    plan = getattr(m.backend, "plan", None)  # a split (backends/split_plan.py): what each device holds
+    if plan is not None and is_verbose():
+        dim(f"{plan.mode} split over {plan.n} devices" + (" (emulated)" if m.backend.name == "numpy" else ""))
+        for line in plan.lines():
+            dim(line)
     warning = context_warning(m.cfg, m.ctx) if user_ctx else None
     if warning:
         err.print(warning, style="yellow", markup=False)

@@ -19,6 +19,7 @@ from .app import (
     CacheTypeKOpt,
     CacheTypeVOpt,
     CtxOpt,
+    DeviceOpt,
     FlashAttnOpt,
     FrequencyPenaltyOpt,
     GpuLayersOpt,
@@ -30,6 +31,7 @@ from .app import (
     JsonSchemaOpt,
     KeepAliveOpt,
     LogprobsOpt,
+    MainGpuOpt,
     MaxTokensOpt,
     MinPOpt,
     ModelArg,
@@ -43,9 +45,11 @@ from .app import (
     RepeatLastNOpt,
     RepeatPenaltyOpt,
     SeedOpt,
+    SplitModeOpt,
     StopOpt,
     SwaFullOpt,
     TemperatureOpt,
+    TensorSplitOpt,
     ThinkOpt,
     ThreadsOpt,
     TopKOpt,
@@ -58,6 +62,7 @@ from .app import (
     is_verbose,
     keep_alive_seconds,
     load_model,
+    split_options,
 )
 
 
@@ -303,9 +308,10 @@ def deliver(load: dict[str, Any], task: Task, keep_alive: float | None) -> None:
 
 
 def _load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v,
-                  swa_full) -> dict[str, Any]:
+                  swa_full, split) -> dict[str, Any]:
     return {"model": model, "backend": backend, "ctx": ctx, "quiet": quiet, "gpu_layers": gpu_layers,
-            "flash_attn": flash_attn, "cache_types": (cache_type_k, cache_type_v), "swa_full": swa_full}
+            "flash_attn": flash_attn, "cache_types": (cache_type_k, cache_type_v), "swa_full": swa_full,
+            "split": split}
 
 
 def reply_task(params, grammar: str | None, *, text: str, max_tokens: int, stop, raw: bool, system: str | None,
@@ -358,6 +364,10 @@ def generate(
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     swa_full: SwaFullOpt = False,
+    split_mode: SplitModeOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    main_gpu: MainGpuOpt = None,
+    device: DeviceOpt = None,
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
@@ -373,6 +383,7 @@ def generate(
     complete). --keep-alive 5m keeps the model loaded for the next command (as ollama)."""
     model, prompt_arg = model_and_text(model_arg, prompt_arg, model, prompt is not None or prompt_file is not None)
     seconds = keep_alive_seconds(keep_alive)
+    split = split_options(split_mode, tensor_split, main_gpu, device)
     text = read_prompt(prompt, prompt_file, prompt_arg)
     think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
@@ -383,8 +394,8 @@ def generate(
     task = reply_task(params, spec, text=text, max_tokens=max_tokens, stop=stop, raw=raw, system=system,
                       truncate=truncate, as_json=as_json, quiet=quiet, think=think, logprobs=logprobs,
                       ignore_eos=ignore_eos)
-    deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full),
-            task, seconds)
+    deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full,
+                          split), task, seconds)
 
 
 def check_logprobs(logprobs: int | None, as_json: bool) -> None:
@@ -510,6 +521,10 @@ def chat(
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     swa_full: SwaFullOpt = False,
+    split_mode: SplitModeOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    main_gpu: MainGpuOpt = None,
+    device: DeviceOpt = None,
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
@@ -536,6 +551,7 @@ def chat(
     """
     model = pick_model(model_arg, model)
     seconds = keep_alive_seconds(keep_alive)
+    split = split_options(split_mode, tensor_split, main_gpu, device)
     think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
@@ -543,8 +559,8 @@ def chat(
                            quiet=quiet)
     task = conversation_task(params, spec, system=system, max_tokens=max_tokens, stop=stop, as_json=as_json,
                              quiet=quiet, think=think, ignore_eos=ignore_eos)
-    deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full),
-            task, seconds)
+    deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full,
+                          split), task, seconds)
 
 
 def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = False, quiet: bool = False,
@@ -605,6 +621,10 @@ def run(
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     swa_full: SwaFullOpt = False,
+    split_mode: SplitModeOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    main_gpu: MainGpuOpt = None,
+    device: DeviceOpt = None,
     think: ThinkOpt = None,
     reasoning_effort: ReasoningEffortOpt = None,
     json_schema: JsonSchemaOpt = None,
@@ -619,6 +639,7 @@ def run(
     --keep-alive 5m keeps the model loaded for the next command (as ollama's; off by default)."""
     model, prompt_arg = model_and_text(model_arg, prompt_arg, model, prompt is not None or prompt_file is not None)
     seconds = keep_alive_seconds(keep_alive)
+    split = split_options(split_mode, tensor_split, main_gpu, device)
     one = prompt_arg is not None or prompt is not None or prompt_file is not None
     text = read_prompt(prompt, prompt_file, prompt_arg) if one else None
     if not one:
@@ -638,5 +659,5 @@ def run(
         task = reply_task(params, spec, text=text, max_tokens=max_tokens, stop=stop, raw=raw, system=system,
                           truncate=truncate, as_json=as_json, quiet=quiet, think=think, logprobs=logprobs,
                           ignore_eos=ignore_eos)
-    deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full),
-            task, seconds)
+    deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full,
+                          split), task, seconds)

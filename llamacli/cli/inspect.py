@@ -23,7 +23,9 @@ from ..units import human_bytes, human_count
 MAX_LIST_ITEMS = 8  # long arrays are abbreviated in --metadata
 
 
-def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False, with_metadata: bool = False) -> dict[str, Any]:
+def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False, with_metadata: bool = False,
+                  split: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What `inspect` shows. `split`: plan the model over GPUs (split_plans' keyword arguments)."""
     from ..backends.numpy_backend import NumpyBackend  # the widest set of runnable types
 
     with open_gguf(path) as g:
@@ -40,8 +42,10 @@ def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False,
         info = _summary(g, cfg)
         if ctx is not None and cfg is not None:
             info["kv_cache_bytes_at_ctx"] = {"ctx": ctx, "bytes": cfg.kv_cache_bytes(ctx)}
-            if cache_type_fits(cfg.head_dim, "q8_0"):
+            if all(cache_type_fits(d, "q8_0") for d in cfg.head_dims):
                 info["kv_cache_bytes_at_ctx"]["bytes_q8_0"] = cfg.kv_cache_bytes(ctx, ("q8_0", "q8_0"))
+        if split is not None and cfg is not None and not vocab_only:
+            info["split"] = split_plans(g, cfg, ctx=ctx, **split)
         if with_tensors:
             info["tensors"] = [
                 {"name": t.name, "type": t.type_name, "shape": list(t.shape), "bytes": t.n_bytes, "offset": t.offset}
@@ -50,6 +54,31 @@ def inspect_model(path: str, ctx: int | None = None, with_tensors: bool = False,
         if with_metadata:
             info["metadata"] = {k: _abbreviate(v) for k, v in md.items()}
         return info
+
+
+def split_plans(g: GGUFFile, cfg: ModelConfig, *, options: dict[str, Any], mode_given: bool, gpus: int,
+                memory: list[int] | None, ctx: int | None) -> dict[str, Any]:
+    """The model over `gpus` GPUs (backends/split_plan.py) at `ctx` (default: the context a model command would
+    take) with an fp16 cache: the plan of the mode asked for, or of layer and tensor both where none was (a
+    mode that cannot cut this model: the reason); `memory` the bytes of each GPU (one for all), else unknown."""
+    from ..backends.split_plan import DeviceMemory, SplitOptions, plan_split
+    from ..engine.generate import DEFAULT_CTX_CAP
+    from ..errors import UsageError
+
+    ctx = ctx or min(cfg.context_length, DEFAULT_CTX_CAP)
+    sizes = (memory * gpus if len(memory) == 1 else memory) if memory else [None] * gpus
+    devices = [DeviceMemory(i, size, size) for i, size in enumerate(sizes)]
+    base = SplitOptions.from_json(options)
+    modes = [base.mode] if mode_given or gpus == 1 else ["layer", "tensor"]
+    plans = []
+    for mode in modes:
+        try:
+            plan = plan_split(cfg, g.tensors, SplitOptions(mode, base.proportions, base.main_gpu, base.devices,
+                                                           base.moe), ctx=ctx, devices=devices)
+            plans.append({**plan.as_json(), "lines": plan.lines()})
+        except UsageError as exc:
+            plans.append({"mode": mode, "error": str(exc)})
+    return {"gpus": gpus, "ctx": ctx, "memory": sizes if memory else None, "plans": plans}
 
 
 def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
@@ -102,10 +131,10 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
             tied_embeddings=cfg.tied_embeddings,
             kv_cache_bytes=cfg.kv_cache_bytes(cfg.context_length),
         )
-        if cache_type_fits(cfg.head_dim, "q8_0"):  # the 8-bit cache (-ctk/-ctv q8_0): whole 32-value blocks
+        if all(cache_type_fits(d, "q8_0") for d in cfg.head_dims):  # the 8-bit cache: whole 32-value blocks
             info["kv_cache_bytes_q8_0"] = cfg.kv_cache_bytes(cfg.context_length, ("q8_0", "q8_0"))
         rings = [(i, n) for i, (n, p) in enumerate(zip(cfg.cache_rows(cfg.context_length), cfg.layers))
-                 if n < cfg.context_length and not p.recurrent]
+                 if n < cfg.context_length and not p.recurrent and not p.shares_kv]
         if rings:  # sliding-window layers keep a ring of positions (models/kv_cache.py), not the whole context
             info["kv_cache_rings"] = {"layers": len(rings), "rows": sorted({n for _, n in rings})}
         n_recurrent = sum(p.recurrent for p in cfg.layers)
@@ -118,7 +147,8 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
             )
         if cfg.rope_sections:
             info["rope_sections"] = list(cfg.rope_sections)
-        if cfg.rope_scaling not in ("none",):
+        info.update(_attention_layouts(g, cfg))
+        if cfg.rope_scaling not in ("none", "proportional"):
             info["rope_scaling_factor"] = cfg.rope_scaling_factor
             info["rope_original_context"] = cfg.rope_original_context
         if cfg.n_expert:  # a mixture of experts: a token runs n_expert_used of the n_expert in each layer, and
@@ -131,6 +161,51 @@ def _summary(g: GGUFFile, cfg: ModelConfig | None) -> dict[str, Any]:
                 active_weights_bytes=round(sum(t.n_bytes * active_share(cfg, t.name) for t in g.tensors.values())),
             )
     return info
+
+
+def _attention_layouts(g: GGUFFile, cfg: ModelConfig) -> dict[str, Any]:
+    """For a model whose attention layers differ in shape (gemma4: sliding and global layers of their own head size,
+    KV heads and RoPE) each kind's layers, and the layers that keep no KV cache but read another layer's."""
+    out: dict[str, Any] = {}
+    if any(p.head_dim or p.n_head_kv for p in cfg.layers):
+        kinds: dict[tuple, list[int]] = defaultdict(list)
+        for i, p in enumerate(cfg.layers):
+            if not p.recurrent:
+                kinds[(p.window, cfg.layer_head_dim(i), cfg.layer_kv_heads(i), p.rope_local)].append(i)
+        rotated = _rotated_dims(g, cfg)
+        out["attention_kinds"] = [
+            {"kind": "sliding" if window else "global", "window": window, "layers": len(layers),
+             "head_dim": dh, "n_head_kv": hkv,
+             "rope_dims": cfg.local_rope_dim if local else rotated,
+             "rope_base": cfg.rope_local_base if local else cfg.rope_freq_base}
+            for (window, dh, hkv, local), layers in sorted(kinds.items(), key=lambda kv: kv[1][0])]
+    shared = [i for i, p in enumerate(cfg.layers) if p.shares_kv]
+    if shared:
+        sources: dict[int, list[int]] = defaultdict(list)
+        for i in shared:
+            sources[cfg.layers[i].kv_from].append(i)
+        out["kv_shared"] = {"layers": shared, "reads": {str(src): layers for src, layers in sorted(sources.items())}}
+    return out
+
+
+def _rotated_dims(g: GGUFFile, cfg: ModelConfig) -> int:
+    """The dims the global table rotates: rope_dim, less the pairs gemma4's proportional RoPE leaves still (rope_freqs
+    factors of 1e30)."""
+    if cfg.rope_scaling != "proportional" or "rope_freqs.weight" not in g.tensors:
+        return cfg.rope_dim
+    factors = g.dequantize("rope_freqs.weight")
+    return 2 * int((factors < 1e20).sum())
+
+
+def _span(layers: list[int]) -> str:
+    """3, 4, 5, 9 -> '3-5, 9'."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _bpw(type_name: str) -> float:
@@ -183,11 +258,20 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
             m = info["ssm"]
             rows.append(("delta net", f"{m['key_heads']} key / {m['value_heads']} value heads of "
                                       f"{m['state_size']}, convolution width {m['conv_kernel']}"))
+        for k in info.get("attention_kinds", ()):  # gemma4: sliding and global layers of their own shapes
+            what = f"{k['layers']} sliding-window ({k['window']}) layers" if k["window"] else f"{k['layers']} global layers"
+            rows.append(("attention", f"{what}: {k['n_head_kv']} KV heads x {k['head_dim']}, RoPE "
+                                      + (f"{k['rope_dims']} of {k['head_dim']}" if k["rope_dims"] != k["head_dim"]
+                                         else str(k["rope_dims"])) + f" dims, base {k['rope_base']:g}"))
+        if "kv_shared" in info:
+            reads = info["kv_shared"]["reads"]
+            rows.append(("KV shared", f"{len(info['kv_shared']['layers'])} layers keep no KV cache: "
+                                      + "; ".join(f"{_span(layers)} read layer {src}'s" for src, layers in reads.items())))
         rows += [
             ("blocks", info["layers"]),
             ("RoPE", f"{info['rope_type']}, base {info['rope_freq_base']:g}, scaling {info['rope_scaling']}"
                      + (f" x{info['rope_scaling_factor']:g} from {info['rope_original_context']}"
-                        if info["rope_scaling"] != "none" else "")
+                        if info["rope_scaling"] not in ("none", "proportional") else "")
                      + (f", {info['rope_dim']} of {info['head_dim']} dims" if info["rope_dim"] != info["head_dim"] else "")
                      + (f", sections {info['rope_sections']}" if "rope_sections" in info else "")),
             ("RMS eps", f"{info['rms_eps']:g}"),
@@ -249,9 +333,26 @@ def render_summary(out: Console, info: dict[str, Any]) -> None:
         for k, v in info["metadata"].items():
             m.add_row(_cell(k), _cell(repr(v)))
         out.print(m)
+    if "split" in info:
+        render_split(out, info["split"])
 
 
 def _cell(value: str) -> Text:
     """A table cell holding a string from the file: escaped (printable), so that a control sequence in a
     model's name cannot act on the terminal, and a Text, so that '[/INST]' is not rich markup."""
     return Text(printable(value))
+
+
+def render_split(out: Console, split: dict[str, Any]) -> None:
+    """The split plans of `inspect --gpus N`: per mode, a line per GPU (what it holds, what it needs)."""
+    known = split["memory"] is not None
+    out.print(Text(f"\nsplit over {split['gpus']} GPU{'s' * (split['gpus'] != 1)} at --ctx {split['ctx']} (fp16 KV "
+                   "cache; the CUDA backend's scratch, a few hundred MiB a GPU, not counted)", style="bold"))
+    for plan in split["plans"]:
+        if "error" in plan:
+            out.print(Text(f"{plan['mode']}: cannot split this model: {plan['error']}"))
+            continue
+        verdict = ("fits" if plan["fits"] else "does not fit") if known else "needs"
+        out.print(Text(f"{plan['mode']}: {verdict}"))
+        for line in plan["lines"]:
+            out.print(Text("  " + line))

@@ -133,7 +133,8 @@ def model_identity(path: Path, load: dict[str, Any], cache_types) -> dict[str, A
     return {"llamacli": __version__, "package": str(PACKAGE), "python": sys.executable, "model": real,
             "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino, "device": st.st_dev,
             "backend": load["backend"], "ctx": load["ctx"], "cache_types": list(cache_types),
-            "swa_full": bool(load["swa_full"]), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            "swa_full": bool(load["swa_full"]), "split": load.get("split"),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 def server_key(identity: dict[str, Any]) -> str:

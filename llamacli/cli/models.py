@@ -13,11 +13,15 @@ from .app import (
     CacheTypeKOpt,
     CacheTypeVOpt,
     CtxOpt,
+    DeviceOpt,
     FlashAttnOpt,
     GpuLayersOpt,
+    MainGpuOpt,
     ModelArg,
     ModelOpt,
+    SplitModeOpt,
     SwaFullOpt,
+    TensorSplitOpt,
     ThreadsOpt,
     command,
     dim,
@@ -26,6 +30,7 @@ from .app import (
     is_verbose,
     load_model,
     out,
+    split_options,
 )
 from .generate import model_and_text, pick_model
 
@@ -41,8 +46,19 @@ def inspect(
     metadata: Annotated[bool, typer.Option("--metadata", help="Add every metadata key (long arrays abbreviated).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")] = False,
     ctx: Annotated[Optional[int], typer.Option("--ctx", "-c", "--ctx-size", help="Also size the KV cache at this context length.")] = None,
+    gpus: Annotated[Optional[int], typer.Option(
+        "--gpus", metavar="N", help="Plan the model over N GPUs: what each holds and needs, with --split-mode layer "
+                                    "and tensor (or the one given), at --ctx.")] = None,
+    gpu_memory: Annotated[Optional[str], typer.Option(
+        "--gpu-memory", metavar="SIZE[,SIZE...]",
+        help="With --gpus: each GPU's memory (one size for all: 80G, 141GB, 24576M), to say whether the plan fits.")] = None,
+    split_mode: SplitModeOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    main_gpu: MainGpuOpt = None,
+    device: DeviceOpt = None,
 ) -> None:
-    """Show what is inside a GGUF file: architecture, sizes, quantization mix, tokenizer, memory needs."""
+    """Show what is inside a GGUF file: architecture, sizes, quantization mix, tokenizer, memory needs; with
+    --gpus N (or the split options), how the model splits over N GPUs."""
     from .inspect import inspect_model, render_summary
 
     model = pick_model(model_arg, model)
@@ -50,13 +66,45 @@ def inspect(
         fail("name the model to inspect: llamacli inspect MODEL (or -m MODEL)")
     if ctx is not None and ctx <= 0:
         fail(f"--ctx must be positive, got {ctx}")
+    split = inspect_split(gpus, gpu_memory, split_mode, tensor_split, main_gpu, device)
     from ..registry.registry import resolve_model
 
-    info = inspect_model(str(resolve_model(model)), ctx=ctx, with_tensors=tensors, with_metadata=metadata)
+    info = inspect_model(str(resolve_model(model)), ctx=ctx, with_tensors=tensors, with_metadata=metadata,
+                         split=split)
     if as_json:
         print(json_text(info))
     else:
         render_summary(out, info)
+
+
+def inspect_split(gpus: int | None, gpu_memory: str | None, split_mode: str | None, tensor_split: str | None,
+                  main_gpu: int | None, device: str | None) -> dict | None:
+    """inspect's split options checked: the keyword arguments of inspect.split_plans, or None (no plan asked)."""
+    from ..backends.split_plan import MAX_DEVICES, parse_split_options
+    from ..units import parse_size
+
+    if gpus is None and gpu_memory is None and all(x is None for x in (split_mode, tensor_split, main_gpu, device)):
+        return None
+    if gpus is not None and not 1 <= gpus <= MAX_DEVICES:
+        fail(f"--gpus takes 1 to {MAX_DEVICES}, got {gpus}")
+    options = parse_split_options(split_mode, tensor_split, main_gpu, device)
+    named = len(options.devices or ()) or len(options.proportions)
+    if gpus is not None and options.devices and max(options.devices) >= gpus:
+        fail(f"-dev names device {max(options.devices)}, past the {gpus} GPUs of --gpus")
+    if gpus is not None and len(options.proportions) > gpus:
+        fail(f"--tensor-split gives {len(options.proportions)} proportions for the {gpus} GPUs of --gpus")
+    n = gpus or max([named, *(d + 1 for d in options.devices or ())], default=1)
+    memory = None
+    if gpu_memory is not None:
+        words = gpu_memory.split(",")
+        if len(words) not in (1, n):
+            fail(f"--gpu-memory gives {len(words)} sizes for {n} GPUs: give one for all, or one each")
+        try:
+            memory = [parse_size(w) for w in words]
+        except ValueError as exc:
+            fail(f"--gpu-memory: {exc}, got {printable(gpu_memory[:40])}")
+    return {"options": options.as_json(), "mode_given": split_mode is not None,
+            "gpus": n, "memory": memory}
 
 
 # -- models, pull, rm --------------------------------------------------------------------------------------
@@ -197,8 +245,10 @@ def tokenize(
 def bench(
     model_arg: ModelArg = None,
     model: ModelOpt = None,
-    n_prompt: Annotated[str, typer.Option("--n-prompt", "-p", help="Prompt sizes for prefill tests, comma-separated (with --url: about the tokens of each request's prompt).")] = "512",
-    n_gen: Annotated[str, typer.Option("--n-gen", "-n", "--n-predict", help="Token counts for decode tests, comma-separated (with --url: tokens asked of each request).")] = "128",
+    n_prompt: Annotated[Optional[str], typer.Option("--n-prompt", "-p", help="Prompt sizes for prefill tests, comma-separated (default 512; with --url: about the tokens of each request's prompt; with -npl: as -npp).", show_default=False)] = None,
+    n_gen: Annotated[Optional[str], typer.Option("--n-gen", "-n", "--n-predict", help="Token counts for decode tests, comma-separated (default 128; with --url: tokens asked of each request; with -npl: as -ntg).", show_default=False)] = None,
+    n_pp: Annotated[Optional[str], typer.Option("-npp", "--n-pp", metavar="N,N,...", help="With -npl: prompt sizes PP, comma-separated (llama-batched-bench's; default 128).", show_default=False)] = None,
+    n_tg: Annotated[Optional[str], typer.Option("-ntg", "--n-tg", metavar="N,N,...", help="With -npl: decode steps TG per sequence, comma-separated (llama-batched-bench's; default 128).", show_default=False)] = None,
     pg: Annotated[Optional[list[str]], typer.Option("--pg", help="A combined test P,N: prefill P then decode N (repeatable).")] = None,
     n_depth: Annotated[str, typer.Option("--n-depth", "-d", help="Run each test after this many tokens of context, comma-separated (llama-bench's -d).")] = "0",
     reps: Annotated[int, typer.Option("--repetitions", "-r", help="Timed repetitions after one warm-up.")] = 5,
@@ -213,6 +263,10 @@ def bench(
     cache_type_k: CacheTypeKOpt = "f16",
     cache_type_v: CacheTypeVOpt = "f16",
     swa_full: SwaFullOpt = False,
+    split_mode: SplitModeOpt = None,
+    tensor_split: TensorSplitOpt = None,
+    main_gpu: MainGpuOpt = None,
+    device: DeviceOpt = None,
     url: Annotated[Optional[str], typer.Option(
         "--url", metavar="URL",
         help="Instead: load a running OpenAI-compatible server (llamacli serve, llama-server, vLLM) at "
@@ -220,8 +274,9 @@ def bench(
              "and end-to-end latency (p50, p99) per --clients level; -p and -n give one prompt size and reply.")] = None,
     clients: Annotated[Optional[str], typer.Option(
         "--clients", "-npl", metavar="N,N,...",
-        help="With --url: concurrent clients, a level each, comma-separated (llama-batched-bench's -npl). "
-             "Default: 1,4,16.")] = None,
+        help="Sequences at once, comma-separated (llama-batched-bench's -npl): without --url, B sequences "
+             "decoded together here, llama-batched-bench's table per -npp, -ntg and B; with --url, concurrent "
+             "clients, a level each (default 1,4,16).")] = None,
     requests: Annotated[Optional[int], typer.Option(
         "--requests", metavar="M", help="With --url: requests per level (default: 4 x clients, at least 8).")] = None,
     chat: Annotated[bool, typer.Option(
@@ -247,23 +302,42 @@ def bench(
 ) -> None:
     """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth.
     --profile breaks one prefill and one decode step down by kernel family; --kernels times single kernels;
+    -npl decodes several sequences at once (llama-batched-bench's table: `bench -npl 1,4,16,64 -npp 128 -ntg 128`);
     --url loads a running server with concurrent clients instead (`bench --url http://127.0.0.1:8080 -npl 1,4,16`)."""
-    load = {"--clients": clients is not None, "--requests": requests is not None, "--chat": chat,
+    load = {"--requests": requests is not None, "--chat": chat,
             "--api-key-file": api_key_file is not None, "--shared-prefix": shared_prefix != 0,
             "--no-ignore-eos": not ignore_eos, "--timeout": timeout != 600.0, "--seed": seed is not None}
     if url is not None:
         model_only = {"--profile": profile, "--kernels": kernels, "--pg": bool(pg), "-d": n_depth != "0",
                       "-r": reps != 5, "--ctx": ctx is not None, "--backend": backend != "auto",
                       "-ngl": gpu_layers is not None, "-fa": flash_attn, "-ctk": cache_type_k != "f16",
-                      "-ctv": cache_type_v != "f16", "--swa-full": swa_full}
+                      "-ctv": cache_type_v != "f16", "--swa-full": swa_full, "-npp": n_pp is not None,
+                      "-ntg": n_tg is not None, "--split-mode": split_mode is not None,
+                      "--tensor-split": tensor_split is not None, "--main-gpu": main_gpu is not None,
+                      "-dev": device is not None}
         given = [name for name, on in model_only.items() if on]
         if given:
             fail(f"{given[0]} measures a model here, not a server: leave it out with --url")
-        return bench_server(url, pick_model(model_arg, model), n_prompt, n_gen, output, clients, requests, chat,
-                            api_key, api_key_file, shared_prefix, ignore_eos, timeout, seed)
+        return bench_server(url, pick_model(model_arg, model), n_prompt or "512", n_gen or "128", output, clients,
+                            requests, chat, api_key, api_key_file, shared_prefix, ignore_eos, timeout, seed)
     given = [name for name, on in load.items() if on]
     if given:
         fail(f"{given[0]} goes with --url (a running server to load)")
+    if clients is not None:
+        batched = {"--profile": profile, "--kernels": kernels, "--pg": bool(pg), "-d": n_depth != "0",
+                   "-r": reps != 5}
+        given = [name for name, on in batched.items() if on]
+        if given:
+            fail(f"{given[0]} does not go with -npl (llama-batched-bench's table: -npp, -ntg, -npl)")
+        for flag, short, a, b in (("-npp", "-p", n_pp, n_prompt), ("-ntg", "-n", n_tg, n_gen)):
+            if a is not None and b is not None:
+                fail(f"{flag} and {short} give the same sizes with -npl: give one")
+        return bench_batched(pick_model(model_arg, model), clients, n_pp or n_prompt or "128", n_tg or n_gen or "128",
+                             output, ctx, backend, gpu_layers, flash_attn, (cache_type_k, cache_type_v), swa_full,
+                             split_options(split_mode, tensor_split, main_gpu, device))
+    if n_pp is not None or n_tg is not None:
+        fail(f"{'-npp' if n_pp is not None else '-ntg'} goes with -npl (sequences decoded at once)")
+    n_prompt, n_gen = n_prompt or "512", n_gen or "128"
     from ..engine.bench import (
         parse_list,
         parse_pg,
@@ -276,6 +350,7 @@ def bench(
     )
 
     model = pick_model(model_arg, model)
+    split = split_options(split_mode, tensor_split, main_gpu, device)
     if output not in ("md", "json", "csv"):
         fail(f"--output must be md, json or csv, got {output!r}")
     if reps < 1:
@@ -298,13 +373,40 @@ def bench(
     need = max([p for p in prompts] + [n for n in gens] + [p + n for p, n in pairs] + [1]) + max(depths)
     m = load_model(model, backend, ctx or max(need + 1, 512), False, gpu_layers, flash_attn,
                    user_ctx=ctx is not None,  # bench's own context is not the user's choice
-                   cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
+                   cache_types=(cache_type_k, cache_type_v), swa_full=swa_full, split=split)
     if profile:
         prows, spans, attention = run_profile(m, next((p for p in prompts if p), 512))
         print(render_profile(prows, spans, output, m.backend.device_name(), attention))
         return
     rows, bandwidth = run_bench(m, prompts, gens, pairs, reps, progress=lambda t: dim(f"running {t}"), depths=depths)
     print(render(rows, output, m.backend.device_name(), bandwidth))
+
+
+def bench_batched(model: str | None, npl: str, npp: str, ntg: str, output: str, ctx: int | None, backend: str,
+                  gpu_layers: str | None, flash_attn: bool, cache_types: tuple[str, str], swa_full: bool,
+                  split: dict | None = None) -> None:
+    """`bench -npl`: the sizes checked, the model loaded with a slot per sequence (engine/batched_bench.py), the
+    table on stdout and the progress on stderr. `split`: app.split_options()."""
+    from ..engine.batched_bench import check_sizes, context_for, render_batched, run_batched
+    from ..engine.bench import parse_list
+
+    if output not in ("md", "json", "csv"):
+        fail(f"--output must be md, json or csv, got {output!r}")
+    if ctx is not None and ctx <= 0:
+        fail(f"--ctx must be positive, got {ctx}")
+    pps, tgs, npls = parse_list(npp, "-npp"), parse_list(ntg, "-ntg"), parse_list(npl, "-npl")
+    check_sizes(pps, tgs, npls)
+    m = load_model(model, backend, ctx or context_for(pps, tgs), False, gpu_layers, flash_attn,
+                   user_ctx=ctx is not None, cache_types=cache_types, swa_full=swa_full, split=split)
+    try:
+        rows = run_batched(m, pps, tgs, npls, progress=dim)
+        tensors = m.gguf.tensors.values()
+        info = {"model": m.path.name, "size": sum(t.n_bytes for t in tensors),
+                "params": sum(t.n_elements for t in tensors), "backend": m.backend.name,
+                "device": m.backend.device_name(), "n_ctx": m.ctx}
+        print(render_batched(rows, output, info))
+    finally:
+        m.close()
 
 
 def bench_server(url: str, model: str | None, n_prompt: str, n_gen: str, output: str, clients: str | None,

@@ -135,6 +135,13 @@ def read_request(message: dict, fds: list[int]) -> dict[str, Any]:
               "quiet": (bool,), "gpu_layers": (str, type(None)), "flash_attn": (bool,)}
     if not isinstance(load, dict) or not all(type(load.get(name)) in types for name, types in shapes.items()):
         raise BadRequest("a request's load options")
+    from ..backends.split_plan import SplitOptions
+
+    try:
+        if load.get("split") is not None:
+            SplitOptions.from_json(load["split"])
+    except ValueError:
+        raise BadRequest("a request's split options") from None
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise BadRequest("a request's environment")
     if not (isinstance(streams, list) and len(streams) == 3 and all(isinstance(s, dict) for s in streams)):
@@ -511,7 +518,7 @@ class Resident:
             self.load = load
             threads_notice(quiet)
             m = open_model(Path(load["path"]), load["backend"], load["ctx"], quiet, tuple(load["cache_types"]),
-                           bool(load["swa_full"]), said=self.said)
+                           bool(load["swa_full"]), said=self.said, split=load.get("split"))
             self.model = m
             self.own = (m.load_started, m.load_ms, list(m.load_stages))
             after_load(m, quiet, load.get("gpu_layers"), bool(load.get("flash_attn")), True)

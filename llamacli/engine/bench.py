@@ -253,12 +253,14 @@ def attention_kv_bytes(cfg: ModelConfig, pos: int, cache_types: tuple[str, str] 
 
 def kv_read_bytes(cfg: ModelConfig, keys: float, cache_types: tuple[str, str] = DEFAULT_CACHE) -> list:
     """Bytes of K and V (of `cache_types`: fp16, or q8_0's 34 bytes per 32 values) each layer reads over
-    `keys` cached positions: at most the last `window` of them on a sliding-window layer; a delta-net layer's
-    recurrent state (float32, whatever the context) instead."""
-    per_key = sum(cache_row_bytes(t, cfg.kv_dim) for t in cache_types)
+    `keys` cached positions: at most the last `window` of them on a sliding-window layer (rows of the layer's own
+    KV heads and head size; a shared-KV layer reads the cache it shares); a delta-net layer's recurrent state
+    (float32, whatever the context) instead."""
     n_recurrent = sum(plan.recurrent for plan in cfg.layers)
     state = cfg.recurrent_state_bytes() / n_recurrent if n_recurrent else 0
-    return [state if plan.recurrent else min(keys, plan.window or keys) * per_key for plan in cfg.layers]
+    return [state if plan.recurrent else min(keys, plan.window or keys) *
+            sum(cache_row_bytes(t, cfg.layer_kv_heads(i) * cfg.layer_head_dim(i)) for t in cache_types)
+            for i, plan in enumerate(cfg.layers)]
 
 
 def decode_attention_summary(cfg: ModelConfig, pos: int, rows: list[ProfileRow], bandwidth: float,

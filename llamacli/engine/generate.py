@@ -23,6 +23,7 @@ import numpy as np
 
 from ..backends import select_backend, start_early
 from ..backends.base import Backend, Progress
+from ..backends.split_plan import SplitOptions
 from ..backends.step import Sampler, StepOut
 from ..background import Background
 from ..chat.reasoning import prompt_opens_think, reply_format, split_reasoning
@@ -39,6 +40,7 @@ from .tokens import TokenRun, TokenSource
 
 if TYPE_CHECKING:
     from ..sampling.structured import Constraint
+    from .prefix_cache import PrefixCache
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 DEFAULT_CTX_CAP = 4096  # default context: the model's, capped here (the KV cache grows with it)
@@ -49,6 +51,8 @@ class Timings:
     load_ms: float = 0.0
     prompt_ms: float = 0.0
     prompt_tokens: int = 0  # tokens actually prefilled (a reused cache prefix is not counted)
+    cached_tokens: int = 0  # prompt tokens not prefilled: their K/V were in the slot or came from the prefix cache
+    prefix_cached_tokens: int = 0  # of those, the ones the prefix cache gave (engine/prefix_cache.py)
     eval_ms: float = 0.0
     eval_tokens: int = 0  # decode steps
     # What --verbose shows besides: (stage, ms) of the prompt's way to its first token, and when that came
@@ -96,7 +100,8 @@ class Completion:
     text: str = ""  # the answer: a thinking model's <think> block goes to `reasoning` once generation ends
     reasoning: str = ""
     think_open: bool = False  # the prompt left a <think> block open: the output starts inside it
-    reasoning_format: str = "think"  # "think" (<think> blocks) or "harmony" (gpt-oss channels): chat/reasoning.py
+    reasoning_format: str = "think"  # "think" (<think> blocks), "harmony" (gpt-oss channels) or "channel" (Gemma 4's
+    #                                   <|channel>thought ... <channel|> block): chat/reasoning.py
     tokens: list[int] = field(default_factory=list)  # generated ids (an end-of-generation id is not included)
     prompt_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "interrupted"
@@ -131,6 +136,7 @@ class Model:
         cache_types: tuple[str, str] = DEFAULT_CACHE,
         swa_full: bool = False,
         slots: int = 1,
+        split: SplitOptions | None = None,
     ):
         t0 = self.load_started = time.perf_counter()
         laps = _Laps()
@@ -153,13 +159,14 @@ class Model:
                 raise UsageError(f"the number of parallel sequences must be a positive integer, got {slots!r}")
             self.ctx = ctx or min(self.cfg.context_length, DEFAULT_CTX_CAP)
             self.cache_types = parse_cache_types(*cache_types)
-            check_cache_types(self.cfg.head_dim, self.cache_types)
+            for head_dim in sorted(self.cfg.head_dims):  # (gemma4: its sliding and global layers' own)
+                check_cache_types(head_dim, self.cache_types)
         except BaseException:
             if early is not None:  # the thread leaves the driver before the process may exit
                 with contextlib.suppress(BaseException):
                     early()
             raise
-        self.backend = select_backend(backend, notice, early, self.cfg)
+        self.backend = select_backend(backend, notice, early, self.cfg, split)  # (split: --split-mode and its kin)
         laps.lap(f"backend start ({self.backend.name})")
         # The tokenizer is built on a thread of its own (Llama 3's 128k tokens and 280k merges take a while)
         # while the weights upload, whose copies leave the GIL free. Not sooner: beside CuPy's import (the
@@ -187,6 +194,7 @@ class Model:
         # Each cache slot's record: which ids it holds (slot 0 is the one generate/chat use; the scheduler all).
         self.seqs = [SequenceCache(layer_caches(self.cfg, self.ctx), self.ctx)]
         self.seq = self.seqs[0]
+        self.prefix_cache: PrefixCache | None = None  # (enable_prefix_cache)
         if slots != 1:
             try:
                 self.set_slots(slots)
@@ -204,6 +212,27 @@ class Model:
         self.backend.set_slots(n)
         layers = layer_caches(self.cfg, self.ctx)
         self.seqs = self.seqs[:n] + [SequenceCache(layers, self.ctx, slot) for slot in range(len(self.seqs), n)]
+
+    def enable_prefix_cache(self, budget: int | None = None) -> PrefixCache:
+        """Keep prompts' K/V rows across requests, for any slot (engine/prefix_cache.py), in at most `budget` bytes
+        (None: prefix_cache.default_budget, as many positions as the slots hold within the free memory; 0 turns
+        it off). PrefixCacheOff where it cannot run (a model with recurrent layers, a bound under one block),
+        BackendError or HostMemoryError where the memory is not there."""
+        from .prefix_cache import PrefixCache, PrefixCacheOff, default_budget
+
+        self.disable_prefix_cache()
+        if budget == 0:
+            raise PrefixCacheOff("the prefix cache is off (a bound of 0)")
+        if budget is None:
+            budget = default_budget(self.backend, self.ctx * len(self.seqs))
+        self.prefix_cache = PrefixCache(self.backend, layer_caches(self.cfg, self.ctx), self.ctx, budget)
+        return self.prefix_cache
+
+    def disable_prefix_cache(self) -> None:
+        """Drop the prefix cache and its memory."""
+        if self.prefix_cache is not None:
+            self.prefix_cache = None
+            self.backend.alloc_kv_pool(0)
 
     # -- text <-> ids -------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, special: bool = False, add_bos: bool | None = None,
@@ -426,7 +455,8 @@ class Model:
         (max_tokens, or the context full), "stop" (the constraint complete). The consumer stops it otherwise
         (a stop string in the text): nothing more is computed then."""
         be = self.backend
-        run = TokenRun(self.seq, ids, sampler, self.tokenizer, max_tokens, c.timings, constraint, logprobs)
+        run = TokenRun(self.seq, ids, sampler, self.tokenizer, max_tokens, c.timings, constraint, logprobs,
+                       cache=self.prefix_cache)
         step = run.prompt_step()
         laps.lap("prompt to ids")
 
@@ -448,6 +478,7 @@ class Model:
                 item = run.step_out(be.step([step])[0])
         finally:
             c.finish_reason = c.finish_reason or run.finish_reason
+            run.finish()
 
     def close(self) -> None:
         self.backend.close()
@@ -513,6 +544,7 @@ def context_warning(cfg: ModelConfig, ctx: int) -> str | None:
         "none": "no RoPE scaling applies",
         "linear": f"the file's linear RoPE scaling (factor {cfg.rope_scaling_factor:g}) applies unchanged",
         "llama3": f"the file's llama3 RoPE scaling (from {cfg.rope_original_context} tokens) applies unchanged",
+        "proportional": "no RoPE scaling applies",
         "longrope": f"the long RoPE factors apply (as past {cfg.rope_original_context} tokens)",
         "yarn": f"the file's YaRN RoPE scaling (factor {cfg.rope_scaling_factor:g}, from "
                 f"{cfg.rope_original_context} tokens) applies unchanged",

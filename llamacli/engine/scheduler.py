@@ -253,8 +253,13 @@ class Scheduler:
         return admitted
 
     def _release(self, req: Request, item: Any = None) -> None:
-        """End a request (its error, or its finish) and free its slot."""
+        """End a request (its error, or its finish) and free its slot (the prefix cache keeps its blocks)."""
         reason = req.run.finish_reason if req.run is not None else None
+        if req.run is not None:
+            try:
+                req.run.finish()
+            except Exception as exc:  # (the request's own: its blocks could not be stored)
+                item = item if item is not None else exc
         req.out.put(item if item is not None else (_DONE, reason or "cancelled"))
         with self.cv:
             if req in self.running:
@@ -268,7 +273,8 @@ class Scheduler:
                 self._release(req)
                 continue
             req.run = TokenRun(model.seqs[req.slot], req.ids, req.sampler, model.tokenizer, req.max_tokens,
-                               req.completion.timings, req.constraint, req.logprobs, count_eval=False)
+                               req.completion.timings, req.constraint, req.logprobs, count_eval=False,
+                               cache=model.prefix_cache)
             try:
                 item = req.run.prompt_out(model.backend.step([req.run.prompt_step()])[0])
             except Exception as exc:  # (the request's own: its step ran alone)

@@ -28,6 +28,7 @@ from ..tokenizer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from ..sampling.structured import Constraint
+    from .prefix_cache import PrefixCache
 
 Item = tuple[int, "dict[str, Any] | None"]  # an id handed out, and its logprob entry (with logprobs)
 
@@ -43,14 +44,18 @@ class TokenRun:
     """The ids of one generation from prompt ids `ids` in cache slot `seq`: the prompt's step (a prefill of what
     the slot does not hold yet, and the first id), then a decode step per id. The slot's record (SequenceCache)
     is kept as steps run, and `timings` (engine.generate.Timings) filled: the prompt's, and the decode steps'
-    count."""
+    count. With a prefix cache (engine/prefix_cache.py) the prompt's step starts behind the rows it copies into
+    the slot, and the slot's blocks are stored after the prompt's step and by finish() (call it when the run
+    ends, however)."""
 
     def __init__(self, seq: SequenceCache, ids: list[int], sampler: Sampler, tokenizer: Tokenizer,
                  max_tokens: int, timings: Any, constraint: Constraint | None = None, logprobs: int | None = None,
-                 count_eval: bool = True):
+                 count_eval: bool = True, cache: PrefixCache | None = None):
         self.seq, self.ids, self.sampler, self.tokenizer = seq, ids, sampler, tokenizer
         self.max_tokens, self.timings, self.constraint, self.logprobs = max_tokens, timings, constraint, logprobs
         self.count_eval = count_eval  # (False: the consumer counts the decode steps whose ids it took)
+        self.cache = cache
+        self.restored = 0  # prompt ids the prefix cache gave (beyond what the slot held)
         self.finish_reason: str | None = None
         self.handed = 0  # ids handed out
         self.last = -1  # the last id handed out: the next decode step's input
@@ -66,6 +71,10 @@ class TokenRun:
         seq = self.seq
         keep = seq.reusable(self.ids)
         self.started = time.perf_counter()
+        if self.cache is not None:  # rows of more of the prompt copied into the slot, where the cache has them
+            held = keep
+            keep = self.cache.restore(seq, self.ids, keep)
+            self.restored = keep - held
         seq.begin_prompt(keep, len(self.ids))
         new = self.ids[keep:]
         self.new = len(new)
@@ -81,6 +90,9 @@ class TokenRun:
         t.first_token_at = time.perf_counter() - out.setup_ms / 1e3
         t.prompt_ms = (t.first_token_at - self.started) * 1e3
         t.prompt_tokens = self.new
+        t.cached_tokens, t.prefix_cached_tokens = len(self.ids) - self.new, self.restored
+        if self.cache is not None:  # the prompt's blocks, for the prompts to come
+            self.cache.store(self.seq)
         if on_first is not None:
             on_first(out)
         if self.max_tokens == 0:
@@ -111,6 +123,12 @@ class TokenRun:
         if self.count_eval:
             self.timings.eval_tokens += 1
         return self._hand(out)
+
+    def finish(self) -> None:
+        """The run ended (finished, stopped, cancelled or failed): the prefix cache stores the blocks of what the
+        slot holds (the reply's too)."""
+        if self.cache is not None:
+            self.cache.store(self.seq)
 
     def _hand(self, out: StepOut) -> Item | None:
         token = out.id

@@ -58,11 +58,37 @@ class LayerPlan:
     #                       [beta of its Hv/Hk value heads; alpha of them] (qwen3next); else ssm_beta / ssm_alpha [Hv, D]
     ssm_heads: str = "tiled"  # delta_net: which key head value head j reads: "tiled" j % Hk (qwen35 files: the
     #                           converter reorders the value heads so), "grouped" j // (Hv / Hk) (qwen3next)
+    # Gemma 4 (models/arch/gemma4.py): a layer's own attention geometry, K/V shared with an earlier layer, V
+    # normalised, per-layer token embeddings, a dense FFN beside the experts, an output scale.
+    head_dim: int = 0  # this layer's head size (0: cfg.head_dim; gemma4's sliding layers: attention.key_length_swa)
+    n_head_kv: int = 0  # its KV heads (0: cfg.n_head_kv; gemma4: attention.head_count_kv may hold one per layer)
+    n_ff: int = 0  # its dense FFN's width (0: cfg.n_ff; feed_forward_length per layer: gemma4 E2B's double-wide FFN)
+    kv_from: int = -1  # a shared-KV layer: no K/V projections and no cache of its own, its queries attend over the
+    #                    cache of layer kv_from (an earlier layer of its kind; gemma4's attention.shared_kv_layers);
+    #                    -1: the layer keeps its own
+    v_norm: bool = False  # V RMS-normalised per head without a weight, before attention (gemma4)
+    v_from_k: bool = False  # no attn_v: V is K's projection, taken before K's norm and RoPE (gemma4's global layers
+    #                         in the 26B-A4B and 31B: attention_k_eq_v)
+    moe_dense: bool = False  # moe: a dense GeGLU FFN beside the experts (ffn_gate / ffn_up / ffn_down on ffn_norm's
+    #                          output, then post_ffw_norm_1), the experts reading pre_ffw_norm_2's output (their sum
+    #                          then post_ffw_norm_2), the two added (gemma4 26B-A4B)
+    router_norm: bool = False  # moe: the router reads rms_norm(x) * ffn_gate_inp.scale [D] / sqrt(D) (x: the residual
+    #                            stream), and each chosen expert's weight is multiplied by ffn_down_exps.scale [E]
+    gate_up_exps: bool = False  # moe: each expert's gate and up rows in one ffn_gate_up_exps [E, 2 F_exp, D] (rows
+    #                             [gate; up]), as convert_hf_to_gguf.py writes gemma4's experts
+    per_layer_input: bool = False  # after the FFN: x += post_norm(proj(gelu(inp_gate x) * e_i)), e_i [T, P] the
+    #                                layer's per-layer input (block.per_layer_inputs; gemma4 E2B / E4B)
+    out_scale: bool = False  # the block's output (the residual stream) times layer_output_scale [1] (gemma4)
 
     @property
     def recurrent(self) -> bool:
         """The layer keeps a recurrent state per sequence (no K/V rows)."""
         return self.mixer == "delta_net"
+
+    @property
+    def shares_kv(self) -> bool:
+        """The layer reads another layer's K/V cache and keeps none of its own (kv_from)."""
+        return self.kv_from >= 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +119,13 @@ class Architecture:
     # LayerWeights field -> GGUF tensor name (after "blk.N.") where this architecture's files differ from
     # weights.py's defaults (gpt-oss: the FFN pre-norm ffn_norm is "post_attention_norm.weight").
     tensor_names: dict[str, str] = field(default_factory=dict)
+    # Metadata keys (after "<arch>.") that may hold one value per layer, which the layer plans then carry (gemma4:
+    # attention.head_count_kv, feed_forward_length): config.py keeps the first layer's as the config's own unless
+    # `settings` returns another ("n_head_kv"), and refuses a per-layer array of any other key.
+    per_layer_keys: tuple[str, ...] = ()
+    # What a rope_freqs tensor is in this architecture's files: "llama3" factors, or gemma4's "proportional" RoPE
+    # (written as factors); models/rope.py divides by them either way.
+    rope_freqs_scaling: str = "llama3"
 
     def plans(self, n_layer: int, tensors: set[str] | frozenset[str], metadata: Any = None,
               settings: dict[str, Any] | None = None) -> tuple[LayerPlan, ...]:
@@ -111,8 +144,11 @@ _FEATURES = (  # (plan field, shown when the layer has it (True) or lacks it (Fa
     ("o_bias", True, "output bias"),
     ("sinks", True, "attention sinks"),
     ("attn_gate", True, "gated attention"),
+    ("v_norm", True, "v norm"),
+    ("v_from_k", True, "V = K"),
 )
-_FFN_FEATURES = (("fused_gate_up", True, "fused gate/up"), ("shared_expert", True, "shared expert"))
+_FFN_FEATURES = (("fused_gate_up", True, "fused gate/up"), ("shared_expert", True, "shared expert"),
+                 ("per_layer_input", True, "per-layer embeddings"), ("out_scale", True, "layer output scale"))
 
 
 def describe(plans: tuple[LayerPlan, ...]) -> str:
@@ -134,6 +170,9 @@ def describe(plans: tuple[LayerPlan, ...]) -> str:
         own.append(f"sliding window {w} on {n} of {len(attention)} layers")
     for cap in sorted({p.attn_softcap for p in attention if p.attn_softcap}):
         own.append(f"attention soft-cap {cap:g}")
+    n = sum(p.shares_kv for p in attention)
+    if n:
+        own.append(f"KV shared on {n} of {len(attention)} layers")
     if hybrid and attention:
         parts.append(f"attention on {len(attention)} of {len(plans)} layers" + (f" ({', '.join(own)})" if own else ""))
     else:
@@ -147,5 +186,6 @@ def describe(plans: tuple[LayerPlan, ...]) -> str:
     n = sum(p.moe for p in plans)
     for gating in sorted({p.moe_gating for p in plans if p.moe}):
         label = {"softmax": "softmax, top-k", "topk_softmax": "top-k, softmax"}.get(gating, gating)
-        parts.append(f"mixture of experts ({label})" + ("" if n == len(plans) else f" on {n} of {len(plans)} layers"))
+        dense = " beside a dense FFN" if any(p.moe_dense for p in plans if p.moe) else ""
+        parts.append(f"mixture of experts ({label}){dense}" + ("" if n == len(plans) else f" on {n} of {len(plans)} layers"))
     return ", ".join(parts) or "the Llama block"

@@ -17,7 +17,8 @@ from .arch import ROPE_NEOX, ROPE_NORMAL, LayerPlan, architecture
 from .kv_cache import DEFAULT as DEFAULT_CACHE, cache_row_bytes, ring_rows
 
 __all__ = ["ROPE_NEOX", "ROPE_NORMAL", "ModelConfig", "config_from_metadata"]
-ROPE_SCALINGS = ("none", "linear", "llama3", "longrope", "yarn")
+ROPE_SCALINGS = ("none", "linear", "llama3", "proportional", "longrope", "yarn")
+FREQ_FACTORS = ("llama3", "proportional")  # scalings that divide by the rope_freqs tensor
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,9 @@ class ModelConfig:
     rope_dim: int  # dims of each head that rotate (<= head_dim: Phi-4-mini rotates 96 of 128)
     rope_freq_base: float
     # RoPE scaling: "none", "linear" (positions / factor), "llama3" (per-frequency factors in the
-    # rope_freqs tensor), "longrope" (phi3: rope_factors_long/short tensors and an attention factor),
-    # "yarn" (frequencies blended between interpolated and original by a ramp; rope.py).
+    # rope_freqs tensor; "proportional": gemma4's, factors 1 and 1e30 so that only the first pairs rotate),
+    # "longrope" (phi3: rope_factors_long/short tensors and an attention factor), "yarn" (frequencies blended
+    # between interpolated and original by a ramp; rope.py).
     rope_scaling: str
     rope_scaling_factor: float
     rope_original_context: int
@@ -71,6 +73,11 @@ class ModelConfig:
     # time/height/width sections; for text every section takes the token's position, and the pairs that fall in
     # the fourth section, none in released files, position 0: rope.py); empty: plain RoPE
     rope_sections: tuple[int, ...] = ()
+    # Gemma 4: the rotated dims of the local table's layers (rope.dimension_count_swa; 0: rope_dim), and the width P
+    # of each layer's per-layer token embedding (embedding_length_per_layer_input; 0: none): per_layer_token_embd
+    # [V, L P], per_layer_model_proj [L P, D], per_layer_proj_norm [P] (block.per_layer_inputs)
+    rope_local_dim: int = 0
+    n_embd_per_layer: int = 0
     # Not from the file: a row per position on sliding-window layers too (--swa-full, as llama.cpp's), so that
     # any cached prefix can be reused; else rings (kv_cache.py)
     swa_full: bool = False
@@ -99,6 +106,26 @@ class ModelConfig:
         """Query heads per KV head (GQA)."""
         return self.n_head // self.n_head_kv
 
+    # Per layer (LayerPlan head_dim, n_head_kv, n_ff override the config's: gemma4's sliding and global layers differ)
+    def layer_head_dim(self, i: int) -> int:
+        return self.layers[i].head_dim or self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        return self.layers[i].n_head_kv or self.n_head_kv
+
+    def layer_n_ff(self, i: int) -> int:
+        return self.layers[i].n_ff or self.n_ff
+
+    @property
+    def head_dims(self) -> frozenset[int]:
+        """Every attention layer's head size (one, but for models whose layers differ: gemma4)."""
+        return frozenset(self.layer_head_dim(i) for i, p in enumerate(self.layers) if not p.recurrent)
+
+    @property
+    def local_rope_dim(self) -> int:
+        """The rotated dims of the layers that rotate with the local table."""
+        return self.rope_local_dim or self.rope_dim
+
     @property
     def ssm_conv_dim(self) -> int:
         """Channels of a delta-net layer's convolution: its q, k [Hk d_k each] and v [Hv d_v] side by side."""
@@ -112,14 +139,21 @@ class ModelConfig:
 
     def cache_rows(self, ctx: int) -> list[int]:
         """Rows of each layer's K/V cache at `ctx` positions: ctx, or a ring on a sliding-window layer
-        (kv_cache.ring_rows) unless swa_full; none on a layer with a recurrent state instead."""
-        return [0 if plan.recurrent else ctx if self.swa_full else ring_rows(plan.window, ctx) for plan in self.layers]
+        (kv_cache.ring_rows) unless swa_full; none on a layer with a recurrent state instead, nor on a layer that
+        reads another layer's cache (shared KV)."""
+        return [0 if plan.recurrent or plan.shares_kv else ctx if self.swa_full else ring_rows(plan.window, ctx)
+                for plan in self.layers]
+
+    def kv_values(self, ctx: int) -> int:
+        """Values of K (or of V) in every layer's cache at `ctx` positions: rows x KV heads x head size, per layer."""
+        return sum(n * self.layer_kv_heads(i) * self.layer_head_dim(i) for i, n in enumerate(self.cache_rows(ctx)))
 
     def kv_cache_bytes(self, ctx: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> int:
-        """K and V of every layer at `ctx` positions (sliding-window layers: their rings), each of its cache
-        type (kv_cache.CACHE_TYPES: fp16 by default; q8_0 rows of whole 32-value blocks per head)."""
-        row = sum(cache_row_bytes(t, self.head_dim) for t in cache_types) * self.n_head_kv
-        return int(sum(self.cache_rows(ctx)) * row)
+        """K and V of every layer at `ctx` positions (sliding-window layers: their rings; shared-KV layers: none),
+        each of its cache type (kv_cache.CACHE_TYPES: fp16 by default; q8_0 rows of whole 32-value blocks per
+        head)."""
+        return int(sum(n * self.layer_kv_heads(i) * sum(cache_row_bytes(t, self.layer_head_dim(i)) for t in cache_types)
+                       for i, n in enumerate(self.cache_rows(ctx))))
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
@@ -164,13 +198,15 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
     n_layer = n_blocks - nextn
     n_embd = positive("embedding_length", get("embedding_length", int), 1 << 20)
     n_head = positive("attention.head_count", _scalar(get("attention.head_count", (int,)), arch, "attention.head_count"), 4096)
+    varies = model.per_layer_keys  # keys whose per-layer arrays the architecture reads itself
     n_head_kv_raw = get("attention.head_count_kv", (int,), default=n_head, required=False)
-    n_head_kv = positive("attention.head_count_kv", _scalar(n_head_kv_raw, arch, "attention.head_count_kv"), 4096)
+    n_head_kv = positive("attention.head_count_kv", _scalar(n_head_kv_raw, arch, "attention.head_count_kv", varies), 4096)
     if n_head % n_head_kv:
         raise CorruptFileError(f"{n_head} attention heads cannot be shared by {n_head_kv} KV heads")
     # Optional where every layer has experts (qwen35moe files carry none); a dense layer needs it (checked below).
     n_ff_raw = get("feed_forward_length", (int,), required=False)
-    n_ff = 0 if n_ff_raw is None else positive("feed_forward_length", _scalar(n_ff_raw, arch, "feed_forward_length"), 1 << 22)
+    n_ff = 0 if n_ff_raw is None else positive("feed_forward_length", _scalar(n_ff_raw, arch, "feed_forward_length",
+                                                                               varies), 1 << 22)
     head_dim = get("attention.key_length", int, required=False)
     if head_dim is None:
         if n_embd % n_head:
@@ -215,7 +251,7 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
     beta_fast = get("rope.scaling.yarn_beta_fast", float, default=32.0, required=False)
     beta_slow = get("rope.scaling.yarn_beta_slow", float, default=1.0, required=False)
     if "rope_freqs.weight" in tensors:
-        scaling = "llama3"
+        scaling = model.rope_freqs_scaling
     elif "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
         scaling = "longrope"
         if "rope.scaling.attn_factor" not in {k.split(f"{arch}.", 1)[-1] for k in md}:
@@ -242,6 +278,7 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
                   rope_freq_base=rope_base, rope_dim=rope_dim, n_ff=n_ff if n_ff_raw is not None else None)
     settings = model.settings(lambda key, kind, default=None: get(key, kind, default, required=False), common)
     own = {k: v for k, v in settings.items() if k in _ARCH_FIELDS}
+    n_head_kv = settings.get("n_head_kv", n_head_kv)  # (gemma4: its global layers', beside its head_dim)
     layers = model.plans(n_layer, tensors, md, settings)
     if n_ff == 0 and any(not p.moe for p in layers):
         raise MissingMetadataError(f"missing metadata key '{arch}.feed_forward_length'")
@@ -276,7 +313,8 @@ def config_from_metadata(md: Mapping[str, Any], tensors: set[str]) -> ModelConfi
 
 _ARCH_FIELDS = ("rope_local_base", "attn_scale", "embd_scale", "final_softcap", "n_expert", "n_expert_used",
                 "n_ff_exp", "expert_weights_norm", "n_ff_shexp", "ssm_conv_kernel", "ssm_state_size", "ssm_group_count",
-                "ssm_time_step_rank", "ssm_inner_size", "rope_sections")  # set by a model's settings
+                "ssm_time_step_rank", "ssm_inner_size", "rope_sections", "rope_local_dim",
+                "n_embd_per_layer")  # set by a model's settings
 
 
 def _yarn_magnitude(factor: float, log_mul: float) -> float:
@@ -290,10 +328,11 @@ def _yarn_magnitude(factor: float, log_mul: float) -> float:
     return mscale(factor, 1.0) / mscale(factor, log_mul) if log_mul else mscale(factor, 1.0)
 
 
-def _scalar(value: Any, arch: str, key: str) -> int:
-    """Some converters store per-layer arrays (head_count_kv, feed_forward_length); all layers must agree."""
+def _scalar(value: Any, arch: str, key: str, varies: tuple[str, ...] = ()) -> int:
+    """Some converters store per-layer arrays (head_count_kv, feed_forward_length); all layers must agree, unless
+    the architecture reads the key per layer (`varies`: then the first layer's value, the architecture checks each)."""
     if isinstance(value, list):
-        if not value or len(set(value)) != 1:
+        if not value or (len(set(map(repr, value))) != 1 and key not in varies):
             raise CorruptFileError(f"metadata key '{arch}.{key}' varies by layer ({value[:8]}...), not supported")
         value = value[0]
     if type(value) is bool or not isinstance(value, int):

@@ -2,7 +2,9 @@
 
 theta[i] = base^(-2i / rope_dim) for i < rope_dim/2, then
   linear:   theta / factor                          (positions stretched by the factor)
-  llama3:   theta / rope_freqs[i]                   (per-frequency factors stored as a tensor)
+  llama3:   theta / rope_freqs[i]                   (per-frequency factors stored as a tensor; gemma4's global
+                                                    layers' "proportional" RoPE is written so: factors 1e30 on
+                                                    the pairs that do not rotate)
   longrope: theta / rope_factors_{long|short}[i]    (phi3; long when the context exceeds the original),
             and cos/sin multiplied by the attention factor.
   yarn:     theta / factor * (1 - r[i]) + theta * r[i] (Peng et al. 2023, as ggml's rope_yarn and
@@ -24,20 +26,21 @@ import math
 import numpy as np
 
 from ..ggufio.file import GGUFFile
-from .config import ModelConfig
+from .config import FREQ_FACTORS, ModelConfig
 
 
 def inv_freq(cfg: ModelConfig, gguf: GGUFFile | None, ctx: int, local: bool = False) -> np.ndarray:
     """theta [rope_dim/2] as float32 (computed in float64). `local`: the table of the layers whose plan has
-    rope_local (gemma's sliding-window layers): base cfg.rope_local_base, no scaling."""
-    half = cfg.rope_dim // 2
+    rope_local (gemma's sliding-window layers): base cfg.rope_local_base, cfg.local_rope_dim dims, no scaling."""
+    dims = cfg.local_rope_dim if local else cfg.rope_dim
+    half = dims // 2
     base = cfg.rope_local_base if local else cfg.rope_freq_base
-    theta = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
+    theta = base ** (-np.arange(half, dtype=np.float64) * 2.0 / dims)
     if local:
         return theta.astype(np.float32)
     if cfg.rope_scaling == "linear":
         theta /= cfg.rope_scaling_factor
-    elif cfg.rope_scaling == "llama3" and gguf is not None:
+    elif cfg.rope_scaling in FREQ_FACTORS and gguf is not None:
         theta /= gguf.dequantize("rope_freqs.weight").astype(np.float64)
     elif cfg.rope_scaling == "yarn":
         theta *= _yarn_blend(cfg, half)

@@ -5,6 +5,8 @@ Per layer a slot keeps one of two kinds of memory:
 - **KV rows** (`LayerCache.kind == "kv"`): a row per position on a global layer, or a ring of the last rows on a
   sliding-window layer (kv_cache.ring_rows). Rows can be rewound: a prompt that shares a prefix with what the
   slot holds starts after it, as long as every ring still holds that prefix's last window (kv_cache.ring_keeps).
+- **Nothing** (`"shared"`): a layer that reads an earlier layer's KV rows (gemma4's shared-KV layers): the rows it
+  reads are that layer's, rewound with them.
 - **A recurrent state** (`"recurrent"`: the linear-attention layers of hybrid models, Qwen3.5's Gated DeltaNet: a
   short convolution window and a d_k x d_v state per head): its size does not grow with the context, but it is
   the state *after* the last position it ran, which a failed step or a step run ahead of time (the decode's
@@ -30,15 +32,15 @@ from typing import Iterable, Sequence
 from .config import ModelConfig
 from .kv_cache import ring_keeps
 
-KINDS = ("kv", "recurrent")
+KINDS = ("kv", "recurrent", "shared")
 SNAPSHOT_EVERY = 256  # a prompt stores the recurrent state at each multiple of this many positions it passes
 MAX_SNAPSHOTS = 8  # stored states kept per sequence (each the size of ModelConfig.recurrent_state_bytes)
 
 
 @dataclass(frozen=True)
 class LayerCache:
-    """What one layer keeps per sequence: KV rows (`rows` of them, a ring when `window` > 0 and rows < ctx) or
-    a recurrent state."""
+    """What one layer keeps per sequence: KV rows (`rows` of them, a ring when `window` > 0 and rows < ctx), a
+    recurrent state, or nothing ("shared": gemma4's shared-KV layers read an earlier layer's rows)."""
 
     kind: str = "kv"
     window: int = 0
@@ -52,8 +54,8 @@ class LayerCache:
 def layer_caches(cfg: ModelConfig, ctx: int) -> tuple[LayerCache, ...]:
     """Each layer's cache at a context of `ctx` positions, as the backends allocate it (ModelConfig.cache_rows; a
     delta-net layer's recurrent state instead)."""
-    return tuple(LayerCache("recurrent") if plan.recurrent else LayerCache("kv", plan.window, rows)
-                 for plan, rows in zip(cfg.layers, cfg.cache_rows(ctx)))
+    return tuple(LayerCache("recurrent") if plan.recurrent else LayerCache("shared") if plan.shares_kv else
+                 LayerCache("kv", plan.window, rows) for plan, rows in zip(cfg.layers, cfg.cache_rows(ctx)))
 
 
 def snapshot_positions(start: int, n: int) -> list[int]:
@@ -111,6 +113,14 @@ class SequenceCache:
         del self.ids[keep:]
         self.snapshots = {p for p in self.snapshots if p <= keep}
         self.written = max(self.written if keep else -1, n_ids)
+
+    def restored(self, ids: Sequence[int], high: int = -1, kept: int = 0) -> None:
+        """The K/V rows of `ids` (positions 0..len-1) past the first `kept` (which the slot held) were copied into
+        the slot (the prefix cache, engine/prefix_cache.py), a ring's only over the window before their end:
+        `written` becomes at least `high`, so that no older position counts as held on a ring (-1: none)."""
+        self.ids = list(ids)
+        self.snapshots = set()
+        self.written = max(self.written if kept else -1, high)
 
     def prompt_done(self, ids: Sequence[int]) -> None:
         """After the prompt's step ran whole: the slot holds `ids`."""

@@ -14,7 +14,7 @@ from ..errors import MissingTensorError, ShapeMismatchError, UnsupportedTensorTy
 from ..ggufio.file import GGUFFile
 from ..ggufio.ggml_types import GGMLQuantizationType
 from .arch import ARCHITECTURES, LayerPlan
-from .config import ModelConfig
+from .config import FREQ_FACTORS, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,26 @@ TENSOR_NAMES = {
     "ssm_a": "ssm_a",  # (no ".weight": llama.cpp's SSM_A_NOSCAN name)
     "ssm_norm": "ssm_norm.weight",
     "ssm_out": "ssm_out.weight",
+    # Gemma 4: the experts' fused gate/up, the router's input scale and the experts' output scales (router_norm), the
+    # norms around the dense FFN and the experts (moe_dense), the per-layer embedding's gate, projection and norm, the
+    # block's output scale
+    "ffn_gate_up_exps": "ffn_gate_up_exps.weight",
+    "ffn_gate_inp_scale": "ffn_gate_inp.scale",
+    "ffn_down_exps_scale": "ffn_down_exps.scale",
+    "ffn_post_norm_1": "post_ffw_norm_1.weight",
+    "ffn_pre_norm_2": "pre_ffw_norm_2.weight",
+    "ffn_post_norm_2": "post_ffw_norm_2.weight",
+    "per_layer_inp_gate": "inp_gate.weight",
+    "per_layer_proj": "proj.weight",
+    "per_layer_post_norm": "post_norm.weight",
+    "layer_output_scale": "layer_output_scale.weight",
 }
+PER_LAYER_TABLES = ("per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight")
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     """The tensors block i needs, as its plan (cfg.layers[i]) implies, each with its LayerWeights field."""
-    d, ff, e, fe = cfg.n_embd, cfg.n_ff, cfg.n_expert, cfg.n_ff_exp
+    d, ff, e, fe = cfg.n_embd, cfg.layer_n_ff(i), cfg.n_expert, cfg.n_ff_exp
     plan = cfg.layers[i]
     arch = ARCHITECTURES.get(cfg.architecture)
     names = {**TENSOR_NAMES, **(arch.tensor_names if arch else {})}
@@ -94,25 +108,35 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     if plan.recurrent:
         _delta_net_specs(cfg, plan, add)
     else:
-        _attention_specs(cfg, plan, add)
+        _attention_specs(cfg, i, add)
     add("ffn_norm", d)
     if plan.moe:  # the router and the experts, [E, rows, cols] (GGUF dims {cols, rows, E})
         add("ffn_gate_inp", e, d)
-        add("ffn_gate_exps", e, fe, d)
-        add("ffn_up_exps", e, fe, d)
+        if plan.gate_up_exps:  # rows [gate; up] of each expert
+            add("ffn_gate_up_exps", e, 2 * fe, d)
+        else:
+            add("ffn_gate_exps", e, fe, d)
+            add("ffn_up_exps", e, fe, d)
         add("ffn_down_exps", e, d, fe)
         if plan.moe_bias:
             add("ffn_gate_inp_bias", e)
             add("ffn_gate_exps_bias", e, fe)
             add("ffn_up_exps_bias", e, fe)
             add("ffn_down_exps_bias", e, d)
-    elif plan.fused_gate_up:
+        if plan.router_norm:  # the router input's scale, the experts' output scales
+            add("ffn_gate_inp_scale", d)
+            add("ffn_down_exps_scale", e)
+    if plan.fused_gate_up:
         add("ffn_up", 2 * ff, d)  # [gate; up] rows
         add("ffn_down", d, ff)
-    else:
+    elif not plan.moe or plan.moe_dense:  # the dense FFN (gemma4's 26B-A4B: beside the experts)
         add("ffn_gate", ff, d)
         add("ffn_up", ff, d)
         add("ffn_down", d, ff)
+    if plan.moe_dense:  # the norms of the two branches
+        add("ffn_post_norm_1", d)
+        add("ffn_pre_norm_2", d)
+        add("ffn_post_norm_2", d)
     if plan.shared_expert:  # its gate: one row [1, D] (the checkpoint's Linear(D, 1), kept 2-D by the converter)
         add("ffn_gate_inp_shexp", 1, d)
         add("ffn_gate_shexp", cfg.n_ff_shexp, d)
@@ -120,12 +144,21 @@ def layer_specs(cfg: ModelConfig, i: int) -> list[TensorSpec]:
         add("ffn_down_shexp", d, cfg.n_ff_shexp)
     if plan.post_norms:
         add("ffn_post_norm", d)
+    if plan.per_layer_input:  # P = cfg.n_embd_per_layer
+        add("per_layer_inp_gate", cfg.n_embd_per_layer, d)
+        add("per_layer_proj", d, cfg.n_embd_per_layer)
+        add("per_layer_post_norm", d)
+    if plan.out_scale:
+        add("layer_output_scale", 1)
     return specs
 
 
-def _attention_specs(cfg: ModelConfig, plan: LayerPlan, add: Callable[..., None]) -> None:
-    """An attention layer's tensors, its pre-norm aside."""
-    d, q, kv, dh = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+def _attention_specs(cfg: ModelConfig, i: int, add: Callable[..., None]) -> None:
+    """Attention layer i's tensors, its pre-norm aside (its own head size and KV heads: cfg.layer_head_dim /
+    layer_kv_heads)."""
+    plan = cfg.layers[i]
+    d, dh = cfg.n_embd, cfg.layer_head_dim(i)
+    q, kv = cfg.n_head * dh, cfg.layer_kv_heads(i) * dh
     if plan.attn_gate:  # rows per head [q; gate]
         add("attn_q", 2 * q, d)
         add("attn_k", kv, d)
@@ -134,15 +167,18 @@ def _attention_specs(cfg: ModelConfig, plan: LayerPlan, add: Callable[..., None]
         add("attn_qkv", q + 2 * kv, d)  # [q; k; v] rows
     else:
         add("attn_q", q, d)
-        add("attn_k", kv, d)
-        add("attn_v", kv, d)
+        if not plan.shares_kv:  # (a shared-KV layer computes queries only)
+            add("attn_k", kv, d)
+            if not plan.v_from_k:
+                add("attn_v", kv, d)
     if plan.qkv_bias:
         add("attn_q_bias", q)
         add("attn_k_bias", kv)
         add("attn_v_bias", kv)
     if plan.qk_norm:  # one weight per head dim, shared by every head
         add("attn_q_norm", dh)
-        add("attn_k_norm", dh)
+        if not plan.shares_kv:
+            add("attn_k_norm", dh)
     if plan.sinks:  # gpt-oss: one logit per query head
         add("attn_sinks", cfg.n_head)
     add("attn_output", d, q)
@@ -178,10 +214,10 @@ def layer_tensor_names(cfg: ModelConfig, i: int) -> dict[str, str]:
 def active_share(cfg: ModelConfig, name: str) -> float:
     """The share of tensor `name` one token reads: n_expert_used / n_expert of an expert tensor
     (blk.N.ffn_{gate,up,down}_exps, weights and biases), one row of an untied token_embd (tied, it is the LM
-    head, read whole), all of anything else. Inspect's active parameters, bench's bytes per token."""
+    head, read whole) and of gemma4's per_layer_token_embd, all of anything else. Inspect's active parameters, bench's bytes per token."""
     if cfg.n_expert and "_exps." in name:
         return cfg.n_expert_used / cfg.n_expert
-    if name == "token_embd.weight" and not cfg.tied_embeddings:
+    if (name == "token_embd.weight" and not cfg.tied_embeddings) or name == "per_layer_token_embd.weight":
         return 1 / cfg.vocab_size
     return 1.0
 
@@ -191,10 +227,15 @@ def model_specs(cfg: ModelConfig) -> list[TensorSpec]:
     for i in range(cfg.n_layer):
         specs += layer_specs(cfg, i)
     specs.append(TensorSpec("output_norm.weight", (cfg.n_embd,)))
+    if cfg.n_embd_per_layer:  # gemma4's per-layer token embeddings (block.per_layer_inputs)
+        width = cfg.n_layer * cfg.n_embd_per_layer
+        specs += [TensorSpec(PER_LAYER_TABLES[0], (cfg.vocab_size, width)),
+                  TensorSpec(PER_LAYER_TABLES[1], (width, cfg.n_embd)),
+                  TensorSpec(PER_LAYER_TABLES[2], (cfg.n_embd_per_layer,))]
     if not cfg.tied_embeddings:
         specs.append(TensorSpec("output.weight", (cfg.vocab_size, cfg.n_embd)))
     half = cfg.rope_dim // 2
-    if cfg.rope_scaling == "llama3":
+    if cfg.rope_scaling in FREQ_FACTORS:
         specs.append(TensorSpec("rope_freqs.weight", (half,)))
     if cfg.rope_scaling == "longrope":
         specs += [TensorSpec("rope_factors_long.weight", (half,)), TensorSpec("rope_factors_short.weight", (half,))]

@@ -366,9 +366,17 @@ def finish_reason(c) -> str:
     return "length" if c.finish_reason == "length" else "stop"
 
 
-def usage(c) -> dict[str, int]:
+def usage(c) -> dict[str, Any]:
+    """The counts; the prompt's tokens whose K/V were cached already (its slot's, or the prefix cache's) as
+    OpenAI reports them, prompt_tokens_details.cached_tokens."""
     prompt, completion = len(c.prompt_tokens), len(c.tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(c)}}
+
+
+def cached_tokens(c) -> int:
+    """The prompt tokens of completion `c` that were not prefilled (0 before its prompt's step ran)."""
+    return max(0, min(len(c.prompt_tokens), c.timings.cached_tokens))
 
 
 def chat_logprobs(entries: list[dict]) -> dict[str, Any]:

@@ -8,7 +8,9 @@
 The model runs on the scheduler's worker thread alone (CUDA state stays with one thread): each request gets a
 cache slot of its own when one is free (`--parallel`, in arrival order), joins the running batch at the next
 step and leaves it when done. A slot keeps its cache between requests, and a request takes the free slot that
-holds most of its prompt, so a chat client that resends the conversation prefills only the new turn. Each
+holds most of its prompt, so a chat client that resends the conversation prefills only the new turn; with the
+prefix cache (engine/prefix_cache.py, `serve --cache-ram`) a prompt's blocks computed in any slot serve any
+later request, in any slot. Each
 request's text stream (detokenizing, stop strings) runs on a thread of the stream pool while it waits for its
 ids; between two pieces the request is asked whether its client is still there, and one that left is taken
 out of the batch. Too many requests waiting for a slot is a 503 with Retry-After.
@@ -143,13 +145,14 @@ class Engine:
             self.metrics.generated(request.scope, c)
 
     def health(self) -> dict[str, Any]:
-        load = self.scheduler.load
+        load, cache = self.scheduler.load, self.model.prefix_cache
         return {"status": "ok", "model": self.name,
                 "scheduling": ("one request at a time" if len(self.model.seqs) == 1 else
                                f"{len(self.model.seqs)} requests at once") + ", the rest waiting in arrival order",
                 "slots": len(self.model.seqs), "running": load["running"], "busy": load["running"] > 0,
                 "queue_length": load["waiting"], "served": self.served,
-                "cached_tokens": sum(len(seq) for seq in self.model.seqs), "context": self.model.ctx}
+                "cached_tokens": sum(len(seq) for seq in self.model.seqs), "context": self.model.ctx,
+                "prefix_cache_tokens": cache.tokens if cache is not None else 0}
 
 
 def build_app(engine: Engine, api_key: str | None = None, loopback: bool = False) -> Starlette:

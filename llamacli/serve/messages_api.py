@@ -55,7 +55,7 @@ from ..chat.tool_parse import ToolCall, new_call_id
 from ..chat.tool_reply import ToolReply
 from ..engine.generate import Completion
 from ..textio import brief
-from .api import MAX_STOP, ApiError, Job, api_error, chat_prompt_ids, read_job
+from .api import MAX_STOP, ApiError, Job, api_error, cached_tokens, chat_prompt_ids, read_job
 
 ROUTE = "/v1/messages"
 ERROR_KINDS = ("invalid_request_error", "authentication_error", "permission_error", "not_found_error",
@@ -532,7 +532,7 @@ def stop_reason(c: Completion, blocks: Blocks) -> tuple[str, str | None]:
 def usage(job: Job, c: Completion | None = None) -> dict[str, int]:
     """The counts: the prompt's tokens that the KV cache held are cache reads (none known before the prefill)."""
     total = len(job.ids)
-    cached = 0 if c is None else max(0, min(total, total - c.timings.prompt_tokens))
+    cached = 0 if c is None else min(total, cached_tokens(c))
     return {"input_tokens": total - cached, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached,
             "output_tokens": 0 if c is None else len(c.tokens)}
 

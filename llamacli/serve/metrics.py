@@ -12,11 +12,13 @@ What is counted, and where:
   with no more code; a path that no route has is "other", so that clients cannot make up label values) and
   by status code; the duration of those answered without error; errors (a status of 400 or more, or a stream
   that failed after its 200 went out: `Metrics.stream_failed`) by endpoint and code;
-- every generation, by Engine.pieces (`Metrics.generated`): its prompt tokens, those prefilled (the rest came
-  from the KV cache), the tokens generated, the seconds spent prefilling and decoding, how it finished, and the
+- every generation, by Engine.pieces (`Metrics.generated`): its prompt tokens, those prefilled, those that
+  were not (their K/V were cached: in the request's slot, or copied from the prefix cache) and of those the
+  prefix cache's, the tokens generated, the seconds spent prefilling and decoding, how it finished, and the
   time from the request's arrival to its first token;
 - read when scraped: requests generating (one at a time), waiting for the model and being read and prepared
-  (app.py's queue and lanes); the KV cache's cells (context positions) in use and in all; the model (its
+  (app.py's queue and lanes); the KV cache's cells (context positions) in use and in all; the positions the
+  prefix cache (engine/prefix_cache.py) holds and may hold; the model (its
   served name, file, architecture, backend and cache types as labels; context lengths, parameters, size and
   load time as gauges); the process (CPU, memory, file descriptors: prometheus_client's ProcessCollector,
   on Linux).
@@ -73,6 +75,11 @@ class Metrics:
         self.prompt_tokens = Counter("llamacli_prompt_tokens", "Prompt tokens of the generations run", registry=r)
         self.prefill_tokens = Counter("llamacli_prefill_tokens", "Prompt tokens prefilled (the rest of each prompt "
                                       "was in the KV cache already)", registry=r)
+        self.cached_tokens = Counter("llamacli_prompt_cached_tokens", "Prompt tokens not prefilled: their K/V were "
+                                     "in the request's cache slot or came from the prefix cache", registry=r)
+        self.prefix_tokens = Counter("llamacli_prefix_cache_hit_tokens", "Prompt tokens whose K/V the prefix cache "
+                                     "gave (computed for an earlier request, copied into the request's slot)",
+                                     registry=r)
         self.generated_tokens = Counter("llamacli_generated_tokens", "Tokens generated", registry=r)
         self.prefill_seconds = Counter("llamacli_prefill_seconds", "Time spent prefilling prompts", registry=r)
         self.decode_seconds = Counter("llamacli_decode_seconds", "Time spent generating after the first token",
@@ -94,6 +101,10 @@ class Metrics:
             ("llamacli_kv_cache_usage_ratio", "KV cache cells in use over all of them",
              lambda: sum(len(seq) for seq in model.seqs) / (model.ctx * len(model.seqs))),
             ("llamacli_slots", "Sequences the server generates at once (--parallel)", lambda: len(model.seqs)),
+            ("llamacli_prefix_cache_tokens", "Positions the prefix cache holds (whole blocks)",
+             lambda: model.prefix_cache.tokens if model.prefix_cache is not None else 0),
+            ("llamacli_prefix_cache_capacity_tokens", "Positions the prefix cache may hold (--cache-ram; 0: off)",
+             lambda: model.prefix_cache.capacity * model.prefix_cache.block if model.prefix_cache is not None else 0),
         )
         for name, doc, read in gauges:
             Gauge(name, doc, registry=r).set_function(read)
@@ -131,6 +142,8 @@ class Metrics:
         t = c.timings
         self.prompt_tokens.inc(len(c.prompt_tokens))
         self.prefill_tokens.inc(t.prompt_tokens)
+        self.cached_tokens.inc(t.cached_tokens)
+        self.prefix_tokens.inc(t.prefix_cached_tokens)
         self.generated_tokens.inc(len(c.tokens))
         self.prefill_seconds.inc(t.prompt_ms / 1e3)
         self.decode_seconds.inc(t.eval_ms / 1e3)

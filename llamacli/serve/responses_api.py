@@ -45,7 +45,7 @@ from ..chat.reasoning import make_splitter
 from ..chat.tool_reply import ToolReply
 from ..errors import LlamacliError
 from ..textio import brief
-from .api import ApiError, Job, api_error, read_job
+from .api import ApiError, Job, api_error, cached_tokens, read_job
 
 MAX_STORED = 1000  # responses held for previous_response_id and GET
 STORE_BYTES = 64 << 20  # their text at most (the conversations, counted whole for each response)
@@ -633,7 +633,7 @@ class Output:
             prompt, out = len(c.prompt_tokens), len(c.tokens)
             obj["completed_at"] = int(time.time()) if status == "completed" else None
             obj["usage"] = {"input_tokens": prompt,
-                            "input_tokens_details": {"cached_tokens": max(prompt - c.timings.prompt_tokens, 0)},
+                            "input_tokens_details": {"cached_tokens": cached_tokens(c)},
                             "output_tokens": out, "output_tokens_details": {
                                 "reasoning_tokens": min(self.reasoning_tokens, out)},
                             "total_tokens": prompt + out}

@@ -104,8 +104,8 @@ def _constraint(model: Any, fmt: ToolFormat, request: ToolRequest, ids: list[int
                         "'llamacli[structured]'", "tool_choice") from None
     tok = model.tokenizer
     tail = tok.decode(ids[-16:])
-    if reply_format(tail) == "harmony":
-        prefix = "harmony"
+    if reply_format(tail) in ("harmony", "channel"):  # (gemma4: an optional thought block first)
+        prefix = reply_format(tail)
     elif prompt_opens_think(tok.decode(ids[-8:])):
         prefix = "think_open"
     elif OPEN in (model.chat_template.text or "") and "</think>" not in tail:  # a <think> block may come first

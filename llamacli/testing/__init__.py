@@ -2,13 +2,15 @@
 
 - `write_model(path, spec, qtype)`: a whole model of any supported architecture (llama, qwen2, phi3, qwen3,
   smollm3, gemma2/3, the mixtures of experts qwen3moe and gpt-oss, the hybrids qwen35, qwen35moe and qwen3next
-  with the converter's names and layouts, an MTP block included with `n_mtp`) at any shape, streamed tensor by
+  with the converter's names and layouts, an MTP block included with `n_mtp`, gemma4 with its shared KV,
+  per-layer embeddings and experts beside a dense FFN as the converter writes them) at any shape, streamed tensor by
   tensor (an 8B-shape F16 model never sits in RAM), with a tiny byte-level BPE vocabulary or a real one
   copied from llama.cpp's vocabulary-only GGUFs (`vocab_file=`). Models past FAST_PARAMS parameters are
   written the fast way (quants.random_quant_rows(fast=True)): for speed runs, not for accuracy.
 - `SHAPES`: tiny test shapes and real ones (Qwen2.5-0.5B, Llama-3.2-1B, Llama-3-8B, SmolLM2-135M, Qwen3-8B,
-  Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-9B, Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B).
-- hf_qwen.py: the hybrid Qwen models written from a transformers checkpoint, as llama.cpp's converter writes them.
+  Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-9B, Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B, Gemma 4 E4B, 26B-A4B, 31B).
+- hf_qwen.py, hf_gemma4.py: the hybrid Qwen models and Gemma 4 written from a transformers checkpoint, as llama.cpp's
+  converter writes them.
 
 The random weight blocks and the int8-activation helpers are in quants.py (re-exported here).
 """
@@ -67,10 +69,30 @@ class ModelSpec:
     full_attention_interval: int = 4
     n_ff_shexp: int = 0
     n_mtp: int = 0
+    # Gemma 4: head_dim is the global layers' head size, head_dim_swa the sliding layers' (attention.key_length_swa);
+    # the global layers' KV heads (0: n_head_kv); the last n_kv_shared layers read earlier layers' KV; the per-layer
+    # embeddings' width P (0: none); which layers slide (empty: five of every six, the last one global, as
+    # transformers' default layer_types); no attn_v on global layers (V = K); the shared-KV layers' FFN twice as wide
+    # (E2B); the final soft-cap
+    head_dim_swa: int = 0
+    n_head_kv_global: int = 0
+    n_kv_shared: int = 0
+    n_embd_per_layer: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    k_eq_v: bool = False
+    double_wide: bool = False
+    final_softcap: float = 0.0
 
     @property
     def dh(self) -> int:
         return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def sliding(self) -> tuple[bool, ...]:
+        """gemma4: which layers slide."""
+        if self.swa_layers:
+            return self.swa_layers
+        return tuple(i % 6 < 5 and i < self.n_layer - 1 for i in range(self.n_layer))
 
 
 SHAPES: dict[str, ModelSpec] = {
@@ -138,8 +160,30 @@ SHAPES: dict[str, ModelSpec] = {
                                     name="Qwen3-Next-80B-A3B-shape", head_dim=256, rope_dim=64, n_expert=512,
                                     n_expert_used=10, n_ff_exp=512, n_ff_shexp=512, ssm_state_size=128,
                                     ssm_group_count=16, ssm_time_step_rank=32),
+    # Gemma 4: 8 layers (layers 5 and 7 global), heads of 32 on sliding layers and 64 on global ones, a window of 8;
+    # E-style: the last 2 layers read layers 4's and 5's KV, per-layer embeddings of 16; the MoE one: 8 experts (2 a
+    # token) beside each layer's dense FFN, 1 KV head and V = K on its global layers.
+    "tiny-gemma4": ModelSpec("gemma4", 8, 64, 4, 2, 96, rope_base=1e6, rms_eps=1e-6, tied=True, name="tiny-gemma4",
+                             head_dim=64, head_dim_swa=32, window=8, n_kv_shared=2, n_embd_per_layer=16,
+                             final_softcap=30.0),
+    "tiny-gemma4-moe": ModelSpec("gemma4", 8, 64, 4, 2, 96, rope_base=1e6, rms_eps=1e-6, tied=True,
+                                 name="tiny-gemma4-moe", head_dim=64, head_dim_swa=32, n_head_kv_global=1, window=8,
+                                 n_expert=8, n_expert_used=2, n_ff_exp=32, k_eq_v=True, final_softcap=30.0),
+    # Real shapes for speed runs (transformers' Gemma4TextConfig of google/gemma-4-E4B-it, -26B-A4B-it, -31B-it):
+    # five sliding layers (window 512 / 1024, heads of 256) to one global (heads of 512, proportional RoPE).
+    "gemma4-e4b": ModelSpec("gemma4", 42, 2560, 8, 2, 10240, 262144, 131072, 1e6, 1e-6, True, name="Gemma-4-E4B-shape",
+                            head_dim=512, head_dim_swa=256, window=512, n_kv_shared=18, n_embd_per_layer=256,
+                            final_softcap=30.0),
+    "gemma4-26b-a4b": ModelSpec("gemma4", 30, 2816, 16, 8, 2112, 262144, 262144, 1e6, 1e-6, True,
+                                name="Gemma-4-26B-A4B-shape", head_dim=512, head_dim_swa=256, n_head_kv_global=2,
+                                window=1024, n_expert=128, n_expert_used=8, n_ff_exp=704, k_eq_v=True,
+                                final_softcap=30.0),
+    "gemma4-31b": ModelSpec("gemma4", 60, 5376, 32, 16, 21504, 262144, 262144, 1e6, 1e-6, True, name="Gemma-4-31B-shape",
+                            head_dim=512, head_dim_swa=256, n_head_kv_global=4, window=1024, k_eq_v=True,
+                            final_softcap=30.0),
 }
 HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
+NUMPY_ONLY = (*HYBRIDS, "gemma4")  # architectures the CUDA backend refuses for now (naming --backend numpy)
 
 
 def tensor_shapes(spec: ModelSpec, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -155,10 +199,27 @@ def tensor_shapes(spec: ModelSpec, vocab: int) -> list[tuple[str, tuple[int, ...
         present.add("rope_freqs.weight")
     if spec.rope_scaling == "longrope":
         present.add("rope_factors_long.weight")
+    if spec.arch == "gemma4":  # its layout is read from the tensors present (models/arch/gemma4.py)
+        present |= _gemma4_layout(spec)
     cfg = config_from_metadata(model_metadata(spec, vocab), present)
     specs = model_specs(cfg)
     first = [s for s in specs if s.name == "token_embd.weight" or s.name.startswith("rope_")]
     return [(s.name, s.shape) for s in first + [s for s in specs if s not in first]] + _mtp_shapes(cfg, spec.n_mtp)
+
+
+def _gemma4_layout(spec: ModelSpec) -> set[str]:
+    """The tensors that decide a gemma4 file's layout, as the converter writes them: rope_freqs, each layer's
+    layer_output_scale, attn_v where the layer has its own (not on global layers with V = K, nor on shared-KV
+    layers), the router and the fused experts where there are experts."""
+    names = {"rope_freqs.weight"}
+    first_shared = spec.n_layer - spec.n_kv_shared
+    for i, local in enumerate(spec.sliding):
+        names.add(f"blk.{i}.layer_output_scale.weight")
+        if i < first_shared and (local or not spec.k_eq_v):
+            names.add(f"blk.{i}.attn_v.weight")
+        if spec.n_expert:
+            names |= {f"blk.{i}.ffn_gate_inp.weight", f"blk.{i}.ffn_gate_up_exps.weight"}
+    return names
 
 
 def _mtp_shapes(cfg: Any, n_mtp: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -212,6 +273,8 @@ def model_metadata(spec: ModelSpec, n_vocab: int) -> dict[str, Any]:
     if arch == "gemma2":  # as the converter writes them (llama.cpp's defaults too)
         kv[f"{arch}.attn_logit_softcapping"] = 50.0
         kv[f"{arch}.final_logit_softcapping"] = 30.0
+    if arch == "gemma4":  # the keys convert_hf_to_gguf.py writes (conversion/gemma.py Gemma4Model)
+        kv.update(_gemma4_metadata(spec))
     if arch in HYBRIDS:  # the keys convert_hf_to_gguf.py writes for them (hf_qwen.hf_metadata)
         if not spec.n_ff:
             del kv[f"{arch}.feed_forward_length"]  # (qwen35moe files have none)
@@ -232,6 +295,28 @@ def model_metadata(spec: ModelSpec, n_vocab: int) -> dict[str, Any]:
         })
         if arch != "qwen3next":
             kv[f"{arch}.rope.dimension_sections"] = [11, 11, 10, 0]
+    return kv
+
+
+def _gemma4_metadata(spec: ModelSpec) -> dict[str, Any]:
+    a, local = "gemma4", spec.sliding
+    first_shared = spec.n_layer - spec.n_kv_shared
+    kv: dict[str, Any] = {
+        f"{a}.rope.freq_base_swa": 10000.0,
+        f"{a}.attention.shared_kv_layers": spec.n_kv_shared,
+        f"{a}.embedding_length_per_layer_input": spec.n_embd_per_layer,
+        f"{a}.attention.sliding_window_pattern": list(local),
+        f"{a}.attention.key_length_swa": spec.head_dim_swa,
+        f"{a}.attention.value_length_swa": spec.head_dim_swa,
+        f"{a}.rope.dimension_count": spec.head_dim,
+        f"{a}.rope.dimension_count_swa": spec.head_dim_swa,
+    }
+    if spec.n_head_kv_global:
+        kv[f"{a}.attention.head_count_kv"] = [spec.n_head_kv if s else spec.n_head_kv_global for s in local]
+    if spec.double_wide:
+        kv[f"{a}.feed_forward_length"] = [spec.n_ff * (1 + (i >= first_shared)) for i in range(spec.n_layer)]
+    if spec.final_softcap:
+        kv[f"{a}.final_logit_softcapping"] = spec.final_softcap
     return kv
 
 
@@ -401,9 +486,14 @@ def _random_tensor(name: str, shape: tuple[int, ...], t: QT, rng: np.random.Gene
         return (0.1 * rng.standard_normal(shape)).astype(np.float32)
     if name.endswith("attn_sinks.weight"):  # logits of the order of the scores, so that sinks matter
         return rng.standard_normal(shape).astype(np.float32)
+    if name == "rope_freqs.weight" and spec.arch == "gemma4":  # proportional RoPE: a quarter of the pairs rotate
+        n = shape[0] // 4
+        return np.array([1.0] * n + [1e30] * (shape[0] - n), dtype=np.float32)
     if name.startswith("rope_"):
         # Frequency divisors >= 1 (llama3's factors run from 1 for high frequencies up to the factor).
         return np.linspace(1.0, max(spec.rope_factor, 2.0), shape[0], dtype=np.float32)
+    if name.endswith((".scale", "layer_output_scale.weight")):  # gemma4's scales: near 1, as norm weights
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     rows, cols = math.prod(shape[:-1]), shape[-1]
     if t in (QT.I32, QT.I8, QT.F64):  # only for tests of types we refuse to run
         return rng.integers(-8, 8, size=shape).astype(_NUMPY_TYPES[t])

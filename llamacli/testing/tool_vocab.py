@@ -38,6 +38,18 @@ FAMILIES: dict[str, tuple[str, list[tuple[str, int]], str | None, str]] = {
 }
 
 
+def gemma4_vocab(template: str | None) -> dict[str, Any]:
+    """tool_vocab("gemma4", template) with its special tokens typed as llama.cpp's converter types them in real files
+    (conversion/gemma.py Gemma4Model.set_vocab): the channel and tool markers user-defined, so that the detokenizer
+    prints them and the reply's parsers see them; <|turn>, <turn|>, <|think|> control tokens."""
+    vocab = tool_vocab("gemma4", template)
+    shown = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>'}
+    tokens = list(vocab["tokenizer.ggml.tokens"]) + ["<|think|>"]
+    types = [USER_DEFINED if t in shown else k for t, k in zip(tokens, vocab["tokenizer.ggml.token_type"])] + [CONTROL]
+    vocab.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types})
+    return vocab
+
+
 def tool_vocab(family: str, template: str | None) -> dict[str, Any]:
     """tiny_vocab() with `family`'s special tokens, BOS and EOS, and `template` as tokenizer.chat_template."""
     if family == "gpt-oss":

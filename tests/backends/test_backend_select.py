@@ -249,16 +249,18 @@ def test_a_machine_without_an_nvidia_driver_is_told_so(monkeypatch):
     assert not ok and "insufficient" in why and "nvidia-smi" in why
 
 
-def test_auto_takes_the_cpu_backend_with_a_notice_for_a_model_the_cuda_kernels_do_not_run(random_model):
-    """A GPU that works (faked) and a hybrid model (Qwen3.5's delta-net layers, which the CUDA paths lack): `auto`
-    takes the CPU backend and says why; `cuda` is still taken at its word (the model is refused at load)."""
+@pytest.mark.parametrize("shape,why", [("tiny-qwen35", "delta-net"), ("tiny-gemma4", "Gemma 4"),
+                                       ("tiny-gemma4-moe", "Gemma 4")])
+def test_auto_takes_the_cpu_backend_with_a_notice_for_a_model_the_cuda_kernels_do_not_run(random_model, shape, why):
+    """A GPU that works (faked) and a model whose layers the CUDA paths lack (Qwen3.5's delta-net layers, Gemma 4's):
+    `auto` takes the CPU backend and says why; `cuda` is still taken at its word (the model is refused at load)."""
     from llamacli.ggufio.file import open_gguf
     from llamacli.models.config import ModelConfig
 
-    g = open_gguf(random_model("tiny-qwen35"))
+    g = open_gguf(random_model(shape))
     cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
     g.close()
     said: list[str] = []
     be = backends.select_backend("auto", said.append, early=lambda: (True, "a GPU"), cfg=cfg)
     assert be.name == "cpu"
-    assert len(said) == 1 and said[0].startswith("using the CPU backend (") and "delta-net" in said[0]
+    assert len(said) == 1 and said[0].startswith("using the CPU backend (") and why in said[0]

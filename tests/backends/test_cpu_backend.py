@@ -119,13 +119,15 @@ def test_a_non_finite_activation_gives_non_finite_outputs(bad):
 # (shape, type): every packed layout and block size, the dense fallback (F16), odd block counts (tiny-phi3's 96
 # columns: three blocks), and the architectures' own operations: GQA, fused QKV (phi3), q/k norms, sliding windows
 # as rings and GeGLU (gemma3), soft-caps (gemma2), experts (qwen3moe), sinks and MXFP4 experts (gpt-oss), delta-net
-# layers and gated attention (qwen35).
+# layers and gated attention (qwen35), layers of their own head sizes, shared KV, per-layer embeddings and fused
+# gate/up experts (gemma4).
 MODELS = [
     ("tiny-llama", "Q4_0"), ("tiny-llama", "Q4_1"), ("tiny-llama", "Q5_0"), ("tiny-llama", "Q5_1"),
     ("tiny-llama", "Q8_0"), ("tiny-llama", "IQ4_NL"), ("small-llama", "Q2_K"), ("small-llama", "Q3_K"),
     ("small-llama", "Q4_K"), ("small-llama", "Q5_K"), ("small-llama", "Q6_K"), ("small-llama", "IQ4_XS"),
     ("tiny-phi3", "Q4_0"), ("tiny-phi3", "F16"), ("tiny-gemma3", "Q4_K_M"), ("tiny-gemma2", "Q8_0"),
-    ("tiny-qwen3moe", "Q8_0"), ("tiny-gpt-oss", "MXFP4_MOE"), ("tiny-qwen35", "Q4_0"),
+    ("tiny-qwen3moe", "Q8_0"), ("tiny-gpt-oss", "MXFP4_MOE"), ("tiny-qwen35", "Q4_0"), ("tiny-gemma4", "Q8_0"),
+    ("tiny-gemma4-moe", "Q5_0"),
 ]
 # The logits' difference from the reference, over the largest logit. Each product's int16 activations move it by at
 # most half a step of each value's scale, amax / 65534 of its block's largest value (and the float32 sums' order

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-from llamacli.backends.memory_fit import largest_ctx, not_enough_memory, parameter_count
+from llamacli.backends.memory_fit import largest_ctx, not_enough_memory, parameter_count, split_fits
+from llamacli.backends.split_plan import DeviceMemory
 from llamacli.models.config import config_from_metadata
 
 GiB = 2**30
@@ -57,7 +58,7 @@ def test_suggests_the_best_smaller_quantization_that_fits():
     assert "a Q8_0 file (weights about 7.95 GiB) fits at --ctx 8192" in msg
     assert "--ctx 2304 fits" not in msg and not re.search(r"; --ctx \d+ fits", msg)  # no context holds F16 here
     # The weights alone exceed this GPU: the engines that split a model are named.
-    assert "larger than this GPU" in msg and "llama-server -m FILE -sm layer" in msg and "vLLM" in msg
+    assert "larger than this GPU" in msg and "--split-mode layer or tensor" in msg and "vLLM" in msg
 
 
 def test_quantization_that_fits_only_with_a_smaller_context():
@@ -72,7 +73,8 @@ def test_quantization_that_fits_only_with_a_smaller_context():
 def test_no_smaller_quantization_below_the_smallest():
     msg = message(L8B, 8192, 3.2, free=2 * GiB, total=4 * GiB)
     assert " file (weights about" not in msg
-    assert "vLLM" in msg  # nothing fits one GPU: the multi-GPU engines are the way out
+    assert "nothing fits this GPU: on a host with several GPUs, --split-mode layer or tensor" in msg
+    assert "vLLM" in msg  # nothing fits one GPU: several, or the engines that split across hosts
 
 
 def test_a_70b_model_on_one_80gb_gpu():
@@ -81,7 +83,8 @@ def test_a_70b_model_on_one_80gb_gpu():
     assert "weights 131.4" in msg and "79.00 GiB free of 80.00 GiB" in msg
     assert "a Q8_0 file (weights about 69.8" in msg and "fits at --ctx 8192" in msg
     assert "the weights alone are larger than this GPU" in msg
-    assert "llama-server -m FILE -sm layer" in msg and "--tensor-parallel-size" in msg
+    assert "--split-mode layer or tensor splits it over them" in msg and "--tensor-parallel-size" in msg
+    assert "llama-server -m FILE --rpc HOST:PORT" in msg
 
 
 def test_the_8bit_cache_is_suggested_and_counted():
@@ -98,3 +101,39 @@ def test_the_8bit_cache_is_suggested_and_counted():
     assert "q8_0" not in msg and "KV cache 544.00 MiB" in msg
     assert "--ctx 4608 fits" in msg  # 0.30 GiB / 68 KiB = 4626 positions
     assert largest_ctx(L8B, 1000 * L8B.kv_cache_bytes(1, q8), q8) == 768
+
+
+def test_several_gpus_propose_the_split_modes_that_fit():
+    """Llama-3-70B at Q4_K (37 GiB) with 8192 positions on a 24 GiB GPU of a host with two: both
+    splits fit over the two (the planner's shares by free memory), and the message says so first; on a host of
+    two 12 GiB GPUs none does, and for F16 (131 GiB) the host's GPUs together are too small: the engines that
+    split across hosts are named."""
+    infos = q4_k_tensors(L70B)
+    weights = sum(info.n_bytes for info in infos.values())
+    gpus = [DeviceMemory(0, 23 * GiB, 24 * GiB), DeviceMemory(1, 24 * GiB, 24 * GiB)]
+    assert split_fits(L70B, infos, 8192, ("f16", "f16"), GiB // 2, gpus) == ["layer", "tensor"]
+    assert split_fits(L70B, None, 8192, ("f16", "f16"), GiB // 2, gpus) == []  # (no file: float32 weights)
+    msg = not_enough_memory(L70B, 8192, weights=weights, kv=L70B.kv_cache_bytes(8192), scratch=GiB // 2,
+                            free=23 * GiB, total=24 * GiB, gpus=gpus, tensors=infos)
+    assert "; `--split-mode layer` or `--split-mode tensor` fits it over the 2 GPUs here" in msg
+    assert "vLLM" not in msg
+    small = [DeviceMemory(0, 12 * GiB, 12 * GiB), DeviceMemory(1, 12 * GiB, 12 * GiB)]
+    msg = not_enough_memory(L70B, 8192, weights=weights, kv=L70B.kv_cache_bytes(8192), scratch=GiB // 2,
+                            free=12 * GiB, total=12 * GiB, gpus=small, tensors=infos)
+    assert "--split-mode" not in msg and "the weights alone are larger than the 2 GPUs of this host together" in msg
+    assert "vllm serve MODEL --tensor-parallel-size T --pipeline-parallel-size P" in msg and "--rpc" in msg
+
+
+def q4_k_tensors(cfg):
+    """TensorInfo-likes of cfg's tensors: matrices Q4_K (4.5 bits), vectors F32."""
+    import math
+
+    from llamacli.ggufio.ggml_types import GGMLQuantizationType as QT
+    from llamacli.models.weights import model_specs
+
+    class Info:
+        def __init__(self, t, n):
+            self.type, self.n_bytes = t, n
+
+    return {s.name: Info(QT.F32, 4 * math.prod(s.shape)) if s.vector else Info(QT.Q4_K, math.prod(s.shape) // 256 * 144)
+            for s in model_specs(cfg)}

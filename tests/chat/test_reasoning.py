@@ -7,10 +7,12 @@ import random
 import pytest
 
 from llamacli.chat.reasoning import (
+    ChannelSplitter,
     ReasoningSplitter,
     ReplyRouter,
     parse_effort,
     prompt_opens_think,
+    reply_format,
     split_reasoning,
     template_thinks,
 )
@@ -52,6 +54,45 @@ def test_any_cut_into_pieces_gives_the_same(text, opened, reasoning, answer):
         think, ans = think + t, ans + a
         assert (think.strip(), ans) == (reasoning, answer)
         assert s.texts == (reasoning, answer)
+
+
+CHANNEL_CASES = [  # Gemma 4's replies (its template; llama.cpp's common/parsers/gemma4.cpp): (output, reasoning, answer)
+    ("<|channel>thought\nLet me add.\n2+2=4<channel|>The answer is 4.", "Let me add.\n2+2=4", "The answer is 4."),
+    ("<|channel>thought\nHm.<channel|>\n\nFour.", "Hm.", "Four."),  # the blank lines after a block dropped
+    ("Four.", "", "Four."),
+    ("Four.<|channel>thought\n<channel|>", "", "Four."),  # an empty block after the answer
+    ("Four.<channel|>", "", "Four."),  # a stray close
+    ("<|channel>thought\nstill thinking when the tokens ran out", "still thinking when the tokens ran out", ""),
+    ("<|channel>thou", "", ""),  # cut inside the block's name: nothing yet
+    ("Four <|chan", "", "Four <|chan"),  # a partial marker at the end is text
+    ("<|channel>thought\nA<channel|>B<|channel>thought\nC<channel|>D", "A\n\nC", "BD"),  # blocks a blank line apart
+    ("<|channel>other\nx<channel|>y", "other\nx", "y"),  # a channel of another name: all reasoning
+    ("", "", ""),
+]
+
+
+@pytest.mark.parametrize("text,reasoning,answer", CHANNEL_CASES)
+def test_gemma4_channel_replies_whole_and_cut_anywhere(text, reasoning, answer):
+    """Whole, and cut at every place into two pieces and into single characters: the same split."""
+    want = split_reasoning(text, reply="channel")
+    assert want == (reasoning, answer)
+    for pieces in [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]:
+        s = ChannelSplitter()
+        think, ans = "", ""
+        for p in pieces:
+            t, a = s.feed(p)
+            think, ans = think + t, ans + a
+        t, a = s.finish()
+        assert s.texts == want and (think + t).strip() == want[0] and ans + a == answer
+
+
+def test_gemma4_prompts_say_their_reply_format():
+    """Gemma 4's template leaves a model turn open (thinking on), or with an empty thought block after it (off), or
+    the turn going on after tool responses; other prompts keep their formats."""
+    assert reply_format("<|turn>user\nHi<turn|>\n<|turn>model\n") == "channel"
+    assert reply_format("<|turn>model\n<|channel>thought\n<channel|>") == "channel"
+    assert reply_format("<tool_response|>") == "channel"
+    assert reply_format("<|im_start|>assistant\n") == "think" and reply_format("<|start|>assistant") == "harmony"
 
 
 def test_answer_streams_before_the_end():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from llamacli.backends.cuda.fusion import Unfused, match_layer
+from llamacli.backends.cuda.fusion import Unfused, match_layer, refuse_unported_model
 from llamacli.models.block import (
     Add,
     Attention,
@@ -20,12 +20,13 @@ from llamacli.models.block import (
     Moe,
     Norm,
     Rope,
+    Scale,
     Split,
     layer_op,
     layer_ops,
 )
 from llamacli.models.config import ModelConfig
-from llamacli.testing import HYBRIDS, SHAPES, model_metadata, tensor_shapes
+from llamacli.testing import HYBRIDS, NUMPY_ONLY, SHAPES, model_metadata, tensor_shapes
 
 
 def config(shape: str) -> ModelConfig:
@@ -34,7 +35,7 @@ def config(shape: str) -> ModelConfig:
     return ModelConfig.from_gguf(model_metadata(spec, vocab), {n for n, _ in tensor_shapes(spec, vocab)})
 
 
-@pytest.mark.parametrize("shape", sorted(s for s in SHAPES if SHAPES[s].arch not in HYBRIDS))
+@pytest.mark.parametrize("shape", sorted(s for s in SHAPES if SHAPES[s].arch not in NUMPY_ONLY))
 def test_every_shape_fuses_on_cuda(shape) -> None:
     """Every architecture the project runs has programs the fused CUDA paths take, layer by layer, and the
     fused branches name the same operations as the program (nothing dropped)."""
@@ -61,6 +62,49 @@ def test_hybrid_shapes_are_refused_on_cuda_with_the_way_to_run_them(shape) -> No
         what = "gated delta-net" if cfg.layers[i].recurrent else "gated attention"
         with pytest.raises(Unfused, match=f"no {what}.*runs on the CPU backend for now \\(--backend cpu\\)"):
             match_layer(layer_ops(cfg, i), i)
+
+
+@pytest.mark.parametrize("shape", sorted(s for s in SHAPES if SHAPES[s].arch == "gemma4"))
+def test_gemma4_shapes_are_refused_on_cuda_with_the_way_to_run_them(shape) -> None:
+    """The CUDA paths have no Gemma 4 layers yet (V norms, output scales, shared KV, per-layer embeddings, experts
+    beside a dense FFN): every layer is refused with the CPU backend named, and so is the model as a whole (its
+    layers' different head sizes, its per-layer embeddings), before anything is uploaded."""
+    cfg = config(shape)
+    for i in range(cfg.n_layer):
+        with pytest.raises(Unfused, match="no Gemma 4 layers .*runs on the CPU backend for now \\(--backend cpu\\)"):
+            match_layer(layer_ops(cfg, i), i)
+    with pytest.raises(Unfused, match="(per-layer embeddings|different head sizes) .Gemma 4.*--backend cpu"):
+        refuse_unported_model(cfg)
+
+
+def test_gemma4_programs() -> None:
+    """Gemma 4's layers: a sliding one with its own KV (V normalised without a weight, no query scale), a shared-KV
+    one (queries only, over an earlier layer's cache, nothing written), the per-layer input after the FFN and the
+    output scale; in the MoE model a global layer's V from K's projection, and the experts beside the dense FFN, the
+    router reading the scaled, normalised residual."""
+    cfg = config("tiny-gemma4")
+    assert cfg.query_scale == 1.0
+    assert layer_ops(cfg, 0)[:10] == (
+        Norm("x", "attn_norm", "h"), Linear("h", "attn_q", "q"), Linear("h", "attn_k", "k"), Linear("h", "attn_v", "v"),
+        Norm("q", "attn_q_norm", "q", heads=True), Norm("v", None, "v", heads=True),
+        Norm("k", "attn_k_norm", "k", heads=True), Rope("q", local=True), Rope("k", local=True), Attention(0, 8))
+    shared = layer_ops(cfg, 7)
+    assert shared[:5] == (Norm("x", "attn_norm", "h"), Linear("h", "attn_q", "q"),
+                          Norm("q", "attn_q_norm", "q", heads=True), Rope("q"), Attention(5, store=False))
+    assert shared[-6:] == (Linear("x", "per_layer_inp_gate", "pg"), Glu("gelu_tanh", "pg", "ple", "pg"),
+                           Linear("pg", "per_layer_proj", "p"), Norm("p", "per_layer_post_norm", "p"), Add("p"),
+                           Scale("x", "x", "layer_output_scale"))
+    moe = config("tiny-gemma4-moe")
+    glob = layer_ops(moe, 5)
+    assert glob[1:5] == (Linear("h", "attn_q", "q"), Linear("h", "attn_k", "k"),
+                         Norm("q", "attn_q_norm", "q", heads=True), Norm("k", None, "v", heads=True))
+    ffn = glob[glob.index(Linear("ff", "ffn_down", "f")) + 1:]
+    assert ffn == (
+        Norm("f", "ffn_post_norm_1", "f"), Norm("x", "ffn_pre_norm_2", "h"), Norm("x", "ffn_gate_inp_scale", "r"),
+        Scale("r", "r", factor=1 / 8), Moe(5, "softmax", "gelu_tanh", src="h", dst="e", router="r", expert_scale=True,
+                                           gate_up=True),
+        Norm("e", "ffn_post_norm_2", "e"), Add("e", "f"), Norm("f", "ffn_post_norm", "f"), Add("f"),
+        Scale("x", "x", "layer_output_scale"))
 
 
 def test_hybrid_programs() -> None:

@@ -93,7 +93,7 @@ def test_head_dim_from_key_length():
 def test_unknown_architecture_lists_supported():
     with pytest.raises(UnknownArchitectureError) as info:
         ModelConfig.from_gguf(md("mamba"), set())
-    assert "'mamba'" in str(info.value) and ("gemma2, gemma3, gpt-oss, llama, mistral3, phi3, qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, "
+    assert "'mamba'" in str(info.value) and ("gemma2, gemma3, gemma4, gpt-oss, llama, mistral3, phi3, qwen2, qwen3, qwen35, qwen35moe, qwen3moe, qwen3next, "
                                           "smollm3") in str(info.value)
 
 
@@ -118,6 +118,8 @@ def test_missing_architecture():
         {"attention__layer_norm_rms_epsilon": float("nan")}, {"attention__layer_norm_rms_epsilon": -1.0},
         {"rope__freq_base": float("inf")}, {"rope__freq_base": 0.5}, {"attention__head_count_kv": [2, 4]},
         {"attention__key_length": 33}, {"vocab_size": 0},
+        # arrays of arrays (a hostile header): refused as values, not taken apart as if hashable
+        {"attention__head_count_kv": [[2], [2]]}, {"feed_forward_length": [[128], [64]]},
     ],
 )
 def test_impossible_values(over):

@@ -206,7 +206,8 @@ def test_bad_urls_exit_2(url):
 
 
 def test_load_options_need_url(path):
-    for args in (("--chat",), ("-npl", "4"), ("--requests", "3"), ("--shared-prefix", "4")):
+    # (-npl without --url is llama-batched-bench's table: tests/engine/test_batched_bench.py)
+    for args in (("--chat",), ("--requests", "3"), ("--shared-prefix", "4"), ("--timeout", "5")):
         r = run("bench", str(path), "--backend", "numpy", *args)
         assert r.code == 2 and "goes with --url" in r.one_line_error(), args
 

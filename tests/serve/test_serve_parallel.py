@@ -1,5 +1,5 @@
-"""`serve --parallel`: many clients at once through the official openai client, on the NumPy backend with four
-cache slots. Every answer equals the one the same request gets alone (greedy and seeded sampling, streamed and
+"""`serve --parallel`: many clients at once through the official openai client, with four cache slots (on the NumPy
+backend; LLAMACLI_TEST_BACKEND=cuda: the CUDA backend's batched step). Every answer equals the one the same request gets alone (greedy and seeded sampling, streamed and
 whole, stop strings, logprobs); a client that leaves mid-stream frees its slot; past the waiting bound a
 request gets 503 with Retry-After and the server goes on; `--parallel` on the command line."""
 
@@ -16,7 +16,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from serve_runner import start, stop  # noqa: E402
+from serve_runner import BACKEND, start, stop  # noqa: E402
 
 from llamacli.engine.generate import Model  # noqa: E402
 from llamacli.serve.connections import Limits  # noqa: E402
@@ -58,8 +58,9 @@ def ask(client, prompt: str, kw: dict, stream: bool) -> tuple[str, str, list | N
 
 @pytest.fixture(scope="module")
 def alone(path):
-    """Each request's answer from a server of one slot, one request at a time."""
-    model = Model(path, backend="numpy", ctx=256)
+    """Each request's answer alone: one request at a time (to a server of as many slots: on CUDA a lone greedy
+    request takes the fused decode step, a lone sampled one the batched step of one row)."""
+    model = Model(path, backend=BACKEND, ctx=256, slots=SLOTS)
     url, server, thread = start(model, "m")
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     try:
@@ -71,7 +72,7 @@ def alone(path):
 
 @pytest.fixture(scope="module")
 def parallel(path):
-    model = Model(path, backend="numpy", ctx=256, slots=SLOTS)
+    model = Model(path, backend=BACKEND, ctx=256, slots=SLOTS)
     url, server, thread = start(model, "m", limits=Limits(max_waiting=WAITING))
     try:
         yield url, model, server

@@ -1,9 +1,9 @@
 """The CPU backend (`--backend cpu`; what `auto` takes without a GPU): the NumPy reference's forward pass with
 the weights kept quantized in memory and the hot operations compiled by numba.
 
-    layouts.py   GGUF blocks re-packed, exactly, into three kernel layouts (4-bit pairs, bytes with a min,
-                 signed bytes), float32 scales per 16 or 32 values
-    simd.py      a weight block's integer dot with int16 activations, as LLVM vector IR (vpmaddwd)
+    layouts.py   GGUF blocks re-packed, exactly, into a few kernel layouts (4-bit pairs, 5-bit with a mask of
+                 fifth bits, a byte a value), float32 scales (and mins) per 16 or 32 values
+    simd.py      a row's integer dots with int16 activations, and a block's dequantization, as LLVM vector IR
     kernels.py   the matrix products (int16 activations, rows across threads), dequantizing, RMSNorm, RoPE,
                  GeGLU, the residual add and a decode step's attention
     backend.py   CpuBackend: NumpyBackend with those in place of its float32 weights and NumPy operations

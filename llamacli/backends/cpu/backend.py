@@ -49,7 +49,7 @@ DEQUANT_BYTES = 64 << 20  # float32 rows dequantized at once by such a product
 # heads across the threads.
 ATTENTION_THREADS_FROM = 1 << 16
 # LayerWeights fields multiplied by (beyond the programs' Linear weights): the router and the experts (moe()).
-EXPERT_FIELDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+EXPERT_FIELDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 _NO_SINKS = np.zeros((0, 0), np.float32)
 _PASSES = threading.Lock()  # (see CpuBackend._threads)
 
@@ -96,19 +96,30 @@ class PackedMatrix:
         return out.reshape(idx.size, k)
 
 
+def _rows(p: Packed, first: int, end: int) -> PackedMatrix:
+    """Rows first .. end - 1 of a re-packed matrix (views of its arrays)."""
+    return PackedMatrix(Packed(p.kind, p.block, p.q[first:end], p.d[first:end], None if p.m is None else p.m[first:end],
+                               (end - first, p.shape[1]), p.qtype))
+
+
 class PackedExperts:
-    """Experts' matrices [E, rows, cols] in one re-packed array; [e] is expert e's PackedMatrix."""
+    """Experts' matrices [E, rows, cols] in one re-packed array: [e] is expert e's PackedMatrix, [e, a:b] its rows
+    a .. b - 1 (a fused gate/up tensor's halves)."""
 
     def __init__(self, p: Packed, n_expert: int):
-        rows, self.shape = p.shape[0] // n_expert, (n_expert, p.shape[0] // n_expert, p.shape[1])
-        self._experts = [PackedMatrix(Packed(p.kind, p.block, p.q[e * rows:(e + 1) * rows],
-                                             p.d[e * rows:(e + 1) * rows],
-                                             None if p.m is None else p.m[e * rows:(e + 1) * rows],
-                                             (rows, p.shape[1]), p.qtype)) for e in range(n_expert)]
-        self.nbytes = p.nbytes
+        self.packed, self.nbytes = p, p.nbytes
+        self.rows = p.shape[0] // n_expert
+        self.shape = (n_expert, self.rows, p.shape[1])
+        self._experts = [_rows(p, e * self.rows, (e + 1) * self.rows) for e in range(n_expert)]
 
-    def __getitem__(self, e: int) -> PackedMatrix:
-        return self._experts[e]
+    def __getitem__(self, key) -> PackedMatrix:
+        if not isinstance(key, tuple):
+            return self._experts[key]
+        e, part = key
+        first, end, step = part.indices(self.rows)
+        if step != 1:
+            raise IndexError("an expert's rows are taken in one run")
+        return _rows(self.packed, e * self.rows + first, e * self.rows + max(first, end))
 
     def __len__(self) -> int:
         return len(self._experts)
@@ -134,10 +145,10 @@ class CpuBackend(NumpyBackend):
             return super()._embedding(gguf)
         return PackedMatrix(pack(gguf.raw(info.name), info.type, info.shape))
 
-    def _tensor(self, gguf: GGUFFile, field: str, name: str):
+    def _tensor(self, gguf: GGUFFile, cfg: ModelConfig, field: str, name: str):
         info = gguf.tensors[name]
-        if field not in linear_fields(self.cfg) or not packable(info.type) or len(info.shape) not in (2, 3):
-            return super()._tensor(gguf, field, name)
+        if field not in linear_fields(cfg) or not packable(info.type) or len(info.shape) not in (2, 3):
+            return super()._tensor(gguf, cfg, field, name)
         rows = math.prod(info.shape[:-1])
         p = pack(gguf.raw(name).reshape(rows, -1), info.type, (rows, info.shape[-1]))
         return PackedMatrix(p) if len(info.shape) == 2 else PackedExperts(p, info.shape[0])
@@ -185,17 +196,19 @@ class CpuBackend(NumpyBackend):
         kernels.add(np.ascontiguousarray(x), np.ascontiguousarray(y), out)
         return out
 
-    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
         flat = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
         out = np.empty_like(flat)
-        kernels.rms_norm(flat, np.ascontiguousarray(weight, dtype=np.float32), float(eps), out)
+        w = np.ones(x.shape[-1], np.float32) if weight is None else np.ascontiguousarray(weight, dtype=np.float32)
+        kernels.rms_norm(flat, w, float(eps), out)
         return out.reshape(x.shape)
 
     def rope(self, x: np.ndarray, pos: np.ndarray, local: bool = False) -> np.ndarray:
         cos, sin = self._cos_sin(pos, local)
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty_like(x)
-        kernels.rope(x, cos, sin, self.cfg.rope_type == ROPE_NEOX, self.cfg.rope_dim, out)
+        rot = self.cfg.local_rope_dim if local else self.cfg.rope_dim
+        kernels.rope(x, cos, sin, self.cfg.rope_type == ROPE_NEOX, rot, out)
         return out
 
     def _cos_sin(self, pos: np.ndarray, local: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -215,34 +228,39 @@ class CpuBackend(NumpyBackend):
         kernels.geglu(gate, up, out)
         return out
 
-    def _attend(self, op: Attention, q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _attend(self, op: Attention, q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None,
+                pos: np.ndarray) -> np.ndarray:
+        """q [T, Hq, Dh]; k, v [T, Hkv, Dh] (None on a shared-KV layer, op.store False: the queries read the cache
+        another layer wrote)."""
         if q.shape[0] != 1:  # a prompt: the reference's (its products are BLAS's)
             return super()._attend(op, q, k, v, pos)
-        cfg = self.cfg
-        kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]
+        kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]  # [rows, Hkv, Dh]: the layer's own
         p = int(pos[0])
-        k_type, v_type = self.cache_types
-        kc[p % kc.shape[0]] = q8_0_roundtrip(k)[0] if k_type == "q8_0" else k[0]
-        vc[p % vc.shape[0]] = q8_0_roundtrip(v)[0] if v_type == "q8_0" else v[0]
+        if op.store:
+            k_type, v_type = self.cache_types
+            kc[p % kc.shape[0]] = q8_0_roundtrip(k)[0] if k_type == "q8_0" else k[0]
+            vc[p % vc.shape[0]] = q8_0_roundtrip(v)[0] if v_type == "q8_0" else v[0]
         lo = max(0, p - op.window + 1) if op.window else 0
         n = p - lo + 1
-        sinks = (self.weights.layers[op.layer].attn_sinks.reshape(cfg.n_head_kv, cfg.n_group).astype(np.float32)
-                 if op.sinks else _NO_SINKS)
-        qg = np.ascontiguousarray(q, dtype=np.float32).reshape(cfg.n_head_kv, cfg.n_group, cfg.head_dim)
+        hkv, dh = kc.shape[1], kc.shape[2]
+        qg = np.ascontiguousarray(q, dtype=np.float32).reshape(hkv, -1, dh)  # query heads grouped by KV head
+        sinks = (self.weights.layers[op.layer].attn_sinks.reshape(hkv, -1).astype(np.float32) if op.sinks
+                 else _NO_SINKS)
         out = np.empty_like(qg)
-        attend = (kernels.attend_one_threads if n * cfg.n_head * cfg.head_dim >= ATTENTION_THREADS_FROM
+        attend = (kernels.attend_one_threads if n * qg.shape[1] * hkv * dh >= ATTENTION_THREADS_FROM
                   else kernels.attend_one)
-        attend(qg, kc, vc, lo, n, np.float32(cfg.query_scale), np.float32(op.softcap), sinks, out)
-        return out.reshape(1, cfg.q_dim)
+        attend(qg, kc, vc, lo, n, np.float32(self.cfg.query_scale), np.float32(op.softcap), sinks, out)
+        return out.reshape(1, -1)
 
 
 def weight_bytes(gguf: GGUFFile, cfg: ModelConfig) -> int:
     """Bytes CpuBackend.load keeps the weights in: re-packed matrices at their layouts' sizes (token_embd
-    once, the LM head too when tied), float32 for the rest (as NumpyBackend, the embedding table at its
-    file's size when it stays in its GGUF layout)."""
+    once, the LM head too when tied), float32 for the rest (as NumpyBackend), the embedding tables it keeps in their
+    GGUF layout (per_layer_token_embd; token_embd of a type without a layout) at their file's size."""
     fields = linear_fields(cfg)
     linear = {name for i in range(cfg.n_layer) for field, name in layer_tensor_names(cfg, i).items() if field in fields}
     linear |= {"token_embd.weight", "output.weight"}
+    tables = ("token_embd.weight", "per_layer_token_embd.weight")
     total = 0
     for spec in model_specs(cfg):
         info = gguf.tensors.get(spec.name)
@@ -250,7 +268,7 @@ def weight_bytes(gguf: GGUFFile, cfg: ModelConfig) -> int:
             continue
         if spec.name in linear and packable(info.type) and len(info.shape) in (2, 3):
             total += packed_bytes(info.type, info.n_elements)
-        elif spec.name == "token_embd.weight":
+        elif spec.name in tables:
             total += info.n_bytes
         else:
             total += 4 * info.n_elements

@@ -16,14 +16,15 @@ float32 scale and min (ggml-common.h's formats, gguf.quants' dequantization):
 A K-quant's super-block of 256 values keeps an fp16 scale and sub-block scales of 6 or 8 bits: its sub-block's
 scale d * sc (and min dmin * m) is one float32 product of the two, exact (11 by at most 8 significant bits), and
 is what is stored here. The values are the file's: `dequantize` (scale * q + min in float32, in the order
-gguf.quants computes it) gives gguf.quants.dequantize's floats bit for bit, which tests/backends/test_cpu_layouts.py
-checks for every type. (Q4_0 and Q4_1's d * (q - 8) = d q - 8 d exactly: both terms and their difference fit
-float32's 24 bits.)
+gguf.quants computes it) gives gguf.quants.dequantize's floats bit for bit, which tests/backends/test_cpu_backend.py
+checks for every type. (Q4_0's d * (q - 8) = d q - 8 d exactly: both terms and their difference fit float32's 24
+bits.)
 
 u4 packs a block's 32 values into 16 bytes as Q4_0 does: byte i holds value i in its low nibble and value
 i + 16 in its high one (Q4_K's file order, 32 low nibbles then 32 high ones per 64 values, is re-packed to it).
-Q5's fifth bits are kept as a 32-bit mask per block, as the file has them (Q5_K's in its order); Q6_K's upper two
-and Q3_K's are folded into a byte per value (more memory than the file; fewer bit planes for the kernels).
+Q5_0 and Q5_1's fifth bits are kept as the file has them, a 32-bit mask a block (Q5_K's gathered into that form);
+Q6_K's upper two bits and Q3_K's third are folded into a byte a value (more memory than the file, and no bit planes
+for the kernels to gather), and so are Q2_K's two.
 
 Other types (F32, F16, BF16, the IQ1-IQ3 grids, TQ*) are not re-packed: the backend keeps those matrices as
 float32, as the NumPy reference does.

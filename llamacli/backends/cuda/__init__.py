@@ -6,6 +6,7 @@
     gpu.py          Gpu (the device's facts, capture) and Options (the executors' switches)
     device.py       is there a GPU, the memory check, DeviceModel (the weights uploaded, RoPE tables)
     kv.py           KVCache: the KV cache and its writers
+    kv_pool.py      KVPool: the prefix cache's rows, copied to and from a slot's cache
     linear.py       DeviceMatrix, Linear: the matvec kernels and their grid rules, the prefill GEMMs (cuBLAS)
     ops.py          embedding, RMSNorm, RoPE, SwiGLU, soft-cap, add: one-kernel launchers
     attention.py    AttentionKernels: prefill (CUDA cores, mma.sync, wgmma), decode splits, the step's kernel

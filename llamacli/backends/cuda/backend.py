@@ -15,12 +15,14 @@ through (none reaches into another's attributes):
     profile.Profiler          bench --profile's sections, bench's clock
     device.DeviceModel        the weights on the device, each layer's fused form, the RoPE tables
     kv.KVCache                the KV cache and its writers
+    kv_pool.KVPool            the prefix cache's rows (engine/prefix_cache.py), apart from the KV cache
     linear.Linear             matvec / GEMM launchers, cuBLAS's workspace, prefill's dequantize scratch
     attention.AttentionKernels  the attention launchers, attention_split's counters
     moe.Experts               the expert FFN's launchers and buffers
     sampling.DeviceSampler    sampling on the device and its buffers
     decode.DecodeStep         the fused decode step: its inputs, buffers, graphs, the step queued ahead
     prefill.PrefillPass       the fused prefill pass: its buffers and graphs
+    batch.BatchStep           the batched decode step of several sequences (cache slots): inputs, graphs, pool
 
 load() uploads the model (DeviceModel) and attaches the rest to it (`attach`, which kernel tests call with a
 model of no weights). The current figures are in BENCHMARKS.md, their history in docs/perf-log.md; `llamacli
@@ -30,21 +32,26 @@ bench --profile` breaks a step down by kernel family.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...errors import BackendError
+from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...ggufio.file import GGUFFile
+from ...models import block
 from ...models.block import Attention, Moe
 from ...models.config import ModelConfig
-from ..base import Backend, Progress
+from ...units import human_bytes
+from ..base import Backend, Progress, StepErrors
+from ..step import SeqStep, StepOut
 from . import loader as K
 from .attention import AttentionKernels
+from .batch import BatchStep
 from .decode import DecodeStep
 from .device import DeviceModel, cache_q8, compile_kernels, cuda_available, fused_layers
 from .gpu import Gpu, Options
 from .kv import KVCache
+from .kv_pool import KVPool
 from .linear import RUNNABLE, DeviceMatrix, Linear
 from .moe import Experts
 from .ops import add_into, embed_rows, glu_into, rms_norm_into, rope_into, softcap_into
@@ -76,6 +83,7 @@ class CudaBackend(Backend):
     attention_wg = _Option()
     pdl = _Option()
     mv1_stream = _Option()
+    batch_matvec = _Option()
     pdl_max_bytes = _Option()
     pdl_early_bytes = _Option()
 
@@ -96,6 +104,8 @@ class CudaBackend(Backend):
         self.sampler: DeviceSampler | None = None
         self.decoder: DecodeStep | None = None
         self.prefill: PrefillPass | None = None
+        self.batch: BatchStep | None = None
+        self.kv_pool: KVPool | None = None  # the prefix cache's rows (alloc_kv_pool)
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
@@ -129,13 +139,130 @@ class CudaBackend(Backend):
         self.sampler = DeviceSampler(gpu, model.cfg, model.ctx, self.profiler)
         self.decoder = DecodeStep(gpu, opt, model, self.kv, self.linear, self.attn, self.experts, self.sampler,
                                   self.profiler)
-        self.prefill = None
+        self.prefill = self.batch = None
+        self.slots = 1
+        self.kv_pool = None
 
     def close(self) -> None:
+        self.batch = None
         self.decoder = self.prefill = self.sampler = self.experts = self.attn = self.linear = self.kv = None
+        self.kv_pool = None
         self.model = None
         self.weights = None  # type: ignore[assignment]
         self.cp.get_default_memory_pool().free_all_blocks()
+
+    # -- cache slots and the batched step ---------------------------------------------------------------------
+    def set_slots(self, n: int) -> None:
+        """Caches for n sequences (kv.KVCache.set_slots: slot 0's stays; DeviceMemoryError where they do not fit).
+        With more than one, step() runs the decode steps of several sequences together (batch.BatchStep)."""
+        if type(n) is not int or n < 1:
+            raise UsageError(f"the number of sequences must be a positive integer, got {n!r}")
+        self.kv.set_slots(n)
+        self._forget_slots(min(n, self.slots))
+        self.decoder.use_slot(0)
+        self.decoder.forget_slots(n)
+        self.slots, self.batch = n, None  # (the batched step's graphs hold the old slots' addresses)
+
+    def use_slot(self, slot: int) -> None:
+        self.kv.use(slot)
+        self.decoder.use_slot(slot)
+
+    def step(self, batch: Sequence[SeqStep]) -> list[StepOut]:
+        """Backend.step; with several cache slots the decode steps of two or more sequences run as one batched step
+        (batch.py), and a single one too unless it is plain greedy (the fused decode step, graph and look-ahead)."""
+        if self.slots == 1:
+            return super().step(batch)
+        self._check_slots(batch)
+        if not hasattr(self, "_slot_sampler"):
+            self._slot_sampler, self._slot_kind = {}, {}
+        rows = [i for i, seq in enumerate(batch) if self._batchable(seq)]
+        if len(rows) == 1 and self._slot_kind.get(batch[rows[0]].slot) == "greedy":
+            rows = []
+        outs: list[StepOut | None] = [None] * len(batch)
+        errors: dict[int, Exception] = {}
+        for i, seq in enumerate(batch):  # prompts (and anything the batch does not take) one at a time
+            if i not in rows:
+                try:
+                    outs[i] = self._step_one(seq)
+                except Exception as exc:
+                    errors[i] = exc
+        if rows:
+            for i, out in zip(rows, self._decode_batch([batch[i] for i in rows])):
+                if isinstance(out, Exception):
+                    errors[i] = out
+                else:
+                    outs[i] = out
+        if errors:
+            if len(batch) == 1:
+                raise errors[0]
+            raise StepErrors(errors, outs)
+        return outs  # type: ignore[return-value]
+
+    def _batchable(self, seq: SeqStep) -> bool:
+        """A decode step the batched step takes: the sequence's next token in its own slot, an fp16 cache."""
+        s = seq.sampler
+        return (not self.kv.q8 and s.position >= 0 and self._slot_sampler.get(seq.slot) is s
+                and len(seq.tokens) == 1 and seq.start == s.position)
+
+    def _decode_batch(self, seqs: list[SeqStep]) -> list[StepOut | Exception]:
+        """One batched step of these sequences' decode steps -> per sequence its StepOut, or the exception that
+        ended its step (the others go on)."""
+        if self.batch is None:
+            self.batch = BatchStep(self.gpu, self.options, self._forward_batch, self.slots, self.cfg.vocab_size)
+        for seq in seqs:
+            del self._slot_sampler[seq.slot]  # until its step has run whole
+        self.decoder.drop_ahead()  # (its slot's cache changes under it)
+        try:
+            choice, logits = self.batch.run([int(seq.tokens[0]) for seq in seqs], [seq.start for seq in seqs],
+                                            [seq.slot for seq in seqs])
+        except Exception as exc:
+            return [exc] * len(seqs)
+        outs: list[StepOut | Exception] = []
+        for r, seq in enumerate(seqs):
+            s = seq.sampler
+            try:
+                if self._slot_kind[seq.slot] == "greedy" and s.mask is None and not s.logits:
+                    if choice[1, r]:
+                        raise BackendError("the model's logits are not finite (NaN or infinity): no token can be "
+                                           "chosen")
+                    out = StepOut(int(choice[0, r]))
+                else:
+                    out = self._choose(logits[r : r + 1], s)
+            except Exception as exc:
+                outs.append(exc)
+                continue
+            out.snapshots = self.snapshots(seq.slot)
+            s.position, self._slot_sampler[seq.slot] = seq.start + 1, s
+            outs.append(out)
+        return outs
+
+    def _forward_batch(self, ids: Any, pos: Any, slots: Any) -> Any:
+        """The model op by op on rows that are sequences of their own (slots [B]) -> logits [B, V]."""
+        self.attn.batch_slots, self.linear.batch_rows = slots, self.slots
+        try:
+            return block.run(self, self.cfg, ids, pos, all_logits=True)
+        finally:
+            self.attn.batch_slots, self.linear.batch_rows = None, 0
+
+    def _setup_decode(self, s: Any, pos: int) -> str:
+        """Backend._setup_decode; with several slots a plain greedy sequence keeps the fused greedy step (its slot's
+        graph) and any other decodes in the batched step ("batch"); with an 8-bit cache, which the batched step
+        does not read, through the fused step's logits and the sampler (the device sampler's state is one
+        sequence's)."""
+        if self.slots == 1:
+            return super()._setup_decode(s, pos)
+        if s.plain_greedy and not s.logits and s.mask is None:
+            self.prepare_decode(("greedy",), pos=pos)
+            return "greedy"
+        if self.kv.q8:
+            self.prepare_decode(("logits",), pos=pos)
+            return "logits"
+        return "batch"
+
+    def _decode(self, token: int, pos: int, s: Any, kind: str) -> StepOut:
+        if kind != "batch":
+            return super()._decode(token, pos, s, kind)
+        raise BackendError("internal: a batched sequence's step outside the batched step")
 
     # -- host <-> device -----------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> Any:
@@ -208,7 +335,9 @@ class CudaBackend(Backend):
         return out
 
     @profiled("FFN")
-    def moe(self, op: Moe, h: Any) -> Any:
+    def moe(self, op: Moe, h: Any, router_in: Any = None) -> Any:
+        if router_in is not None:  # (fused_layers refuses such models at load: gemma4's normalised router input)
+            raise BackendError("the CUDA backend has no separate router input (Gemma 4's experts) yet")
         return self.experts.forward(op, h)
 
     # -- whole steps: the fused prefill pass and decode step ---------------------------------------------------
@@ -255,6 +384,46 @@ class CudaBackend(Backend):
     def queued_ahead(self) -> tuple[int, int] | None:
         """The (token, pos) of the step queued ahead and not handed out yet, or None (decode.DecodeStep)."""
         return self.decoder.queued_ahead
+
+    # -- the prefix cache's pool (kv_pool.py) ------------------------------------------------------------------
+    def _slot_kv(self, slot: int) -> tuple[list[Any], list[Any]]:
+        """The K and V arrays of cache slot `slot` (kv.KVCache.slot_caches)."""
+        if self.kv is None or type(slot) is not int or not 0 <= slot < len(self.kv.slot_caches):
+            raise BackendError(f"the cuda backend holds no cache slot {slot!r}")
+        return self.kv.slot_caches[slot]
+
+    def kv_row_bytes(self) -> int:
+        return KVPool.row_bytes(self.kv) if self.kv is not None else 0
+
+    def alloc_kv_pool(self, rows: int) -> None:
+        if type(rows) is not int or rows < 0:
+            raise BackendError(f"a prefix-cache pool takes a number of rows >= 0, got {rows!r}")
+        self.kv_pool = None
+        if not rows:
+            return
+        need, free = rows * self.kv_row_bytes(), self.free_memory() or 0
+        if need > free - (256 << 20):  # (room kept for the steps' buffers and graphs, as KVCache.set_slots keeps)
+            raise DeviceMemoryError(f"a prefix cache of {human_bytes(need)} needs more GPU memory than is free "
+                                    f"({human_bytes(free)}): give --cache-ram less")
+        try:
+            self.kv_pool = KVPool(self.cp, self.kv, rows)
+        except self.cp.cuda.memory.OutOfMemoryError:
+            self.kv_pool = None
+            self.cp.get_default_memory_pool().free_all_blocks()
+            raise DeviceMemoryError(f"not enough GPU memory for a prefix cache of {human_bytes(need)}: give "
+                                    "--cache-ram less") from None
+
+    def copy_kv_rows(self, slot: int, layers: Any, positions: np.ndarray, rows: np.ndarray, to_pool: bool) -> None:
+        if self.kv_pool is None:
+            raise BackendError("the cuda backend holds no prefix-cache pool (alloc_kv_pool)")
+        caches = self._slot_kv(slot)
+        if not to_pool:  # a decode step queued ahead is stale once a cache changes (it may be this slot's)
+            self.decoder.drop_ahead()
+        self.kv_pool.copy(caches, layers, positions, rows, to_pool)
+
+    def free_memory(self) -> int | None:
+        free, _ = self.cp.cuda.runtime.memGetInfo()
+        return int(free) + int(self.cp.get_default_memory_pool().free_bytes())
 
     # -- sampling ------------------------------------------------------------------------------------------
     def start_sampling(self, params: Any, rng: np.random.Generator, recent: list[int]) -> bool:

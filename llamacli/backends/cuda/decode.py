@@ -54,7 +54,9 @@ class DecodeStep:
         self.step_pos = cp.zeros(1, dtype=cp.int32)
         # Fused argmax cells (kernels/matvec.cu mv1): key, block counter, flag, &step_ids, &step_pos.
         self.am = cp.asarray(np.asarray([0, 0, 0, self.step_ids.data.ptr, self.step_pos.data.ptr], np.uint64))
-        self._graphs: dict[str, Any] = {}
+        self._graphs: dict[str, Any] = {}  # the current cache slot's (a graph holds its cache's addresses)
+        self._slot = 0
+        self._slot_graphs: dict[int, dict[str, Any]] = {0: self._graphs}
         self._dev_state: tuple[int, int] | None = None
         # The step decode_greedy / decode_sampled queued ahead: ((token, pos) it computes, its pinned slot, launch
         # count then, its graph's key)
@@ -306,8 +308,24 @@ class DecodeStep:
         return frozenset(self._graphs)
 
     def drop_graphs(self) -> None:
-        """Forget the captured decode steps: the next step captures again (after changing pdl, say)."""
-        self._graphs.clear()
+        """Forget the captured decode steps (of every cache slot): the next step captures again (after changing
+        pdl, say)."""
+        for graphs in self._slot_graphs.values():
+            graphs.clear()
+
+    def use_slot(self, slot: int) -> None:
+        """Run on cache slot `slot` (kv.KVCache.use) from now: its own captured steps; what the device holds of the
+        last step and the step queued ahead were another slot's."""
+        if slot != self._slot:
+            self._slot = slot
+            self._graphs = self._slot_graphs.setdefault(slot, {})
+            self._dev_state = None
+            self._ahead = None
+
+    def forget_slots(self, first: int) -> None:
+        """Slots from `first` on are gone (KVCache.set_slots): their graphs too."""
+        for slot in [s for s in self._slot_graphs if s >= first and s != self._slot]:
+            del self._slot_graphs[slot]
 
     def _set_inputs(self, token: int, pos: int) -> None:
         """Upload token and position unless the device already holds them (a greedy step leaves its output

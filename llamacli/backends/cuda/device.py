@@ -22,9 +22,10 @@ from ...models.kv_cache import check_cache_types, ring_span
 from ...models.weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights
 from ..memory_fit import not_enough_memory, q8_pair_bytes
+from ..split_plan import DeviceMemory
 from . import loader as K
 from .attention import decode_splits
-from .fusion import FusedLayer, match_layer
+from .fusion import FusedLayer, match_layer, refuse_unported_model
 from .gpu import Gpu
 from .linear import DEQUANT_CHUNK, DeviceMatrix
 from .moe import check_moe, dense_ff, moe_family_needed, moe_scratch_bytes
@@ -133,8 +134,9 @@ def cache_q8(cfg: ModelConfig, cache_types: tuple[str, str]) -> bool:
 def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedLayer, ...]:
     """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); a program
     they do not run, or experts the kernels do not serve, is refused here, before anything is uploaded."""
-    # the programs first: a hybrid model is refused naming --backend cpu before its experts are looked at
+    # the programs first: a hybrid or Gemma 4 model is refused naming --backend cpu before its experts are looked at
     fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
+    refuse_unported_model(cfg)
     check_moe(cfg, gguf)
     return fused
 
@@ -160,9 +162,10 @@ def scratch_bytes(gpu: Gpu, cfg: ModelConfig, ctx: int, q8: bool) -> int:
 
 
 def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,
-                 cache_types: tuple[str, str] = ("f16", "f16")) -> None:
+                 cache_types: tuple[str, str] = ("f16", "f16"), tensors: Any = None) -> None:
     """DeviceMemoryError saying what the model needs, what the GPU has and what would fit
-    (memory_fit.not_enough_memory), before anything is allocated. An 8-bit cache also takes its fp16 pair
+    (memory_fit.not_enough_memory: with the host's other GPUs, the split modes that fit over them; `tensors`:
+    the file's, for their plan), before anything is allocated. An 8-bit cache also takes its fp16 pair
     of one layer's rows (kv.KVCache)."""
     cp = gpu.cp
     free, total = cp.cuda.runtime.memGetInfo()
@@ -174,7 +177,21 @@ def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,
     if weight_bytes + kv + scratch <= free:
         return
     raise DeviceMemoryError(not_enough_memory(cfg, ctx, weights=weight_bytes, kv=kv, scratch=scratch,
-                                              free=free, total=total, cache_types=tuple(cache_types)))
+                                              free=free, total=total, cache_types=tuple(cache_types),
+                                              tensors=tensors, gpus=visible_gpus(cp, free, total)))
+
+
+def visible_gpus(cp: Any, free: int, total: int) -> list[DeviceMemory]:
+    """Every GPU this process sees: the current one with the `free` and `total` bytes measured, the others with
+    their total as free (no context is made on them to ask: it would take memory of its own); [] where the
+    runtime will not say."""
+    try:
+        here = cp.cuda.runtime.getDevice()
+        return [DeviceMemory(i, free, total) if i == here else
+                DeviceMemory(i, *(2 * [int(cp.cuda.runtime.getDeviceProperties(i)["totalGlobalMem"])]))
+                for i in range(cp.cuda.runtime.getDeviceCount())]
+    except Exception:  # (a CUDA runtime error: the message goes without the other GPUs)
+        return []
 
 
 @dataclass
@@ -209,7 +226,7 @@ class DeviceModel:
             offsets[info.name] = total
             total += -(-info.n_bytes // _ALIGN) * _ALIGN
         vec_bytes = sum(4 * info.n_elements for info in vecs)
-        check_memory(gpu, cfg, ctx, total + vec_bytes, cache_types)
+        check_memory(gpu, cfg, ctx, total + vec_bytes, cache_types, gguf.tensors)
 
         arena = cp.empty(max(total, 1), dtype=cp.uint8)
         base = arena.data.ptr

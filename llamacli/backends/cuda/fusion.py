@@ -21,7 +21,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import BackendError
-from ...models.block import Add, Attention, Conv, DeltaRule, Gate, GatedNorm, Glu, Linear, Moe, Norm, Op, Rope, Split
+from ...models.block import (
+    Add,
+    Attention,
+    Conv,
+    DeltaRule,
+    Gate,
+    GatedNorm,
+    Glu,
+    Linear,
+    Moe,
+    Norm,
+    Op,
+    Rope,
+    Scale,
+    Split,
+)
+from ...models.config import ModelConfig
 
 DENSE_GLU = ("silu", "gelu_tanh")  # the dense FFN's activations (kernels/matvec.cu _swiglu / _geglu forms)
 
@@ -97,16 +113,47 @@ def _projections(c: _Cursor, src: str, names: tuple[str, ...]) -> tuple[tuple[Li
     return mats, split  # type: ignore[return-value]
 
 
+# Gemma 4's operations (models/arch/gemma4.py) that the fused paths lack, each with what it is
+_GEMMA4 = (
+    (lambda op: isinstance(op, Attention) and not op.store, "shared-KV attention layers"),
+    (lambda op: isinstance(op, Glu) and op.up == "ple", "per-layer embeddings"),
+    (lambda op: isinstance(op, Moe) and (op.router or op.expert_scale or op.gate_up), "experts beside a dense FFN"),
+    (lambda op: isinstance(op, Norm) and op.weight is None, "V norms"),
+    (lambda op: isinstance(op, Scale), "layer output scales"),
+    (lambda op: isinstance(op, Add) and op.dst != "x", "branches added before the residual"),
+)
+
+
 def _refuse_unported(ops: tuple[Op, ...]) -> None:
-    """The operations of the hybrid models (qwen35, qwen35moe, qwen3next) that the CUDA paths do not run yet, refused
-    with the way to run them."""
+    """The operations of the hybrid models (qwen35, qwen35moe, qwen3next) and of Gemma 4 that the CUDA paths do not
+    run yet, refused with the way to run them."""
+    gemma4 = next((what for test, what in _GEMMA4 if any(test(op) for op in ops)), None)
     if any(isinstance(op, (Conv, DeltaRule, GatedNorm)) for op in ops):
         what = "gated delta-net (linear attention) layers"
     elif any(isinstance(op, Gate) or (isinstance(op, Split) and op.groups) for op in ops):
         what = "gated attention or shared experts"
+    elif gemma4 is not None:
+        what = f"Gemma 4 layers ({gemma4})"
     else:
         return
     raise Unfused(f"the CUDA backend has no {what} yet: this model runs on the CPU backend for now "
+                  "(--backend cpu)")
+
+
+def refuse_unported_model(cfg: ModelConfig) -> None:
+    """What a model needs beyond its layers' programs that the CUDA backend lacks, refused before anything is
+    uploaded: Gemma 4's per-layer embeddings (a model input), attention geometries that differ between layers (one
+    KV cache shape on CUDA), feed-forward widths that differ between layers."""
+    if cfg.n_embd_per_layer:
+        what = "per-layer embeddings"
+    elif any(p.head_dim or p.n_head_kv for p in cfg.layers) and \
+            len({(cfg.layer_head_dim(i), cfg.layer_kv_heads(i)) for i in range(cfg.n_layer)}) > 1:
+        what = "attention layers of different head sizes"
+    elif len({cfg.layer_n_ff(i) for i in range(cfg.n_layer)}) > 1:
+        what = "feed-forward layers of different widths"
+    else:
+        return
+    raise Unfused(f"the CUDA backend has no {what} (Gemma 4) yet: this model runs on the CPU backend for now "
                   "(--backend cpu)")
 
 

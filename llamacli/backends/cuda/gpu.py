@@ -36,6 +36,10 @@ class Options:
     # 16-bit float matvecs of one token through mv1_stream, as programmatic dependents in the decode step
     # (False: mv1; for comparisons).
     mv1_stream: bool = True
+    # The batched step's linear layers of up to MATVEC_TMAX rows through mvb_<t> on the quantized rows
+    # (linear.Linear.matvec_rows; False: dequantized to fp16 and multiplied on cuBLAS, as larger batches are; for
+    # comparisons).
+    batch_matvec: bool = True
     pdl_max_bytes: int = PDL_MAX_BYTES
     pdl_early_bytes: int = PDL_EARLY_BYTES
 

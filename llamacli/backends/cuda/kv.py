@@ -5,13 +5,22 @@ and every kernel takes them with its row count (the ring, kc.shape[0]): fp16 [ro
 q8_0) one byte buffer [rows, Hkv, Dh + Dh/16] per cache, rows rounded up to 64, holding int8 codes [rows, Hkv,
 Dh] and then fp16 scales [Hkv, rows, Dh/32] (kernels/attention_split.cu), with an fp16 [rows, Hkv, Dh] pair of
 the largest rows (`pair`) that the prefill's writers and readers take instead (readable).
+
+Cache slots (Backend.set_slots): each slot holds one sequence's arrays, alike; `use(slot)` makes a slot's the
+ones k_cache / v_cache name (what the prefill pass, the decode step and the op-by-op path read and write), and
+`tables(layer)` gives the device addresses of every slot's arrays of a layer, by which the batched step's
+kernels (kernels/attention_simt.cu kv_store_batch, attention_batch_*) reach each sequence's own cache.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from ...errors import DeviceMemoryError
 from ...models.config import ModelConfig
+from ...units import human_bytes
 from . import loader as K
 
 
@@ -22,9 +31,59 @@ class KVCache:
         rows = [-(-n // 64) * 64 for n in cfg.cache_rows(ctx)] if q8 else cfg.cache_rows(ctx)
         shape = (hkv, dh + dh // 16) if q8 else (hkv, dh)
         self.q8 = q8
-        self.k_cache = [cp.zeros((n, *shape), dtype=cp.uint8 if q8 else cp.float16) for n in rows]
-        self.v_cache = [cp.zeros_like(k) for k in self.k_cache]
+        self._layout = (rows, shape, cp.uint8 if q8 else cp.float16)
+        self.slot_caches = [self._allocate()]  # per slot: (K arrays, V arrays), one of each per layer
+        self.slot = 0
+        self.k_cache, self.v_cache = self.slot_caches[0]
         self.pair = tuple(cp.zeros((max(rows), hkv, dh), cp.float16) for _ in "kv") if q8 else None
+        self._tables: list[tuple[Any, Any]] | None = None
+
+    def _allocate(self) -> tuple[list[Any], list[Any]]:
+        rows, shape, dtype = self._layout
+        k = [self.cp.zeros((n, *shape), dtype=dtype) for n in rows]
+        return k, [self.cp.zeros_like(x) for x in k]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of one slot's K and V arrays."""
+        k, v = self.slot_caches[0]
+        return sum(int(x.nbytes) for x in k + v)
+
+    def set_slots(self, n: int) -> None:
+        """Hold n slots: slot 0's arrays (and the first n of those held) stay, the others are allocated, zeroed,
+        after checking the GPU's free memory, or dropped. Slot 0 is the current one after."""
+        more = n - len(self.slot_caches)
+        if more > 0:
+            free = self.cp.cuda.runtime.memGetInfo()[0] + self.cp.get_default_memory_pool().free_bytes()
+            need = more * self.slot_bytes
+            if need > free - (256 << 20):  # (room kept for the steps' buffers and graphs)
+                raise DeviceMemoryError(f"the KV caches of {n} sequences need {human_bytes(need)} more GPU memory, "
+                                   f"{human_bytes(free)} is free: run fewer at once (--parallel) or a shorter "
+                                   f"context (-c)")
+        held = len(self.slot_caches)
+        try:
+            while len(self.slot_caches) < n:
+                self.slot_caches.append(self._allocate())
+        except self.cp.cuda.memory.OutOfMemoryError:  # (the pool's free blocks counted above may not serve)
+            del self.slot_caches[held:]
+            raise DeviceMemoryError(f"the KV caches of {n} sequences do not fit in the GPU's free memory: run fewer "
+                                    f"at once (--parallel) or a shorter context (-c)") from None
+        del self.slot_caches[n:]
+        self._tables = None
+        self.use(0)
+
+    def use(self, slot: int) -> None:
+        """Make slot `slot`'s arrays the current cache (k_cache, v_cache)."""
+        self.slot = slot
+        self.k_cache, self.v_cache = self.slot_caches[slot]
+
+    def tables(self, layer: int) -> tuple[Any, Any]:
+        """uint64 [slots] device arrays: the address of each slot's K (and V) array of `layer`."""
+        if self._tables is None:
+            u64 = np.uint64
+            self._tables = [tuple(self.cp.asarray(np.asarray([c[j][i].data.ptr for c in self.slot_caches], u64))
+                                  for j in (0, 1)) for i in range(len(self.k_cache))]  # type: ignore[misc]
+        return self._tables[layer]
 
     def rope_store_caches(self, layer: int) -> tuple[Any, Any]:
         """The K and V arrays the fp16 writers (rope_store*, which also leave the rotated K and V in f32 in their

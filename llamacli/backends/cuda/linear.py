@@ -220,6 +220,11 @@ class Linear:
         self.alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self.cublas_ws: Any = None
         self.dq: Any = None  # gemm_weights' dequantized fp16 weights (dequant_scratch)
+        # The batched step (batch.py): matmul's rows are separate sequences. Up to MATVEC_TMAX of them are each
+        # multiplied on their own (matvec_rows; not with options.batch_matvec off), more on cuBLAS as batch_rows
+        # rows whatever their number (zeros past them: one GEMM shape). Within each of the two, a row's
+        # arithmetic is the same whatever runs beside it. 0: off.
+        self.batch_rows = 0
 
     def dequant_scratch(self) -> Any:
         """gemm_weights' fp16 scratch of DEQUANT_CHUNK values, made once (before any capture: a captured pass
@@ -229,17 +234,23 @@ class Linear:
         return self.dq
 
     def matmul(self, x: Any, w: DeviceMatrix, bias: Any = None) -> Any:
-        """Backend.matmul: x [t, K] @ W^T (+ bias) -> [t, N] f32; mv1/matvec for few tokens, else dequantized
-        row chunks times x in fp16 on cuBLAS."""
+        """Backend.matmul: x [t, K] @ W^T (+ bias) -> [t, N] f32; mv1/matvec for few tokens, else (and in the
+        batched step, batch_rows) dequantized row chunks times x in fp16 on cuBLAS."""
         cp = self.cp
         x = self.gpu.f32(x)
         t, k = x.shape
         if k != w.cols:
             raise BackendError(f"matmul: x has {k} columns, the weight {w.cols}")
-        y = cp.empty((t, w.rows), dtype=cp.float32)
-        if t <= MATVEC_TMAX:
+        if t <= MATVEC_TMAX and not self.batch_rows:
+            y = cp.empty((t, w.rows), dtype=cp.float32)
             self.matvec((w,), x, t, y, bias=bias)
             return y
+        if self.batch_rows and t <= MATVEC_TMAX and self.options.batch_matvec:
+            return self.matvec_rows(w, x, bias)
+        rows = t
+        if t < self.batch_rows:  # rows of separate sequences: as many rows as any batch has (zeros past t)
+            x = cp.concatenate([x, cp.zeros((self.batch_rows - t, k), dtype=cp.float32)])
+        y = cp.empty((x.shape[0], w.rows), dtype=cp.float32)
         # Prefill: dequantize row chunks to fp16, multiply with cuBLAS on tensor cores. Accumulation and output
         # are fp32 (GemmEx): an fp16 output overflowed at 65504 on FFN down projections (Llama-3.2-1B shape,
         # 512 tokens). Rows of x beyond fp16's comfortable range are scaled down by a power of two first and
@@ -261,6 +272,28 @@ class Linear:
         n_all = y.size
         K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n_all, 256), 4096),), (256,), y=y, scale=scale,
                  b=bias, n=n_all, N=w.rows)
+        return y[:rows]
+
+    def matvec_rows(self, w: DeviceMatrix, x: Any, bias: Any = None) -> Any:
+        """x [t, K] @ W^T (+ bias) -> [t, N] for rows that are separate sequences (the batched step): each row
+        staged as mv1 stages its x (stage_rows_q8 / _f32: int8 units for the MV1_ACT8 types), then mvb_<t> over
+        up to MATVEC_TMAX rows per launch, each weight read once per launch; a row's arithmetic is its own."""
+        cp = self.cp
+        t, k = x.shape
+        units = K.cdiv(k, 32)
+        act8 = w.qtype in MV1_ACT8
+        stride = K.cdiv(units * (40 if act8 else 132), 16) * 16
+        xs = cp.empty(t * stride, dtype=cp.uint8)
+        K.launch("matvec", "stage_rows_q8" if act8 else "stage_rows_f32", (t,), (256,), x=x, K=k, T=t, xs=xs,
+                 stride=stride)
+        y = cp.empty((t, w.rows), dtype=cp.float32)
+        lpr = _lpr(k)
+        bias = None if bias is None else self.gpu.f32(bias)
+        for r in range(0, t, MATVEC_TMAX):
+            n = min(MATVEC_TMAX, t - r)
+            K.launch("matvec", f"mvb_{qname(w.qtype)}", (K.cdiv(w.rows, MV1_WARPS * (32 // lpr)),), (32 * MV1_WARPS,),
+                     w=w.ptr, N=w.rows, K=k, xs=xs[r * stride :], stride=stride, T=n, y=y[r : r + n], bias=bias,
+                     lpr=lpr)
         return y
 
     def to_f16_scaled(self, x: Any) -> tuple[Any, Any]:

@@ -12,7 +12,7 @@ on the last row only (mv1 with the final RMSNorm fused). 11-17 launches per dens
 path (block.run) takes ~45.
 
 The token ids and positions live in device buffers, so a chunk length seen before is captured once into a
-CUDA graph and replayed (the first sighting runs the kernels directly: compilation, cuBLAS plans); long
+CUDA graph (per cache slot: it holds the slot's addresses) and replayed (the first sighting runs the kernels directly: compilation, cuBLAS plans); long
 prompts repeat PREFILL_CHUNK, so every chunk after the second replays.
 
 PrefillPass owns the pass's buffers and its captured graphs; it launches through the other parts (linear,
@@ -53,7 +53,7 @@ class PrefillPass:
         self.qkv_bias = qkv_bias  # each layer's QKV bias, concatenated (decode.DecodeStep.qkv_plan's)
         self.cp, self.cfg, self.ctx = gpu.cp, model.cfg, model.ctx
         self._buffers: SimpleNamespace | None = None
-        self._graphs: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._graphs: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()  # (slot, T)
         self._seen: set[int] = set()
         self._graph_ok = True
 
@@ -71,7 +71,8 @@ class PrefillPass:
         b.ids[:t].set(np.asarray(ids, dtype=np.int32).reshape(-1))
         b.pos[:t].set(np.arange(start, start + t, dtype=np.int32))
         profiling = self.profiler.active  # profiling times the kernels one by one
-        graph = self._graphs.get(t) if not profiling else None
+        key = (self.kv.slot, t)  # (a graph holds its cache slot's addresses)
+        graph = self._graphs.get(key) if not profiling else None
         if graph is None and self.options.use_graph and self._graph_ok and not profiling and t in self._seen:
             try:
                 graph = self.gpu.capture(lambda: self.launch(t))
@@ -79,11 +80,11 @@ class PrefillPass:
                 log.warning("prefill graph capture failed (%s: %s); prefill runs without graphs", type(exc).__name__, exc)
                 self._graph_ok = False
             else:
-                self._graphs[t] = graph
+                self._graphs[key] = graph
                 while len(self._graphs) > PREFILL_GRAPHS:
                     self._graphs.popitem(last=False)
         if graph is not None:
-            self._graphs.move_to_end(t)
+            self._graphs.move_to_end(key)
             graph.launch(cp.cuda.get_current_stream())
         else:
             self.launch(t)
@@ -92,8 +93,8 @@ class PrefillPass:
 
     @property
     def graph_lengths(self) -> frozenset[int]:
-        """The chunk lengths whose prefill pass is captured as a graph now."""
-        return frozenset(self._graphs)
+        """The chunk lengths whose prefill pass is captured as a graph now (for some cache slot)."""
+        return frozenset(t for _, t in self._graphs)
 
     def buffers(self) -> SimpleNamespace:
         """forward's buffers (counted in device.scratch_bytes) and per-layer GEMM plans, made once: ids, pos,

@@ -145,6 +145,28 @@ def test_matvec_every_type(qtype: QT) -> None:
                 assert_close(y.get(), ref, 1e-6 + 2e-6 * scale, 1e-5, f"{qtype.name} n={n} k={k} t={t}")
 
 
+@pytest.mark.parametrize("qtype", RUNNABLE, ids=lambda t: t.name)
+def test_matvec_rows_every_type(qtype: QT) -> None:
+    """The batched step's matvec (Linear.matvec_rows: stage_rows_* then mvb_<t>): each of 11 rows (two launches
+    past MATVEC_TMAX) as mv1 dots it alone (int8 x per unit for the int8-activation types), plus the bias; and a
+    row's result bit for bit the same whatever rows run beside it."""
+    rng = np.random.default_rng(100 + int(qtype))
+    be, _ = bare(make_cfg(), 16)
+    for k in cols_for(qtype):
+        for n in (1, 37, 300):
+            w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
+            x = rng.standard_normal((11, k)).astype(np.float32)
+            bias = rng.standard_normal(n).astype(np.float32)
+            full = be.linear.matvec_rows(w, cp.asarray(x), cp.asarray(bias)).get()
+            xr = np.stack([act8(r)[0] for r in x]) if qtype in MV1_ACT8 else x.astype(np.float64)
+            ref = xr @ wref.T + bias
+            scale = np.abs(xr) @ np.abs(wref).T
+            assert_close(full, ref, 1e-6 + 2e-6 * scale, 1e-5, f"{qtype.name} n={n} k={k}")
+            for idx in ([0], [0, 1, 2], [4, 0, 9]):
+                part = be.linear.matvec_rows(w, cp.asarray(x[idx]), cp.asarray(bias)).get()
+                np.testing.assert_array_equal(part, full[idx])
+
+
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q6_K, QT.F16, QT.Q4_K], ids=lambda t: t.name)
 def test_matvec_segments_bias_resid_swiglu(qtype: QT) -> None:
     rng = np.random.default_rng(7)
