@@ -107,7 +107,7 @@ class NumpyBackend(Backend):
         layers = []
         for i in range(cfg.n_layer):  # every tensor the block's plan names (experts [E, rows, cols])
             names = layer_tensor_names(cfg, i)
-            layers.append(LayerWeights(**{field: self._tensor(gguf, cfg, field, name)
+            layers.append(LayerWeights(**{field: self._layer_tensor(gguf, cfg, field, name)
                                           for field, name in names.items() if name in gguf.tensors}))
             report(2 + i, total, f"layer {i}")
         weights = ModelWeights(token_embd, layers, f32("output_norm.weight"), self._lm_head(gguf, token_embd))
@@ -146,7 +146,7 @@ class NumpyBackend(Backend):
         emb = gguf.tensors["token_embd.weight"]
         return QuantTable(gguf.raw(emb.name), emb.type, (emb.shape[0], emb.shape[1]))
 
-    def _tensor(self, gguf: GGUFFile, cfg: ModelConfig, field: str, name: str) -> np.ndarray:
+    def _layer_tensor(self, gguf: GGUFFile, cfg: ModelConfig, field: str, name: str) -> np.ndarray:
         """A layer's tensor (LayerWeights field `field`) as float32."""
         return gguf.dequantize(name)
 

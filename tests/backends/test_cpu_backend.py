@@ -244,7 +244,7 @@ def test_kernels_compile_without_a_cache_where_numba_has_nowhere_to_keep_one(mon
         return real(**options)
 
     monkeypatch.setattr(kernels, "njit", no_cache)
-    add = kernels._jit()(kernels.add.py_func)
+    add = kernels.jit()(kernels.add.py_func)
     out = np.empty(3, np.float32)
     add(np.ones(3, np.float32), np.ones(3, np.float32), out)
     assert out.tolist() == [2.0, 2.0, 2.0]
@@ -327,4 +327,4 @@ def test_passes_from_several_threads(random_model, monkeypatch):
     assert all(np.array_equal(a, b) for i in range(2) for a, b in zip(alone[i], got[i]))
     be = pairs[0][0]
     monkeypatch.setattr(cpu_backend.kernels, "threading_layer", lambda: "workqueue")
-    assert be._threads() is cpu_backend._PASSES
+    assert be.pass_context() is cpu_backend.PASSES

@@ -51,7 +51,7 @@ ATTENTION_THREADS_FROM = 1 << 16
 # LayerWeights fields multiplied by (beyond the programs' Linear weights): the router and the experts (moe()).
 EXPERT_FIELDS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
 _NO_SINKS = np.zeros((0, 0), np.float32)
-_PASSES = threading.Lock()  # (see CpuBackend._threads)
+PASSES = threading.Lock()  # the forward passes, where numba cannot run two at once (CpuBackend.pass_context)
 
 
 class PackedMatrix:
@@ -145,10 +145,10 @@ class CpuBackend(NumpyBackend):
             return super()._embedding(gguf)
         return PackedMatrix(pack(gguf.raw(info.name), info.type, info.shape))
 
-    def _tensor(self, gguf: GGUFFile, cfg: ModelConfig, field: str, name: str):
+    def _layer_tensor(self, gguf: GGUFFile, cfg: ModelConfig, field: str, name: str):
         info = gguf.tensors[name]
         if field not in linear_fields(cfg) or not packable(info.type) or len(info.shape) not in (2, 3):
-            return super()._tensor(gguf, cfg, field, name)
+            return super()._layer_tensor(gguf, cfg, field, name)
         rows = math.prod(info.shape[:-1])
         p = pack(gguf.raw(name).reshape(rows, -1), info.type, (rows, info.shape[-1]))
         return PackedMatrix(p) if len(info.shape) == 2 else PackedExperts(p, info.shape[0])
@@ -162,19 +162,19 @@ class CpuBackend(NumpyBackend):
         return PackedMatrix(pack(gguf.raw(info.name), info.type, info.shape))
 
     # -- whole passes: the threads --------------------------------------------------------------------
-    def _threads(self) -> contextlib.AbstractContextManager:
+    def pass_context(self) -> contextlib.AbstractContextManager:
         """Set the kernels' thread count for this thread; -> what a pass runs inside: a process-wide lock where
         numba's threading layer is its own work queue (no OpenMP or TBB found), which aborts the process when two
         threads launch parallel kernels at once, else nothing."""
         numba.set_num_threads(max(1, min(threads_in_force(), numba.config.NUMBA_NUM_THREADS)))
-        return _PASSES if kernels.threading_layer() == "workqueue" else contextlib.nullcontext()
+        return PASSES if kernels.threading_layer() == "workqueue" else contextlib.nullcontext()
 
     def forward_prompt(self, ids: np.ndarray, start: int):
-        with self._threads():
+        with self.pass_context():
             return super().forward_prompt(ids, start)
 
     def decode(self, token: int, pos: int):
-        with self._threads():
+        with self.pass_context():
             return super().decode(token, pos)
 
     def device_name(self) -> str:

@@ -45,7 +45,7 @@ from .simd import (
 FAST = {"reassoc", "contract", "nsz", "arcp"}
 
 
-def _jit(**options):
+def jit(**options):
     """numba.njit with its on-disk cache where numba finds a writable place for it (beside this file, else the
     user's cache directory); where it finds none (a read-only install and home), compiled anew in each process
     rather than refused (numba raises at decoration then)."""
@@ -61,7 +61,7 @@ def _jit(**options):
 QMAX = 32767  # int16 activations: q = rint(x * QMAX / amax) per 32 values
 
 
-@_jit(parallel=True)
+@jit(parallel=True)
 def _touch(out):
     for i in prange(out.shape[0]):
         out[i] = i
@@ -79,7 +79,7 @@ def threading_layer() -> str:
 # -- activations to int16 ------------------------------------------------------------------------------------
 
 
-@_jit(fastmath=FAST)
+@jit(fastmath=FAST)
 def quantize(x, xq, xd, xs):
     """x [T, K] float32 (K a multiple of 32) -> xq int16 [T * K] (row t at t * K), xd [T, K / 32] the scales, and
     the float32 sums of x per 16 values xs [T, K / 16]."""
@@ -125,7 +125,7 @@ _WITH_MIN = (0, 1, 2, 5)
 
 
 
-@_jit(inline="always")
+@jit(inline="always")
 def _row_dot(layout, wq, w0, d, d0, xd, x0d, xq, x0, nb):
     """sum_b d[d0 + b] xd[x0d + b] dot(weight block b, x's block b) over a row (simd.py) for `layout` (a constant
     where it is called)."""
@@ -153,7 +153,7 @@ def _linear(layout: int):
     block, block_bytes = _BLOCKS[layout]
     has_min = layout in _WITH_MIN
 
-    @_jit(parallel=True, fastmath=FAST)
+    @jit(parallel=True, fastmath=FAST)
     def linear(x, wq, d, m, out):
         t_n, n_rows = out.shape
         nb = d.shape[1]
@@ -188,7 +188,7 @@ LINEAR = {key: _linear(layout) for key, layout in LAYOUTS.items()}
 # -- dequantizing (prefill's large products, the embedding's rows) -------------------------------------------
 
 
-@_jit(inline="always")
+@jit(inline="always")
 def _dequant(layout, wq, wo, scale, low, out, oo):
     """One weight block's values, scale * q (+ low), into out[oo:] (simd.py) for `layout` (a constant where called)."""
     if layout == 0:
@@ -213,7 +213,7 @@ def _dequantize(layout: int):
     block, block_bytes = _BLOCKS[layout]
     has_min = layout in _WITH_MIN
 
-    @_jit(parallel=True)
+    @jit(parallel=True)
     def dequantize(wq, d, m, rows, out):
         nb = d.shape[1]
         k = nb * block
@@ -232,7 +232,7 @@ DEQUANTIZE = {key: _dequantize(layout) for key, layout in LAYOUTS.items()}
 # -- the small operations of a decode step -------------------------------------------------------------------
 
 
-@_jit()
+@jit()
 def rms_norm(x, w, eps, out):
     """x [R, D] -> x / sqrt(mean(x^2) + eps) (in float64, then float32) * w, as the NumPy reference."""
     r_n, dim = x.shape
@@ -246,7 +246,7 @@ def rms_norm(x, w, eps, out):
             out[r, i] = np.float32(np.float64(x[r, i]) / scale) * w[i]
 
 
-@_jit()
+@jit()
 def rope(x, cos, sin, neox, rot, out):
     """x [T, H, Dh] rotated by cos, sin [T, rot / 2] in its first `rot` values per head -> out (the rest copied):
     pairs (i, i + rot / 2) when `neox`, else (2i, 2i + 1); float32 as the NumPy reference."""
@@ -264,7 +264,7 @@ def rope(x, cos, sin, neox, rot, out):
                 out[t, h, ib] = a * s + b * c
 
 
-@_jit()
+@jit()
 def add(x, y, out):
     """x + y, elementwise (float32 arrays of one shape)."""
     a, b, o = x.reshape(-1), y.reshape(-1), out.reshape(-1)
@@ -272,7 +272,7 @@ def add(x, y, out):
         o[i] = a[i] + b[i]
 
 
-@_jit()
+@jit()
 def geglu(gate, up, out):
     """gelu_tanh(gate) * up in float64, then float32 (the NumPy reference's)."""
     g, u, o = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
@@ -331,5 +331,5 @@ def _attend_one(q, kc, vc, lo, n, scale, softcap, sinks, out):
                 r = 0
 
 
-attend_one = _jit(fastmath=FAST)(_attend_one)
-attend_one_threads = _jit(parallel=True, fastmath=FAST)(_attend_one)
+attend_one = jit(fastmath=FAST)(_attend_one)
+attend_one_threads = jit(parallel=True, fastmath=FAST)(_attend_one)
