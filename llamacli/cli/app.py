@@ -225,7 +225,7 @@ MainGpuOpt = Annotated[Optional[int], typer.Option(
          "tensor, the one that gathers the logits and samples.")]
 DeviceOpt = Annotated[Optional[str], typer.Option(
     "--device", "-dev", metavar="DEV,...",
-    help="The GPUs to use, in order, as llama.cpp's: CUDA0,CUDA1 (or 0,1); none: no GPU (the NumPy backend).")]
+    help="The GPUs to use, in order, as llama.cpp's: CUDA0,CUDA1 (or 0,1); none: no GPU (the CPU backend).")]
 
 
 def split_options(split_mode: str | None, tensor_split: str | None, main_gpu: int | None,

@@ -9,7 +9,7 @@ A block's key stands for the whole prefix up to its end (the previous key is has
 behind the same blocks it was stored behind. The keys are BLAKE2b with a key drawn at start: a client cannot make
 two prefixes collide (vLLM went from Python's hash to SHA-256 for that reason), and each block keeps its ids,
 compared on every match besides. The rows live in a pool the backend holds apart from the slots
-(Backend.alloc_kv_pool: host RAM on the NumPy backend, GPU memory on CUDA), `capacity` blocks of BLOCK positions
+(Backend.alloc_kv_pool: host RAM on the CPU and NumPy backends, GPU memory on CUDA), `capacity` blocks of BLOCK positions
 bounded by the memory given; when it is full, the block used least recently goes (a leaf of the tree the chains
 form: a block is touched with the blocks behind it, last, so those behind are never older; blocks of the prefix
 being stored are never taken). A block is stored once, whoever computed it.
