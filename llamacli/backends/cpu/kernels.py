@@ -209,15 +209,18 @@ def _dequant(layout, wq, wo, scale, low, out, oo):
 
 def _dequantize(layout: int):
     """The dequantizing kernel of one layout: (wq flat, d [N, nb], m [N, nb] (unread without a min), rows [R] int64,
-    out [R * K] float32): out's row i = row rows[i] of the matrix, the file's values (layouts.dequantize)."""
+    out [R * K] float32): out's row i = row rows[i] of the matrix, the file's values (layouts.dequantize). On the
+    calling thread alone: a long product's BLAS call follows it, and numba's OpenMP threads, spinning after a
+    parallel dequantization, took the CPUs from BLAS's (SmolLM2's pp64 at -t 2 ran at 60% of the NumPy
+    backend's)."""
     block, block_bytes = _BLOCKS[layout]
     has_min = layout in _WITH_MIN
 
-    @jit(parallel=True)
+    @jit()
     def dequantize(wq, d, m, rows, out):
         nb = d.shape[1]
         k = nb * block
-        for i in prange(rows.shape[0]):
+        for i in range(rows.shape[0]):
             n = rows[i]
             for b in range(nb):
                 low = m[n, b] if has_min else np.float32(0.0)
