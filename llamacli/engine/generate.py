@@ -207,8 +207,7 @@ class Model:
 
     def set_slots(self, n: int) -> None:
         """Hold the caches of `n` sequences (engine/scheduler.py runs them together): slot 0 keeps what it holds.
-        BackendError where the backend holds one (CUDA, until batched decode), HostMemoryError where they do not
-        fit."""
+        BackendError where the backend holds one, HostMemoryError / DeviceMemoryError where they do not fit."""
         self.backend.set_slots(n)
         layers = layer_caches(self.cfg, self.ctx)
         self.seqs = self.seqs[:n] + [SequenceCache(layers, self.ctx, slot) for slot in range(len(self.seqs), n)]

@@ -52,8 +52,8 @@ from .device import DeviceModel, cache_q8, compile_kernels, cuda_available, fuse
 from .gpu import Gpu, Options
 from .kv import KVCache
 from .kv_pool import KVPool
-from .linear import RUNNABLE, DeviceMatrix, Linear
-from .moe import Experts
+from .linear import DEQUANT_CHUNK, RUNNABLE, DeviceMatrix, Linear
+from .moe import Experts, moe_family_needed
 from .ops import add_into, embed_rows, glu_into, rms_norm_into, rope_into, softcap_into
 from .prefill import PREFILL_CHUNK, PrefillPass
 from .profile import Profiler, profiled
@@ -141,6 +141,7 @@ class CudaBackend(Backend):
                                   self.profiler)
         self.prefill = self.batch = None
         self.slots = 1
+        self._slot_sampler, self._slot_kind = {}, {}
         self.kv_pool = None
 
     def close(self) -> None:
@@ -157,11 +158,23 @@ class CudaBackend(Backend):
         With more than one, step() runs the decode steps of several sequences together (batch.BatchStep)."""
         if type(n) is not int or n < 1:
             raise UsageError(f"the number of sequences must be a positive integer, got {n!r}")
-        self.kv.set_slots(n)
+        self.batch = None  # (its graphs hold the old slots' addresses; its pool counts as free below)
+        if n > 1:  # what lives past any step made now, outside the batched step's memory pool
+            self.prefill_pass().buffers()
+            self.linear.workspace()
+            if moe_family_needed(self.cfg):
+                self.experts.buffers(max(PREFILL_CHUNK, n))
+        cfg = self.cfg
+        # room for the batched step's working set: a GEMM's fp16 weight chunk, its rows' activations and logits
+        keep = DEQUANT_CHUNK * 2 + n * 4 * (8 * max(cfg.n_embd, cfg.q_dim + 2 * cfg.kv_dim, 2 * cfg.n_ff)
+                                            + 3 * cfg.vocab_size) + (256 << 20)
+        self.kv.set_slots(n, keep)
         self._forget_slots(min(n, self.slots))
         self.decoder.use_slot(0)
         self.decoder.forget_slots(n)
-        self.slots, self.batch = n, None  # (the batched step's graphs hold the old slots' addresses)
+        self.prefill_pass().forget_slots(n)
+        self.decoder.look_ahead = n == 1 or not self.kv.q8  # (an 8-bit cache's sequences take turns: see README)
+        self.slots = n
 
     def use_slot(self, slot: int) -> None:
         self.kv.use(slot)
@@ -173,8 +186,6 @@ class CudaBackend(Backend):
         if self.slots == 1:
             return super().step(batch)
         self._check_slots(batch)
-        if not hasattr(self, "_slot_sampler"):
-            self._slot_sampler, self._slot_kind = {}, {}
         rows = [i for i, seq in enumerate(batch) if self._batchable(seq)]
         if len(rows) == 1 and self._slot_kind.get(batch[rows[0]].slot) == "greedy":
             rows = []
@@ -262,7 +273,7 @@ class CudaBackend(Backend):
     def _decode(self, token: int, pos: int, s: Any, kind: str) -> StepOut:
         if kind != "batch":
             return super()._decode(token, pos, s, kind)
-        raise BackendError("internal: a batched sequence's step outside the batched step")
+        return self._choose(self.decode(token, pos), s)  # (one slot again: the fused step's logits)
 
     # -- host <-> device -----------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> Any:

@@ -91,6 +91,11 @@ class PrefillPass:
             self._seen.add(t)
         return b.logits
 
+    def forget_slots(self, first: int) -> None:
+        """Slots from `first` on are gone (KVCache.set_slots): their graphs too (they hold the old arrays)."""
+        for key in [k for k in self._graphs if k[0] >= first]:
+            del self._graphs[key]
+
     @property
     def graph_lengths(self) -> frozenset[int]:
         """The chunk lengths whose prefill pass is captured as a graph now (for some cache slot)."""
