@@ -17,6 +17,12 @@ Decode reads every weight once per token (a tied embedding counted once, as the 
 an untied model contributes one row; of a mixture of experts, the k of E experts a token runs) plus the K
 and V written so far. GB/s = bytes per token x tokens/s, and % BW is that over the copy bandwidth the
 backend measures (bytes read + written by a large copy).
+
+With speculative decoding asked for (--spec-type, -md), bench compares instead a greedy reply to one prompt (-f,
+or by default an echo task: rewrite llamacli/units.py with one function renamed) with and without it, through
+the engine as `generate` runs it: decode tokens/s (from the first id to the last), the drafts and those
+accepted, tokens per decode pass, and whether the replies are the same (they must be, up to near-ties of the
+logits where the verification's kernels round otherwise than the decode step's).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, cache_row_bytes
 from ..models.weights import active_share
 from ..units import human_bytes, human_count
 from .generate import Model
+from .speculative import SpecSettings
 
 
 @dataclass
@@ -377,4 +384,93 @@ def render_kernels(rows: list[dict], bandwidth: float, fmt: str, device: str) ->
         gbs = r.get("gb_per_s")
         lines.append(f"| {r['kernel']} | {r['shape']} | {r['us']:.1f} | {'' if gbs is None else f'{gbs:.0f}'} | "
                      f"{'' if gbs is None else f'{gbs * 1e9 / bandwidth * 100:.1f}%'} | {r['tflops']:.2f} | {r.get('vs', '')} |")
+    return "\n".join(lines)
+
+
+# -- speculative decoding: the same reply with and without drafts -------------------------------------------
+
+
+@dataclass
+class SpecRow:
+    model: str
+    backend: str
+    test: str  # "plain", or the draft sources
+    samples_ts: list[float] = field(default_factory=list)  # decode tokens/s, one per repetition
+    tokens: int = 0  # ids generated (the last repetition)
+    drafted: int = 0
+    accepted: int = 0
+    per_pass: float = 0.0  # ids a decode pass gave, on average (the first id is the prompt's)
+    same: bool | None = None  # the reply equals the plain one (None: this is the plain one)
+
+    def as_dict(self, device: str) -> dict[str, Any]:
+        return {"model": self.model, "backend": self.backend, "device": device, "test": self.test,
+                "tokens": self.tokens, "avg_ts": round(statistics.fmean(self.samples_ts), 3),
+                "stddev_ts": round(statistics.stdev(self.samples_ts), 3) if len(self.samples_ts) > 1 else 0.0,
+                "samples_ts": [round(x, 3) for x in self.samples_ts], "drafted": self.drafted,
+                "accepted": self.accepted, "tokens_per_pass": round(self.per_pass, 3),
+                "same_as_plain": self.same}
+
+
+def echo_prompt() -> str:
+    """bench's default task for speculative decoding: a short source file to write out again with one change."""
+    from pathlib import Path
+
+    from .. import units
+
+    return ("Rewrite this Python module with the function human_count renamed to format_count; change nothing "
+            "else and answer with the code only.\n\n" + Path(units.__file__).read_text())
+
+
+def run_spec_bench(model: Model, prompt: str, n_gen: int, reps: int, settings: SpecSettings,
+                   progress: Callable[[str], None] | None = None) -> list[SpecRow]:
+    """A greedy reply of at most n_gen tokens to `prompt` (through the chat template where the model has one),
+    plain and with `settings`, each run once to warm up and `reps` times timed."""
+    from ..errors import ContextOverflowError
+    from ..tokenizer.tokenizer import TooManyTokens
+
+    try:
+        ids = model.prompt_ids(prompt, limit=model.ctx - n_gen)
+    except TooManyTokens as exc:
+        raise ContextOverflowError(f"the prompt and a reply of -n {n_gen} tokens need more than the context of "
+                                   f"{model.ctx} (the prompt alone: at least {exc.at_least:,} tokens): raise --ctx, "
+                                   "or give a shorter prompt (-f)") from None
+    rows, plain = [], None
+    for name, spec in (("plain", SpecSettings()), ("+".join(settings.sources), settings)):
+        if progress:
+            progress(f"running {name}")
+        row = SpecRow(model.path.name, model.backend.name, name)
+        for i in range(reps + 1):
+            c = model.complete(ids, max_tokens=n_gen, temperature=0.0, speculative=spec)
+            if i:  # (the first: warm-up)
+                t = c.timings
+                row.samples_ts.append(t.eval_tokens_per_s)
+                row.tokens, row.drafted, row.accepted = len(c.tokens), t.drafted, t.accepted
+                row.per_pass = t.eval_tokens / t.passes if t.passes else 0.0
+        if plain is None:
+            plain = c.tokens
+        else:
+            row.same = c.tokens == plain
+        rows.append(row)
+    return rows
+
+
+def render_spec(rows: list[SpecRow], fmt: str, device: str) -> str:
+    if fmt == "json":
+        return json.dumps([r.as_dict(device) for r in rows], indent=2)
+    dicts = [r.as_dict(device) for r in rows]
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(list(dicts[0]))
+        for d in dicts:
+            w.writerow([";".join(map(str, v)) if isinstance(v, list) else v for v in d.values()])
+        return buf.getvalue().rstrip("\n")
+    lines = [f"device: {device}; a greedy reply, with and without speculative decoding", "",
+             "| model | backend | test | tokens | t/s | drafted | accepted | tokens/pass | same |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r, d in zip(rows, dicts):
+        rate = f" ({r.accepted / r.drafted * 100:.0f}%)" if r.drafted else ""
+        same = "" if r.same is None else "yes" if r.same else "NO"
+        lines.append(f"| {r.model} | {r.backend} | {r.test} | {r.tokens} | {d['avg_ts']:.2f} ± {d['stddev_ts']:.2f} | "
+                     f"{r.drafted} | {r.accepted}{rate} | {d['tokens_per_pass']:.2f} | {same} |")
     return "\n".join(lines)

@@ -358,6 +358,28 @@ class CudaBackend(Backend):
             return super().forward_prompt(ids, start)
         return self.prefill_pass().forward(ids, start)
 
+    def forward_verify(self, ids: np.ndarray, start: int) -> Any:
+        """Backend.forward_verify: a verification of drafts (speculative decoding) -> logits [T, V] on the
+        device. Up to MATVEC_TMAX tokens the operations one by one (block.run, as a short prompt chunk), longer
+        ones the fused prefill pass with every row's LM head (prefill.PrefillPass.forward(all_rows=True))."""
+        self.decoder.drop_ahead()  # a decode step queued ahead is stale once the cache changes
+        if not PrefillPass.serves(int(np.asarray(ids).size), self.ctx):
+            return super().forward_verify(ids, start)
+        return self.prefill_pass().forward(ids, start, all_rows=True)
+
+    def verify_greedy(self, ids: np.ndarray, start: int) -> list[int]:
+        """Backend.verify_greedy with the argmax of each row on the device (the lowest id on ties, as the host's):
+        only the ids and each row's maximum cross; a row whose maximum is not finite goes to the host sampler's
+        checks (NumericalError)."""
+        logits = self.forward_verify(ids, start)
+        both = self.to_host(self.cp.stack([logits.argmax(axis=1).astype(self.cp.float64),
+                                           logits.max(axis=1).astype(self.cp.float64)]))
+        if not np.isfinite(both[1]).all():
+            from ...sampling.sampling import greedy
+
+            return [greedy(row) for row in self.to_host(logits)]  # (raises, naming what is wrong)
+        return [int(i) for i in both[0]]
+
     def prefill_pass(self) -> PrefillPass:
         """The fused prefill pass (made with its first chunk: its buffers come with it) of a loaded model."""
         if self.prefill is None:
