@@ -239,7 +239,9 @@ def read_prompt(prompt: str | None, prompt_file: str | None, positional: str | N
 
 # -- what a command does with its model ------------------------------------------------------------------
 
-# The keyword arguments of complete() and converse() a Task carries, with the JSON types each may take.
+# The keyword arguments of complete() and converse() a Task carries, with the JSON types each may take; those of
+# _OPTIONAL only where set (speculative decoding's settings: speculative_json).
+_OPTIONAL = frozenset({"speculative"})
 _OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
     "complete": {"text": (str,), "max_tokens": (int,), "stop": (list,), "raw": (bool,), "system": (str, type(None)),
                  "truncate": (bool,), "as_json": (bool,), "verbose": (bool,), "quiet": (bool,),
@@ -266,8 +268,9 @@ class Task:
         from ..sampling.params import SamplingParams
 
         params = SamplingParams(**self.params).validate()
-        options = {**self.options, "stop": tuple(self.options["stop"]),
-                   "speculative": speculative_from_json(self.options["speculative"])}
+        options = {**self.options, "stop": tuple(self.options["stop"])}
+        if "speculative" in options:
+            options["speculative"] = speculative_from_json(options["speculative"])
         constraint = build_constraint(m, self.grammar)
         if self.kind == "complete":
             text, max_tokens = options.pop("text"), options.pop("max_tokens")
@@ -293,17 +296,18 @@ class Task:
         if not isinstance(params, dict) or not set(params) <= names:
             raise ValueError("a task's params are SamplingParams' fields")
         wanted = _OPTIONS[kind]
-        if not isinstance(options, dict) or set(options) != set(wanted):
+        if not isinstance(options, dict) or not set(wanted) - _OPTIONAL <= set(options) <= set(wanted):
             raise ValueError(f"a {kind} task's options are {', '.join(sorted(wanted))}")
         for name, kinds in wanted.items():
-            if type(options[name]) not in kinds:
+            if name in options and type(options[name]) not in kinds:
                 raise ValueError(f"a task's {name} of the type {type(options[name]).__name__}")
         if not all(isinstance(x, str) for x in options["stop"]) or not isinstance(grammar, (str, type(None))):
             raise ValueError("a task's stop strings and grammar are strings")
-        try:
-            speculative_from_json(options["speculative"])
-        except UsageError as exc:
-            raise ValueError(f"a task's speculative settings: {exc}") from None
+        if "speculative" in options:
+            try:
+                speculative_from_json(options["speculative"])
+            except UsageError as exc:
+                raise ValueError(f"a task's speculative settings: {exc}") from None
         return cls(kind, params, options, grammar)
 
 
@@ -320,6 +324,11 @@ def speculative_from_json(value: dict[str, Any]):
     if set(value) != {"sources", "draft_max", "draft_min", "ngram_n"} or not isinstance(value["sources"], list):
         raise UsageError("speculative settings have the fields sources (a list), draft_max, draft_min and ngram_n")
     return SpecSettings(tuple(value["sources"]), value["draft_max"], value["draft_min"], value["ngram_n"]).validate()
+
+
+def _speculative_option(settings) -> dict[str, Any]:
+    """A Task's speculative option: only where speculative decoding is on."""
+    return {"speculative": speculative_json(settings)} if settings is not None and settings.on else {}
 
 
 def deliver(load: dict[str, Any], task: Task, keep_alive: float | None) -> None:
@@ -352,24 +361,18 @@ def reply_task(params, grammar: str | None, *, text: str, max_tokens: int, stop,
                truncate: bool, as_json: bool, quiet: bool, think, logprobs: int | None, ignore_eos: bool,
                speculative=None) -> Task:
     """The Task of one reply (complete()'s arguments; -v as given)."""
-    from ..engine.speculative import SpecSettings
-
     return Task("complete", asdict(params), {
         "text": text, "max_tokens": max_tokens, "stop": list(stop or ()), "raw": raw, "system": system,
         "truncate": truncate, "as_json": as_json, "verbose": is_verbose(), "quiet": quiet, "think": think,
-        "logprobs": logprobs, "ignore_eos": ignore_eos,
-        "speculative": speculative_json(speculative or SpecSettings())}, grammar)
+        "logprobs": logprobs, "ignore_eos": ignore_eos, **_speculative_option(speculative)}, grammar)
 
 
 def conversation_task(params, grammar: str | None, *, system: str | None, max_tokens: int, stop, as_json: bool,
                       quiet: bool, think, ignore_eos: bool, speculative=None) -> Task:
     """The Task of a conversation (converse()'s arguments)."""
-    from ..engine.speculative import SpecSettings
-
     return Task("converse", asdict(params), {
         "system": system, "max_tokens": max_tokens, "as_json": as_json, "quiet": quiet, "think": think,
-        "stop": list(stop or ()), "ignore_eos": ignore_eos,
-        "speculative": speculative_json(speculative or SpecSettings())}, grammar)
+        "stop": list(stop or ()), "ignore_eos": ignore_eos, **_speculative_option(speculative)}, grammar)
 
 
 @command()

@@ -265,6 +265,8 @@ class Model:
         """Draft with `draft` (a loaded Model of the same vocabulary: UsageError otherwise), which takes as many
         cache slots; it closes with this model."""
         check_vocabularies(self, draft)
+        if draft.ctx < self.ctx:
+            raise UsageError(f"the draft model's context ({draft.ctx}) is shorter than the model's ({self.ctx})")
         if len(draft.seqs) != len(self.seqs):
             draft.set_slots(len(self.seqs))
         self.draft = DraftModel(draft)

@@ -111,3 +111,67 @@ def test_serve_takes_a_request_s_draft_bounds(random_model):
         with pytest.raises(ApiError) as exc:
             read_job(m, {**body, field: value}, chat=False)
         assert exc.value.status == 400 and exc.value.param == field and says in str(exc.value), exc.value
+
+
+def test_a_task_carries_its_speculative_settings_checked():
+    """--keep-alive hands a command's Task to the resident server as JSON: speculative settings go with it, and
+    wrong ones from another process are refused (ValueError)."""
+    from llamacli.cli.generate import Task, reply_task
+    from llamacli.engine.speculative import SpecSettings
+    from llamacli.sampling.params import SamplingParams
+
+    task = reply_task(SamplingParams(temperature=0.0), None, text="hi", max_tokens=4, stop=(), raw=False, system=None,
+                      truncate=False, as_json=False, quiet=True, think=None, logprobs=None, ignore_eos=False,
+                      speculative=SpecSettings(("ngram-simple",), 8, 2, 3))
+    again = Task.from_json(json.loads(json.dumps(task.as_json())))
+    assert again == task and again.options["speculative"]["sources"] == ["ngram-simple"]
+    off = reply_task(SamplingParams(), None, text="hi", max_tokens=4, stop=(), raw=False, system=None, truncate=False,
+                     as_json=False, quiet=True, think=None, logprobs=None, ignore_eos=False, speculative=SpecSettings())
+    assert "speculative" not in off.options
+    good = task.as_json()
+    for bad in ({"sources": ["ngram-mod"], "draft_max": 8, "draft_min": 0, "ngram_n": 3},
+                {"sources": "ngram-simple", "draft_max": 8, "draft_min": 0, "ngram_n": 3},
+                {"sources": ["ngram-simple"], "draft_max": 10 ** 9, "draft_min": 0, "ngram_n": 3},
+                {"sources": ["ngram-simple"], "draft_max": 8, "draft_min": 0}, [1], "x"):
+        with pytest.raises(ValueError):
+            Task.from_json({**good, "options": {**good["options"], "speculative": bad}})
+
+
+def test_a_server_with_speculation_answers_as_without(random_model):
+    """A real server (two slots) whose model drafts with ngram-simple: completions with and without a request's own
+    bounds are the plain replies, streamed or not, side by side; a wrong bound is a 400 and the server goes on."""
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    import urllib.error
+    import urllib.request
+
+    from serve_runner import start, stop
+
+    from llamacli.engine.generate import Model
+    from llamacli.engine.speculative import SpecSettings
+
+    m = Model(random_model("tiny-llama", "F32"), backend="numpy", ctx=128, slots=2)
+    plain = m.complete(m.tokenize(ECHO), max_tokens=16, temperature=0.0, ignore_eos=True).text
+    m.speculative = SpecSettings(("ngram-simple",), 6, 0, 2)
+    url, server, thread = start(m, "tiny")
+
+    def post(body):
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        body = {"prompt": ECHO, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        for extra in ({}, {"speculative.n_max": 2}, {"speculative.n_max": 0}, {"speculative.n_min": 3}):
+            status, answer = post({**body, **extra})
+            assert status == 200 and answer["choices"][0]["text"] == plain, (extra, answer)
+        status, answer = post({**body, "speculative.n_max": 1000})
+        assert status == 400 and answer["error"]["param"] == "speculative.n_max"
+        assert post(body)[0] == 200
+    finally:
+        stop(server, thread)
+        m.close()
