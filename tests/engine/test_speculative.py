@@ -25,7 +25,7 @@ from llamacli.models.config import ModelConfig
 from llamacli.sampling.sampling import SamplingParams, make_rng, softmax, top_k_filter
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-phi3", "tiny-gemma2", "tiny-gemma3", "tiny-smollm3", "tiny-qwen3moe",
-         "tiny-gpt-oss", "tiny-qwen35", "tiny-qwen3next"]
+         "tiny-gpt-oss", "tiny-qwen35", "tiny-qwen3next", "tiny-gemma4", "tiny-gemma4-moe"]
 ECHO = [5, 9, 2, 40, 7, 7, 1, 5, 9, 2, 40, 7, 11, 60, 61, 62, 5, 9, 2]  # ids that recur: n-gram drafts find them
 
 

@@ -210,10 +210,12 @@ class CudaBackend(Backend):
         return outs  # type: ignore[return-value]
 
     def _batchable(self, seq: SeqStep) -> bool:
-        """A decode step the batched step takes: the sequence's next token in its own slot, an fp16 cache."""
+        """A decode step the batched step takes: the sequence's next token in its own slot (after a verification of
+        drafts, past those accepted: Backend.rollback has nothing to do for K/V rows), an fp16 cache."""
         s = seq.sampler
+        low = s.verified + 1 if s.verified >= 0 else s.position
         return (not self.kv.q8 and s.position >= 0 and self._slot_sampler.get(seq.slot) is s
-                and len(seq.tokens) == 1 and seq.start == s.position)
+                and len(seq.tokens) == 1 and low <= seq.start <= s.position)
 
     def _decode_batch(self, seqs: list[SeqStep]) -> list[StepOut | Exception]:
         """One batched step of these sequences' decode steps -> per sequence its StepOut, or the exception that
@@ -243,7 +245,7 @@ class CudaBackend(Backend):
                 outs.append(exc)
                 continue
             out.snapshots = self.snapshots(seq.slot)
-            s.position, self._slot_sampler[seq.slot] = seq.start + 1, s
+            s.position, s.verified, self._slot_sampler[seq.slot] = seq.start + 1, -1, s
             outs.append(out)
         return outs
 

@@ -153,3 +153,43 @@ def test_smollm2_echo_task_with_ngram_drafts() -> None:
             assert top[0]["logprob"] - top[1]["logprob"] < 0.02, (at, top)
     finally:
         m.close()
+
+
+def test_speculative_requests_in_the_batched_step(random_model) -> None:
+    """Two cache slots (the batched decode step): speculative and plain greedy requests at once in the scheduler,
+    one with penalties (its decode steps batched, its verifications one pass each; the step after a rejection
+    starts past the drafts kept): each reply is the one it gets alone."""
+    import threading
+
+    from llamacli.engine.generate import Completion, Model
+    from llamacli.engine.scheduler import Scheduler
+    from llamacli.engine.speculative import SpecSettings
+
+    m = Model(random_model("small-llama", "Q8_0"), backend="cuda", ctx=256, slots=2)
+    prompt = [5, 9, 2, 40, 7, 7, 1, 5, 9, 2, 40, 7, 11, 60, 61, 62, 5, 9, 2]
+    cases = [(SpecSettings(("ngram-simple",), 4, 0, 1), {}), (SpecSettings(), {}),
+             (SpecSettings(("ngram-simple",), 12, 0, 1), {"repeat_penalty": 1.3}), (SpecSettings(), {"repeat_penalty": 1.3})]
+    alone = [m.complete(prompt, max_tokens=48, temperature=0.0, ignore_eos=True, speculative=spec, **kw).tokens
+             for spec, kw in cases]
+    sched = Scheduler(m)
+    got: dict[int, tuple[list[int], int]] = {}
+
+    def one(i: int) -> None:
+        spec, kw = cases[i]
+        c = Completion()
+        for _ in m.run(list(prompt), completion=c, max_tokens=48, temperature=0.0, ignore_eos=True, scheduler=sched,
+                       speculative=spec, **kw):
+            pass
+        got[i] = (c.tokens, c.timings.drafted)
+
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sched.close()
+        m.close()
+    assert [got[i][0] for i in range(len(cases))] == alone
+    assert got[0][1] > 0 and got[2][1] > 0
