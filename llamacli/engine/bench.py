@@ -417,8 +417,8 @@ def echo_prompt() -> str:
 
     from .. import units
 
-    return ("Rewrite this Python module with the function human_count renamed to format_count; change nothing "
-            "else and answer with the code only.\n\n" + Path(units.__file__).read_text())
+    return (f"Here is a Python file:\n\n```python\n{Path(units.__file__).read_text()}```\n\nRewrite the whole file "
+            "with the function human_count renamed to format_count. Reply with the code only.")
 
 
 def run_spec_bench(model: Model, prompt: str, n_gen: int, reps: int, settings: SpecSettings,
