@@ -148,7 +148,9 @@ def test_smollm2_echo_task_with_ngram_drafts() -> None:
         assert t.drafted >= 20 and t.accepted >= 0.5 * t.drafted, (t.drafted, t.accepted)
         assert t.passes < len(spec.tokens) * 0.8
         if spec.tokens != plain.tokens:
-            at = next(i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b)
+            at = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b),
+                      min(len(spec.tokens), len(plain.tokens)))
+            assert at < len(plain.logprobs), f"the plain reply ended at {at}, the speculative one went on"
             top = plain.logprobs[at]["top_logprobs"]
             assert top[0]["logprob"] - top[1]["logprob"] < 0.02, (at, top)
     finally:
