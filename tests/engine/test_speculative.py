@@ -383,3 +383,39 @@ def test_the_scheduler_runs_speculative_requests_beside_plain_ones(random_model)
         m.close()
     assert {k: v[0] for k, v in got.items()} == alone
     assert sum(v[1] for v in got.values()) > 0
+
+
+def test_replies_stored_in_the_prefix_cache_after_speculation_serve_later_prompts(random_model):
+    """With the prefix cache (engine/prefix_cache.py) and the scheduler: a speculative reply's blocks, stored when it
+    ends, hold only what the drafts accepted left (the rows past them are never stored): a later prompt that
+    continues that reply, in the other slot, gets from the cache the ids a whole prefill gives."""
+    m = Model(random_model("tiny-llama", "F32"), backend="numpy", ctx=160, slots=2)
+    ref = Model(random_model("tiny-llama", "F32"), backend="numpy", ctx=160)
+    m.enable_prefix_cache()
+    m.attach_draft(Model(random_model("tiny-llama", "F32", seed=7), backend="numpy", ctx=160))  # (mostly wrong)
+    spec = SpecSettings(("draft-simple",), 4)
+    sched = Scheduler(m)
+    prompt = ECHO * 2
+
+    def run(ids, spec):
+        c = Completion()
+        for _ in m.run(list(ids), completion=c, max_tokens=40, temperature=0.0, ignore_eos=True, scheduler=sched,
+                       speculative=spec):
+            pass
+        return c
+
+    try:
+        first = run(prompt, spec)
+        assert first.timings.drafted > first.timings.accepted
+        follow = prompt + first.tokens[:33] + [7, 9]
+        hold = Completion()  # (the first reply's slot kept busy: the follow-up goes to the other)
+        gen = m.run(prompt + first.tokens[:30], completion=hold, max_tokens=120, temperature=0.0, ignore_eos=True,
+                    scheduler=sched)
+        next(gen)
+        again = run(follow, spec)
+        gen.close()
+    finally:
+        sched.close()
+    assert again.timings.prefix_cached_tokens >= 32
+    want = ref.complete(follow, max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert again.tokens == want.tokens
