@@ -84,6 +84,7 @@ class CudaBackend(Backend):
     pdl = _Option()
     mv1_stream = _Option()
     batch_matvec = _Option()
+    verify_batched = _Option()
     pdl_max_bytes = _Option()
     pdl_early_bytes = _Option()
 
@@ -105,6 +106,7 @@ class CudaBackend(Backend):
         self.decoder: DecodeStep | None = None
         self.prefill: PrefillPass | None = None
         self.batch: BatchStep | None = None
+        self.verifier: BatchStep | None = None  # a verification's pass of drafts as a batched step (forward_verify)
         self.kv_pool: KVPool | None = None  # the prefix cache's rows (alloc_kv_pool)
 
     # -- lifetime ------------------------------------------------------------------------------------------
@@ -139,13 +141,13 @@ class CudaBackend(Backend):
         self.sampler = DeviceSampler(gpu, model.cfg, model.ctx, self.profiler)
         self.decoder = DecodeStep(gpu, opt, model, self.kv, self.linear, self.attn, self.experts, self.sampler,
                                   self.profiler)
-        self.prefill = self.batch = None
+        self.prefill = self.batch = self.verifier = None
         self.slots = 1
         self._slot_sampler, self._slot_kind = {}, {}
         self.kv_pool = None
 
     def close(self) -> None:
-        self.batch = None
+        self.batch = self.verifier = None
         self.decoder = self.prefill = self.sampler = self.experts = self.attn = self.linear = self.kv = None
         self.kv_pool = None
         self.model = None
@@ -158,7 +160,7 @@ class CudaBackend(Backend):
         With more than one, step() runs the decode steps of several sequences together (batch.BatchStep)."""
         if type(n) is not int or n < 1:
             raise UsageError(f"the number of sequences must be a positive integer, got {n!r}")
-        self.batch = None  # (its graphs hold the old slots' addresses; its pool counts as free below)
+        self.batch = self.verifier = None  # (their graphs hold the old slots' addresses; their pools count as free below)
         if n > 1:  # what lives past any step made now, outside the batched step's memory pool
             self.prefill_pass().buffers()
             self.linear.workspace()
@@ -361,26 +363,55 @@ class CudaBackend(Backend):
         return self.prefill_pass().forward(ids, start)
 
     def forward_verify(self, ids: np.ndarray, start: int) -> Any:
-        """Backend.forward_verify: a verification of drafts (speculative decoding) -> logits [T, V] on the
-        device. Up to MATVEC_TMAX tokens the operations one by one (block.run, as a short prompt chunk), longer
-        ones the fused prefill pass with every row's LM head (prefill.PrefillPass.forward(all_rows=True))."""
+        """Backend.forward_verify: a verification of drafts (speculative decoding) -> logits [T, V] on the device.
+        With an fp16 cache (and verify_batched on), the batched decode step's pass (batch.BatchStep, captured per
+        T) with every row in the sequence's slot: its K/V stores come before any row's attention, which reads its
+        slot up to its own position, so the rows see the drafts before them; each weight is read once for up to
+        MATVEC_TMAX rows (Linear.matvec_rows). Otherwise up to MATVEC_TMAX tokens the operations one by one
+        (block.run, as a short prompt chunk), longer ones the fused prefill pass with every row's LM head
+        (prefill.PrefillPass.forward(all_rows=True))."""
         self.decoder.drop_ahead()  # a decode step queued ahead is stale once the cache changes
-        if not PrefillPass.serves(int(np.asarray(ids).size), self.ctx):
+        t = int(np.asarray(ids).size)
+        if self.verify_batched and not self.kv.q8:
+            return self._verify_step(ids, start)[1]
+        if not PrefillPass.serves(t, self.ctx):
             return super().forward_verify(ids, start)
         return self.prefill_pass().forward(ids, start, all_rows=True)
 
     def verify_greedy(self, ids: np.ndarray, start: int) -> list[int]:
         """Backend.verify_greedy with the argmax of each row on the device (the lowest id on ties, as the host's):
-        only the ids and each row's maximum cross; a row whose maximum is not finite goes to the host sampler's
-        checks (NumericalError)."""
-        logits = self.forward_verify(ids, start)
-        both = self.to_host(self.cp.stack([logits.argmax(axis=1).astype(self.cp.float64),
-                                           logits.max(axis=1).astype(self.cp.float64)]))
-        if not np.isfinite(both[1]).all():
+        only the ids and each row's maximum (or, in the batched step, a flag) cross; a row that is not finite goes
+        to the host sampler's checks (NumericalError)."""
+        if self.verify_batched and not self.kv.q8:
+            self.decoder.drop_ahead()
+            choice, logits = self._verify_step(ids, start)
+            bad, argmax = bool(choice[1].any()), [int(i) for i in choice[0]]
+        else:
+            logits = self.forward_verify(ids, start)
+            both = self.to_host(self.cp.stack([logits.argmax(axis=1).astype(self.cp.float64),
+                                               logits.max(axis=1).astype(self.cp.float64)]))
+            bad, argmax = not np.isfinite(both[1]).all(), [int(i) for i in both[0]]
+        if bad:
             from ...sampling.sampling import greedy
 
             return [greedy(row) for row in self.to_host(logits)]  # (raises, naming what is wrong)
-        return [int(i) for i in both[0]]
+        return argmax
+
+    def _verify_step(self, ids: np.ndarray, start: int) -> tuple[np.ndarray, Any]:
+        """The verification's pass as a batched step of T rows in the current slot -> (choice [2, T] on the host:
+        argmax ids, non-finite flags; logits [T, V], a buffer the next verification overwrites)."""
+        t = int(np.asarray(ids).size)
+        if self.verifier is None or self.verifier.logits.shape[0] < t:  # (rows for the longest verification yet)
+            rows = max(t, 17 if self.verifier is None else 2 * self.verifier.logits.shape[0])
+            # what outlives a step made first, outside the step's memory pool (as set_slots does for the batch)
+            self.prefill_pass().buffers()
+            self.linear.workspace()
+            if moe_family_needed(self.cfg):
+                self.experts.buffers(max(PREFILL_CHUNK, rows))
+            self.kv.tables(0)
+            self.verifier = BatchStep(self.gpu, self.options, self._forward_batch, rows, self.cfg.vocab_size)
+        return self.verifier.run(np.asarray(ids, np.int64).reshape(-1), np.arange(start, start + t),
+                                 np.full(t, self.kv.slot))
 
     def prefill_pass(self) -> PrefillPass:
         """The fused prefill pass (made with its first chunk: its buffers come with it) of a loaded model."""

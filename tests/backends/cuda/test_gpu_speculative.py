@@ -44,15 +44,17 @@ def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["batched-step", "op-by-op-or-prefill"])
 @pytest.mark.parametrize("shape,qtype", CASES, ids=IDS)
-def test_verification_matches_numpy(random_model, shape, qtype) -> None:
-    """forward_verify of 4 tokens (op by op), 9 and 17 (the fused pass, every row; run three times: direct,
-    captured, replayed) after a 40-token prompt: every row's logits within 1e-2 of NumPy's; verify_greedy the
-    argmax of the CUDA rows; and a decode step after it, at a position inside the drafts (a rejection), as
-    NumPy's."""
+def test_verification_matches_numpy(random_model, shape, qtype, batched) -> None:
+    """forward_verify of 4, 9 and 17 tokens after a 40-token prompt, run three times (direct, captured, replayed):
+    through the batched step's pass (verify_batched, the default), or else op by op (4) and the fused prefill pass
+    with every row's LM head (9, 17). Every row's logits within 1e-2 of NumPy's; verify_greedy the argmax of the
+    CUDA rows; and a decode step after it, at a position inside the drafts (a rejection), as NumPy's."""
     path = random_model(shape, qtype)
     cfg, ref = loaded(path, NumpyBackend())
     _, be = loaded(path, CudaBackend())
+    be.verify_batched = batched
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, cfg.vocab_size, 40)
     prefill(ref, cfg, prompt, 0)
