@@ -313,6 +313,10 @@ def bench(
     spec_ngram_size_n: NgramSizeOpt = DEFAULT_NGRAM_N,
     model_draft: ModelDraftOpt = None,
     prompt_file: PromptFileOpt = None,
+    verify_cost: Annotated[Optional[str], typer.Option(
+        "--verify-cost", metavar="K,K,...",
+        help="Instead: what a verification pass of 1 + K tokens (speculative decoding: the last id and K drafts) "
+             "costs against one decode step, greedy, after -d's first depth of context.")] = None,
 ) -> None:
     """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth.
     --profile breaks one prefill and one decode step down by kernel family; --kernels times single kernels;
@@ -330,12 +334,19 @@ def bench(
             fail("bench compares speculative decoding with plain decoding: give --spec-type ngram-simple or -md, "
                  "and --draft-max > 0")
         others = {"--url": url is not None, "--profile": profile, "--kernels": kernels, "--pg": bool(pg),
-                  "-d": n_depth != "0", "-npl": clients is not None, "-npp": n_pp is not None}
+                  "-d": n_depth != "0", "-npl": clients is not None, "-npp": n_pp is not None,
+                  "--verify-cost": verify_cost is not None}
         given = [name for name, on in others.items() if on]
         if given:
             fail(f"{given[0]} is another run than --spec-type / -md's comparison: pick one")
     elif prompt_file is not None:
         fail("-f gives bench's prompt for the comparison that --spec-type / -md ask for")
+    if verify_cost is not None:
+        others = {"--url": url is not None, "--profile": profile, "--kernels": kernels, "--pg": bool(pg),
+                  "-npl": clients is not None}
+        given = [name for name, on in others.items() if on]
+        if given:
+            fail(f"{given[0]} is another run than --verify-cost: pick one")
     if url is not None:
         model_only = {"--profile": profile, "--kernels": kernels, "--pg": bool(pg), "-d": n_depth != "0",
                       "-r": reps != 5, "--ctx": ctx is not None, "--backend": backend != "auto",
@@ -395,6 +406,15 @@ def bench(
         be = select_backend(backend, notice=dim, early=start_early(backend))
         krows, bandwidth = run_kernels(be)
         print(render_kernels(krows, bandwidth, output, be.device_name()))
+        return
+    if verify_cost is not None:
+        from ..engine.bench import render_verify_cost, run_verify_cost
+
+        drafts, depth = parse_list(verify_cost, "--verify-cost"), (parse_list(n_depth, "-d") or [0])[0]
+        m = load_model(model, backend, ctx or max(depth + 80, 512), False, gpu_layers, flash_attn,
+                       user_ctx=ctx is not None, cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
+        vrows = run_verify_cost(m, drafts, reps, depth, progress=dim)
+        print(render_verify_cost(vrows, output, m.backend.device_name()))
         return
     if speculative is not None:
         from ..engine.bench import echo_prompt, render_spec, run_spec_bench

@@ -454,6 +454,61 @@ def run_spec_bench(model: Model, prompt: str, n_gen: int, reps: int, settings: S
     return rows
 
 
+def run_verify_cost(model: Model, drafts: list[int], reps: int, depth: int = 0,
+                    progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """What a verification pass costs against a decode step, both greedy after a `depth`-token context of random
+    ids: a decode step's ms (16 steps as tg runs them, the next queued ahead), and for each k of `drafts` the ms of
+    one pass over 1 + k tokens (Backend.verify_greedy: each row's argmax) and its ratio to the step. Mean of `reps`
+    after two warm-ups."""
+    from ..errors import UsageError
+
+    if not drafts or any(not 1 <= k <= 64 for k in drafts):
+        raise UsageError(f"--verify-cost takes draft counts from 1 to 64, got {drafts}")
+    if depth + 17 > model.ctx or depth + max(drafts) + 1 > model.ctx:
+        raise UsageError(f"--verify-cost after {depth} tokens needs a context of {depth + max(17, max(drafts) + 1)}, "
+                         f"have {model.ctx} (--ctx)")
+    bench, be = Bench(model), model.backend
+
+    def timed(fn: Callable[[], Any]) -> float:
+        for _ in range(2):
+            fn()
+        return statistics.fmean(bench._timed(fn) for _ in range(reps)) * 1e3
+
+    if depth:
+        bench.prefill(depth)
+    if progress:
+        progress("running the decode step")
+    step_ms = timed(lambda: bench.generate(16, start=depth)) / 16
+    rows = []
+    for k in drafts:
+        if progress:
+            progress(f"running a verification of 1 + {k}")
+        ids = np.asarray(bench._ids(k + 1), dtype=np.int64)
+        ms = timed(lambda: be.verify_greedy(ids, depth))
+        rows.append({"model": model.path.name, "backend": be.name, "depth": depth, "drafts": k, "tokens": k + 1,
+                     "verify_ms": round(ms, 4), "decode_step_ms": round(step_ms, 4), "ratio": round(ms / step_ms, 3)})
+    return rows
+
+
+def render_verify_cost(rows: list[dict[str, Any]], fmt: str, device: str) -> str:
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(list(rows[0]))
+        for r in rows:
+            w.writerow(list(r.values()))
+        return buf.getvalue().rstrip("\n")
+    lines = [f"device: {device}; a verification pass of 1 + k tokens against one decode step (greedy)", "",
+             "| model | backend | depth | k | tokens | pass ms | step ms | pass / step |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['backend']} | {r['depth']} | {r['drafts']} | {r['tokens']} | "
+                     f"{r['verify_ms']:.3f} | {r['decode_step_ms']:.3f} | {r['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
 def render_spec(rows: list[SpecRow], fmt: str, device: str) -> str:
     if fmt == "json":
         return json.dumps([r.as_dict(device) for r in rows], indent=2)

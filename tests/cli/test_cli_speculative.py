@@ -175,3 +175,16 @@ def test_a_server_with_speculation_answers_as_without(random_model):
     finally:
         stop(server, thread)
         m.close()
+
+
+def test_bench_verify_cost(tiny):
+    """bench --verify-cost: a verification pass of 1 + k tokens against a decode step, a row per k."""
+    r = run("bench", "-m", tiny, "--backend", "numpy", "--verify-cost", "1,3", "-d", "32", "-r", "1", "-o", "json")
+    assert r.code == 0, r.err
+    rows = json.loads(r.out)
+    assert [row["tokens"] for row in rows] == [2, 4] and all(row["ratio"] > 0 and row["depth"] == 32 for row in rows)
+    for args, says in ((["--verify-cost", "0"], "from 1 to 64"), (["--verify-cost", "65"], "from 1 to 64"),
+                       (["--verify-cost", "x"], "comma-separated integers"), (["--verify-cost", "2", "--profile"],
+                                                                              "--profile")):
+        bad = run("bench", "-m", tiny, "--backend", "numpy", *args)
+        assert bad.code == 2 and says in bad.one_line_error(), bad.err
