@@ -29,6 +29,8 @@
 // kv_dequant_q8(kc, vc, ring, Hkv, Dh, pos, T, k16, v16): an 8-bit cache's rows up to the highest position in
 // pos[0..T) (every row once that passes the ring) -> fp16 [ring, Hkv, Dh], the form the prefill kernels and
 // this family read (cuda/attention.py readable).
+// attention_batch_npl<N>, attention_combine_batch, kv_store_batch: the batched decode step's forms (one token of
+// each of B sequences, each over its own cache slot; described where they are defined, below).
 // The other families: attention_mma.cu (prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128}, tensor
 // cores), attention_wgmma.cu (the same on a Hopper GPU with D 64 or 128, built for sm_90a) and
 // attention_split.cu (decode with G <= 16 and those head dims or 256, and the fused decode step's attention).

@@ -313,8 +313,9 @@ class Backend(ABC):
         per sequence, in batch order. A sequence's first step (its Sampler not started) prefills its tokens and
         sets up the decode for its sampler; each later step decodes one token at the sequence's next position,
         through the fastest form the sampler allows: the argmax or the whole sampler inside the step, a
-        constraint's mask applied where the logits are, or the logits to the host (logprobs). The sequences run
-        one after the other here; a backend with batched kernels runs the decode steps together."""
+        constraint's mask applied where the logits are, or the logits to the host (logprobs); or, for a
+        speculative sampler, verifies drafts (step.py). The sequences run one after the other here; a backend
+        with batched kernels runs the decode steps together."""
         self._check_slots(batch)
         if len(batch) == 1:
             return [self._step_one(batch[0])]
@@ -354,14 +355,33 @@ class Backend(ABC):
         if self._slot_sampler.get(slot) is not s:
             raise BackendError("the cache no longer holds this sequence (another ran since, or its last step "
                                "failed): start it again with a new Sampler")
-        if len(seq.tokens) != 1 or pos != s.position:
-            raise BackendError(f"a decode step takes the one token at the sequence's next position {s.position}, "
-                               f"got {len(seq.tokens)} at {pos}")
+        n = len(seq.tokens)
+        low = s.verified + 1 if s.verified >= 0 else s.position  # after a verification: where its drafts began
+        if not low <= pos <= s.position or n < 1 or (n > 1 and not s.speculative) or pos + n > self.ctx:
+            where = f"{s.position}" if low == s.position else f"{low}..{s.position} (past the drafts accepted)"
+            what = "the token" + (" (and drafts after it, within the context)" if s.speculative else "")
+            raise BackendError(f"a decode step takes {what if s.speculative else 'the one token'} at the "
+                               f"sequence's next position {where}, got {n} at {pos}")
         del self._slot_sampler[slot]  # until this step has run whole
-        out = self._decode(seq.tokens[0], pos, s, self._slot_kind[slot])
+        if s.verified >= 0:  # the last step verified drafts: those rejected go (pos: past the ones accepted)
+            s.verified = -1
+            self.rollback(slot, pos)
+        if n > 1:  # a verification: the token at pos and its drafts, in one pass
+            out = self._verify(seq.tokens, pos, s)
+            s.verified = pos
+        else:
+            out = self._decode(seq.tokens[0], pos, s, self._slot_kind[slot])
         out.snapshots = self.snapshots(slot)
-        s.position, self._slot_sampler[slot] = pos + 1, s
+        s.position, self._slot_sampler[slot] = pos + n, s
         return out
+
+    def _verify(self, tokens: Sequence[int], pos: int, s: Sampler) -> StepOut:
+        """A verification step (backends/step.py): each position's argmax for a plain greedy sampler (no mask, no
+        logprobs: only the ids cross), else the raw logits of every position, on the host."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        if s.plain_greedy and s.mask is None and not s.logits:
+            return StepOut(-1, choices=self.verify_greedy(ids, pos))
+        return StepOut(-1, logits=self.to_host(self.forward_verify(ids, pos)))
 
     def _decode(self, token: int, pos: int, s: Sampler, kind: str) -> StepOut:
         p, rng, hist = s.params, s.rng, s.history
@@ -394,7 +414,10 @@ class Backend(ABC):
         """The decode form for sampler `s` whose first decode step runs at `pos` ("greedy", "sampled",
         "logits"), made ready (start_sampling: the sampler inside the step; prepare_decode: its graph)."""
         logits_path = s.logits or s.mask is not None
-        sampled = not logits_path and not s.plain_greedy and self.start_sampling(s.params, s.rng, s.history)
+        # (a speculative sequence's sampled ids are drawn on the host, a verification's rows too: no sampler
+        # inside the step, whose state would not follow the drafts)
+        sampled = (not logits_path and not s.plain_greedy and not s.speculative
+                   and self.start_sampling(s.params, s.rng, s.history))
         kind = "sampled" if sampled else "greedy" if s.plain_greedy and not logits_path else "logits"
         self.prepare_decode((kind,), pos=pos)
         return kind
@@ -405,6 +428,22 @@ class Backend(ABC):
         """One prefill pass: host token ids [T] at positions start.. -> logits [1, V] of the last one;
         writes their K/V into the cache (block.prefill calls it per chunk)."""
         return block.run(self, self.cfg, self.token_ids(ids), self.positions(start, int(ids.size)))
+
+    def forward_verify(self, ids: np.ndarray, start: int) -> Any:
+        """A verification pass: host token ids [T] (the last id taken and T - 1 drafts) at positions start.. ->
+        the logits [T, V] of every position; writes their K/V (a prefill pass whose every row is kept)."""
+        return block.run(self, self.cfg, self.token_ids(ids), self.positions(start, int(ids.size)), all_logits=True)
+
+    def verify_greedy(self, ids: np.ndarray, start: int) -> list[int]:
+        """forward_verify followed by each row's argmax (lowest id on ties): only the ids need come back."""
+        from ..sampling.sampling import greedy
+
+        return [greedy(row) for row in self.to_host(self.forward_verify(ids, start))]
+
+    def rollback(self, slot: int, pos: int) -> None:
+        """The step after a verification starts at `pos` (past the drafts accepted): slot `slot`'s cache goes back
+        there. K/V rows past pos need nothing (a later step overwrites them before any query reads them); a
+        backend that keeps recurrent states restores the state after pos - 1."""
 
     def decode(self, token: int, pos: int) -> Any:
         """One decode step: `token` at position `pos` -> logits [1, V]; writes that position's K/V."""

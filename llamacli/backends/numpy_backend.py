@@ -28,7 +28,7 @@ from ..errors import BackendError, HostMemoryError, UsageError
 from ..ggufio.file import GGUFFile
 from ..ggufio.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from ..ggufio.quants import can_dequantize, gather_rows
-from ..models import rope as rope_tables
+from ..models import block, rope as rope_tables
 from ..models.block import Attention, Conv, DeltaRule, Moe
 from ..models.config import ROPE_NEOX, ModelConfig
 from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, q8_0_roundtrip, ring_span
@@ -71,6 +71,9 @@ class RecurrentSlot:
     states: dict[int, "LayerState"] = field(default_factory=dict)
     stored: dict[int, dict[int, list]] = field(default_factory=dict)
     pinned: set[int] = field(default_factory=set)
+    # The last verification pass (Backend.step with drafts): its first position, its ids, and whether that position
+    # was pinned before (the state there is kept until the next step says how many drafts stay: rollback)
+    verified: tuple[int, np.ndarray, bool] | None = None
 
 
 @dataclass
@@ -473,10 +476,46 @@ class NumpyBackend(Backend):
         rec.stored = {p: rec.stored[p] for p in keep}
         rec.pinned &= set(keep)
 
+    # -- verification (speculative decoding): the recurrent states rolled back past rejected drafts --------------
+    def forward_verify(self, ids: np.ndarray, start: int) -> np.ndarray:
+        """Backend.forward_verify; with recurrent layers, the state at `start` (stored by the step before, the
+        latest) is kept through the pass for rollback."""
+        if self.recurrent_layers:
+            rec = self.recurrent_slot
+            self._unpin_verified(rec)
+            rec.verified = (start, np.asarray(ids).copy(), start in rec.pinned)
+            rec.pinned.add(start)
+        return super().forward_verify(ids, start)
+
+    def rollback(self, slot: int, pos: int) -> None:
+        """Backend.rollback: the recurrent states after pos - 1, where the verification's drafts were rejected
+        from pos on: the state stored at its first position restored and the ids it kept run again (their K/V
+        rows are written again, to the same values)."""
+        if not self.recurrent_layers:
+            return
+        rec = self._caches[slot][2]
+        verified = rec.verified
+        self._unpin_verified(rec)
+        if verified is None:
+            return
+        start, ids, _ = verified
+        if pos < start + ids.size:
+            self.resume(slot, start)
+            block.run(self, self.cfg, self.token_ids(ids[: pos - start]), self.positions(start, pos - start))
+
+    @staticmethod
+    def _unpin_verified(rec: RecurrentSlot) -> None:
+        if rec.verified is not None:
+            start, _, was_pinned = rec.verified
+            if not was_pinned:
+                rec.pinned.discard(start)
+            rec.verified = None
+
     def resume(self, slot: int, pos: int) -> None:
         if not self.recurrent_layers:
             return
         rec = self._caches[slot][2]
+        self._unpin_verified(rec)  # (a verification whose next step never came)
         rec.stored = {p: x for p, x in rec.stored.items() if p <= pos}  # past pos: states of replaced ids
         rec.pinned = {p for p in rec.pinned if p <= pos}
         if pos == 0:

@@ -8,7 +8,13 @@ passes, the captured decode graphs and the step queued ahead of time, sampling o
 
 A sequence's first step (its Sampler not started) is its prompt: a prefill of the new ids (whatever their
 number), the first id from the last one's logits, and the backend's decode set up for that sampler. Every
-later step is one token at the sequence's next position (Sampler.position, which the backend keeps). In a model
+later step is one token at the sequence's next position (Sampler.position, which the backend keeps), or, for a
+speculative sampler (Sampler.speculative), a verification: that token and k drafted ids after it, run in one
+pass over the sequence's cache (prefill-like), which gives back each of the k + 1 positions' argmax (a plain
+greedy sampler: StepOut.choices) or logits (StepOut.logits [k + 1, V]) for the engine to accept the drafts
+from (engine/speculative.py). The step after a verification at position p starts at p + 1 + a, the a drafts
+the engine accepted (0..k): the backend rolls the cache back there first (K/V rows past it are overwritten
+before any step reads them; a recurrent state is restored, Backend.rollback). In a model
 with recurrent layers (models/seq_cache.py) a prompt that starts past position 0 resumes from the state the
 backend stored there, and every step says which positions it holds stored states for (StepOut.snapshots). A step
 that raised, or a cache another sequence has taken since, leaves the sequence to be started again with a new
@@ -40,8 +46,12 @@ class Sampler:
     mask: Callable[[], np.ndarray] | None = None  # a constraint's allowed ids as uint32 bit words
     #                                              (structured.mask_words): called while the step runs
     logits: bool = False  # bring each step's raw logits back (logprobs)
+    speculative: bool = False  # later steps may carry drafts to verify: the backend then keeps no sampler state
+    #                            across steps (a sampled id is drawn on the host, from `rng`, row by row)
     position: int = field(default=-1, init=False)  # the next position this sequence decodes at (the backend
     #                                                keeps it); -1: not started
+    verified: int = field(default=-1, init=False)  # the first position of the last step when that step verified
+    #                                                drafts (the next step may start past it, up to `position`); -1
 
     @property
     def plain_greedy(self) -> bool:
@@ -61,10 +71,12 @@ class SeqStep:
 @dataclass
 class StepOut:
     """What a step gives back for one sequence: the chosen id, and the raw logits [V] (host) where its sampler
-    asked for them."""
+    asked for them. A verification (k + 1 tokens) chooses nothing (id -1): it gives each position's argmax
+    (`choices`, a plain greedy sampler without a mask or logprobs) or else their raw logits [k + 1, V]."""
 
     id: int
     logits: np.ndarray | None = field(default=None, repr=False)
+    choices: list[int] | None = None
     setup_ms: float = 0.0  # of the step's time, what the backend spent making its decode ready (the prompt's
     #                        step: the sampler's upload, a graph's capture), for the engine to time apart
     snapshots: frozenset[int] | None = None  # a model with recurrent layers: the positions whose states the

@@ -275,6 +275,40 @@ PromptFileOpt = Annotated[Optional[str], typer.Option(
     "--prompt-file", "-f", "--file", help="Read the prompt from a file ('-' for stdin).")]
 TruncateOpt = Annotated[bool, typer.Option("--truncate", help="Keep the tail of a prompt longer than the context.")]
 
+# Speculative decoding (engine/speculative.py), with llama.cpp's names and defaults.
+SpecTypeOpt = Annotated[Optional[str], typer.Option(
+    "--spec-type", metavar="TYPE[,TYPE]",
+    help="Speculative decoding, as llama.cpp's --spec-type: ngram-simple (draft from an earlier occurrence of the "
+         "last --spec-ngram-size-n ids in the prompt and the output: for replies that quote their input), "
+         "draft-simple (a draft model, -md; implied by -md), both comma-separated (tried in that order), or none "
+         "(default). The output is the same as without; a verification pass checks up to --draft-max drafted "
+         "tokens at once. llama.cpp's ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache, draft-eagle3, "
+         "draft-dflash and draft-mtp (Qwen3.5's multi-token-prediction heads) are not implemented here.")]
+DraftMaxOpt = Annotated[int, typer.Option(
+    "--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", metavar="N",
+    help="Most tokens drafted for one verification pass (llama.cpp's; 0: no speculation; at most 64).")]
+DraftMinOpt = Annotated[int, typer.Option(
+    "--draft-min", "--draft-n-min", "--spec-draft-n-min", metavar="N",
+    help="Fewest drafted tokens worth a verification pass (llama.cpp's): a shorter draft is dropped.")]
+NgramSizeOpt = Annotated[int, typer.Option(
+    "--spec-ngram-size-n", metavar="N",
+    help="ngram-simple: how many of the last ids to look up in the ids so far (llama.cpp's; default 12).")]
+ModelDraftOpt = Annotated[Optional[str], typer.Option(
+    "--model-draft", "-md", metavar="MODEL",
+    help="A draft model for speculative decoding (llama.cpp's -md): a smaller model with the same vocabulary, "
+         "as -m takes it, on the same backend with its own cache; it drafts greedily.")]
+
+
+def speculative_settings(spec_type: str | None, draft_max: int, draft_min: int, ngram_n: int,
+                         model_draft: str | None):
+    """The speculative-decoding options checked (one line, exit 2): engine.speculative.SpecSettings."""
+    from ..engine.speculative import spec_settings
+
+    settings = spec_settings(spec_type, draft_max, draft_min, ngram_n, draft_model=model_draft is not None)
+    if model_draft is not None and "draft-simple" not in settings.sources:
+        fail(f"-md/--model-draft would go unused with --spec-type {printable(spec_type or '')}: drop one of them")
+    return settings
+
 
 def _threads_option(value: Optional[int]) -> Optional[int]:
     """-t's callback: the count (or the default) applied while the options are read, before the command's body
@@ -342,12 +376,14 @@ ReasoningEffortOpt = Annotated[
 
 def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gpu_layers: str | None = None,
                flash_attn: bool = False, user_ctx: bool = True, cache_types: tuple[str, str] = ("f16", "f16"),
-               swa_full: bool = False, split: dict[str, Any] | None = None):
+               swa_full: bool = False, split: dict[str, Any] | None = None, model_draft: str | None = None):
     """Resolve, open and upload a model, with a progress bar on stderr. `gpu_layers` and `flash_attn` are
     llama.cpp's -ngl and -fa: checked, then explained in a notice once the backend is known. A context the
     user chose (`user_ctx`) past the trained length is warned about once the model is loaded. `cache_types`:
     -ctk / -ctv (models/kv_cache.py), checked before anything is looked up; `swa_full`: --swa-full; `split`:
-    split_options(). -t was applied as it was read (ThreadsOpt); what it came to is said here."""
+    split_options(). -t was applied as it was read (ThreadsOpt); what it came to is said here. `model_draft`
+    (-md): a draft model for speculative decoding, loaded after it on the same backend at the same context, and
+    attached to it (its vocabulary checked)."""
     from ..models.kv_cache import parse_cache_types
 
     check_gpu_layers(gpu_layers)
@@ -355,9 +391,21 @@ def load_model(model: str | None, backend: str, ctx: int | None, quiet: bool, gp
     threads_notice(quiet)
     looked_up = time.perf_counter()
     path = find_model(model)
+    draft_path = find_model(model_draft) if model_draft is not None else None
     found = time.perf_counter()
     m = open_model(path, backend, ctx, quiet, cache_types, swa_full, split=split)
     m.lookup = (looked_up, found)
+    if draft_path is not None:
+        try:
+            draft = open_model(draft_path, m.backend.name, m.ctx, True, ("f16", "f16"), swa_full)
+            try:
+                m.attach_draft(draft)
+            except BaseException:
+                draft.close()
+                raise
+        except BaseException:
+            m.close()
+            raise
     after_load(m, quiet, gpu_layers, flash_attn, user_ctx)
     return m
 

@@ -241,8 +241,10 @@ class ChatLoop:
             return
         t, tm = turns[-1], c.timings
         cut = "; cut at --max-tokens" if c.finish_reason == "length" else ""
+        spec = (f"; {tm.accepted} of {tm.drafted} drafted tokens accepted, {tm.eval_tokens / tm.passes:.2f} per pass"
+                if tm.speculative and tm.passes else "")
         self.dim(f"{t.generated} tokens, {tm.eval_tokens_per_s:.1f} tokens/s; prompt {t.prefilled} new + "
-                 f"{t.reused} reused tokens, {tm.prompt_tokens_per_s:.1f} tokens/s{cut}")
+                 f"{t.reused} reused tokens, {tm.prompt_tokens_per_s:.1f} tokens/s{cut}{spec}")
 
     def dim(self, text: str) -> None:
         if not self.quiet:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ..engine.speculative import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_N
 from ..errors import BadInputError, Interrupted, UsageError
 from ..textio import json_text, printable, read_text
 from .app import (
@@ -20,6 +21,8 @@ from .app import (
     CacheTypeVOpt,
     CtxOpt,
     DeviceOpt,
+    DraftMaxOpt,
+    DraftMinOpt,
     FlashAttnOpt,
     FrequencyPenaltyOpt,
     GpuLayersOpt,
@@ -35,7 +38,9 @@ from .app import (
     MaxTokensOpt,
     MinPOpt,
     ModelArg,
+    ModelDraftOpt,
     ModelOpt,
+    NgramSizeOpt,
     PresencePenaltyOpt,
     PromptArg,
     PromptFileOpt,
@@ -45,6 +50,7 @@ from .app import (
     RepeatLastNOpt,
     RepeatPenaltyOpt,
     SeedOpt,
+    SpecTypeOpt,
     SplitModeOpt,
     StopOpt,
     SwaFullOpt,
@@ -62,6 +68,7 @@ from .app import (
     is_verbose,
     keep_alive_seconds,
     load_model,
+    speculative_settings,
     split_options,
 )
 
@@ -232,13 +239,16 @@ def read_prompt(prompt: str | None, prompt_file: str | None, positional: str | N
 
 # -- what a command does with its model ------------------------------------------------------------------
 
-# The keyword arguments of complete() and converse() a Task carries, with the JSON types each may take.
+# The keyword arguments of complete() and converse() a Task carries, with the JSON types each may take; those of
+# _OPTIONAL only where set (speculative decoding's settings: speculative_json).
+_OPTIONAL = frozenset({"speculative"})
 _OPTIONS: dict[str, dict[str, tuple[type, ...]]] = {
     "complete": {"text": (str,), "max_tokens": (int,), "stop": (list,), "raw": (bool,), "system": (str, type(None)),
                  "truncate": (bool,), "as_json": (bool,), "verbose": (bool,), "quiet": (bool,),
-                 "think": (bool, str, type(None)), "logprobs": (int, type(None)), "ignore_eos": (bool,)},
+                 "think": (bool, str, type(None)), "logprobs": (int, type(None)), "ignore_eos": (bool,),
+                 "speculative": (dict,)},
     "converse": {"system": (str, type(None)), "max_tokens": (int,), "as_json": (bool,), "quiet": (bool,),
-                 "think": (bool, str, type(None)), "stop": (list,), "ignore_eos": (bool,)},
+                 "think": (bool, str, type(None)), "stop": (list,), "ignore_eos": (bool,), "speculative": (dict,)},
 }
 
 
@@ -259,6 +269,8 @@ class Task:
 
         params = SamplingParams(**self.params).validate()
         options = {**self.options, "stop": tuple(self.options["stop"])}
+        if "speculative" in options:
+            options["speculative"] = speculative_from_json(options["speculative"])
         constraint = build_constraint(m, self.grammar)
         if self.kind == "complete":
             text, max_tokens = options.pop("text"), options.pop("max_tokens")
@@ -284,20 +296,50 @@ class Task:
         if not isinstance(params, dict) or not set(params) <= names:
             raise ValueError("a task's params are SamplingParams' fields")
         wanted = _OPTIONS[kind]
-        if not isinstance(options, dict) or set(options) != set(wanted):
+        if not isinstance(options, dict) or not set(wanted) - _OPTIONAL <= set(options) <= set(wanted):
             raise ValueError(f"a {kind} task's options are {', '.join(sorted(wanted))}")
         for name, kinds in wanted.items():
-            if type(options[name]) not in kinds:
+            if name in options and type(options[name]) not in kinds:
                 raise ValueError(f"a task's {name} of the type {type(options[name]).__name__}")
         if not all(isinstance(x, str) for x in options["stop"]) or not isinstance(grammar, (str, type(None))):
             raise ValueError("a task's stop strings and grammar are strings")
+        if "speculative" in options:
+            try:
+                speculative_from_json(options["speculative"])
+            except UsageError as exc:
+                raise ValueError(f"a task's speculative settings: {exc}") from None
         return cls(kind, params, options, grammar)
+
+
+def speculative_json(settings) -> dict[str, Any]:
+    """engine.speculative.SpecSettings as a Task carries them."""
+    return {"sources": list(settings.sources), "draft_max": settings.draft_max, "draft_min": settings.draft_min,
+            "ngram_n": settings.ngram_n}
+
+
+def speculative_from_json(value: dict[str, Any]):
+    """speculative_json's object back as SpecSettings, checked (UsageError)."""
+    from ..engine.speculative import SpecSettings
+
+    if set(value) != {"sources", "draft_max", "draft_min", "ngram_n"} or not isinstance(value["sources"], list):
+        raise UsageError("speculative settings have the fields sources (a list), draft_max, draft_min and ngram_n")
+    return SpecSettings(tuple(value["sources"]), value["draft_max"], value["draft_min"], value["ngram_n"]).validate()
+
+
+def _speculative_option(settings) -> dict[str, Any]:
+    """A Task's speculative option: only where speculative decoding is on."""
+    return {"speculative": speculative_json(settings)} if settings is not None and settings.on else {}
 
 
 def deliver(load: dict[str, Any], task: Task, keep_alive: float | None) -> None:
     """Load the model (load_model's keyword arguments `load`) and run `task` on it; with --keep-alive
     (`keep_alive` seconds), on the llamacli server that keeps the model loaded, started where none runs
-    (cli/keep_alive.py), and this process exits with the exit code the task came to there."""
+    (cli/keep_alive.py), and this process exits with the exit code the task came to there. A draft model (-md)
+    is not kept loaded: with one, the models load in this process, with a notice."""
+    if keep_alive is not None and load.get("model_draft") is not None:
+        if not load.get("quiet"):
+            dim("--keep-alive does not keep a draft model (-md) loaded: the models load in this process")
+        keep_alive = None
     if keep_alive is not None:
         from .keep_alive import hand_off
 
@@ -308,27 +350,29 @@ def deliver(load: dict[str, Any], task: Task, keep_alive: float | None) -> None:
 
 
 def _load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v,
-                  swa_full, split) -> dict[str, Any]:
-    return {"model": model, "backend": backend, "ctx": ctx, "quiet": quiet, "gpu_layers": gpu_layers,
+                  swa_full, split, model_draft=None) -> dict[str, Any]:
+    load = {"model": model, "backend": backend, "ctx": ctx, "quiet": quiet, "gpu_layers": gpu_layers,
             "flash_attn": flash_attn, "cache_types": (cache_type_k, cache_type_v), "swa_full": swa_full,
             "split": split}
+    return {**load, "model_draft": model_draft} if model_draft is not None else load
 
 
 def reply_task(params, grammar: str | None, *, text: str, max_tokens: int, stop, raw: bool, system: str | None,
-               truncate: bool, as_json: bool, quiet: bool, think, logprobs: int | None, ignore_eos: bool) -> Task:
+               truncate: bool, as_json: bool, quiet: bool, think, logprobs: int | None, ignore_eos: bool,
+               speculative=None) -> Task:
     """The Task of one reply (complete()'s arguments; -v as given)."""
     return Task("complete", asdict(params), {
         "text": text, "max_tokens": max_tokens, "stop": list(stop or ()), "raw": raw, "system": system,
         "truncate": truncate, "as_json": as_json, "verbose": is_verbose(), "quiet": quiet, "think": think,
-        "logprobs": logprobs, "ignore_eos": ignore_eos}, grammar)
+        "logprobs": logprobs, "ignore_eos": ignore_eos, **_speculative_option(speculative)}, grammar)
 
 
 def conversation_task(params, grammar: str | None, *, system: str | None, max_tokens: int, stop, as_json: bool,
-                      quiet: bool, think, ignore_eos: bool) -> Task:
+                      quiet: bool, think, ignore_eos: bool, speculative=None) -> Task:
     """The Task of a conversation (converse()'s arguments)."""
     return Task("converse", asdict(params), {
         "system": system, "max_tokens": max_tokens, "as_json": as_json, "quiet": quiet, "think": think,
-        "stop": list(stop or ()), "ignore_eos": ignore_eos}, grammar)
+        "stop": list(stop or ()), "ignore_eos": ignore_eos, **_speculative_option(speculative)}, grammar)
 
 
 @command()
@@ -376,11 +420,17 @@ def generate(
     grammar_file: GrammarFileOpt = None,
     logprobs: LogprobsOpt = None,
     keep_alive: KeepAliveOpt = None,
+    spec_type: SpecTypeOpt = None,
+    draft_max: DraftMaxOpt = DEFAULT_DRAFT_MAX,
+    draft_min: DraftMinOpt = 0,
+    spec_ngram_size_n: NgramSizeOpt = DEFAULT_NGRAM_N,
+    model_draft: ModelDraftOpt = None,
 ) -> None:
     """Generate a continuation of a prompt. Text streams to stdout; timings go to stderr.
     The model may come first (`llamacli generate model.gguf -p hi`) or with -m; the prompt with -p, -f or
     after the model. --json-schema / --grammar mask sampling so that the output follows them (it ends once
-    complete). --keep-alive 5m keeps the model loaded for the next command (as ollama)."""
+    complete). --keep-alive 5m keeps the model loaded for the next command (as ollama). --spec-type / -md:
+    speculative decoding (the same output, in fewer passes where drafts hold)."""
     model, prompt_arg = model_and_text(model_arg, prompt_arg, model, prompt is not None or prompt_file is not None)
     seconds = keep_alive_seconds(keep_alive)
     split = split_options(split_mode, tensor_split, main_gpu, device)
@@ -389,13 +439,14 @@ def generate(
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     check_logprobs(logprobs, as_json)
+    speculative = speculative_settings(spec_type, draft_max, draft_min, spec_ngram_size_n, model_draft)
     spec = read_constraint(json_schema, grammar, json_schema_file=json_schema_file, grammar_file=grammar_file,
                            quiet=quiet)
     task = reply_task(params, spec, text=text, max_tokens=max_tokens, stop=stop, raw=raw, system=system,
                       truncate=truncate, as_json=as_json, quiet=quiet, think=think, logprobs=logprobs,
-                      ignore_eos=ignore_eos)
+                      ignore_eos=ignore_eos, speculative=speculative)
     deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full,
-                          split), task, seconds)
+                          split, model_draft), task, seconds)
 
 
 def check_logprobs(logprobs: int | None, as_json: bool) -> None:
@@ -410,7 +461,7 @@ def check_logprobs(logprobs: int | None, as_json: bool) -> None:
 def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = False, system: str | None = None,
              truncate: bool = False, as_json: bool = False, verbose: bool = False, quiet: bool = False,
              think: bool | str | None = None, logprobs: int | None = None, constraint=None,
-             ignore_eos: bool = False) -> None:
+             ignore_eos: bool = False, speculative=None) -> None:
     """One completion of `text` on a loaded model, streamed to stdout (generate, and run with a prompt); a
     thinking model's reasoning streams to stderr."""
     from ..chat.reasoning import ReplyRouter
@@ -435,7 +486,7 @@ def complete(m, text: str, params, max_tokens: int, *, stop=(), raw: bool = Fals
     try:
         pieces = m.run(text, completion=done, max_tokens=max_tokens, stop=stop, params=params, raw=raw,
                        system=system, truncate=truncate, think=think, logprobs=logprobs, constraint=constraint,
-                       ignore_eos=ignore_eos)
+                       ignore_eos=ignore_eos, **({"speculative": speculative} if speculative is not None else {}))
         for piece in pieces:
             if not as_json:
                 router.write(piece)
@@ -532,6 +583,11 @@ def chat(
     grammar: GrammarOpt = None,
     grammar_file: GrammarFileOpt = None,
     keep_alive: KeepAliveOpt = None,
+    spec_type: SpecTypeOpt = None,
+    draft_max: DraftMaxOpt = DEFAULT_DRAFT_MAX,
+    draft_min: DraftMinOpt = 0,
+    spec_ngram_size_n: NgramSizeOpt = DEFAULT_NGRAM_N,
+    model_draft: ModelDraftOpt = None,
 ) -> None:
     """Talk with a model (named first, `llamacli chat model.gguf`, or with -m). Each turn prefills only what
     the KV cache does not hold yet; under each reply a dim line on stderr gives its tokens/s. When the context
@@ -555,16 +611,18 @@ def chat(
     think = think_setting(think, reasoning_effort)
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
+    speculative = speculative_settings(spec_type, draft_max, draft_min, spec_ngram_size_n, model_draft)
     spec = read_constraint(json_schema, grammar, json_schema_file=json_schema_file, grammar_file=grammar_file,
                            quiet=quiet)
     task = conversation_task(params, spec, system=system, max_tokens=max_tokens, stop=stop, as_json=as_json,
-                             quiet=quiet, think=think, ignore_eos=ignore_eos)
+                             quiet=quiet, think=think, ignore_eos=ignore_eos, speculative=speculative)
     deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full,
-                          split), task, seconds)
+                          split, model_draft), task, seconds)
 
 
 def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = False, quiet: bool = False,
-             think: bool | str | None = None, constraint=None, stop=(), ignore_eos: bool = False) -> None:
+             think: bool | str | None = None, constraint=None, stop=(), ignore_eos: bool = False,
+             speculative=None) -> None:
     """The chat loop on a loaded model (chat, and run without a prompt)."""
     from ..engine.chat_session import ChatSession
     from .chat_repl import ChatLoop
@@ -578,7 +636,7 @@ def converse(m, system: str | None, params, max_tokens: int, *, as_json: bool = 
             dim(line)
     max_tokens = m.ctx if max_tokens == -1 else max_tokens  # -1 (llama.cpp's): until the end or a full context
     session = ChatSession(m, system=system, params=params, max_tokens=max_tokens, think=think,
-                          constraint=constraint, stop=stop, ignore_eos=ignore_eos)
+                          constraint=constraint, stop=stop, ignore_eos=ignore_eos, speculative=speculative)
     ChatLoop(session, err, interactive=sys.stdin.isatty(), quiet=quiet, as_json=as_json).run()
 
 
@@ -633,6 +691,11 @@ def run(
     grammar_file: GrammarFileOpt = None,
     logprobs: LogprobsOpt = None,
     keep_alive: KeepAliveOpt = None,
+    spec_type: SpecTypeOpt = None,
+    draft_max: DraftMaxOpt = DEFAULT_DRAFT_MAX,
+    draft_min: DraftMinOpt = 0,
+    spec_ngram_size_n: NgramSizeOpt = DEFAULT_NGRAM_N,
+    model_draft: ModelDraftOpt = None,
 ) -> None:
     """Run a model as ollama does: with a prompt (after the model, or -p / -f), one reply through the chat
     template (as `generate`); without one, a conversation (as `chat`). The model comes first or with -m.
@@ -650,14 +713,15 @@ def run(
     params = sampling_params(max_tokens, ctx, greedy, temperature, top_k, top_p, min_p, repeat_penalty,
                              repeat_last_n, presence_penalty, frequency_penalty, seed)
     check_logprobs(logprobs, as_json)
+    speculative = speculative_settings(spec_type, draft_max, draft_min, spec_ngram_size_n, model_draft)
     spec = read_constraint(json_schema, grammar, json_schema_file=json_schema_file, grammar_file=grammar_file,
                            quiet=quiet)
     if text is None:
         task = conversation_task(params, spec, system=system, max_tokens=max_tokens, stop=stop, as_json=as_json,
-                                 quiet=quiet, think=think, ignore_eos=ignore_eos)
+                                 quiet=quiet, think=think, ignore_eos=ignore_eos, speculative=speculative)
     else:
         task = reply_task(params, spec, text=text, max_tokens=max_tokens, stop=stop, raw=raw, system=system,
                           truncate=truncate, as_json=as_json, quiet=quiet, think=think, logprobs=logprobs,
-                          ignore_eos=ignore_eos)
+                          ignore_eos=ignore_eos, speculative=speculative)
     deliver(_load_options(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_type_k, cache_type_v, swa_full,
-                          split), task, seconds)
+                          split, model_draft), task, seconds)

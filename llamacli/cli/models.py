@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..engine.speculative import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_N
 from ..textio import json_text, printable, read_text
 from .app import (
     BackendOpt,
@@ -14,11 +15,17 @@ from .app import (
     CacheTypeVOpt,
     CtxOpt,
     DeviceOpt,
+    DraftMaxOpt,
+    DraftMinOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     MainGpuOpt,
     ModelArg,
+    ModelDraftOpt,
     ModelOpt,
+    NgramSizeOpt,
+    PromptFileOpt,
+    SpecTypeOpt,
     SplitModeOpt,
     SwaFullOpt,
     TensorSplitOpt,
@@ -30,6 +37,7 @@ from .app import (
     is_verbose,
     load_model,
     out,
+    speculative_settings,
     split_options,
 )
 from .generate import model_and_text, pick_model
@@ -299,14 +307,46 @@ def bench(
     seed: Annotated[Optional[int], typer.Option(
         "--seed", help="With --url: the prompts' random words (default: new ones each run, so that no cache "
                        "holds them from an earlier run).")] = None,
+    spec_type: SpecTypeOpt = None,
+    draft_max: DraftMaxOpt = DEFAULT_DRAFT_MAX,
+    draft_min: DraftMinOpt = 0,
+    spec_ngram_size_n: NgramSizeOpt = DEFAULT_NGRAM_N,
+    model_draft: ModelDraftOpt = None,
+    prompt_file: PromptFileOpt = None,
+    verify_cost: Annotated[Optional[str], typer.Option(
+        "--verify-cost", metavar="K,K,...",
+        help="Instead: what a verification pass of 1 + K tokens (speculative decoding: the last id and K drafts) "
+             "costs against one decode step, greedy, after -d's first depth of context.")] = None,
 ) -> None:
     """Measure prefill (ppN) and decode (tgN) speed, with GB/s and the share of the memory bandwidth.
     --profile breaks one prefill and one decode step down by kernel family; --kernels times single kernels;
     -npl decodes several sequences at once (llama-batched-bench's table: `bench -npl 1,4,16,64 -npp 128 -ntg 128`);
-    --url loads a running server with concurrent clients instead (`bench --url http://127.0.0.1:8080 -npl 1,4,16`)."""
+    --url loads a running server with concurrent clients instead (`bench --url http://127.0.0.1:8080 -npl 1,4,16`).
+    --spec-type / -md compare instead a greedy reply of up to -n tokens to one prompt (-f; by default an echo task)
+    with and without speculative decoding: tokens/s, drafts accepted, tokens per pass, the same reply or not."""
     load = {"--requests": requests is not None, "--chat": chat,
             "--api-key-file": api_key_file is not None, "--shared-prefix": shared_prefix != 0,
             "--no-ignore-eos": not ignore_eos, "--timeout": timeout != 600.0, "--seed": seed is not None}
+    speculative = None
+    if spec_type is not None or model_draft is not None:
+        speculative = speculative_settings(spec_type, draft_max, draft_min, spec_ngram_size_n, model_draft)
+        if not speculative.on:
+            fail("bench compares speculative decoding with plain decoding: give --spec-type ngram-simple or -md, "
+                 "and --draft-max > 0")
+        others = {"--url": url is not None, "--profile": profile, "--kernels": kernels, "--pg": bool(pg),
+                  "-d": n_depth != "0", "-npl": clients is not None, "-npp": n_pp is not None,
+                  "--verify-cost": verify_cost is not None}
+        given = [name for name, on in others.items() if on]
+        if given:
+            fail(f"{given[0]} is another run than --spec-type / -md's comparison: pick one")
+    elif prompt_file is not None:
+        fail("-f gives bench's prompt for the comparison that --spec-type / -md ask for")
+    if verify_cost is not None:
+        others = {"--url": url is not None, "--profile": profile, "--kernels": kernels, "--pg": bool(pg),
+                  "-npl": clients is not None}
+        given = [name for name, on in others.items() if on]
+        if given:
+            fail(f"{given[0]} is another run than --verify-cost: pick one")
     if url is not None:
         model_only = {"--profile": profile, "--kernels": kernels, "--pg": bool(pg), "-d": n_depth != "0",
                       "-r": reps != 5, "--ctx": ctx is not None, "--backend": backend != "auto",
@@ -366,6 +406,27 @@ def bench(
         be = select_backend(backend, notice=dim, early=start_early(backend))
         krows, bandwidth = run_kernels(be)
         print(render_kernels(krows, bandwidth, output, be.device_name()))
+        return
+    if verify_cost is not None:
+        from ..engine.bench import render_verify_cost, run_verify_cost
+
+        drafts, depth = parse_list(verify_cost, "--verify-cost"), (parse_list(n_depth, "-d") or [0])[0]
+        m = load_model(model, backend, ctx or max(depth + 80, 512), False, gpu_layers, flash_attn,
+                       user_ctx=ctx is not None, cache_types=(cache_type_k, cache_type_v), swa_full=swa_full)
+        vrows = run_verify_cost(m, drafts, reps, depth, progress=dim)
+        print(render_verify_cost(vrows, output, m.backend.device_name()))
+        return
+    if speculative is not None:
+        from ..engine.bench import echo_prompt, render_spec, run_spec_bench
+
+        sizes = parse_list(n_gen, "-n")
+        if len(sizes) != 1 or not sizes[0]:
+            fail(f"with --spec-type / -md, -n takes one positive number (the reply's most tokens), got {n_gen!r}")
+        text = read_text(prompt_file, "prompt file") if prompt_file is not None else echo_prompt()
+        m = load_model(model, backend, ctx, False, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
+                       swa_full=swa_full, model_draft=model_draft)
+        srows = run_spec_bench(m, text, sizes[0], reps, speculative, progress=dim)
+        print(render_spec(srows, output, m.backend.device_name()))
         return
     prompts, gens = parse_list(n_prompt, "-p"), parse_list(n_gen, "-n")
     pairs = [parse_pg(x) for x in pg or []]

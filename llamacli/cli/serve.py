@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..engine.speculative import DEFAULT_DRAFT_MAX, DEFAULT_NGRAM_N
 from ..errors import UsageError
 from ..textio import printable, read_text
 from .app import (
@@ -16,11 +17,16 @@ from .app import (
     CacheTypeVOpt,
     CtxOpt,
     DeviceOpt,
+    DraftMaxOpt,
+    DraftMinOpt,
     FlashAttnOpt,
     GpuLayersOpt,
     MainGpuOpt,
     ModelArg,
+    ModelDraftOpt,
     ModelOpt,
+    NgramSizeOpt,
+    SpecTypeOpt,
     SplitModeOpt,
     SwaFullOpt,
     TensorSplitOpt,
@@ -31,6 +37,7 @@ from .app import (
     fail,
     is_verbose,
     load_model,
+    speculative_settings,
     split_options,
 )
 from .generate import pick_model, prompt_notices, startup_line, template_line
@@ -78,11 +85,18 @@ def serve(
         "--cache-reuse", metavar="N",
         help="Accepted for llama-server's command lines and explained: llamacli does not shift cached K/V to "
              "reuse chunks at other positions; prompts reuse cached prefixes.", show_default=False)] = None,
+    spec_type: SpecTypeOpt = None,
+    draft_max: DraftMaxOpt = DEFAULT_DRAFT_MAX,
+    draft_min: DraftMinOpt = 0,
+    spec_ngram_size_n: NgramSizeOpt = DEFAULT_NGRAM_N,
+    model_draft: ModelDraftOpt = None,
 ) -> None:
     """Serve the model over the OpenAI HTTP API: POST /v1/chat/completions and /v1/completions (streamed
     with "stream": true), Anthropic's /v1/messages, OpenAI's /v1/responses, GET /v1/models, /health and /metrics
     (Prometheus). One model; up to --parallel requests generate at once, the rest wait in arrival order; a
-    request reuses the KV cache of the slot that holds most of its prompt. Ctrl-C stops."""
+    request reuses the KV cache of the slot that holds most of its prompt. --spec-type / -md: speculative decoding
+    for every request (a request may set llama-server's "speculative.n_max" and "speculative.n_min"). Ctrl-C
+    stops."""
     model = pick_model(model_arg, model)
     if not 0 <= port <= 65535:
         fail(f"--port must lie in 0..65535, got {port}")
@@ -109,13 +123,15 @@ def serve(
         fail("--api-key is empty")
     check_gpu_layers(gpu_layers)
     split = split_options(split_mode, tensor_split, main_gpu, device)
+    speculative = speculative_settings(spec_type, draft_max, draft_min, spec_ngram_size_n, model_draft)
     from ..serve.server import listen, make_server, need_extra
 
     need_extra()
     sock = listen(host, port)
     try:
         m = load_model(model, backend, ctx, quiet, gpu_layers, flash_attn, cache_types=(cache_type_k, cache_type_v),
-                       swa_full=swa_full, split=split)
+                       swa_full=swa_full, split=split, model_draft=model_draft)
+        m.speculative = speculative  # every request's, unless it sets its own bounds
         from ..serve.app import stderr_log
 
         try:
@@ -139,8 +155,10 @@ def serve(
             if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
                 dim(f"listening on {printable(host)} without --api-key: anyone who reaches this port can use the model")
             at_once = "one request at a time" if slots == 1 else f"{slots} requests at once"
+            spec = (f"; speculative decoding ({', '.join(speculative.sources)}, up to {speculative.draft_max} drafted "
+                    "tokens a pass)" if speculative.on else "")
             dim(f"serving {printable(m.path.name)} ({m.backend.name}, context {m.ctx}) on http://{url_host}:{where[1]}/v1; "
-                f"{at_once}{cached}; Ctrl-C stops")
+                f"{at_once}{cached}{spec}; Ctrl-C stops")
         try:
             server.run(sockets=[sock])
         finally:

@@ -17,6 +17,12 @@ Decode reads every weight once per token (a tied embedding counted once, as the 
 an untied model contributes one row; of a mixture of experts, the k of E experts a token runs) plus the K
 and V written so far. GB/s = bytes per token x tokens/s, and % BW is that over the copy bandwidth the
 backend measures (bytes read + written by a large copy).
+
+With speculative decoding asked for (--spec-type, -md), bench compares instead a greedy reply to one prompt (-f,
+or by default an echo task: rewrite llamacli/units.py with one function renamed) with and without it, through
+the engine as `generate` runs it: decode tokens/s (from the first id to the last), the drafts and those
+accepted, tokens per decode pass, and whether the replies are the same (they must be, up to near-ties of the
+logits where the verification's kernels round otherwise than the decode step's).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, cache_row_bytes
 from ..models.weights import active_share
 from ..units import human_bytes, human_count
 from .generate import Model
+from .speculative import SpecSettings
 
 
 @dataclass
@@ -377,4 +384,148 @@ def render_kernels(rows: list[dict], bandwidth: float, fmt: str, device: str) ->
         gbs = r.get("gb_per_s")
         lines.append(f"| {r['kernel']} | {r['shape']} | {r['us']:.1f} | {'' if gbs is None else f'{gbs:.0f}'} | "
                      f"{'' if gbs is None else f'{gbs * 1e9 / bandwidth * 100:.1f}%'} | {r['tflops']:.2f} | {r.get('vs', '')} |")
+    return "\n".join(lines)
+
+
+# -- speculative decoding: the same reply with and without drafts -------------------------------------------
+
+
+@dataclass
+class SpecRow:
+    model: str
+    backend: str
+    test: str  # "plain", or the draft sources
+    samples_ts: list[float] = field(default_factory=list)  # decode tokens/s, one per repetition
+    tokens: int = 0  # ids generated (the last repetition)
+    drafted: int = 0
+    accepted: int = 0
+    per_pass: float = 0.0  # ids a decode pass gave, on average (the first id is the prompt's)
+    same: bool | None = None  # the reply equals the plain one (None: this is the plain one)
+
+    def as_dict(self, device: str) -> dict[str, Any]:
+        return {"model": self.model, "backend": self.backend, "device": device, "test": self.test,
+                "tokens": self.tokens, "avg_ts": round(statistics.fmean(self.samples_ts), 3),
+                "stddev_ts": round(statistics.stdev(self.samples_ts), 3) if len(self.samples_ts) > 1 else 0.0,
+                "samples_ts": [round(x, 3) for x in self.samples_ts], "drafted": self.drafted,
+                "accepted": self.accepted, "tokens_per_pass": round(self.per_pass, 3),
+                "same_as_plain": self.same}
+
+
+def echo_prompt() -> str:
+    """bench's default task for speculative decoding: a short source file to write out again with one change."""
+    from pathlib import Path
+
+    from .. import units
+
+    return (f"Here is a Python file:\n\n```python\n{Path(units.__file__).read_text()}```\n\nRewrite the whole file "
+            "with the function human_count renamed to format_count. Reply with the code only.")
+
+
+def run_spec_bench(model: Model, prompt: str, n_gen: int, reps: int, settings: SpecSettings,
+                   progress: Callable[[str], None] | None = None) -> list[SpecRow]:
+    """A greedy reply of at most n_gen tokens to `prompt` (through the chat template where the model has one),
+    plain and with `settings`, each run once to warm up and `reps` times timed."""
+    from ..errors import ContextOverflowError
+    from ..tokenizer.tokenizer import TooManyTokens
+
+    try:
+        ids = model.prompt_ids(prompt, limit=model.ctx - n_gen)
+    except TooManyTokens as exc:
+        raise ContextOverflowError(f"the prompt and a reply of -n {n_gen} tokens need more than the context of "
+                                   f"{model.ctx} (the prompt alone: at least {exc.at_least:,} tokens): raise --ctx, "
+                                   "or give a shorter prompt (-f)") from None
+    rows, plain = [], None
+    for name, spec in (("plain", SpecSettings()), ("+".join(settings.sources), settings)):
+        if progress:
+            progress(f"running {name}")
+        row = SpecRow(model.path.name, model.backend.name, name)
+        for i in range(reps + 1):
+            c = model.complete(ids, max_tokens=n_gen, temperature=0.0, speculative=spec)
+            if i:  # (the first: warm-up)
+                t = c.timings
+                row.samples_ts.append(t.eval_tokens_per_s)
+                row.tokens, row.drafted, row.accepted = len(c.tokens), t.drafted, t.accepted
+                row.per_pass = t.eval_tokens / t.passes if t.passes else 0.0
+        if plain is None:
+            plain = c.tokens
+        else:
+            row.same = c.tokens == plain
+        rows.append(row)
+    return rows
+
+
+def run_verify_cost(model: Model, drafts: list[int], reps: int, depth: int = 0,
+                    progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """What a verification pass costs against a decode step, both greedy after a `depth`-token context of random
+    ids: a decode step's ms (16 steps as tg runs them, the next queued ahead), and for each k of `drafts` the ms of
+    one pass over 1 + k tokens (Backend.verify_greedy: each row's argmax) and its ratio to the step. Mean of `reps`
+    after two warm-ups."""
+    from ..errors import UsageError
+
+    if not drafts or any(not 1 <= k <= 64 for k in drafts):
+        raise UsageError(f"--verify-cost takes draft counts from 1 to 64, got {drafts}")
+    if depth + 17 > model.ctx or depth + max(drafts) + 1 > model.ctx:
+        raise UsageError(f"--verify-cost after {depth} tokens needs a context of {depth + max(17, max(drafts) + 1)}, "
+                         f"have {model.ctx} (--ctx)")
+    bench, be = Bench(model), model.backend
+
+    def timed(fn: Callable[[], Any]) -> float:
+        for _ in range(2):
+            fn()
+        return statistics.fmean(bench._timed(fn) for _ in range(reps)) * 1e3
+
+    if depth:
+        bench.prefill(depth)
+    if progress:
+        progress("running the decode step")
+    step_ms = timed(lambda: bench.generate(16, start=depth)) / 16
+    rows = []
+    for k in drafts:
+        if progress:
+            progress(f"running a verification of 1 + {k}")
+        ids = np.asarray(bench._ids(k + 1), dtype=np.int64)
+        ms = timed(lambda: be.verify_greedy(ids, depth))
+        rows.append({"model": model.path.name, "backend": be.name, "depth": depth, "drafts": k, "tokens": k + 1,
+                     "verify_ms": round(ms, 4), "decode_step_ms": round(step_ms, 4), "ratio": round(ms / step_ms, 3)})
+    return rows
+
+
+def render_verify_cost(rows: list[dict[str, Any]], fmt: str, device: str) -> str:
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(list(rows[0]))
+        for r in rows:
+            w.writerow(list(r.values()))
+        return buf.getvalue().rstrip("\n")
+    lines = [f"device: {device}; a verification pass of 1 + k tokens against one decode step (greedy)", "",
+             "| model | backend | depth | k | tokens | pass ms | step ms | pass / step |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['backend']} | {r['depth']} | {r['drafts']} | {r['tokens']} | "
+                     f"{r['verify_ms']:.3f} | {r['decode_step_ms']:.3f} | {r['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def render_spec(rows: list[SpecRow], fmt: str, device: str) -> str:
+    if fmt == "json":
+        return json.dumps([r.as_dict(device) for r in rows], indent=2)
+    dicts = [r.as_dict(device) for r in rows]
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(list(dicts[0]))
+        for d in dicts:
+            w.writerow([";".join(map(str, v)) if isinstance(v, list) else v for v in d.values()])
+        return buf.getvalue().rstrip("\n")
+    lines = [f"device: {device}; a greedy reply, with and without speculative decoding", "",
+             "| model | backend | test | tokens | t/s | drafted | accepted | tokens/pass | same |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r, d in zip(rows, dicts):
+        rate = f" ({r.accepted / r.drafted * 100:.0f}%)" if r.drafted else ""
+        same = "" if r.same is None else "yes" if r.same else "NO"
+        lines.append(f"| {r.model} | {r.backend} | {r.test} | {r.tokens} | {d['avg_ts']:.2f} ± {d['stddev_ts']:.2f} | "
+                     f"{r.drafted} | {r.accepted}{rate} | {d['tokens_per_pass']:.2f} | {same} |")
     return "\n".join(lines)

@@ -88,9 +88,11 @@ class ChatSession:
         think: bool | None = None,
         constraint: Any = None,
         ignore_eos: bool = False,
+        speculative: Any = None,
     ):
         self.model = model
         self.ignore_eos = ignore_eos  # replies run to max_tokens (Model.run's ignore_eos)
+        self.speculative = speculative  # engine.speculative.SpecSettings (None: the model's own)
         self.constraint = constraint  # structured.Constraint: every reply follows it
         self.think = think  # enable_thinking for the template (None: its default)
         self.params = (params or SamplingParams()).validate()
@@ -198,8 +200,11 @@ class ChatSession:
         held, ids, first = len(self.model.seq), None, self.first
         try:
             ids = self.fit()
+            extra = {"ignore_eos": True} if self.ignore_eos else {}
+            if self.speculative is not None:
+                extra["speculative"] = self.speculative
             yield from self.model.run(ids, completion=c, max_tokens=self.max_tokens, stop=self.stop, params=self.params,
-                                      constraint=self.constraint, **({"ignore_eos": True} if self.ignore_eos else {}))
+                                      constraint=self.constraint, **extra)
         except (KeyboardInterrupt, GeneratorExit):
             if c.finish_reason is None:  # closed after the reply had ended: its own reason stands
                 c.finish_reason = "interrupted"

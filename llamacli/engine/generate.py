@@ -36,6 +36,7 @@ from ..models.seq_cache import SequenceCache, layer_caches
 from ..models.weights import check_tensors
 from ..sampling.sampling import SamplingParams, make_rng
 from ..tokenizer.tokenizer import StreamDecoder, Tokenizer, TooManyTokens
+from .speculative import DraftModel, SpecSettings, Speculation, check_vocabularies
 from .tokens import TokenRun, TokenSource
 
 if TYPE_CHECKING:
@@ -54,7 +55,12 @@ class Timings:
     cached_tokens: int = 0  # prompt tokens not prefilled: their K/V were in the slot or came from the prefix cache
     prefix_cached_tokens: int = 0  # of those, the ones the prefix cache gave (engine/prefix_cache.py)
     eval_ms: float = 0.0
-    eval_tokens: int = 0  # decode steps
+    eval_tokens: int = 0  # ids the decode steps gave (one a step, or several with speculation)
+    passes: int = 0  # decode steps (a verification of drafts is one)
+    # Speculative decoding (engine/speculative.py): whether it was on, drafts verified and accepted
+    speculative: bool = False
+    drafted: int = 0
+    accepted: int = 0
     # What --verbose shows besides: (stage, ms) of the prompt's way to its first token, and when that came
     # (time.perf_counter()); neither is in as_dict.
     stages: list[tuple[str, float]] = field(default_factory=list)
@@ -87,12 +93,20 @@ class Timings:
                 return ""
             return f" ({ms / n:8.2f} ms per token, {n / ms * 1e3 if ms > 0 else 0:8.2f} tokens per second)"
 
-        return [
+        lines = [
             f"load time        = {self.load_ms:10.2f} ms",
             f"prompt eval time = {self.prompt_ms:10.2f} ms / {self.prompt_tokens:5d} tokens" + per(self.prompt_ms, self.prompt_tokens),
             f"eval time        = {self.eval_ms:10.2f} ms / {self.eval_tokens:5d} runs  " + per(self.eval_ms, self.eval_tokens),
             f"total time       = {self.load_ms + self.prompt_ms + self.eval_ms:10.2f} ms / {self.prompt_tokens + self.eval_tokens:5d} tokens",
         ]
+        return lines + ([self.speculative_line()] if self.speculative else [])
+
+    def speculative_line(self) -> str:
+        """Speculative decoding's acceptance (llama.cpp's "draft acceptance rate") and ids per decode pass."""
+        rate = f"{self.accepted / self.drafted:.5f}" if self.drafted else "-"
+        per_pass = f"{self.eval_tokens / self.passes:.2f}" if self.passes else "-"
+        return (f"draft acceptance = {rate} ({self.accepted:5d} accepted / {self.drafted:5d} drafted); "
+                f"{per_pass} tokens per decode pass ({self.passes} passes)")
 
 
 @dataclass
@@ -120,6 +134,8 @@ class Completion:
             "finish_reason": self.finish_reason,
             "timings": self.timings.as_dict(),
             **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+            **({"speculative": {"drafted": self.timings.drafted, "accepted": self.timings.accepted}}
+               if self.timings.speculative else {}),
         }
 
 
@@ -191,6 +207,10 @@ class Model:
         # When the CLI looked the model up (registry, cache, any download) before this load: (start, end) in
         # time.perf_counter() seconds, for --verbose's start-up line; None outside the CLI.
         self.lookup: tuple[float, float] | None = None
+        # Speculative decoding (engine/speculative.py): what run() drafts with unless told otherwise, and the
+        # draft model (attach_draft), if any
+        self.speculative = SpecSettings()
+        self.draft: DraftModel | None = None
         # Each cache slot's record: which ids it holds (slot 0 is the one generate/chat use; the scheduler all).
         self.seqs = [SequenceCache(layer_caches(self.cfg, self.ctx), self.ctx)]
         self.seq = self.seqs[0]
@@ -206,10 +226,17 @@ class Model:
         self._chat = None
 
     def set_slots(self, n: int) -> None:
-        """Hold the caches of `n` sequences (engine/scheduler.py runs them together): slot 0 keeps what it holds.
-        BackendError where the backend holds one (CUDA, until batched decode), HostMemoryError where they do not
-        fit."""
+        """Hold the caches of `n` sequences (engine/scheduler.py runs them together): slot 0 keeps what it holds;
+        the draft model's too. BackendError where the backend holds one, HostMemoryError / DeviceMemoryError where
+        they do not fit."""
+        had = len(self.seqs)
         self.backend.set_slots(n)
+        if self.draft is not None:
+            try:
+                self.draft.model.set_slots(n)
+            except BaseException:
+                self.backend.set_slots(had)
+                raise
         layers = layer_caches(self.cfg, self.ctx)
         self.seqs = self.seqs[:n] + [SequenceCache(layers, self.ctx, slot) for slot in range(len(self.seqs), n)]
 
@@ -233,6 +260,16 @@ class Model:
         if self.prefix_cache is not None:
             self.prefix_cache = None
             self.backend.alloc_kv_pool(0)
+
+    def attach_draft(self, draft: "Model") -> None:
+        """Draft with `draft` (a loaded Model of the same vocabulary: UsageError otherwise), which takes as many
+        cache slots; it closes with this model."""
+        check_vocabularies(self, draft)
+        if draft.ctx < self.ctx:
+            raise UsageError(f"the draft model's context ({draft.ctx}) is shorter than the model's ({self.ctx})")
+        if len(draft.seqs) != len(self.seqs):
+            draft.set_slots(len(self.seqs))
+        self.draft = DraftModel(draft)
 
     # -- text <-> ids -------------------------------------------------------------------------------------
     def tokenize(self, text: str, *, special: bool = False, add_bos: bool | None = None,
@@ -334,6 +371,7 @@ class Model:
         ignore_eos: bool = False,
         keep_special: Collection[int] = (),
         scheduler: TokenSource | None = None,
+        speculative: SpecSettings | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
         """The engine. Yields text as it completes (a thinking model's <think> block included: feed it to a
@@ -353,9 +391,15 @@ class Model:
         step, so the reply runs to max_tokens or a full context; that takes the masked step as a constraint
         does (a constraint that allows nothing but an end still ends). With `scheduler` (engine/scheduler.py,
         over this model) the ids come from one of its cache slots, the steps batched with its other requests';
-        the text stream is the same, and closing it cancels the request. The caller then may be any thread."""
+        the text stream is the same, and closing it cancels the request. The caller then may be any thread.
+        `speculative` (engine/speculative.py; None: the model's own `speculative`) drafts ids for the decode steps
+        to verify several at a time: the same ids as without (a seed's too), fewer passes where drafts hold;
+        completion.timings counts the drafts and those accepted."""
         laps = _Laps()  # --verbose's stages of this prompt
         params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
+        spec = (self.speculative if speculative is None else speculative).validate()
+        if "draft-simple" in spec.sources and self.draft is None:
+            raise UsageError("speculative decoding from a draft model needs one: -md/--model-draft FILE")
         if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
             raise UsageError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}")
         if type(max_tokens) is not int or max_tokens < 0:
@@ -387,13 +431,14 @@ class Model:
             if not 0 <= tid < self.cfg.vocab_size:
                 raise UsageError(f"token id {tid} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         c = completion
-        c.prompt_tokens, c.timings = list(ids), Timings(load_ms=self.load_ms)
+        c.prompt_tokens, c.timings = list(ids), Timings(load_ms=self.load_ms, speculative=spec.on)
         # A generation prompt that opens a think block ends with it: 8 tokens, so that a <think> in the user's
         # text a little before is not taken for one; "<|start|>assistant" may take 16 in a small vocabulary.
         c.think_open = prompt_opens_think(self.tokenizer.decode(ids[-8:]))
         c.reasoning_format = reply_format(self.tokenizer.decode(ids[-16:]))
         # (history: the penalty window, the prompt and then each id taken)
-        sampler = Sampler(params, make_rng(params.seed), history=list(ids), logits=logprobs is not None)
+        sampler = Sampler(params, make_rng(params.seed), history=list(ids), logits=logprobs is not None,
+                          speculative=spec.on)
         c.logprobs = [] if logprobs is not None else None
         if constraint is not None:
             from ..sampling.structured import mask_words
@@ -403,9 +448,10 @@ class Model:
         if ignore_eos and self.tokenizer.eog_ids:
             sampler.mask = _without(self.tokenizer.eog_ids, self.cfg.vocab_size, sampler.mask)
         if scheduler is None:
-            tokens = self._tokens(ids, sampler, max_tokens, constraint, logprobs, c, laps)
+            tokens = self._tokens(ids, sampler, max_tokens, constraint, logprobs, c, laps, spec)
         else:  # in a cache slot of the scheduler's, its steps batched with the other requests'
-            tokens = scheduler.tokens(ids, sampler, max_tokens, c, constraint, logprobs)
+            tokens = scheduler.tokens(ids, sampler, max_tokens, c, constraint, logprobs,
+                                      **({"speculative": spec} if spec.on else {}))
         # The text: ids detokenized as they come, held back while they may begin a stop string. Generated text
         # continues the prompt: keep the space SentencePiece pieces start with, and print no control tokens
         # (llama-cli without --special).
@@ -447,16 +493,18 @@ class Model:
             c.reasoning, c.text = split_reasoning(c.text, c.think_open, c.reasoning_format)
 
     def _tokens(self, ids: list[int], sampler: Sampler, max_tokens: int, constraint: Constraint | None,
-                logprobs: int | None, c: Completion, laps: "_Laps") -> Iterator[tuple[int, dict[str, Any] | None]]:
+                logprobs: int | None, c: Completion, laps: "_Laps",
+                spec: SpecSettings) -> Iterator[tuple[int, dict[str, Any] | None]]:
         """The token generator (ids in, ids out; mlx-lm's generate_step): the prompt's step (a prefill of what
-        the cache does not hold yet, and the first id), then a decode step per id, each through
-        Backend.step. Yields (id, its logprob entry or None) for every id the reply keeps, and sets
-        c.finish_reason when it ends by itself: "eos" (an end-of-generation id, not yielded), "length"
-        (max_tokens, or the context full), "stop" (the constraint complete). The consumer stops it otherwise
-        (a stop string in the text): nothing more is computed then."""
+        the cache does not hold yet, and the first id), then a decode step per id (or per verification of
+        drafts, with `spec` on), each through Backend.step. Yields (id, its logprob entry or None) for every
+        id the reply keeps, and sets c.finish_reason when it ends by itself: "eos" (an end-of-generation id,
+        not yielded), "length" (max_tokens, or the context full), "stop" (the constraint complete). The consumer
+        stops it otherwise (a stop string in the text): nothing more is computed then."""
         be = self.backend
         run = TokenRun(self.seq, ids, sampler, self.tokenizer, max_tokens, c.timings, constraint, logprobs,
-                       cache=self.prefix_cache)
+                       cache=self.prefix_cache,
+                       spec=Speculation(spec, self.draft, self.seq.slot) if spec.on else None)
         step = run.prompt_step()
         laps.lap("prompt to ids")
 
@@ -467,20 +515,23 @@ class Model:
             c.timings.stages = laps.stages
 
         item = run.prompt_out(be.step([step])[0], first)
+        items = [] if item is None else [item]
         try:
-            while item is not None:
-                yield item
+            while items:
+                yield from items
                 # Decode: one token at the next position (a captured graph on CUDA), and perhaps the following
-                # one queued ahead.
-                step = run.next_step()
+                # one queued ahead; or that token and its drafts, verified in one pass.
+                step = None if run.finished else run.next_step()
                 if step is None:
                     return
-                item = run.step_out(be.step([step])[0])
+                items = run.step_out(be.step([step])[0])
         finally:
             c.finish_reason = c.finish_reason or run.finish_reason
             run.finish()
 
     def close(self) -> None:
+        if self.draft is not None:
+            self.draft.model.close()
         self.backend.close()
         self.gguf.close()
 

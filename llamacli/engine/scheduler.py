@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from ..backends.base import StepErrors
 from ..backends.step import Sampler, StepOut
 from ..errors import LlamacliError
+from .speculative import SpecSettings, Speculation
 from .tokens import Item, TokenRun
 
 if TYPE_CHECKING:
@@ -81,9 +82,10 @@ class Request:
 
     def __init__(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Completion,
                  constraint: Constraint | None, logprobs: int | None, wake: Callable[[], None],
-                 on_cancel: Callable[[Request], None]):
+                 on_cancel: Callable[[Request], None], speculative: SpecSettings | None = None):
         self.ids, self.sampler, self.max_tokens, self.completion = ids, sampler, max_tokens, completion
         self.constraint, self.logprobs, self.wake, self.on_cancel = constraint, logprobs, wake, on_cancel
+        self.speculative = speculative  # (its drafting: the worker's, in its slot)
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.cancelled = threading.Event()
         self.run: TokenRun | None = None  # (the worker's, once admitted)
@@ -139,11 +141,14 @@ class Scheduler:
 
     # -- the consumer's side ----------------------------------------------------------------------------------
     def tokens(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Completion,
-               constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Item]:
+               constraint: Constraint | None = None, logprobs: int | None = None,
+               speculative: SpecSettings | None = None) -> Iterator[Item]:
         """The ids of a generation from prompt `ids` (Model.run's token generator when it runs here), in arrival
         order behind the requests already waiting; `completion.cancel` then cancels it from any thread.
+        `speculative`: its decode steps verify drafts (engine/speculative.py; the sampler speculative).
         SchedulerBusy when too many wait, SchedulerClosed after close()."""
-        req = Request(list(ids), sampler, max_tokens, completion, constraint, logprobs, self._wake, self._cancelled)
+        req = Request(list(ids), sampler, max_tokens, completion, constraint, logprobs, self._wake, self._cancelled,
+                      speculative if speculative is not None and speculative.on else None)
         with self.cv:
             self._check_room()
             self.waiting.append(req)
@@ -272,9 +277,10 @@ class Scheduler:
             if req.cancelled.is_set():  # left before its prompt ran: not prefilled
                 self._release(req)
                 continue
+            spec = None if req.speculative is None else Speculation(req.speculative, model.draft, req.slot)
             req.run = TokenRun(model.seqs[req.slot], req.ids, req.sampler, model.tokenizer, req.max_tokens,
                                req.completion.timings, req.constraint, req.logprobs, count_eval=False,
-                               cache=model.prefix_cache)
+                               cache=model.prefix_cache, spec=spec)
             try:
                 item = req.run.prompt_out(model.backend.step([req.run.prompt_step()])[0])
             except Exception as exc:  # (the request's own: its step ran alone)
@@ -302,7 +308,7 @@ class Scheduler:
             if not req.ready:  # its consumer is behind: it sits this step out
                 continue
             try:
-                step = req.run.next_step()  # (a constraint's advance may raise: the request's own)
+                step = req.run.next_step()  # (a constraint's advance, a draft model's step may raise: its own)
             except Exception as exc:
                 self._release(req, exc)
                 continue
@@ -329,8 +335,11 @@ class Scheduler:
             if out is None:
                 continue
             try:
-                item = req.run.step_out(out)
+                items = req.run.step_out(out)
             except Exception as exc:
                 self._release(req, exc)
                 continue
-            self._hand(req, item)
+            for item in items:
+                req.out.put(item)
+            if req.run.finished:
+                self._release(req)

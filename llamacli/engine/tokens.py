@@ -4,11 +4,16 @@ own cache slot, their decode steps together in one Backend.step.
 
     run = TokenRun(...)
     item = run.prompt_out(backend.step([run.prompt_step()])[0])   # (id, logprob entry) or None: finished
-    while item is not None:
-        ... hand item to the text stream ...
-        step = run.next_step()                                     # None: finished
+    items = [] if item is None else [item]
+    while items:
+        ... hand the items to the text stream ...
+        step = None if run.finished else run.next_step()          # None: finished
         if step is None: break
-        item = run.step_out(backend.step([step])[0])
+        items = run.step_out(backend.step([step])[0])             # [] only when finished
+
+With speculation (engine/speculative.py) a decode step may carry drafts after the last id: a verification,
+whose ids (the drafts the model agrees with, and one more) come out of step_out together; an end (an
+end-of-generation id, max_tokens, a constraint complete) may come among them.
 
 A run ends by itself with `finish_reason` set: "eos" (an end-of-generation id, not handed out), "length"
 (max_tokens, or the context full), "stop" (a constraint complete). The text stream may stop it sooner (a stop
@@ -25,6 +30,7 @@ import numpy as np
 from ..backends.step import Sampler, SeqStep, StepOut
 from ..models.seq_cache import SequenceCache
 from ..tokenizer.tokenizer import Tokenizer
+from .speculative import Speculation, choose
 
 if TYPE_CHECKING:
     from ..sampling.structured import Constraint
@@ -37,7 +43,8 @@ class TokenSource(Protocol):
     """Where Model.run takes a generation's ids from, other than its own loop (engine/scheduler.py Scheduler)."""
 
     def tokens(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Any,
-               constraint: Constraint | None = None, logprobs: int | None = None) -> Iterator[Item]: ...
+               constraint: Constraint | None = None, logprobs: int | None = None,
+               speculative: Any = None) -> Iterator[Item]: ...
 
 
 class TokenRun:
@@ -46,16 +53,19 @@ class TokenRun:
     is kept as steps run, and `timings` (engine.generate.Timings) filled: the prompt's, and the decode steps'
     count. With a prefix cache (engine/prefix_cache.py) the prompt's step starts behind the rows it copies into
     the slot, and the slot's blocks are stored after the prompt's step and by finish() (call it when the run
-    ends, however)."""
+    ends, however). With `spec` (engine/speculative.py; the sampler's `speculative` set) a decode step verifies
+    the drafts it proposes, where it has any."""
 
     def __init__(self, seq: SequenceCache, ids: list[int], sampler: Sampler, tokenizer: Tokenizer,
                  max_tokens: int, timings: Any, constraint: Constraint | None = None, logprobs: int | None = None,
-                 count_eval: bool = True, cache: PrefixCache | None = None):
+                 count_eval: bool = True, cache: PrefixCache | None = None, spec: Speculation | None = None):
         self.seq, self.ids, self.sampler, self.tokenizer = seq, ids, sampler, tokenizer
         self.max_tokens, self.timings, self.constraint, self.logprobs = max_tokens, timings, constraint, logprobs
         self.count_eval = count_eval  # (False: the consumer counts the decode steps whose ids it took)
         self.cache = cache
         self.restored = 0  # prompt ids the prefix cache gave (beyond what the slot held)
+        self.spec = spec
+        self.drafts: list[int] = []  # what the step under way verifies after self.last
         self.finish_reason: str | None = None
         self.handed = 0  # ids handed out
         self.last = -1  # the last id handed out: the next decode step's input
@@ -101,8 +111,8 @@ class TokenRun:
         return self._hand(out)
 
     def next_step(self) -> SeqStep | None:
-        """After the last id was handed out: the decode step of that id at the next position, or None (a
-        constraint complete, max_tokens reached, or the context full)."""
+        """After the last id was handed out: the decode step of that id at the next position (and the drafts
+        after it, with speculation), or None (a constraint complete, max_tokens reached, or the context full)."""
         if self.constraint is not None:
             self.constraint.advance(self.last)
             if self.constraint.is_done:
@@ -112,17 +122,61 @@ class TokenRun:
             self.finish_reason = "length"
             return None
         pos = len(self.seq)
+        if self.spec is not None:  # room: positions up to the context's end, ids up to max_tokens
+            room = min(self.seq.ctx - 1 - pos, self.max_tokens - self.handed - 1)
+            self.drafts = self.spec.propose(self.sampler.history, room)
+            if self.drafts:
+                self.seq.begin_verify(pos, 1 + len(self.drafts))
+                return SeqStep([self.last, *self.drafts], pos, self.sampler, self.seq.slot)
         self.seq.begin_decode(pos)
         return SeqStep([self.last], pos, self.sampler, self.seq.slot)
 
-    def step_out(self, out: StepOut) -> Item | None:
-        """A decode step ran whole: its input's K/V are in the slot; its id, or None (finished)."""
-        self.seq.token_done(self.last)
+    def step_out(self, out: StepOut) -> list[Item]:
+        """A decode step ran whole: its input's K/V are in the slot; its id, or with drafts the ids their
+        verification accepts (engine/speculative.py); [] when the run finished without one."""
+        self.timings.passes += 1
+        if self.drafts:
+            items = self._verified(out)
+        else:
+            self.seq.token_done(self.last)
+            if self.count_eval:
+                self.timings.eval_tokens += 1
+            item = self._hand(out)
+            items = [] if item is None else [item]
         if out.snapshots is not None:
             self.seq.held(out.snapshots)
-        if self.count_eval:
-            self.timings.eval_tokens += 1
-        return self._hand(out)
+        return items
+
+    def _verified(self, out: StepOut) -> list[Item]:
+        """A verification's ids: row by row, the id chosen as a plain step would choose it there (the penalties
+        over the ids before it, the constraint advanced past them); a draft equal to it is accepted and the next
+        row read, the first that differs ends the step (its row's id is the correction), and after the last
+        draft its row gives one more."""
+        drafts, self.drafts = self.drafts, []
+        t, seq, items = self.timings, self.seq, []
+        t.drafted += len(drafts)
+        seq.token_done(self.last)  # the pass's first input: its K/V at the step's position
+        for i in range(len(drafts) + 1):
+            if i:  # drafts[i - 1] was taken (it is self.last): its K/V came with the pass; now the next row
+                if self.handed >= self.max_tokens:
+                    break  # (next_step ends the run)
+                if self.constraint is not None:
+                    self.constraint.advance(self.last)
+                    if self.constraint.is_done:
+                        self.finish_reason = "stop"
+                        break
+                seq.token_done(self.last)
+            token = out.choices[i] if out.choices is not None else choose(out.logits[i], self.sampler)
+            if self.count_eval:
+                t.eval_tokens += 1
+            item = self._hand(StepOut(token, out.logits[i] if self.sampler.logits else None))
+            if item is None:  # an end of generation
+                break
+            items.append(item)
+            if i == len(drafts) or token != drafts[i]:
+                break
+            t.accepted += 1
+        return items
 
     def finish(self) -> None:
         """The run ended (finished, stopped, cancelled or failed): the prefix cache stores the blocks of what the

@@ -130,6 +130,11 @@ class SequenceCache:
         """Before a decode step at `pos` (it writes that position; a step queued ahead may write the next)."""
         self.written = max(self.written, pos + 1)
 
+    def begin_verify(self, pos: int, n: int) -> None:
+        """Before a verification step of `n` tokens at `pos` (the last id and its drafts: it writes positions pos ..
+        pos + n - 1, and those past the drafts the engine accepts stay written, unheld)."""
+        self.written = max(self.written, pos + n - 1)
+
     def token_done(self, token: int) -> None:
         """After a decode step ran whole: its token's K/V are in the slot."""
         self.ids.append(token)

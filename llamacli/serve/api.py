@@ -67,6 +67,7 @@ class Job:
     echo_prompt: str = ""
     tools: Any = None  # a tool_api.ToolJob: the reply is read for tool calls
     ignore_eos: bool = False  # llama-server's: the end-of-generation ids masked out, the reply runs to max_tokens
+    speculative: Any = None  # engine.speculative.SpecSettings where the request sets its own draft bounds
     id: str = field(default_factory=lambda: "")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -82,6 +83,8 @@ class Job:
             kw.update(self.tools.run_kwargs())
         if self.ignore_eos:
             kw["ignore_eos"] = True
+        if self.speculative is not None:
+            kw["speculative"] = self.speculative
         return kw
 
 
@@ -99,7 +102,7 @@ def read_job(model, body: Any, chat: bool) -> Job:
     ids = _ids(model, body, chat, tools)
     job = Job(chat=chat, ids=ids, max_tokens=_max_tokens(model, body), stop=_stop(body), params=_params(body),
               stream=_bool(body, "stream", False), logprobs=_logprobs(body, chat),
-              ignore_eos=_bool(body, "ignore_eos", False))
+              ignore_eos=_bool(body, "ignore_eos", False), speculative=_speculative(model, body))
     job.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     options = body.get("stream_options")
     if options is not None:
@@ -254,6 +257,27 @@ def _params(body: dict) -> SamplingParams:
         return SamplingParams(**fields).validate()
     except BadInputError as exc:
         raise ApiError(str(exc)) from None
+
+
+def _speculative(model, body: dict) -> Any:
+    """llama-server's "speculative.n_max" and "speculative.n_min" (flat keys): this request's draft bounds over
+    the server's speculative settings (--spec-type, -md); None where it sets neither (the server's stand). n_max 0
+    turns speculation off for the request."""
+    from ..engine.speculative import MAX_DRAFT
+
+    limits = {name: _int(body, f"speculative.{name}", None) for name in ("n_max", "n_min")}
+    if all(v is None for v in limits.values()):
+        return None
+    for name, v in limits.items():
+        if v is not None and not 0 <= v <= MAX_DRAFT:
+            raise ApiError(f"speculative.{name} must be an integer from 0 to {MAX_DRAFT}, got {v}",
+                           param=f"speculative.{name}")
+    base = model.speculative
+    n_max = base.draft_max if limits["n_max"] is None else limits["n_max"]
+    if limits["n_min"] is not None and limits["n_min"] > n_max:
+        raise ApiError(f"speculative.n_min ({limits['n_min']}) must not exceed speculative.n_max ({n_max})",
+                       param="speculative.n_min")
+    return base.with_limits(draft_max=limits["n_max"], draft_min=limits["n_min"])
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

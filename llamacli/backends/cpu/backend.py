@@ -177,6 +177,10 @@ class CpuBackend(NumpyBackend):
         with self.pass_context():
             return super().decode(token, pos)
 
+    def forward_verify(self, ids: np.ndarray, start: int):
+        with self.pass_context():
+            return super().forward_verify(ids, start)
+
     def device_name(self) -> str:
         return f"CPU ({platform.processor() or platform.machine()}, numba, {threads_in_force()} threads)"
 

@@ -52,8 +52,8 @@ from .device import DeviceModel, cache_q8, compile_kernels, cuda_available, fuse
 from .gpu import Gpu, Options
 from .kv import KVCache
 from .kv_pool import KVPool
-from .linear import RUNNABLE, DeviceMatrix, Linear
-from .moe import Experts
+from .linear import DEQUANT_CHUNK, RUNNABLE, DeviceMatrix, Linear
+from .moe import Experts, moe_family_needed
 from .ops import add_into, embed_rows, glu_into, rms_norm_into, rope_into, softcap_into
 from .prefill import PREFILL_CHUNK, PrefillPass
 from .profile import Profiler, profiled
@@ -84,6 +84,7 @@ class CudaBackend(Backend):
     pdl = _Option()
     mv1_stream = _Option()
     batch_matvec = _Option()
+    verify_batched = _Option()
     pdl_max_bytes = _Option()
     pdl_early_bytes = _Option()
 
@@ -105,6 +106,7 @@ class CudaBackend(Backend):
         self.decoder: DecodeStep | None = None
         self.prefill: PrefillPass | None = None
         self.batch: BatchStep | None = None
+        self.verifier: BatchStep | None = None  # a verification's pass of drafts as a batched step (forward_verify)
         self.kv_pool: KVPool | None = None  # the prefix cache's rows (alloc_kv_pool)
 
     # -- lifetime ------------------------------------------------------------------------------------------
@@ -139,12 +141,13 @@ class CudaBackend(Backend):
         self.sampler = DeviceSampler(gpu, model.cfg, model.ctx, self.profiler)
         self.decoder = DecodeStep(gpu, opt, model, self.kv, self.linear, self.attn, self.experts, self.sampler,
                                   self.profiler)
-        self.prefill = self.batch = None
+        self.prefill = self.batch = self.verifier = None
         self.slots = 1
+        self._slot_sampler, self._slot_kind = {}, {}
         self.kv_pool = None
 
     def close(self) -> None:
-        self.batch = None
+        self.batch = self.verifier = None
         self.decoder = self.prefill = self.sampler = self.experts = self.attn = self.linear = self.kv = None
         self.kv_pool = None
         self.model = None
@@ -157,11 +160,23 @@ class CudaBackend(Backend):
         With more than one, step() runs the decode steps of several sequences together (batch.BatchStep)."""
         if type(n) is not int or n < 1:
             raise UsageError(f"the number of sequences must be a positive integer, got {n!r}")
-        self.kv.set_slots(n)
+        self.batch = self.verifier = None  # (their graphs hold the old slots' addresses; their pools count as free below)
+        if n > 1:  # what lives past any step made now, outside the batched step's memory pool
+            self.prefill_pass().buffers()
+            self.linear.workspace()
+            if moe_family_needed(self.cfg):
+                self.experts.buffers(max(PREFILL_CHUNK, n))
+        cfg = self.cfg
+        # room for the batched step's working set: a GEMM's fp16 weight chunk, its rows' activations and logits
+        keep = DEQUANT_CHUNK * 2 + n * 4 * (8 * max(cfg.n_embd, cfg.q_dim + 2 * cfg.kv_dim, 2 * cfg.n_ff)
+                                            + 3 * cfg.vocab_size) + (256 << 20)
+        self.kv.set_slots(n, keep)
         self._forget_slots(min(n, self.slots))
         self.decoder.use_slot(0)
         self.decoder.forget_slots(n)
-        self.slots, self.batch = n, None  # (the batched step's graphs hold the old slots' addresses)
+        self.prefill_pass().forget_slots(n)
+        self.decoder.look_ahead = n == 1 or not self.kv.q8  # (an 8-bit cache's sequences take turns: see README)
+        self.slots = n
 
     def use_slot(self, slot: int) -> None:
         self.kv.use(slot)
@@ -173,8 +188,6 @@ class CudaBackend(Backend):
         if self.slots == 1:
             return super().step(batch)
         self._check_slots(batch)
-        if not hasattr(self, "_slot_sampler"):
-            self._slot_sampler, self._slot_kind = {}, {}
         rows = [i for i, seq in enumerate(batch) if self._batchable(seq)]
         if len(rows) == 1 and self._slot_kind.get(batch[rows[0]].slot) == "greedy":
             rows = []
@@ -199,10 +212,12 @@ class CudaBackend(Backend):
         return outs  # type: ignore[return-value]
 
     def _batchable(self, seq: SeqStep) -> bool:
-        """A decode step the batched step takes: the sequence's next token in its own slot, an fp16 cache."""
+        """A decode step the batched step takes: the sequence's next token in its own slot (after a verification of
+        drafts, past those accepted: Backend.rollback has nothing to do for K/V rows), an fp16 cache."""
         s = seq.sampler
+        low = s.verified + 1 if s.verified >= 0 else s.position
         return (not self.kv.q8 and s.position >= 0 and self._slot_sampler.get(seq.slot) is s
-                and len(seq.tokens) == 1 and seq.start == s.position)
+                and len(seq.tokens) == 1 and low <= seq.start <= s.position)
 
     def _decode_batch(self, seqs: list[SeqStep]) -> list[StepOut | Exception]:
         """One batched step of these sequences' decode steps -> per sequence its StepOut, or the exception that
@@ -232,7 +247,7 @@ class CudaBackend(Backend):
                 outs.append(exc)
                 continue
             out.snapshots = self.snapshots(seq.slot)
-            s.position, self._slot_sampler[seq.slot] = seq.start + 1, s
+            s.position, s.verified, self._slot_sampler[seq.slot] = seq.start + 1, -1, s
             outs.append(out)
         return outs
 
@@ -262,7 +277,7 @@ class CudaBackend(Backend):
     def _decode(self, token: int, pos: int, s: Any, kind: str) -> StepOut:
         if kind != "batch":
             return super()._decode(token, pos, s, kind)
-        raise BackendError("internal: a batched sequence's step outside the batched step")
+        return self._choose(self.decode(token, pos), s)  # (one slot again: the fused step's logits)
 
     # -- host <-> device -----------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> Any:
@@ -346,6 +361,57 @@ class CudaBackend(Backend):
         if not PrefillPass.serves(int(np.asarray(ids).size), self.ctx):
             return super().forward_prompt(ids, start)
         return self.prefill_pass().forward(ids, start)
+
+    def forward_verify(self, ids: np.ndarray, start: int) -> Any:
+        """Backend.forward_verify: a verification of drafts (speculative decoding) -> logits [T, V] on the device.
+        With an fp16 cache (and verify_batched on), the batched decode step's pass (batch.BatchStep, captured per
+        T) with every row in the sequence's slot: its K/V stores come before any row's attention, which reads its
+        slot up to its own position, so the rows see the drafts before them; each weight is read once for up to
+        MATVEC_TMAX rows (Linear.matvec_rows). Otherwise up to MATVEC_TMAX tokens the operations one by one
+        (block.run, as a short prompt chunk), longer ones the fused prefill pass with every row's LM head
+        (prefill.PrefillPass.forward(all_rows=True))."""
+        self.decoder.drop_ahead()  # a decode step queued ahead is stale once the cache changes
+        t = int(np.asarray(ids).size)
+        if self.verify_batched and not self.kv.q8:
+            return self._verify_step(ids, start)[1]
+        if not PrefillPass.serves(t, self.ctx):
+            return super().forward_verify(ids, start)
+        return self.prefill_pass().forward(ids, start, all_rows=True)
+
+    def verify_greedy(self, ids: np.ndarray, start: int) -> list[int]:
+        """Backend.verify_greedy with the argmax of each row on the device (the lowest id on ties, as the host's):
+        only the ids and each row's maximum (or, in the batched step, a flag) cross; a row that is not finite goes
+        to the host sampler's checks (NumericalError)."""
+        if self.verify_batched and not self.kv.q8:
+            self.decoder.drop_ahead()
+            choice, logits = self._verify_step(ids, start)
+            bad, argmax = bool(choice[1].any()), [int(i) for i in choice[0]]
+        else:
+            logits = self.forward_verify(ids, start)
+            both = self.to_host(self.cp.stack([logits.argmax(axis=1).astype(self.cp.float64),
+                                               logits.max(axis=1).astype(self.cp.float64)]))
+            bad, argmax = not np.isfinite(both[1]).all(), [int(i) for i in both[0]]
+        if bad:
+            from ...sampling.sampling import greedy
+
+            return [greedy(row) for row in self.to_host(logits)]  # (raises, naming what is wrong)
+        return argmax
+
+    def _verify_step(self, ids: np.ndarray, start: int) -> tuple[np.ndarray, Any]:
+        """The verification's pass as a batched step of T rows in the current slot -> (choice [2, T] on the host:
+        argmax ids, non-finite flags; logits [T, V], a buffer the next verification overwrites)."""
+        t = int(np.asarray(ids).size)
+        if self.verifier is None or self.verifier.logits.shape[0] < t:  # (rows for the longest verification yet)
+            rows = max(t, 17 if self.verifier is None else 2 * self.verifier.logits.shape[0])
+            # what outlives a step made first, outside the step's memory pool (as set_slots does for the batch)
+            self.prefill_pass().buffers()
+            self.linear.workspace()
+            if moe_family_needed(self.cfg):
+                self.experts.buffers(max(PREFILL_CHUNK, rows))
+            self.kv.tables(0)
+            self.verifier = BatchStep(self.gpu, self.options, self._forward_batch, rows, self.cfg.vocab_size)
+        return self.verifier.run(np.asarray(ids, np.int64).reshape(-1), np.arange(start, start + t),
+                                 np.full(t, self.kv.slot))
 
     def prefill_pass(self) -> PrefillPass:
         """The fused prefill pass (made with its first chunk: its buffers come with it) of a loaded model."""

@@ -17,7 +17,9 @@ for its logits is chosen from its logits row as a single step's logits are (Back
 The inputs (ids, positions, slots) live in device buffers, so a batch size seen before is captured into a CUDA
 graph and replayed. The step's intermediate arrays come from a memory pool of its own: a graph keeps the
 addresses it was captured with, and only this step allocates from that pool, one run at a time, so those
-addresses hold nothing else between runs.
+addresses hold nothing else between runs. What outlives a step (cuBLAS's workspace, the experts' buffers, the
+KV tables) is made before the first (CudaBackend.set_slots). Should the pool ever give memory back (CuPy frees
+a pool's cached blocks when an allocation in it fails), the graphs are dropped and captured again.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class BatchStep:
         self._graphs: dict[int, Any] = {}
         self._seen: set[int] = set()
         self._graph_ok = True
+        self._pool_bytes = 0  # the pool's size when the graphs were captured
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> tuple[np.ndarray, Any]:
         """One step of B = len(ids) sequences -> (choice [2, B] on the host: argmax ids, non-finite flags; the
@@ -57,6 +60,9 @@ class BatchStep:
         cp, b = self.cp, len(ids)
         self._stage[: 3 * b] = np.concatenate([ids, positions, slots])
         self.inputs[: 3 * b].set(self._stage[: 3 * b])
+        if self.pool.total_bytes() < self._pool_bytes:  # blocks the graphs use went back to the device
+            self._graphs.clear()
+        self._pool_bytes = self.pool.total_bytes()
         graph = self._graphs.get(b)
         if graph is None and self.options.use_graph and self._graph_ok and b in self._seen:
             try:
@@ -68,6 +74,9 @@ class BatchStep:
                 self._graphs[b] = graph
                 while len(self._graphs) > BATCH_GRAPHS:
                     self._graphs.pop(next(iter(self._graphs)))
+                if self.pool.total_bytes() < self._pool_bytes:  # (the capture's allocations freed some)
+                    self._graphs = {b: graph}
+                self._pool_bytes = self.pool.total_bytes()
         stream = cp.cuda.get_current_stream()
         if graph is not None:
             self._graphs[b] = self._graphs.pop(b)  # (most recently used last)
@@ -75,6 +84,9 @@ class BatchStep:
         else:
             self._launch(b)
             self._seen.add(b)
+            if self.pool.total_bytes() < self._pool_bytes:
+                self._graphs.clear()
+            self._pool_bytes = self.pool.total_bytes()
         cp.cuda.runtime.memcpy2DAsync(self._host.ctypes.data, self._host.strides[0], self.choice.data.ptr,
                                       self.choice.strides[0], 4 * b, 2, 2, stream.ptr)  # device -> host
         stream.synchronize()

@@ -61,6 +61,7 @@ class DecodeStep:
         # The step decode_greedy / decode_sampled queued ahead: ((token, pos) it computes, its pinned slot, launch
         # count then, its graph's key)
         self._ahead: tuple[tuple[int, int], int, int, str] | None = None
+        self.look_ahead = True  # queue the next step ahead (off where sequences take turns on this step)
         self._cur_token = self._cur_pos = 0
 
     def plan(self) -> None:
@@ -424,7 +425,7 @@ class DecodeStep:
 
     def _can_queue(self, pos: int, kind: str) -> bool:
         """Whether the step after position pos can be queued ahead: graphs on, room in the cache, `kind` captured."""
-        return self.options.use_graph and pos + 1 < self.ctx and kind in self._graphs
+        return self.look_ahead and self.options.use_graph and pos + 1 < self.ctx and kind in self._graphs
 
     def _read_id(self, slot: int) -> int:
         """The id in pinned slot `slot` once its copy has landed; a flag (NaN/+inf, no candidate) raises."""

@@ -40,6 +40,9 @@ class Options:
     # (linear.Linear.matvec_rows; False: dequantized to fp16 and multiplied on cuBLAS, as larger batches are; for
     # comparisons).
     batch_matvec: bool = True
+    # A verification of drafts (speculative decoding) through the batched step's pass, its rows in one slot (False:
+    # block.run op by op up to MATVEC_TMAX tokens, the fused prefill pass beyond; for comparisons)
+    verify_batched: bool = True
     pdl_max_bytes: int = PDL_MAX_BYTES
     pdl_early_bytes: int = PDL_EARLY_BYTES
 

@@ -49,17 +49,18 @@ class KVCache:
         k, v = self.slot_caches[0]
         return sum(int(x.nbytes) for x in k + v)
 
-    def set_slots(self, n: int) -> None:
+    def set_slots(self, n: int, keep: int = 0) -> None:
         """Hold n slots: slot 0's arrays (and the first n of those held) stay, the others are allocated, zeroed,
-        after checking the GPU's free memory, or dropped. Slot 0 is the current one after."""
+        after checking that the GPU's free memory holds them and `keep` bytes more, or dropped. Slot 0 is the
+        current one after."""
         more = n - len(self.slot_caches)
         if more > 0:
             free = self.cp.cuda.runtime.memGetInfo()[0] + self.cp.get_default_memory_pool().free_bytes()
             need = more * self.slot_bytes
-            if need > free - (256 << 20):  # (room kept for the steps' buffers and graphs)
-                raise DeviceMemoryError(f"the KV caches of {n} sequences need {human_bytes(need)} more GPU memory, "
-                                   f"{human_bytes(free)} is free: run fewer at once (--parallel) or a shorter "
-                                   f"context (-c)")
+            if need > free - keep:
+                raise DeviceMemoryError(f"the KV caches of {n} sequences need {human_bytes(need)} more GPU memory "
+                                        f"and the steps {human_bytes(keep)}, {human_bytes(free)} is free: run fewer "
+                                        f"at once (--parallel) or a shorter context (-c)")
         held = len(self.slot_caches)
         try:
             while len(self.slot_caches) < n:
@@ -71,6 +72,7 @@ class KVCache:
         del self.slot_caches[n:]
         self._tables = None
         self.use(0)
+        self.tables(0)  # (made now: not inside a step's memory pool)
 
     def use(self, slot: int) -> None:
         """Make slot `slot`'s arrays the current cache (k_cache, v_cache)."""

@@ -226,6 +226,12 @@ class Linear:
         # arithmetic is the same whatever runs beside it. 0: off.
         self.batch_rows = 0
 
+    def workspace(self) -> Any:
+        """cuBLAS's workspace for the GEMMs (32 MiB), made once."""
+        if self.cublas_ws is None:
+            self.cublas_ws = self.cp.empty(32 << 20, dtype=self.cp.uint8)
+        return self.cublas_ws
+
     def dequant_scratch(self) -> Any:
         """gemm_weights' fp16 scratch of DEQUANT_CHUNK values, made once (before any capture: a captured pass
         allocates nothing)."""
@@ -234,8 +240,9 @@ class Linear:
         return self.dq
 
     def matmul(self, x: Any, w: DeviceMatrix, bias: Any = None) -> Any:
-        """Backend.matmul: x [t, K] @ W^T (+ bias) -> [t, N] f32; mv1/matvec for few tokens, else (and in the
-        batched step, batch_rows) dequantized row chunks times x in fp16 on cuBLAS."""
+        """Backend.matmul: x [t, K] @ W^T (+ bias) -> [t, N] f32; mv1/matvec for few tokens, else dequantized row
+        chunks times x in fp16 on cuBLAS; in the batched step (batch_rows) matvec_rows up to MATVEC_TMAX rows, else
+        cuBLAS on batch_rows rows."""
         cp = self.cp
         x = self.gpu.f32(x)
         t, k = x.shape
@@ -320,8 +327,7 @@ class Linear:
         cp = self.cp
         lib, set_stream, set_ws = _cublas()
         handle = cp.cuda.device.get_cublas_handle()
-        if self.cublas_ws is None:
-            self.cublas_ws = cp.empty(32 << 20, dtype=cp.uint8)
+        self.workspace()
         st = set_stream(handle, cp.cuda.get_current_stream().ptr)
         st = st or set_ws(handle, self.cublas_ws.data.ptr, self.cublas_ws.nbytes)  # after setStream (it resets)
         ab = self.alpha_beta.ctypes.data

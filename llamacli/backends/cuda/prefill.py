@@ -9,7 +9,9 @@ rms_norm_f16 | gate/up dequantize + one GEMM | swiglu_f16_rowscale | down dequan
 the residual (a mixture-of-experts layer: rms_norm_f16, then moe.Experts.gemm's ~10 launches: router,
 routing, grouping, the experts' GEMMs on tensor cores, their weighted sum into the residual). Then the LM head
 on the last row only (mv1 with the final RMSNorm fused). 11-17 launches per dense layer where the op-by-op
-path (block.run) takes ~45.
+path (block.run) takes ~45. A verification of drafts (speculative decoding, `forward(..., all_rows=True)`)
+keeps every row: the layers as above (captured apart from the prompt's pass of the same length), then the
+final RMSNorm and the LM head over all rows outside the graph (Linear.matmul: dequantized chunks and a GEMM).
 
 The token ids and positions live in device buffers, so a chunk length seen before is captured once into a
 CUDA graph (per cache slot: it holds the slot's addresses) and replayed (the first sighting runs the kernels directly: compilation, cuBLAS plans); long
@@ -34,7 +36,7 @@ from . import loader as K
 from .attention import ATT_TC_DIMS, ATT_TC_MIN_T, tc_qscale
 from .linear import MATVEC_TMAX, merge_rows
 from .moe import dense_ff, moe_family_needed
-from .ops import embed_rows, softcap_into
+from .ops import embed_rows, rms_norm_into, softcap_into
 
 log = logging.getLogger("llamacli.cuda")
 
@@ -53,8 +55,10 @@ class PrefillPass:
         self.qkv_bias = qkv_bias  # each layer's QKV bias, concatenated (decode.DecodeStep.qkv_plan's)
         self.cp, self.cfg, self.ctx = gpu.cp, model.cfg, model.ctx
         self._buffers: SimpleNamespace | None = None
-        self._graphs: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()  # (slot, T)
-        self._seen: set[int] = set()
+        # By (cache slot: a graph holds the slot's addresses; chunk length; whether the pass ends in the last row's
+        # LM head: a verification's pass stops before it)
+        self._graphs: collections.OrderedDict[tuple[int, int, bool], Any] = collections.OrderedDict()
+        self._seen: set[tuple[int, bool]] = set()
         self._graph_ok = True
 
     @staticmethod
@@ -62,20 +66,22 @@ class PrefillPass:
         """Whether a chunk of t tokens takes the fused pass (shorter ones go through the matvecs, op by op)."""
         return MATVEC_TMAX < t <= min(ctx, PREFILL_CHUNK)
 
-    def forward(self, ids: np.ndarray, start: int) -> Any:
+    def forward(self, ids: np.ndarray, start: int, all_rows: bool = False) -> Any:
         """The fused pass of host token ids [T] at positions start.. (serves(T)) -> logits [1, V] of the last
-        one (a buffer the next pass overwrites); their K/V into the cache."""
+        one (a buffer the next pass overwrites), or with `all_rows` (a verification) logits [T, V] of every one
+        (a new array); their K/V into the cache."""
         t = int(np.asarray(ids).size)
         cp = self.cp
         b = self.buffers()
         b.ids[:t].set(np.asarray(ids, dtype=np.int32).reshape(-1))
         b.pos[:t].set(np.arange(start, start + t, dtype=np.int32))
+        head = not all_rows  # (a verification's pass stops before the LM head: head_all_rows follows)
+        key = (self.kv.slot, t, head)  # (a graph holds its cache slot's addresses)
         profiling = self.profiler.active  # profiling times the kernels one by one
-        key = (self.kv.slot, t)  # (a graph holds its cache slot's addresses)
         graph = self._graphs.get(key) if not profiling else None
-        if graph is None and self.options.use_graph and self._graph_ok and not profiling and t in self._seen:
+        if graph is None and self.options.use_graph and self._graph_ok and not profiling and (t, head) in self._seen:
             try:
-                graph = self.gpu.capture(lambda: self.launch(t))
+                graph = self.gpu.capture(lambda: self.launch(t, head=head))
             except Exception as exc:  # a cuBLAS that cannot be captured: the kernels run directly from now on
                 log.warning("prefill graph capture failed (%s: %s); prefill runs without graphs", type(exc).__name__, exc)
                 self._graph_ok = False
@@ -87,14 +93,32 @@ class PrefillPass:
             self._graphs.move_to_end(key)
             graph.launch(cp.cuda.get_current_stream())
         else:
-            self.launch(t)
-            self._seen.add(t)
-        return b.logits
+            self.launch(t, head=head)
+            self._seen.add((t, head))
+        return self.head_all_rows(t) if all_rows else b.logits
+
+    def head_all_rows(self, t: int) -> Any:
+        """The final RMSNorm and the LM head (soft-capped where the model is) over the first t rows of the residual
+        stream -> logits [t, V] (a new array): a verification's every position (not captured: it allocates)."""
+        cp, cfg, w = self.cp, self.cfg, self.model.weights
+        x = self._buffers.x[: t * cfg.n_embd].reshape(t, cfg.n_embd)
+        h = cp.empty_like(x)
+        rms_norm_into(x, w.output_norm, cfg.rms_eps, h)
+        logits = self.linear.matmul(h, w.output)  # [t, V] float32
+        if cfg.final_softcap:  # gemma2
+            softcap_into(logits, logits, cfg.final_softcap)
+        return logits
+
+    def forget_slots(self, first: int) -> None:
+        """Slots from `first` on are gone (KVCache.set_slots): their graphs too (they hold the old arrays)."""
+        for key in [k for k in self._graphs if k[0] >= first]:
+            del self._graphs[key]
 
     @property
     def graph_lengths(self) -> frozenset[int]:
-        """The chunk lengths whose prefill pass is captured as a graph now (for some cache slot)."""
-        return frozenset(t for _, t in self._graphs)
+        """The chunk lengths whose prefill pass (a prompt's, not a verification's) is captured as a graph now (for
+        some cache slot)."""
+        return frozenset(t for _, t, head in self._graphs if head)
 
     def buffers(self) -> SimpleNamespace:
         """forward's buffers (counted in device.scratch_bytes) and per-layer GEMM plans, made once: ids, pos,
@@ -128,8 +152,9 @@ class PrefillPass:
         self._buffers = b
         return b
 
-    def launch(self, t: int) -> None:
-        """Launch the fused prefill of b.ids[:t] at b.pos[:t] (see the module docstring) -> b.logits."""
+    def launch(self, t: int, head: bool = True) -> None:
+        """Launch the fused prefill of b.ids[:t] at b.pos[:t] (see the module docstring) -> b.logits (`head`
+        False: no LM head; the residual stream b.x holds the last layer's output of every row)."""
         cfg, w, b, fused = self.cfg, self.model.weights, self._buffers, self.model.fused
         kv, attn, gemm_weights = self.kv, self.attention, self.linear.gemm_weights
         d, f, eps = cfg.n_embd, cfg.n_ff, cfg.rms_eps
@@ -208,6 +233,8 @@ class PrefillPass:
                     post_add(getattr(L, fb.post.weight), sc)
                 else:
                     add_scaled()
+        if not head:
+            return
         with sec("LM head"):
             last = x[(t - 1) * d : t * d].reshape(1, d)
             self.linear.matvec((w.output,), last, 1, b.logits, norm=w.output_norm)

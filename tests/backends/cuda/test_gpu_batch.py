@@ -165,3 +165,54 @@ def test_slots_that_do_not_fit_are_refused_in_one_line(random_model) -> None:
         be.set_slots(n)
     be.set_slots(2)  # what fits still does
     assert be.slots == 2
+
+
+def test_slots_shrink_and_grow_again(random_model) -> None:
+    """A slot dropped and made again holds new arrays: a prompt there (its prefill graph captured before) gives
+    what a fresh backend gives; a sequence decoding batched goes on alone on the fused step when the slots go
+    back to one."""
+    path = random_model("small-qwen2", QT.Q8_0)
+    cfg, be = loaded(path, CudaBackend())
+    prompt = list(range(3, 23))  # 20 tokens: the fused prefill pass, captured the second time
+    be.set_slots(3)
+    for _ in range(2):
+        be.step([SeqStep(prompt, 0, greedy(True), slot=2)])
+    be.set_slots(2)
+    be.set_slots(3)
+    got = be.step([SeqStep(prompt, 0, greedy(True), slot=2)])[0].logits
+    _, fresh = loaded(path, CudaBackend())
+    want = fresh.step([SeqStep(prompt, 0, greedy(True))])[0].logits
+    assert rel_l2(got, want) <= 1e-5
+
+    s = Sampler(SamplingParams(temperature=0.8, seed=3), make_rng(3), [], logits=True)
+    other = greedy(False)
+    outs = be.step([SeqStep([5, 6, 7], 0, s, slot=0), SeqStep([8, 9], 0, other, slot=1)])
+    outs = be.step([SeqStep([outs[0].id], 3, s, slot=0), SeqStep([outs[1].id], 2, other, slot=1)])
+    be.set_slots(1)  # slot 0 and its sequence stay
+    out = be.step([SeqStep([outs[0].id], 4, s)])[0]
+    assert np.isfinite(out.logits).all() and 0 <= out.id < cfg.vocab_size
+
+
+def test_an_8bit_cache_with_several_slots(random_model) -> None:
+    """With -ctk/-ctv q8_0 the sequences take turns on the fused step (no batched step reads that cache): each
+    one's greedy ids are those it gets alone."""
+    path = random_model("tiny-llama", QT.Q8_0)
+    prompts = [[1, 5, 9], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22], [7]]
+
+    def run(slots: int, which: list[int]) -> dict[int, list[int]]:
+        _, be = loaded(path, CudaBackend(), cache_types=("q8_0", "q8_0"))
+        be.set_slots(slots)
+        ss = {i: greedy(False) for i in which}
+        got = {i: [] for i in which}
+        outs = be.step([SeqStep(prompts[i], 0, ss[i], slot=k) for k, i in enumerate(which)])
+        for i, o in zip(which, outs):
+            got[i].append(o.id)
+        for n in range(8):
+            outs = be.step([SeqStep([got[i][-1]], len(prompts[i]) + n, ss[i], slot=k) for k, i in enumerate(which)])
+            for i, o in zip(which, outs):
+                got[i].append(o.id)
+        return got
+
+    together = run(3, [0, 1, 2])
+    for i in range(3):
+        assert together[i] == run(1, [i])[i], i
