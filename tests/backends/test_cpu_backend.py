@@ -328,3 +328,48 @@ def test_passes_from_several_threads(random_model, monkeypatch):
     be = pairs[0][0]
     monkeypatch.setattr(cpu_backend.kernels, "threading_layer", lambda: "workqueue")
     assert be.pass_context() is cpu_backend.PASSES
+
+
+@pytest.mark.parametrize("shape,qtype", [("tiny-llama", "Q4_0"), ("tiny-gemma3", "Q8_0"), ("tiny-qwen3moe", "Q8_0")])
+def test_speculative_greedy_replies_are_the_plain_ones(random_model, shape, qtype):
+    """A verification pass's rows compute what decode steps do (the int16 products however many rows, each query's
+    attention as a decode step's), so that speculative greedy replies are the plain ones: drafts of up to 16 ids
+    (passes of 17 rows, past DEQUANT_ROWS) from n-grams (mostly accepted) and from a draft model of other weights
+    (mostly rejected), on rings (gemma3) and experts."""
+    from llamacli.engine.generate import Model
+    from llamacli.engine.speculative import SpecSettings
+
+    echo = [5, 9, 2, 40, 7, 7, 1, 5, 9, 2, 40, 7, 11, 60, 61, 62, 5, 9, 2, 40, 7, 7, 1, 5, 9, 2]
+    with Model(random_model(shape, qtype, seed=2), backend="cpu", ctx=160) as m, \
+            Model(random_model("tiny-llama", "Q8_0", seed=7), backend="cpu", ctx=160) as drafter:
+        want = m.complete(echo, max_tokens=48, ignore_eos=True, temperature=0.0).tokens
+        drafted = accepted = 0
+        for spec, draft in ((SpecSettings(("ngram-simple",), 16, 0, 2), None),
+                            (SpecSettings(("draft-simple",), 16), drafter)):
+            m.draft = None
+            if draft is not None:
+                m.attach_draft(draft)
+            m.seq.clear()  # (the whole prompt again, not from the cache)
+            c = m.complete(echo, max_tokens=48, ignore_eos=True, temperature=0.0, speculative=spec)
+            assert c.tokens == want, spec
+            drafted, accepted = drafted + c.timings.drafted, accepted + c.timings.accepted
+        m.draft = None
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("shape,qtype", [("tiny-llama", "Q4_0"), ("tiny-gemma3", "Q8_0"), ("tiny-gpt-oss", "MXFP4_MOE"),
+                                         ("tiny-phi3", "F16")])
+def test_a_verification_pass_gives_the_decode_steps_logits(random_model, shape, qtype):
+    """Each row of a verification pass (Backend.forward_verify: 17 rows, past DEQUANT_ROWS) has the logits a decode
+    step at its position gives, bit for bit: the same products (int16 activations; float32 matrices row by row, as
+    BLAS rounds a matrix product otherwise: gpt-oss's router, phi3's F16 file) and attention (one query at a time)
+    as a decode step, so that a speculative reply's choices are the plain reply's, near-ties included."""
+    path = random_model(shape, qtype, seed=4)
+    _, a, cfg = _pair(path, ctx=128)
+    _, b, _ = _pair(path, ctx=128)
+    ids = [int(i) for i in np.random.default_rng(5).integers(3, cfg.vocab_size, 30)]
+    for be in (a, b):
+        prefill(be, cfg, ids[:13], 0)
+    rows = a.forward_verify(np.asarray(ids[13:30]), 13)
+    for i, pos in enumerate(range(13, 30)):
+        assert np.array_equal(rows[i], b.decode(ids[pos], pos)[-1]), pos

@@ -14,6 +14,9 @@ What differs from the reference, and what does not:
 - RMSNorm, RoPE, GeGLU and the residual add run compiled, computing what the reference computes in the same
   precision; a decode step's attention (one query) runs compiled in float32; a prompt's attention, and SwiGLU
   (NumPy's vectorised tanh is faster than a compiled loop's), are the reference's.
+- A verification pass (speculative decoding: forward_verify) computes every row as a decode step at its position
+  would (the integer products however many rows, float32 matrices row by row, one query's attention at a time):
+  its logits are the decode steps' bit for bit, so a speculative reply is the plain one.
 - Everything else (embedding scale, soft-caps, experts' routing, the delta-net layers, the KV caches, the slots,
   sampling) is the reference's own code.
 The kernels use -t/--threads threads (cpu_threads.threads_in_force), set for the calling thread at every forward
@@ -67,13 +70,13 @@ class PackedMatrix:
     def nbytes(self) -> int:
         return self.packed.nbytes
 
-    def product(self, x: np.ndarray) -> np.ndarray:
-        """x [T, K] float32 -> x @ W^T [T, N]: the integer kernel below DEQUANT_ROWS tokens, else BLAS on the
-        dequantized matrix, DEQUANT_BYTES of its rows at a time (an LM head's all-token logits would otherwise
-        dequantize gigabytes at once)."""
+    def product(self, x: np.ndarray, rows_alike: bool = False) -> np.ndarray:
+        """x [T, K] float32 -> x @ W^T [T, N]: the integer kernel below DEQUANT_ROWS tokens (or with `rows_alike`:
+        each row exactly what it gives alone), else BLAS on the dequantized matrix, DEQUANT_BYTES of its rows at a
+        time (an LM head's all-token logits would otherwise dequantize gigabytes at once)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         n, k = self.shape
-        if x.shape[0] < DEQUANT_ROWS:
+        if x.shape[0] < DEQUANT_ROWS or rows_alike:
             out = np.empty((x.shape[0], n), np.float32)
             self._kernel(x, self._q, self.packed.d, self._m, out)
             return out
@@ -134,6 +137,7 @@ def linear_fields(cfg: ModelConfig) -> frozenset[str]:
 class CpuBackend(NumpyBackend):
     name = "cpu"
     label = "CPU"
+    _rows_alike = False  # a verification pass runs (forward_verify)
 
     # -- load: the weights re-packed --------------------------------------------------------------------
     def _check_memory(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int) -> None:
@@ -178,8 +182,15 @@ class CpuBackend(NumpyBackend):
             return super().decode(token, pos)
 
     def forward_verify(self, ids: np.ndarray, start: int):
+        """A verification pass whose every row computes what a decode step at its position does (the int16
+        products, one query's attention at a time), so that a speculative reply's choices are the plain reply's
+        bit for bit, near-ties included."""
         with self.pass_context():
-            return super().forward_verify(ids, start)
+            self._rows_alike = True
+            try:
+                return super().forward_verify(ids, start)
+            finally:
+                self._rows_alike = False
 
     def device_name(self) -> str:
         return f"CPU ({platform.processor() or platform.machine()}, numba, {threads_in_force()} threads)"
@@ -188,9 +199,12 @@ class CpuBackend(NumpyBackend):
     # The compiled operations raise no floating-point warnings: they need no _ieee (np.errstate costs
     # microseconds a call, dozens of calls a token).
     def matmul(self, x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
-        if type(w) is not PackedMatrix:
-            return super().matmul(x, w, bias)
-        y = w.product(x)
+        if type(w) is not PackedMatrix:  # a float32 matrix (F32, F16, BF16 files): the reference's product
+            product = super().matmul
+            if self._rows_alike and x.shape[0] > 1:  # (row by row: BLAS rounds a matrix product otherwise)
+                return np.concatenate([product(x[i : i + 1], w, bias) for i in range(x.shape[0])])
+            return product(x, w, bias)
+        y = w.product(x, self._rows_alike)
         return y if bias is None else self.add(y, bias)
 
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -236,25 +250,28 @@ class CpuBackend(NumpyBackend):
                 pos: np.ndarray) -> np.ndarray:
         """q [T, Hq, Dh]; k, v [T, Hkv, Dh] (None on a shared-KV layer, op.store False: the queries read the cache
         another layer wrote)."""
-        if q.shape[0] != 1:  # a prompt: the reference's (its products are BLAS's)
+        if q.shape[0] != 1 and not self._rows_alike:  # a prompt: the reference's (its products are BLAS's)
             return super()._attend(op, q, k, v, pos)
         kc, vc = self.k_cache[op.layer], self.v_cache[op.layer]  # [rows, Hkv, Dh]: the layer's own
-        p = int(pos[0])
-        if op.store:
+        if op.store:  # every row's K/V first (a verification's rows: within a ring's span, attention.py's split)
             k_type, v_type = self.cache_types
-            kc[p % kc.shape[0]] = q8_0_roundtrip(k)[0] if k_type == "q8_0" else k[0]
-            vc[p % vc.shape[0]] = q8_0_roundtrip(v)[0] if v_type == "q8_0" else v[0]
-        lo = max(0, p - op.window + 1) if op.window else 0
-        n = p - lo + 1
+            kc[pos % kc.shape[0]] = q8_0_roundtrip(k) if k_type == "q8_0" else k
+            vc[pos % vc.shape[0]] = q8_0_roundtrip(v) if v_type == "q8_0" else v
         hkv, dh = kc.shape[1], kc.shape[2]
-        qg = np.ascontiguousarray(q, dtype=np.float32).reshape(hkv, -1, dh)  # query heads grouped by KV head
         sinks = (self.weights.layers[op.layer].attn_sinks.reshape(hkv, -1).astype(np.float32) if op.sinks
                  else _NO_SINKS)
-        out = np.empty_like(qg)
-        attend = (kernels.attend_one_threads if n * qg.shape[1] * hkv * dh >= ATTENTION_THREADS_FROM
-                  else kernels.attend_one)
-        attend(qg, kc, vc, lo, n, np.float32(self.cfg.query_scale), np.float32(op.softcap), sinks, out)
-        return out.reshape(1, -1)
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        out = np.empty((q.shape[0], q.shape[1] * dh), np.float32)
+        for i, p in enumerate(pos.tolist()):  # one query at a time, as a decode step
+            lo = max(0, p - op.window + 1) if op.window else 0
+            n = p - lo + 1
+            qg = q[i].reshape(hkv, -1, dh)  # query heads grouped by KV head
+            att = np.empty_like(qg)
+            attend = (kernels.attend_one_threads if n * qg.shape[1] * hkv * dh >= ATTENTION_THREADS_FROM
+                      else kernels.attend_one)
+            attend(qg, kc, vc, lo, n, np.float32(self.cfg.query_scale), np.float32(op.softcap), sinks, att)
+            out[i] = att.reshape(-1)
+        return out
 
 
 def weight_bytes(gguf: GGUFFile, cfg: ModelConfig) -> int:
