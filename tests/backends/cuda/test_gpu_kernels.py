@@ -1339,7 +1339,7 @@ def test_attention_step_q8(dh, group, window, qk_norm, splits) -> None:
     v0 = rng.standard_normal((hist, hkv, dh)).astype(np.float32)
     p0 = np.arange(hist, dtype=np.int32)
     be.attention(att_op(be.cfg), cp.asarray(q0), cp.asarray(k0), cp.asarray(v0), cp.asarray(p0))
-    ref.attention(att_op(ref.cfg), q0, k0, v0, p0)
+    ref.attention(att_op(ref.cfg), q0.reshape(hist, -1, dh), k0, v0, p0)  # (q [T, Hq, Dh], as the contract says)
     rows = be.kv.k_cache[0].shape[0]
     assert rows == (768 if window else 2048)
     if window:
