@@ -184,12 +184,13 @@ class CudaBackend(Backend):
 
     def step(self, batch: Sequence[SeqStep]) -> list[StepOut]:
         """Backend.step; with several cache slots the decode steps of two or more sequences run as one batched step
-        (batch.py), and a single one too unless it is plain greedy (the fused decode step, graph and look-ahead)."""
+        (batch.py); a single one takes the fused decode step (its graph: the argmax or, for any other sampler, the
+        logits chosen from as a single step's are)."""
         if self.slots == 1:
             return super().step(batch)
         self._check_slots(batch)
         rows = [i for i, seq in enumerate(batch) if self._batchable(seq)]
-        if len(rows) == 1 and self._slot_kind.get(batch[rows[0]].slot) == "greedy":
+        if len(rows) == 1:
             rows = []
         outs: list[StepOut | None] = [None] * len(batch)
         errors: dict[int, Exception] = {}
@@ -277,7 +278,7 @@ class CudaBackend(Backend):
     def _decode(self, token: int, pos: int, s: Any, kind: str) -> StepOut:
         if kind != "batch":
             return super()._decode(token, pos, s, kind)
-        return self._choose(self.decode(token, pos), s)  # (one slot again: the fused step's logits)
+        return self._choose(self.decode(token, pos), s)  # (alone in this step: the fused step's logits)
 
     # -- host <-> device -----------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> Any:
