@@ -107,6 +107,20 @@ def _escape(c: str) -> str:
     return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    """Rows of one shape (bench's --output csv) as CSV: a header of the first row's keys, then each row's values, a
+    list as its items joined by ';' and None as an empty cell; no newline after the last row."""
+    import csv
+
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    keys = list(rows[0]) if rows else []
+    w.writerow(keys)
+    for r in rows:
+        w.writerow([";".join(map(str, r[k])) if isinstance(r[k], list) else r[k] for k in keys])
+    return buf.getvalue().rstrip("\n")
+
+
 def json_text(value: Any, **kw: Any) -> str:
     """`json.dumps(value)` for stdout, with non-ASCII text kept readable, yet no character a terminal acts on:
     json escapes C0 controls itself, and C1 controls, DEL, bidirectional overrides and separators (which it

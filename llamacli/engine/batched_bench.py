@@ -26,8 +26,6 @@ where the backend holds B slots (a B it cannot hold, or whose caches the memory 
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import time
 from dataclasses import dataclass
@@ -39,7 +37,7 @@ from ..backends.base import StepErrors
 from ..backends.step import Sampler, SeqStep
 from ..errors import BackendError, HostMemoryError, UsageError
 from ..sampling.sampling import SamplingParams, make_rng
-from ..textio import printable
+from ..textio import csv_text, printable
 from .generate import Model
 
 MAX_SEQUENCES = 256  # -npl's bound (serve --parallel's: each sequence holds a context's KV cache)
@@ -195,13 +193,7 @@ def render_batched(rows: list[BatchedRow], fmt: str, info: dict[str, Any]) -> st
     if fmt == "json":
         return json.dumps(dicts, indent=2)
     if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        keys = list(dicts[0]) if dicts else []
-        w.writerow(keys)
-        for d in dicts:
-            w.writerow(["" if d[k] is None else printable(d[k]) if isinstance(d[k], str) else d[k] for k in keys])
-        return buf.getvalue().rstrip("\n")
+        return csv_text([{k: printable(v) if isinstance(v, str) else v for k, v in d.items()} for d in dicts])
     lines = [f"model: {printable(info['model'])} ({info['backend']}); device: {printable(info['device'])}; "
              f"context {info['n_ctx']} per "
              "sequence, each in a cache slot of its own", "",

@@ -27,8 +27,6 @@ logits where the verification's kernels round otherwise than the decode step's).
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import statistics
 import time
@@ -41,6 +39,7 @@ from ..models.block import prefill as prefill_prompt
 from ..models.config import ModelConfig
 from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, cache_row_bytes
 from ..models.weights import active_share
+from ..textio import csv_text
 from ..units import human_bytes, human_count
 from .generate import Model
 from .speculative import SpecSettings
@@ -194,15 +193,7 @@ def render(rows: list[BenchRow], fmt: str, device: str, bandwidth: float) -> str
     if fmt == "json":
         return json.dumps([r.as_dict(device) for r in rows], indent=2)
     if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        keys = list(rows[0].as_dict(device)) if rows else []
-        w.writerow(keys)
-        for r in rows:
-            d = r.as_dict(device)
-            d["samples_ts"] = ";".join(map(str, d["samples_ts"]))
-            w.writerow([d[k] for k in keys])
-        return buf.getvalue().rstrip("\n")
+        return csv_text([r.as_dict(device) for r in rows])
     head = ["model", "size", "params", "backend", "test", "t/s", "GB/s", "% BW"]
     lines = [
         f"device: {device}; measured copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)",
@@ -494,12 +485,7 @@ def render_verify_cost(rows: list[dict[str, Any]], fmt: str, device: str) -> str
     if fmt == "json":
         return json.dumps(rows, indent=2)
     if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(list(rows[0]))
-        for r in rows:
-            w.writerow(list(r.values()))
-        return buf.getvalue().rstrip("\n")
+        return csv_text(rows)
     lines = [f"device: {device}; a verification pass of 1 + k tokens against one decode step (greedy)", "",
              "| model | backend | depth | k | tokens | pass ms | step ms | pass / step |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -514,12 +500,7 @@ def render_spec(rows: list[SpecRow], fmt: str, device: str) -> str:
         return json.dumps([r.as_dict(device) for r in rows], indent=2)
     dicts = [r.as_dict(device) for r in rows]
     if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(list(dicts[0]))
-        for d in dicts:
-            w.writerow([";".join(map(str, v)) if isinstance(v, list) else v for v in d.values()])
-        return buf.getvalue().rstrip("\n")
+        return csv_text(dicts)
     lines = [f"device: {device}; a greedy reply, with and without speculative decoding", "",
              "| model | backend | test | tokens | t/s | drafted | accepted | tokens/pass | same |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]

@@ -33,9 +33,7 @@ imported: the clients are loadclient.py's, on the standard library.
 
 from __future__ import annotations
 
-import csv
 import http.client
-import io
 import json
 import math
 import os
@@ -46,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import Interrupted, LlamacliError, UsageError
-from ..textio import brief, printable
+from ..textio import brief, csv_text, printable
 from .loadclient import (
     Client,
     LogHistogram,
@@ -512,14 +510,7 @@ def render(info: RunInfo, rows: list[LevelRow], fmt: str) -> str:
     if fmt == "json":
         return json.dumps(dicts, indent=2)
     if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        keys = list(dicts[0]) if dicts else []
-        w.writerow(keys)
-        for d in dicts:
-            d["errors"] = ";".join(f"{k}:{n}" for k, n in d["errors"].items())
-            w.writerow(["" if d[k] is None else d[k] for k in keys])
-        return buf.getvalue().rstrip("\n")
+        return csv_text([{**d, "errors": ";".join(f"{k}:{n}" for k, n in d["errors"].items())} for d in dicts])
     prompt = f"-p {info.n_prompt}" + (f" (shared {info.shared_prefix})" if info.shared_prefix else "")
     head = ["clients", "requests", "errors", "prompt tok", "gen tok", "tok/s", "req/s", "TTFT p50", "TTFT p99",
             "ITL p50", "ITL p99", "TPOT p50", "e2e p50", "e2e p99"]
