@@ -29,7 +29,7 @@
 // kv_dequant_q8(kc, vc, ring, Hkv, Dh, pos, T, k16, v16): an 8-bit cache's rows up to the highest position in
 // pos[0..T) (every row once that passes the ring) -> fp16 [ring, Hkv, Dh], the form the prefill kernels and
 // this family read (cuda/attention.py readable).
-// attention_batch_npl<N>, attention_combine_batch, kv_store_batch: the batched decode step's forms (one token of
+// attention_batch_npl<N>, attention_combine_batch: the batched decode step's forms (one token of
 // each of B sequences, each over its own cache slot; described where they are defined, below).
 // The other families: attention_mma.cu (prefill chunks of >= 16 rows with D in {64, 80, 96, 112, 128}, tensor
 // cores), attention_wgmma.cu (the same on a Hopper GPU with D 64 or 128, built for sm_90a) and
@@ -252,7 +252,6 @@ extern "C" __global__ void attention_combine_w(const float* __restrict__ part_o,
 //   (device addresses of each slot's [ring, Hkv, Dh] fp16 arrays for this layer), its keys 0..pos[b] (window,
 //   soft-cap, sinks and ring as attention_w_npl). Partials per sequence: part_o [B][n_split][Hq][Dh], part_ml
 //   [B][n_split][Hq][2]; attention_combine_batch merges them (grid B * Hq).
-// kv_store_batch(k, k_stride, v, v_stride, T, Hkv, Dh, pos, slot, kt, vt, ring): row t into slot[t]'s cache.
 #define ATTENTION_BATCH_KERNEL(N)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) attention_batch_npl##N(                               \
         const float* q, int q_stride, const unsigned long long* kt, const unsigned long long* vt,             \
@@ -284,19 +283,6 @@ extern "C" __global__ void attention_combine_batch(const float* __restrict__ par
     const long long po = (long long)b * n_split * Hq;
     combine_body<true>(part_o + po * Dh, part_ml + 2 * po, pos + b, 1, Hq, Dh, n_split, chunk,
                        out + (long long)b * out_stride, out_stride, window, sinks, h);
-}
-
-extern "C" __global__ void kv_store_batch(const float* k, int k_stride, const float* v, int v_stride, int T, int Hkv,
-                                          int Dh, const int* pos, const int* slot, const unsigned long long* kt,
-                                          const unsigned long long* vt, int ring) {
-    const long long n = (long long)T * Hkv * Dh;
-    for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
-        const int t = (int)(e / (Hkv * Dh));
-        const int rest = (int)(e - (long long)t * Hkv * Dh);
-        const long long dst = (long long)(pos[t] % ring) * Hkv * Dh + rest;
-        reinterpret_cast<u16*>(kt[slot[t]])[dst] = f2h(k[(long long)t * k_stride + rest]);
-        reinterpret_cast<u16*>(vt[slot[t]])[dst] = f2h(v[(long long)t * v_stride + rest]);
-    }
 }
 
 extern "C" __global__ void kv_store(const float* k, int k_stride, const float* v, int v_stride, int T, int Hkv,

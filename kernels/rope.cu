@@ -21,6 +21,11 @@
 //       attention_tc*_d* and attention_wg*_d* read (qscale = log2(e)/sqrt(Dh)), instead of back into qkv.
 //   rope_store_pf_qkn_<mode>(..., qscale, qn, kn, eps): the same with qwen3's per-head RMSNorm of q and k
 //       (weights qn, kn [Dh]) between the epilogue and the rotation.
+//   rope_store_pfb_<mode>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kt, vt, slot, ring, scale,
+//                         bias, qn, kn, eps)
+//       the batched step's form (rows that are sequences of their own): as rope_store_pf(_qkn when qn is not
+//       NULL), row t's K and V into the cache of slot slot[t] (kt, vt: each slot's array of this layer, by
+//       address), q rotated in place (no q16).
 // Best measured on H100: not yet tuned (tiny: T*H*Dh/2 threads).
 
 #include "common.cuh"
@@ -132,6 +137,23 @@ ROPE_STORE_PF(normal, false)
 ROPE_STORE_PF(neox, true)
 ROPE_STORE_PF_QKN(normal, false)
 ROPE_STORE_PF_QKN(neox, true)
+
+#define ROPE_STORE_PFB(MODE, NEOX)                                                                                     \
+    extern "C" __global__ void rope_store_pfb_##MODE(                                                                  \
+        float* qkv, int stride, int Hq, int Hkv, int Dh, int rope_dim, const int* pos, const double* inv_freq,         \
+        float attn, const u64* kt, const u64* vt, const int* slot, int ring, const float* scale, const float* bias,    \
+        const float* qn, const float* kn, float eps) {                                                                 \
+        u16* kc = reinterpret_cast<u16*>(kt[slot[blockIdx.x]]);                                                        \
+        u16* vc = reinterpret_cast<u16*>(vt[slot[blockIdx.x]]);                                                        \
+        if (qn)                                                                                                        \
+            rope_store_pf_body<NEOX, true>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, ring,      \
+                                           scale, bias, nullptr, 0, 1.0f, qn, kn, eps);                                \
+        else                                                                                                           \
+            rope_store_pf_body<NEOX, false>(qkv, stride, Hq, Hkv, Dh, rope_dim, pos, inv_freq, attn, kc, vc, ring,     \
+                                            scale, bias, nullptr, 0, 1.0f);                                            \
+    }
+ROPE_STORE_PFB(normal, false)
+ROPE_STORE_PFB(neox, true)
 
 extern "C" __global__ void rope_normal(float* x, int stride, int H, int Dh, int rope_dim, const int* pos,
                                        const double* inv_freq, float attn) {

@@ -156,7 +156,6 @@ class AttentionKernels:
         self.gpu, self.options, self.model, self.kv = gpu, options, model, kv
         self.cp, self.cfg, self.ctx = gpu.cp, model.cfg, model.ctx
         self.counters = self.cp.zeros(self.cfg.n_head_kv, self.cp.uint32)
-        self.batch_slots: Any = None  # a batched step's int32 [B] cache slots (batch.py), else None
 
     def batch_split(self) -> tuple[int, int]:
         """(n_split, chunk) of attention_batch_*: enough splits of the context for about two blocks per SM with one
@@ -168,28 +167,24 @@ class AttentionKernels:
         chunk = K.cdiv(K.cdiv(self.ctx, want), 32) * 32
         return K.cdiv(self.ctx, chunk), chunk
 
-    def attention_batch(self, op: Attention, q: Any, k: Any, v: Any, pos: Any, slots: Any) -> Any:
-        """B sequences' one token each (rows of q [B, Hq, Dh], k, v [B, Hkv, Dh], at positions pos [B], each in
-        cache slot slots[b]): K/V into each sequence's own cache (kv_store_batch), then each row's attention over
-        its cache (attention_batch_npl*, partials merged by attention_combine_batch) -> [B, q_dim]. fp16 caches
-        (the batched step is not taken with an 8-bit cache)."""
+    def attend_batch(self, op: Attention, q: Any, q_stride: int, pos: Any, slots: Any, b: int, out: Any = None) -> Any:
+        """Each of b rows' attention over its own cache slot (q rows `q_stride` floats apart; slots [b], pos [b];
+        their K/V already stored): attention_batch_npl*, partials merged by attention_combine_batch -> out [b,
+        q_dim] f32 (a new array where None)."""
         cp, cfg = self.cp, self.cfg
-        b = q.shape[0]
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         ring = self.kv.k_cache[op.layer].shape[0]
         kt, vt = self.kv.tables(op.layer)
-        K.launch("attention_simt", "kv_store_batch", (min(K.cdiv(b * cfg.kv_dim, 256), 4096),), (256,), k=k,
-                 k_stride=cfg.kv_dim, v=v, v_stride=cfg.kv_dim, T=b, Hkv=hkv, Dh=dh, pos=pos, slot=slots, kt=kt, vt=vt,
-                 ring=ring)
         n_split, chunk = self.batch_split()
-        out = cp.empty((b, cfg.q_dim), dtype=cp.float32)
+        if out is None:
+            out = cp.empty((b, cfg.q_dim), dtype=cp.float32)
         part_o = cp.empty((b, n_split, hq, dh), dtype=cp.float32) if n_split > 1 else None
         part_ml = cp.empty((b, n_split, hq, 2), dtype=cp.float32) if n_split > 1 else None
         sinks = self.model.sinks(op)
         smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
         npl = values_per_lane(dh)
         K.launch("attention_simt", f"attention_batch_npl{npl}",
-                 (b * K.cdiv(cfg.n_group, ATT_ROWS), hkv, n_split), (256,), shared=smem, q=q, q_stride=cfg.q_dim,
+                 (b * K.cdiv(cfg.n_group, ATT_ROWS), hkv, n_split), (256,), shared=smem, q=q, q_stride=q_stride,
                  kt=kt, vt=vt, slot=slots, pos=pos, B=b, Hq=hq, Hkv=hkv, Dh=dh, scale=cfg.query_scale, chunk=chunk,
                  out=out, out_stride=cfg.q_dim, part_o=part_o, part_ml=part_ml, n_split=n_split, window=op.window,
                  softcap=op.softcap, sinks=sinks, ring=ring)
@@ -200,14 +195,11 @@ class AttentionKernels:
         return out
 
     def attention(self, op: Attention, q: Any, k: Any, v: Any, pos: Any) -> Any:
-        """Backend.attention: k, v into layer op.layer's cache at pos, then attention of q over it (in a batched
-        step, `batch_slots` set: row t is a sequence of its own, in cache slot batch_slots[t])."""
+        """Backend.attention: k, v into layer op.layer's cache at pos, then attention of q over it."""
         cp, cfg = self.cp, self.cfg
         f32 = self.gpu.f32
         q, k, v = f32(q), f32(k), f32(v)
         t = q.shape[0]
-        if self.batch_slots is not None:
-            return self.attention_batch(op, q, k, v, pos, self.batch_slots)
         kc, vc = self.kv.k_cache[op.layer], self.kv.v_cache[op.layer]
         span = ring_span(op.window, kc.shape[0], self.ctx)
         if t > span:  # a ring takes a long chunk in passes of at most `span` positions (models/kv_cache.py)

@@ -38,7 +38,6 @@ import numpy as np
 
 from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...ggufio.file import GGUFFile
-from ...models import block
 from ...models.block import Attention, Moe
 from ...models.config import ModelConfig
 from ...units import human_bytes
@@ -83,7 +82,7 @@ class CudaBackend(Backend):
     attention_wg = _Option()
     pdl = _Option()
     mv1_stream = _Option()
-    batch_matvec = _Option()
+    batch_gemm = _Option()
     verify_batched = _Option()
     pdl_max_bytes = _Option()
     pdl_early_bytes = _Option()
@@ -228,6 +227,14 @@ class CudaBackend(Backend):
         for seq in seqs:
             del self._slot_sampler[seq.slot]  # until its step has run whole
         self.decoder.drop_ahead()  # (its slot's cache changes under it)
+        outs: list[StepOut | Exception] = []
+        cap = self.prefill_pass().max_rows
+        for first in range(0, len(seqs), cap):  # (more sequences than one pass takes: several passes)
+            outs += self._decode_rows(seqs[first : first + cap])
+        return outs
+
+    def _decode_rows(self, seqs: list[SeqStep]) -> list[StepOut | Exception]:
+        assert self.batch is not None
         try:
             choice, logits = self.batch.run([int(seq.tokens[0]) for seq in seqs], [seq.start for seq in seqs],
                                             [seq.slot for seq in seqs])
@@ -252,13 +259,10 @@ class CudaBackend(Backend):
             outs.append(out)
         return outs
 
-    def _forward_batch(self, ids: Any, pos: Any, slots: Any) -> Any:
-        """The model op by op on rows that are sequences of their own (slots [B]) -> logits [B, V]."""
-        self.attn.batch_slots, self.linear.batch_rows = slots, self.slots
-        try:
-            return block.run(self, self.cfg, ids, pos, all_logits=True)
-        finally:
-            self.attn.batch_slots, self.linear.batch_rows = None, 0
+    def _forward_batch(self, ids: Any, pos: Any, slots: Any, logits: Any) -> None:
+        """The fused pass over rows that are sequences of their own (slots [B]) -> logits [B, V] in place
+        (prefill.PrefillPass.launch_rows)."""
+        self.prefill_pass().launch_rows(ids, pos, slots, logits)
 
     def _setup_decode(self, s: Any, pos: int) -> str:
         """Backend._setup_decode; with several slots a plain greedy sequence keeps the fused greedy step (its slot's
@@ -367,13 +371,13 @@ class CudaBackend(Backend):
         """Backend.forward_verify: a verification of drafts (speculative decoding) -> logits [T, V] on the device.
         With an fp16 cache (and verify_batched on), the batched decode step's pass (batch.BatchStep, captured per
         T) with every row in the sequence's slot: its K/V stores come before any row's attention, which reads its
-        slot up to its own position, so the rows see the drafts before them; each weight is read once for up to
-        MATVEC_TMAX rows (Linear.matvec_rows). Otherwise up to MATVEC_TMAX tokens the operations one by one
+        slot up to its own position, so the rows see the drafts before them; each weight is read once for all
+        rows (linear.Linear.bgemm). Otherwise up to MATVEC_TMAX tokens the operations one by one
         (block.run, as a short prompt chunk), longer ones the fused prefill pass with every row's LM head
         (prefill.PrefillPass.forward(all_rows=True))."""
         self.decoder.drop_ahead()  # a decode step queued ahead is stale once the cache changes
         t = int(np.asarray(ids).size)
-        if self.verify_batched and not self.kv.q8:
+        if self._verify_in_batch(t):
             return self._verify_step(ids, start)[1]
         if not PrefillPass.serves(t, self.ctx):
             return super().forward_verify(ids, start)
@@ -383,7 +387,7 @@ class CudaBackend(Backend):
         """Backend.verify_greedy with the argmax of each row on the device (the lowest id on ties, as the host's):
         only the ids and each row's maximum (or, in the batched step, a flag) cross; a row that is not finite goes
         to the host sampler's checks (NumericalError)."""
-        if self.verify_batched and not self.kv.q8:
+        if self._verify_in_batch(int(np.asarray(ids).size)):
             self.decoder.drop_ahead()
             choice, logits = self._verify_step(ids, start)
             bad, argmax = bool(choice[1].any()), [int(i) for i in choice[0]]
@@ -397,6 +401,11 @@ class CudaBackend(Backend):
 
             return [greedy(row) for row in self.to_host(logits)]  # (raises, naming what is wrong)
         return argmax
+
+    def _verify_in_batch(self, t: int) -> bool:
+        """Whether a verification of t rows runs as a batched step (_verify_step): verify_batched on, an fp16
+        cache, rows within one pass."""
+        return self.verify_batched and not self.kv.q8 and t <= self.prefill_pass().max_rows
 
     def _verify_step(self, ids: np.ndarray, start: int) -> tuple[np.ndarray, Any]:
         """The verification's pass as a batched step of T rows in the current slot -> (choice [2, T] on the host:

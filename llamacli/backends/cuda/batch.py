@@ -1,18 +1,14 @@
 """The batched decode step of the CUDA backend: B sequences, one token each, each in its own cache slot.
 
-The step runs the model's program operation by operation (models/block.run: the layer as written once), so a
-model the op-by-op path runs is batched with nothing of its own; only the attention knows the rows are separate
-sequences (attention.AttentionKernels.attention_batch: each row's K/V into its slot's cache, each row's
-attention over it). The linear layers read each weight once for up to MATVEC_TMAX rows (linear.Linear.matvec_rows:
-mvb_<t>, mv1's unit dots for each row), and larger batches dequantize it to fp16 for cuBLAS, which multiplies as
-many rows as there are slots whatever B (zeros past them). Within each of the two a row's arithmetic does not depend
-on what runs beside it (nor do the attention's splits: AttentionKernels.batch_split), so a seeded request draws the
-same ids in any company of the same side of MATVEC_TMAX; a mixture of experts groups its rows by expert, and there
-it does depend. (mvb_<t> decodes each weight unit once per row: past a few rows it is bound by that work, not by the
-weights' bytes; a product that decodes a unit once for all rows, and a step with fewer launches than the op-by-op
-program, are what the batched step still needs.) After the LM head the step takes each row's
-argmax and a flag for rows whose logits are not finite; a row whose sequence samples, has a constraint or asks
-for its logits is chosen from its logits row as a single step's logits are (Backend._choose).
+The step is the fused prefill pass run over rows that are sequences of their own (prefill.PrefillPass.launch_rows,
+its `forward`): the layer's launches as a prompt chunk takes them, with each row's K/V stored into its own slot's
+cache (rope_store_pfb_*), each row's attention over its slot (attention.AttentionKernels.attend_batch), and the
+linear layers through bgemm (kernels/batch_gemm.cu: the weight decoded in the kernel and read once for up to
+BG_NMAX rows, on tensor cores), the LM head over every row. A row's arithmetic does not depend on what runs beside
+it (bgemm's splits and the attention's depend on the shapes only), so a seeded request draws the same ids in any
+company; a mixture of experts groups its rows by expert, and there it does depend. After the LM head the step
+takes each row's argmax and a flag for rows whose logits are not finite; a row whose sequence samples, has a
+constraint or asks for its logits is chosen from its logits row as a single step's logits are (Backend._choose).
 
 The inputs (ids, positions, slots) live in device buffers, so a batch size seen before is captured into a CUDA
 graph and replayed. The step's intermediate arrays come from a memory pool of its own: a graph keeps the
@@ -39,7 +35,7 @@ class BatchStep:
     runs the model on device int32 arrays [B] -> logits [B, V] (CudaBackend's op-by-op path with the batched
     attention)."""
 
-    def __init__(self, gpu: Any, options: Any, forward: Callable[[Any, Any, Any], Any], slots: int, vocab: int):
+    def __init__(self, gpu: Any, options: Any, forward: Callable[[Any, Any, Any, Any], None], slots: int, vocab: int):
         cp = self.cp = gpu.cp
         self.gpu, self.options, self.forward = gpu, options, forward
         self.inputs = cp.zeros(3 * slots, dtype=cp.int32)  # a run of B: ids, positions, slots in its first 3 B
@@ -96,7 +92,7 @@ class BatchStep:
         cp = self.cp
         ids, pos, slots = self.inputs[:b], self.inputs[b : 2 * b], self.inputs[2 * b : 3 * b]
         with cp.cuda.using_allocator(self.pool.malloc):
-            logits = self.forward(ids, pos, slots)
-            self.logits[:b] = logits
+            logits = self.logits[:b]
+            self.forward(ids, pos, slots, logits)
             self.choice[0, :b] = cp.argmax(logits, axis=1)
             self.choice[1, :b] = ~cp.isfinite(cp.max(logits, axis=1))

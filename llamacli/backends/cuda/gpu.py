@@ -36,10 +36,10 @@ class Options:
     # 16-bit float matvecs of one token through mv1_stream, as programmatic dependents in the decode step
     # (False: mv1; for comparisons).
     mv1_stream: bool = True
-    # The batched step's linear layers of up to MATVEC_TMAX rows through mvb_<t> on the quantized rows
-    # (linear.Linear.matvec_rows; False: dequantized to fp16 and multiplied on cuBLAS, as larger batches are; for
+    # Linear layers of a few rows (the batched step's, prefill chunks of up to BG_NMAX tokens) through bgemm on the
+    # quantized weights (linear.Linear.gemm_weights; False: dequantized to fp16 and multiplied on cuBLAS; for
     # comparisons).
-    batch_matvec: bool = True
+    batch_gemm: bool = True
     # A verification of drafts (speculative decoding) through the batched step's pass, its rows in one slot (False:
     # block.run op by op up to MATVEC_TMAX tokens, the fused prefill pass beyond; for comparisons)
     verify_batched: bool = True

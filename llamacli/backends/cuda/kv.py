@@ -9,7 +9,7 @@ the largest rows (`pair`) that the prefill's writers and readers take instead (r
 Cache slots (Backend.set_slots): each slot holds one sequence's arrays, alike; `use(slot)` makes a slot's the
 ones k_cache / v_cache name (what the prefill pass, the decode step and the op-by-op path read and write), and
 `tables(layer)` gives the device addresses of every slot's arrays of a layer, by which the batched step's
-kernels (kernels/attention_simt.cu kv_store_batch, attention_batch_*) reach each sequence's own cache.
+kernels (kernels/rope.cu rope_store_pfb_*, kernels/attention_simt.cu attention_batch_*) reach each sequence's own cache.
 """
 
 from __future__ import annotations

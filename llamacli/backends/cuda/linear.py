@@ -18,7 +18,7 @@ import numpy as np
 from ...errors import BackendError
 from ...ggufio.ggml_types import GGMLQuantizationType as QT
 from . import loader as K
-from .constants import MATVEC_TMAX, MV1_MINB8, MV1S_BLOCKS_PER_SM, MV1T_ROWS, MV1T_STAGES, MV1T_WARPS
+from .constants import BG_NMAX, BG_WARPS, MATVEC_TMAX, MV1_MINB8, MV1S_BLOCKS_PER_SM, MV1T_ROWS, MV1T_STAGES, MV1T_WARPS
 
 RUNNABLE = (
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
@@ -201,6 +201,27 @@ def mv1_smem(qtype: QT, cols: int) -> int:
     return K.cdiv(cols, 32) * (40 if qtype in MV1_ACT8 else 132)
 
 
+BG_ROWS = 32  # kernels/batch_gemm.cu: weight rows per block
+BG_BLOCKS_PER_SM = 4  # the grid bgemm_splits aims at: this many blocks per SM, the K range split to get there
+
+
+def bgemm_splits(rows: int, cols: int, sms: int) -> int:
+    """bgemm's K splits for a [rows, cols] weight on `sms` multiprocessors: enough that the grid holds about
+    BG_BLOCKS_PER_SM blocks per SM, at most one per group of four units per warp. A function of the shape and
+    the GPU only (never of the batch), so that a row's sums are the same in any batch."""
+    tiles, groups = K.cdiv(rows, BG_ROWS), K.cdiv(cols // 32, 4)
+    target = BG_BLOCKS_PER_SM * sms
+    if tiles >= target:
+        return 1
+    return max(1, min(K.cdiv(target, tiles), groups // BG_WARPS))
+
+
+def bgemm_ok(mats: list[DeviceMatrix]) -> bool:
+    """Whether bgemm multiplies these matrices: whole 32-value units per row (K % 32 == 0, so x rows are
+    16-byte aligned too)."""
+    return all(m.cols % 32 == 0 for m in mats)
+
+
 def _lpr(cols: int) -> int:
     """Lanes per row in matvec.cu: the power of two <= 32 closest above the row's 32-value unit count."""
     units = -(-cols // 32)
@@ -220,11 +241,7 @@ class Linear:
         self.alpha_beta = np.array([1.0, 0.0, 1.0], dtype=np.float32)  # host scalars for cuBLAS: 1, beta 0 or 1
         self.cublas_ws: Any = None
         self.dq: Any = None  # gemm_weights' dequantized fp16 weights (dequant_scratch)
-        # The batched step (batch.py): matmul's rows are separate sequences. Up to MATVEC_TMAX of them are each
-        # multiplied on their own (matvec_rows; not with options.batch_matvec off), more on cuBLAS as batch_rows
-        # rows whatever their number (zeros past them: one GEMM shape). Within each of the two, a row's
-        # arithmetic is the same whatever runs beside it. 0: off.
-        self.batch_rows = 0
+        self.bg: tuple[Any, Any] | None = None  # bgemm's split partials and per-tile counters (bgemm_scratch)
 
     def workspace(self) -> Any:
         """cuBLAS's workspace for the GEMMs (32 MiB), made once."""
@@ -239,25 +256,45 @@ class Linear:
             self.dq = self.cp.empty(DEQUANT_CHUNK, self.cp.float16)
         return self.dq
 
+    def bgemm_scratch(self) -> tuple[Any, Any]:
+        """bgemm's partial sums of split launches and its counters (zeroed; each launch leaves them zero), made
+        once (before any capture): a split launch has fewer than 2 * BG_BLOCKS_PER_SM * SMs blocks' tiles of
+        BG_ROWS x BG_NMAX sums (bgemm_splits)."""
+        if self.bg is None:
+            target = BG_BLOCKS_PER_SM * self.gpu.n_sms
+            self.bg = (self.cp.empty(2 * target * BG_ROWS * BG_NMAX, self.cp.float32),
+                       self.cp.zeros(target, self.cp.uint32))
+        return self.bg
+
+    def bgemm(self, x16_ptr: int, t: int, w: DeviceMatrix, y_ptr: int, ldy: int, accumulate: bool = False,
+              rs: Any = None) -> None:
+        """Y[t, :N] (=, or += with accumulate) rs * X16 [t, K] . W^T (rs [t] per row, None: 1) on tensor cores
+        with the weight decoded in the kernel (kernels/batch_gemm.cu), BG_NMAX rows of X per launch; X16 rows K
+        apart, Y rows ldy apart; bgemm_ok(W)."""
+        part, counters = self.bgemm_scratch()
+        k = w.cols
+        splits = bgemm_splits(w.rows, k, self.gpu.n_sms)
+        for r in range(0, t, BG_NMAX):
+            n = min(BG_NMAX, t - r)
+            nt = 8 if n <= 8 else 16 if n <= 16 else 32 if n <= 32 else 64
+            K.launch("batch_gemm", f"bgemm_{qname(w.qtype)}_n{nt}", (K.cdiv(w.rows, BG_ROWS), splits), (32 * BG_WARPS,),
+                     w=w.ptr, N=w.rows, K=k, x=x16_ptr + 2 * r * k, ldx=k, B=n, y=y_ptr + 4 * r * ldy, ldy=ldy,
+                     rs=None if rs is None else rs[r:], accumulate=accumulate, splits=splits, part=part,
+                     counters=counters)
+
     def matmul(self, x: Any, w: DeviceMatrix, bias: Any = None) -> Any:
         """Backend.matmul: x [t, K] @ W^T (+ bias) -> [t, N] f32; mv1/matvec for few tokens, else dequantized row
-        chunks times x in fp16 on cuBLAS; in the batched step (batch_rows) matvec_rows up to MATVEC_TMAX rows, else
-        cuBLAS on batch_rows rows."""
+        chunks times x in fp16 on cuBLAS."""
         cp = self.cp
         x = self.gpu.f32(x)
         t, k = x.shape
         if k != w.cols:
             raise BackendError(f"matmul: x has {k} columns, the weight {w.cols}")
-        if t <= MATVEC_TMAX and not self.batch_rows:
+        if t <= MATVEC_TMAX:
             y = cp.empty((t, w.rows), dtype=cp.float32)
             self.matvec((w,), x, t, y, bias=bias)
             return y
-        if self.batch_rows and t <= MATVEC_TMAX and self.options.batch_matvec:
-            return self.matvec_rows(w, x, bias)
-        rows = t
-        if t < self.batch_rows:  # rows of separate sequences: as many rows as any batch has (zeros past t)
-            x = cp.concatenate([x, cp.zeros((self.batch_rows - t, k), dtype=cp.float32)])
-        y = cp.empty((x.shape[0], w.rows), dtype=cp.float32)
+        y = cp.empty((t, w.rows), dtype=cp.float32)
         # Prefill: dequantize row chunks to fp16, multiply with cuBLAS on tensor cores. Accumulation and output
         # are fp32 (GemmEx): an fp16 output overflowed at 65504 on FFN down projections (Llama-3.2-1B shape,
         # 512 tokens). Rows of x beyond fp16's comfortable range are scaled down by a power of two first and
@@ -279,28 +316,6 @@ class Linear:
         n_all = y.size
         K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n_all, 256), 4096),), (256,), y=y, scale=scale,
                  b=bias, n=n_all, N=w.rows)
-        return y[:rows]
-
-    def matvec_rows(self, w: DeviceMatrix, x: Any, bias: Any = None) -> Any:
-        """x [t, K] @ W^T (+ bias) -> [t, N] for rows that are separate sequences (the batched step): each row
-        staged as mv1 stages its x (stage_rows_q8 / _f32: int8 units for the MV1_ACT8 types), then mvb_<t> over
-        up to MATVEC_TMAX rows per launch, each weight read once per launch; a row's arithmetic is its own."""
-        cp = self.cp
-        t, k = x.shape
-        units = K.cdiv(k, 32)
-        act8 = w.qtype in MV1_ACT8
-        stride = K.cdiv(units * (40 if act8 else 132), 16) * 16
-        xs = cp.empty(t * stride, dtype=cp.uint8)
-        K.launch("matvec", "stage_rows_q8" if act8 else "stage_rows_f32", (t,), (256,), x=x, K=k, T=t, xs=xs,
-                 stride=stride)
-        y = cp.empty((t, w.rows), dtype=cp.float32)
-        lpr = _lpr(k)
-        bias = None if bias is None else self.gpu.f32(bias)
-        for r in range(0, t, MATVEC_TMAX):
-            n = min(MATVEC_TMAX, t - r)
-            K.launch("matvec", f"mvb_{qname(w.qtype)}", (K.cdiv(w.rows, MV1_WARPS * (32 // lpr)),), (32 * MV1_WARPS,),
-                     w=w.ptr, N=w.rows, K=k, xs=xs[r * stride :], stride=stride, T=n, y=y[r : r + n], bias=bias,
-                     lpr=lpr)
         return y
 
     def to_f16_scaled(self, x: Any) -> tuple[Any, Any]:
@@ -410,11 +425,25 @@ class Linear:
         K.launch("matvec", f"matvec_{qname(wg.qtype)}_{glu}", (K.cdiv(wg.rows, rows_per_block),), (128,), wg=wg.ptr,
                  wu=wu.ptr, N=wg.rows, K=wg.cols, x=x, T=t, y=y, lpr=lpr)
 
+    def bgemm_serves(self, t: int, mats: list[DeviceMatrix], rows_apart: bool) -> bool:
+        """Whether gemm_weights multiplies these through bgemm: up to BG_NMAX rows, or any number of rows that
+        are separate sequences (`rows_apart`: their sums must not depend on the batch), where bgemm_ok."""
+        return (t <= BG_NMAX or rows_apart) and self.options.batch_gemm and bgemm_ok(mats)
+
     def gemm_weights(self, x16_ptr: int, t: int, mats: list[DeviceMatrix], y_ptr: int, ldy: int,
-                     accumulate: bool = False) -> None:
+                     accumulate: bool = False, rows_apart: bool = False, rs: Any = None) -> None:
         """Y[t, :] (=, or +=) X16 [t, K] . [W0; W1; ...]^T, the rows of the matrices side by side in Y's
-        columns: F16 weights multiplied where they lie, others dequantized into the fp16 scratch (up to
-        DEQUANT_CHUNK values per GEMM; dequant_scratch must exist)."""
+        columns: through bgemm where bgemm_serves (there each row's sums times rs [t] when given); otherwise F16
+        weights multiplied where they lie, others dequantized into the fp16 scratch (up to DEQUANT_CHUNK values
+        per GEMM; dequant_scratch must exist) and multiplied by cuBLAS (rs must be None)."""
+        if self.bgemm_serves(t, mats, rows_apart):
+            col0 = 0
+            for m in mats:
+                self.bgemm(x16_ptr, t, m, y_ptr + 4 * col0, ldy, accumulate, rs)
+                col0 += m.rows
+            return
+        if rs is not None:
+            raise BackendError("row scales on the GEMM's output need bgemm")
         dq = self.dq.data.ptr
         k = mats[0].cols
         cap = max(1, DEQUANT_CHUNK // k)

@@ -34,7 +34,7 @@ from ...models.config import ROPE_NEOX
 from ...models.kv_cache import RING_CHUNK
 from . import loader as K
 from .attention import ATT_TC_DIMS, ATT_TC_MIN_T, tc_qscale
-from .linear import MATVEC_TMAX, merge_rows
+from .linear import MATVEC_TMAX, bgemm_ok, merge_rows
 from .moe import dense_ff, moe_family_needed
 from .ops import embed_rows, rms_norm_into, softcap_into
 
@@ -139,6 +139,7 @@ class PrefillPass:
             logits=cp.empty((1, cfg.vocab_size), f32), layers=[],
         )
         self.linear.dequant_scratch()
+        self.linear.bgemm_scratch()
         for i, (L, fl) in enumerate(zip(self.model.weights.layers, self.model.fused)):  # (fusion.py's branches)
             qkv = [getattr(L, m.weight) for m in fl.attention.qkv]
             o = [getattr(L, fl.attention.out.weight)]
@@ -152,17 +153,48 @@ class PrefillPass:
         self._buffers = b
         return b
 
-    def launch(self, t: int, head: bool = True) -> None:
+    @property
+    def max_rows(self) -> int:
+        """The most rows one pass takes (its buffers' rows)."""
+        return min(self.ctx, PREFILL_CHUNK)
+
+    def launch_rows(self, ids: Any, pos: Any, slots: Any, logits: Any) -> None:
+        """The pass over rows that are sequences of their own (the batched decode step, batch.BatchStep; a
+        verification of drafts, its rows in one slot): device int32 ids, pos, slots [B] (B <= max_rows) ->
+        logits [B, V] (float32, written in place). Each row's K/V goes into its own slot's cache (before any
+        row's attention, so a verification's rows see the drafts before them), each row attends over its slot
+        up to its position, the linear layers run through bgemm on every row (linear.Linear.gemm_weights with
+        rows_apart: a row's sums do not depend on the others) and the LM head over every row. Not with an
+        8-bit cache."""
+        self.buffers()
+        self.launch(int(ids.shape[0]), rows=SimpleNamespace(ids=ids, pos=pos, slots=slots, logits=logits))
+
+    def launch(self, t: int, head: bool = True, rows: SimpleNamespace | None = None) -> None:
         """Launch the fused prefill of b.ids[:t] at b.pos[:t] (see the module docstring) -> b.logits (`head`
-        False: no LM head; the residual stream b.x holds the last layer's output of every row)."""
+        False: no LM head; the residual stream b.x holds the last layer's output of every row). `rows`
+        (launch_rows): the rows are sequences of their own, ids, positions and slots from it, every row's
+        logits into rows.logits."""
         cfg, w, b, fused = self.cfg, self.model.weights, self._buffers, self.model.fused
-        kv, attn, gemm_weights = self.kv, self.attention, self.linear.gemm_weights
+        kv, attn = self.kv, self.attention
         d, f, eps = cfg.n_embd, cfg.n_ff, cfg.rms_eps
         hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         nqkv = cfg.q_dim + 2 * cfg.kv_dim
         mode = "neox" if cfg.rope_type == ROPE_NEOX else "normal"
-        tc = t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.options.attention_tc
+        apart = rows is not None
+        tc = not apart and t >= ATT_TC_MIN_T and dh in ATT_TC_DIMS and self.options.attention_tc
+        ids, pos = (rows.ids, rows.pos) if apart else (b.ids, b.pos)
         x, h16, sc, qkv, gu, y = b.x, b.h16.data.ptr, b.scale, b.qkv, b.gu, b.y
+
+        def gemm_weights(x16: int, t: int, mats: list[Any], y_ptr: int, ldy: int, accumulate: bool = False) -> None:
+            self.linear.gemm_weights(x16, t, mats, y_ptr, ldy, accumulate, rows_apart=apart)
+
+        def gemm_add(x16: int, mats: list[Any]) -> None:  # x += (X16 W^T) * sc (rows): fused into bgemm's output
+            if self.linear.bgemm_serves(t, mats, apart):
+                self.linear.gemm_weights(x16, t, mats, x.data.ptr, d, accumulate=True, rows_apart=apart, rs=sc)
+            else:
+                gemm_weights(x16, t, mats, y.data.ptr, d)
+                add_scaled()
+
         xt = x[: t * d].reshape(t, d)  # the residual stream as [t, D]
         sec = self.profiler.section
 
@@ -177,7 +209,7 @@ class PrefillPass:
             K.launch("norm", "rms_norm_add", (t,), (256,), x=x, y=y, s=scale, w=weight, D=d, eps=eps)
 
         with sec("embedding"):
-            embed_rows(cfg, b.ids, w.token_embd, x, t)
+            embed_rows(cfg, ids, w.token_embd, x, t)
         for i, L in enumerate(w.layers):  # each layer's two branches, as fusion.match_layer read its program
             a, fb = fused[i].attention, fused[i].ffn
             qkv_w, bias, o_w, gu_w, down_w = b.layers[i]
@@ -187,23 +219,35 @@ class PrefillPass:
                 gemm_weights(h16, t, qkv_w, qkv.data.ptr, nqkv)
             with sec("RoPE"):  # + the bias, and q/k norms where the plan has them; no rotation on NoPE layers
                 dims, table, factor = self.model.rope_args(a.rope)
-                kc, vc = kv.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
-                args = dict(qkv=qkv, stride=nqkv, Hq=hq, Hkv=hkv, Dh=dh, rope_dim=dims, pos=b.pos, inv_freq=table,
-                            attn=factor, kc=kc, vc=vc, ring=kc.shape[0], scale=sc, bias=bias, q16=h16 if tc else None,
-                            q16_stride=cfg.q_dim, qscale=tc_qscale(dh, cfg.attn_scale))
-                if a.head_norms is not None:
-                    qn, kn = (getattr(L, n.weight) for n in a.head_norms)
-                    kernel, args = f"rope_store_pf_qkn_{mode}", {**args, "qn": qn, "kn": kn, "eps": eps}
+                qn, kn = (getattr(L, n.weight) for n in a.head_norms) if a.head_norms is not None else (None, None)
+                grid, block = (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),)
+                if apart:  # each row's K/V into its own slot's cache
+                    kt, vt = kv.tables(i)
+                    K.launch("rope", f"rope_store_pfb_{mode}", grid, block, qkv=qkv, stride=nqkv, Hq=hq, Hkv=hkv,
+                             Dh=dh, rope_dim=dims, pos=pos, inv_freq=table, attn=factor, kt=kt, vt=vt, slot=rows.slots,
+                             ring=kv.k_cache[i].shape[0], scale=sc, bias=bias, qn=qn, kn=kn, eps=eps)
                 else:
-                    kernel = f"rope_store_pf_{mode}"
-                K.launch("rope", kernel, (t, hq + 2 * hkv), (max(32, K.cdiv(dh // 2, 32) * 32),), **args)
-                kv.store_q8(i, qkv, nqkv, b.pos, t)
+                    kc, vc = kv.rope_store_caches(i)  # (an 8-bit cache: its fp16 pair, then store_q8)
+                    args = dict(qkv=qkv, stride=nqkv, Hq=hq, Hkv=hkv, Dh=dh, rope_dim=dims, pos=pos, inv_freq=table,
+                                attn=factor, kc=kc, vc=vc, ring=kc.shape[0], scale=sc, bias=bias,
+                                q16=h16 if tc else None, q16_stride=cfg.q_dim, qscale=tc_qscale(dh, cfg.attn_scale))
+                    if qn is not None:
+                        kernel, args = f"rope_store_pf_qkn_{mode}", {**args, "qn": qn, "kn": kn, "eps": eps}
+                    else:
+                        kernel = f"rope_store_pf_{mode}"
+                    K.launch("rope", kernel, grid, block, **args)
+                    kv.store_q8(i, qkv, nqkv, pos, t)
             with sec("attention"):
-                if tc:  # q16 in h16 (the QKV GEMM is done with it), written by rope_store_pf
-                    attn.attend_tc(b.h16, cfg.q_dim, kv.k_cache[i], kv.v_cache[i], b.pos, t, b.att16, a.attention)
+                if apart:  # each row over its own slot, fp32 q from the qkv rows; fp16 with a row scale
+                    att = y[: t * cfg.q_dim].reshape(t, cfg.q_dim)
+                    attn.attend_batch(a.attention, qkv, nqkv, pos, rows.slots, t, out=att)
+                    K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,), x=att, x16=b.att16, scale=sc,
+                             k=cfg.q_dim)
+                elif tc:  # q16 in h16 (the QKV GEMM is done with it), written by rope_store_pf
+                    attn.attend_tc(b.h16, cfg.q_dim, kv.k_cache[i], kv.v_cache[i], pos, t, b.att16, a.attention)
                 else:  # fp32 CUDA-core attention, then fp16 with a row scale
                     att = y[: t * cfg.q_dim].reshape(t, cfg.q_dim)
-                    attn.attend(qkv, nqkv, kv.k_cache[i], kv.v_cache[i], b.pos, t, att, 1, self.ctx, None, None,
+                    attn.attend(qkv, nqkv, kv.k_cache[i], kv.v_cache[i], pos, t, att, 1, self.ctx, None, None,
                                 op=a.attention)
                     K.launch("elementwise", "to_f16_rowscale_f32", (t,), (256,), x=att, x16=b.att16, scale=sc,
                              k=cfg.q_dim)
@@ -214,8 +258,7 @@ class PrefillPass:
                 elif tc:  # unscaled fp16 input: accumulate straight into the residual stream
                     gemm_weights(b.att16.data.ptr, t, o_w, x.data.ptr, d, accumulate=True)
                 else:
-                    gemm_weights(b.att16.data.ptr, t, o_w, y.data.ptr, d)
-                    add_scaled()
+                    gemm_add(b.att16.data.ptr, o_w)
                 if a.out.bias is not None:  # gpt-oss
                     xt += getattr(L, a.out.bias)
             with sec("norm"):
@@ -228,11 +271,21 @@ class PrefillPass:
                 gemm_weights(h16, t, gu_w, gu.data.ptr, 2 * f)
                 glu = "geglu_f16_rowscale" if fb.glu.activation == "gelu_tanh" else "swiglu_f16_rowscale"
                 K.launch("elementwise", glu, (t,), (256,), gu=gu, s_in=sc, F=f, y16=h16, s_out=sc)
-                gemm_weights(h16, t, down_w, y.data.ptr, d)
                 if fb.post is not None:
+                    gemm_weights(h16, t, down_w, y.data.ptr, d)
                     post_add(getattr(L, fb.post.weight), sc)
                 else:
-                    add_scaled()
+                    gemm_add(h16, down_w)
+        if apart:  # every row's logits: the final RMSNorm, then the LM head on every row with the row scales
+            with sec("LM head"):
+                if self.options.batch_gemm and bgemm_ok([w.output]):
+                    norm16(w.output_norm)
+                    self.linear.bgemm(h16, t, w.output, rows.logits.data.ptr, cfg.vocab_size, rs=sc)
+                    if cfg.final_softcap:  # gemma2
+                        softcap_into(rows.logits, rows.logits, cfg.final_softcap)
+                else:
+                    rows.logits[...] = self.head_all_rows(t)
+            return
         if not head:
             return
         with sec("LM head"):

@@ -139,7 +139,7 @@ _QNAMES = sorted(qname(t) for t in RUNNABLE)
 _DIMS = [str(d) for d in ATT_TC_DIMS]
 _PLACEHOLDERS = {"w_": ["", "_w"], "f16": ["", "16"], "npl": ["1", "2", "4", "8"], "dh": _DIMS,
                  "cfg.head_dim": _DIMS, "mode": ["normal", "neox"], "glu": ["swiglu", "geglu"],
-                 "act": ["swiglu", "oai"], "_ACT[op.activation]": ["swiglu", "oai"]}
+                 "act": ["swiglu", "oai"], "_ACT[op.activation]": ["swiglu", "oai"], "nt": ["8", "16", "32", "64"]}
 
 
 def _placeholder(v: ast.FormattedValue) -> list[str]:

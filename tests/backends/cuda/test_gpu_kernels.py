@@ -146,25 +146,48 @@ def test_matvec_every_type(qtype: QT) -> None:
 
 
 @pytest.mark.parametrize("qtype", RUNNABLE, ids=lambda t: t.name)
-def test_matvec_rows_every_type(qtype: QT) -> None:
-    """The batched step's matvec (Linear.matvec_rows: stage_rows_* then mvb_<t>): each of 11 rows (two launches
-    past MATVEC_TMAX) as mv1 dots it alone (int8 x per unit for the int8-activation types), plus the bias; and a
-    row's result bit for bit the same whatever rows run beside it."""
+def test_bgemm_every_type(qtype: QT) -> None:
+    """bgemm (kernels/batch_gemm.cu: fp16 rows times the quantized weight on tensor cores, the weight decoded in
+    the kernel) against float64 with the weight's values rounded to fp16 as the kernel's fragments hold them:
+    70 rows (two launches past BG_NMAX), widths where the K range is split across blocks (bgemm_splits > 1) and
+    where it is not; the accumulating form with row scales; and a row's bits the same in any company (subsets
+    of the rows take other column tiles, n8 .. n64)."""
+    from gguf import GGML_QUANT_SIZES
+
     rng = np.random.default_rng(100 + int(qtype))
     be, _ = bare(make_cfg(), 16)
-    for k in cols_for(qtype):
+    sms = be.gpu.n_sms
+    ks = [c for c in cols_for(qtype) if c % 32 == 0] + ([2048] if GGML_QUANT_SIZES[qtype][0] == 1 else [])
+    split_seen = False
+    for k in ks:
         for n in (1, 37, 300):
+            split_seen |= linear.bgemm_splits(n, k, sms) > 1
             w, _buf, wref = upload(random_quant_rows(qtype, n, k, rng, std=0.05), qtype, k)
-            x = rng.standard_normal((11, k)).astype(np.float32)
-            bias = rng.standard_normal(n).astype(np.float32)
-            full = be.linear.matvec_rows(w, cp.asarray(x), cp.asarray(bias)).get()
-            xr = np.stack([act8(r)[0] for r in x]) if qtype in MV1_ACT8 else x.astype(np.float64)
-            ref = xr @ wref.T + bias
-            scale = np.abs(xr) @ np.abs(wref).T
-            assert_close(full, ref, 1e-6 + 2e-6 * scale, 1e-5, f"{qtype.name} n={n} k={k}")
-            for idx in ([0], [0, 1, 2], [4, 0, 9]):
-                part = be.linear.matvec_rows(w, cp.asarray(x[idx]), cp.asarray(bias)).get()
-                np.testing.assert_array_equal(part, full[idx])
+            w16 = wref.astype(np.float16).astype(np.float64)
+            x = rng.standard_normal((70, k)).astype(np.float16)
+            xd = cp.asarray(x)
+            y = poisoned((70, n))
+            be.linear.bgemm(xd.data.ptr, 70, w, y.data.ptr, n)
+            ref = x.astype(np.float64) @ w16.T
+            # Each weight within two fp16 roundings of its value (the common types decode in fp16 arithmetic with
+            # the scale rounded to fp16 first: kernels/batch_gemm.cu Dec), the sums in fp32: at most 2^-10 of
+            # sum |x w| per output, and the whole within 1e-3 in L2 (int8 activations, llama.cpp's MMQ, are ~4e-3)
+            bound = 1e-6 + 2.0**-10 * (np.abs(x.astype(np.float64)) @ np.abs(wref).T)
+            full = y.get()
+            assert_close(full, ref, bound, 0.0, f"{qtype.name} n={n} k={k}")
+            rel = np.linalg.norm(full - ref) / (np.linalg.norm(ref) + 1e-12)
+            assert rel <= 1e-3, f"{qtype.name} n={n} k={k}: relative L2 error {rel:.3g}"
+            y0 = rng.standard_normal((70, n)).astype(np.float32)
+            rs = rng.uniform(0.5, 2.0, 70).astype(np.float32)
+            ya = cp.asarray(y0)
+            be.linear.bgemm(xd.data.ptr, 70, w, ya.data.ptr, n, accumulate=True, rs=cp.asarray(rs))
+            assert_close(ya.get(), y0 + rs[:, None] * ref, bound * 2 + 1e-5, 1e-6, f"{qtype.name} += n={n} k={k}")
+            for idx in ([0], [0, 1, 2], [4, 0, 9, 3, 11, 12, 13, 14, 15, 16, 17], list(range(69, 30, -1))):
+                yp = poisoned((len(idx), n))
+                xs = cp.asarray(x[idx])
+                be.linear.bgemm(xs.data.ptr, len(idx), w, yp.data.ptr, n)
+                np.testing.assert_array_equal(yp.get(), full[idx])
+    assert split_seen, "no shape of the test splits its K range"
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q6_K, QT.F16, QT.Q4_K], ids=lambda t: t.name)

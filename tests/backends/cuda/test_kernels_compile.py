@@ -100,7 +100,7 @@ def test_attention_has_hopper_code_only_for_sm90a() -> None:
 
 ATTENTION_KERNELS = {  # the kernels of the four attention families, as the Python launchers name them
     "attention_simt": {"kv_store", "kv_store_q8", "kv_dequant_q8", "attention_combine", "attention_combine_w",
-                       "kv_store_batch", "attention_combine_batch"}
+                       "attention_combine_batch"}
     | {f"attention{w}_npl{n}" for w in ("", "_w", "_batch") for n in (1, 2, 3, 4, 8)},
     "attention_split": {f"attention_split{s}_d{d}" for s in ("", "_step_normal", "_step_neox")
                         for d in (64, 80, 96, 112, 128, 256)}
