@@ -1,6 +1,6 @@
 // batch_gemm.cu: a few rows of fp16 activations times a quantized weight, on tensor cores, the weight read
-// once for all of them (the batched decode step's linear layers and short prefill chunks: B = 2..BG_NMAX
-// rows, where mv1's one-row dots would read the weight B times and prefill's dequantize-then-cuBLAS writes
+// once for all of them (the batched decode step's linear layers and short prefill chunks: up to BG_NMAX rows
+// a launch, where mv1's one-row dots would read the weight B times and prefill's dequantize-then-cuBLAS writes
 // and reads an fp16 copy of it every step).
 //
 //   bgemm_<t>_n<NT>(w, N, K, x, ldx, B, y, ldy, rs, accumulate, splits, part, counters)
@@ -38,8 +38,8 @@
 #include "quants.cuh"
 #include "attention_common.cuh"
 
-// BG_NMAX, BG_WARPS: llamacli/backends/cuda/constants.py (the loader puts them in front)
-#define BG_ROWS 32  // weight rows per block
+// BG_NMAX, BG_ROWS (weight rows per block: two m16 tiles), BG_WARPS: llamacli/backends/cuda/constants.py (the
+// loader puts them in front)
 
 __device__ __forceinline__ u32 h2_sub(u32 a, u32 b) {
     u32 r;

@@ -371,8 +371,8 @@ class CudaBackend(Backend):
         """Backend.forward_verify: a verification of drafts (speculative decoding) -> logits [T, V] on the device.
         With an fp16 cache (and verify_batched on), the batched decode step's pass (batch.BatchStep, captured per
         T) with every row in the sequence's slot: its K/V stores come before any row's attention, which reads its
-        slot up to its own position, so the rows see the drafts before them; each weight is read once for all
-        rows (linear.Linear.bgemm). Otherwise up to MATVEC_TMAX tokens the operations one by one
+        slot up to its own position, so the rows see the drafts before them; each weight is read once for up to
+        BG_NMAX rows (linear.Linear.bgemm). Otherwise up to MATVEC_TMAX tokens the operations one by one
         (block.run, as a short prompt chunk), longer ones the fused prefill pass with every row's LM head
         (prefill.PrefillPass.forward(all_rows=True))."""
         self.decoder.drop_ahead()  # a decode step queued ahead is stale once the cache changes

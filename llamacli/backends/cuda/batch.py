@@ -6,7 +6,8 @@ cache (rope_store_pfb_*), each row's attention over its slot (attention.Attentio
 linear layers through bgemm (kernels/batch_gemm.cu: the weight decoded in the kernel and read once for up to
 BG_NMAX rows, on tensor cores), the LM head over every row. A row's arithmetic does not depend on what runs beside
 it (bgemm's splits and the attention's depend on the shapes only), so a seeded request draws the same ids in any
-company; a mixture of experts groups its rows by expert, and there it does depend. After the LM head the step
+company; a mixture of experts groups its rows by expert, and there it does depend (as it does where a product
+falls back to cuBLAS: PrefillPass.launch_rows). After the LM head the step
 takes each row's argmax and a flag for rows whose logits are not finite; a row whose sequence samples, has a
 constraint or asks for its logits is chosen from its logits row as a single step's logits are (Backend._choose).
 
@@ -31,9 +32,8 @@ BATCH_GRAPHS = 16  # captured batch sizes kept (least recently used dropped)
 
 
 class BatchStep:
-    """The batched decode step over `slots` cache slots (see the module docstring). `forward(ids, pos, slots)`
-    runs the model on device int32 arrays [B] -> logits [B, V] (CudaBackend's op-by-op path with the batched
-    attention)."""
+    """The batched decode step over `slots` cache slots (see the module docstring). `forward(ids, pos, slots,
+    logits)` runs the model on device int32 arrays [B] into logits [B, V] (prefill.PrefillPass.launch_rows)."""
 
     def __init__(self, gpu: Any, options: Any, forward: Callable[[Any, Any, Any, Any], None], slots: int, vocab: int):
         cp = self.cp = gpu.cp

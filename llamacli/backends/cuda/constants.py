@@ -26,7 +26,7 @@ class ByHeadDim:
 
 
 # kernels/matvec.cu
-MATVEC_TMAX = 8  # tokens per matvec launch (matvec_<t>); more go through cuBLAS
+MATVEC_TMAX = 8  # tokens per matvec launch (matvec_<t>)
 MV1_MINB8 = 4  # the int8-activation mv1 forms' __launch_bounds__ minimum blocks per SM
 MV1S_BLOCKS_PER_SM = 2  # mv1_stream's blocks per SM (its grid is one wave of them)
 MV1T_ROWS, MV1T_STAGES, MV1T_WARPS = 8, 2, 12  # mv1_tile: rows per tile, tiles in flight, warps per block
@@ -46,12 +46,12 @@ SP_STAGES = ByHeadDim(128, 3, 2)
 # kernels/moe.cu: experts per layer and per token; moe_gemm's pairs per tile and weight rows per block
 MOE_EMAX, MOE_KMAX = 1024, 32
 MG_BM, MG_BN = 64, 128
-# kernels/batch_gemm.cu: the most rows (activations) per launch, and warps per block
-BG_NMAX, BG_WARPS = 64, 4
+# kernels/batch_gemm.cu: the most rows (activations) per launch, weight rows per block, warps per block
+BG_NMAX, BG_ROWS, BG_WARPS = 64, 32, 4
 
 _INTS = ("MATVEC_TMAX", "MV1_MINB8", "MV1S_BLOCKS_PER_SM", "MV1T_ROWS", "MV1T_STAGES", "MV1T_WARPS", "ATT_WARPS",
          "ATT_RPW", "TC_WARPS", "TC_BC", "WG_BC", "SP_WARPS", "SP_BK", "SP_SOLO", "MOE_EMAX", "MOE_KMAX", "MG_BM",
-         "MG_BN", "BG_NMAX", "BG_WARPS")
+         "MG_BN", "BG_NMAX", "BG_ROWS", "BG_WARPS")
 _BY_HEAD_DIM = ("TC_STAGES", "WG_STAGES", "WG_ONES", "SP_STAGES")
 NAMES = _INTS + _BY_HEAD_DIM  # every name the kernels take from here
 

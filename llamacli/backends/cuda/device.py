@@ -25,9 +25,10 @@ from ..memory_fit import not_enough_memory, q8_pair_bytes
 from ..split_plan import DeviceMemory
 from . import loader as K
 from .attention import decode_splits
+from .constants import BG_NMAX, BG_ROWS
 from .fusion import FusedLayer, match_layer, refuse_unported_model
 from .gpu import Gpu
-from .linear import DEQUANT_CHUNK, DeviceMatrix
+from .linear import BG_BLOCKS_PER_SM, DEQUANT_CHUNK, DeviceMatrix
 from .moe import check_moe, dense_ff, moe_family_needed, moe_scratch_bytes
 from .prefill import PREFILL_CHUNK
 
@@ -150,7 +151,7 @@ def compile_kernels(cfg: ModelConfig) -> None:
 
 
 def scratch_bytes(gpu: Gpu, cfg: ModelConfig, ctx: int, q8: bool) -> int:
-    """Decode buffers plus a prefill working set (a 512-token chunk and one fp16 weight chunk)."""
+    """Decode buffers plus a prefill working set (a 512-token chunk, one fp16 weight chunk, bgemm's partials)."""
     t = min(ctx, 512)
     ff = dense_ff(cfg)
     widest = max(cfg.q_dim + 2 * cfg.kv_dim, 2 * ff, cfg.vocab_size)
@@ -158,7 +159,8 @@ def scratch_bytes(gpu: Gpu, cfg: ModelConfig, ctx: int, q8: bool) -> int:
     split = decode_splits(gpu, cfg, ctx, q8)
     step = 4 * (3 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + cfg.q_dim + cfg.n_ff + cfg.vocab_size)
     step += split * cfg.n_head * (cfg.head_dim + 2) * 4
-    return act + step + moe_scratch_bytes(cfg, t) + 2 * DEQUANT_CHUNK + (64 << 20)  # + CuPy/cuBLAS margin
+    bgemm = 2 * BG_BLOCKS_PER_SM * gpu.n_sms * BG_ROWS * BG_NMAX * 4  # its split partials (Linear.bgemm_scratch)
+    return act + step + moe_scratch_bytes(cfg, t) + 2 * DEQUANT_CHUNK + bgemm + (64 << 20)  # + CuPy/cuBLAS margin
 
 
 def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,

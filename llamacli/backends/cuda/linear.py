@@ -1,7 +1,9 @@
 """Linear layers on the CUDA backend: weights in their GGUF block layout on the device (DeviceMatrix), the
 matvec kernels that read those blocks directly (kernels/matvec.cu: up to MATVEC_TMAX tokens; one token through
-mv1 / mv1_stream / mv1_tile, with RMSNorm, bias, residual, SwiGLU and the greedy argmax fused in), and prefill's GEMMs:
-row chunks dequantized to fp16 (kernels/dequant.cu) and multiplied by cuBLAS on tensor cores.
+mv1 / mv1_stream / mv1_tile, with RMSNorm, bias, residual, SwiGLU and the greedy argmax fused in), bgemm for a
+few fp16 rows (kernels/batch_gemm.cu: the batched step's rows and prompt chunks of up to BG_NMAX tokens, the
+weight decoded inside the kernel), and longer prefill chunks' GEMMs: row chunks dequantized to fp16
+(kernels/dequant.cu) and multiplied by cuBLAS on tensor cores.
 
 The grid rules of each kernel (rows per block, row groups, one wave of blocks, shared memory) live here next to
 the launch, and mirror the kernel's own constants (tests/backends/cuda/test_cuda_launch.py checks them against the source).
@@ -18,7 +20,17 @@ import numpy as np
 from ...errors import BackendError
 from ...ggufio.ggml_types import GGMLQuantizationType as QT
 from . import loader as K
-from .constants import BG_NMAX, BG_WARPS, MATVEC_TMAX, MV1_MINB8, MV1S_BLOCKS_PER_SM, MV1T_ROWS, MV1T_STAGES, MV1T_WARPS
+from .constants import (
+    BG_NMAX,
+    BG_ROWS,
+    BG_WARPS,
+    MATVEC_TMAX,
+    MV1_MINB8,
+    MV1S_BLOCKS_PER_SM,
+    MV1T_ROWS,
+    MV1T_STAGES,
+    MV1T_WARPS,
+)
 
 RUNNABLE = (
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
@@ -201,7 +213,6 @@ def mv1_smem(qtype: QT, cols: int) -> int:
     return K.cdiv(cols, 32) * (40 if qtype in MV1_ACT8 else 132)
 
 
-BG_ROWS = 32  # kernels/batch_gemm.cu: weight rows per block
 BG_BLOCKS_PER_SM = 4  # the grid bgemm_splits aims at: this many blocks per SM, the K range split to get there
 
 

@@ -13,6 +13,10 @@ path (block.run) takes ~45. A verification of drafts (speculative decoding, `for
 keeps every row: the layers as above (captured apart from the prompt's pass of the same length), then the
 final RMSNorm and the LM head over all rows outside the graph (Linear.matmul: dequantized chunks and a GEMM).
 
+A chunk of up to BG_NMAX tokens takes its products through bgemm (kernels/batch_gemm.cu: the weight decoded inside
+the kernel; linear.Linear.gemm_weights), longer ones dequantize and call cuBLAS as above. `launch_rows` runs the same
+pass over rows that are sequences of their own (the batched decode step, a verification of drafts: batch.py).
+
 The token ids and positions live in device buffers, so a chunk length seen before is captured once into a
 CUDA graph (per cache slot: it holds the slot's addresses) and replayed (the first sighting runs the kernels directly: compilation, cuBLAS plans); long
 prompts repeat PREFILL_CHUNK, so every chunk after the second replays.
@@ -30,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import BackendError
 from ...models.config import ROPE_NEOX
 from ...models.kv_cache import RING_CHUNK
 from . import loader as K
@@ -165,9 +170,14 @@ class PrefillPass:
         row's attention, so a verification's rows see the drafts before them), each row attends over its slot
         up to its position, the linear layers run through bgemm on every row (linear.Linear.gemm_weights with
         rows_apart: a row's sums do not depend on the others) and the LM head over every row. Not with an
-        8-bit cache."""
+        8-bit cache. (With options.batch_gemm off, or a matrix whose rows are not whole 32-value units, a
+        float type's only, those products go through cuBLAS on the B rows, and there a row's bits may depend on
+        B.)"""
+        t = int(ids.shape[0])
+        if not 1 <= t <= self.max_rows:
+            raise BackendError(f"a pass over rows takes 1 to {self.max_rows} rows, got {t}")
         self.buffers()
-        self.launch(int(ids.shape[0]), rows=SimpleNamespace(ids=ids, pos=pos, slots=slots, logits=logits))
+        self.launch(t, rows=SimpleNamespace(ids=ids, pos=pos, slots=slots, logits=logits))
 
     def launch(self, t: int, head: bool = True, rows: SimpleNamespace | None = None) -> None:
         """Launch the fused prefill of b.ids[:t] at b.pos[:t] (see the module docstring) -> b.logits (`head`
