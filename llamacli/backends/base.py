@@ -134,6 +134,9 @@ class Backend(ABC):
     # Cache slots: sequences whose caches the backend holds at once (set_slots); step() takes one sequence per
     # slot. Per slot, step() keeps the sequence whose cache it is (its Sampler) and the decode form chosen for it.
     slots: int = 1
+    # Whether step() takes prefill-only steps (SeqStep.fill: a prompt in parts, step.py); the scheduler chunks long
+    # prompts only where it does. Off here: a backend that overrides step() or its prompt's setup says it runs them.
+    fill_steps: bool = False
     _slot_sampler: dict[int, Sampler]
     _slot_kind: dict[int, str]
 
@@ -314,8 +317,9 @@ class Backend(ABC):
         sets up the decode for its sampler; each later step decodes one token at the sequence's next position,
         through the fastest form the sampler allows: the argmax or the whole sampler inside the step, a
         constraint's mask applied where the logits are, or the logits to the host (logprobs); or, for a
-        speculative sampler, verifies drafts (step.py). The sequences run one after the other here; a backend
-        with batched kernels runs the decode steps together."""
+        speculative sampler, verifies drafts (step.py); a prefill-only step (SeqStep.fill, where the backend takes
+        them: fill_steps) writes a part of the prompt and chooses nothing. The sequences run one after the other
+        here; a backend with batched kernels runs the decode steps together."""
         self._check_slots(batch)
         if len(batch) == 1:
             return [self._step_one(batch[0])]
@@ -342,6 +346,8 @@ class Backend(ABC):
             self._slot_sampler, self._slot_kind = {}, {}
         s, pos, slot = seq.sampler, seq.start, seq.slot
         self.use_slot(slot)
+        if seq.fill:
+            return self._fill(seq)
         if s.position < 0:  # a new sequence: its prompt, then the decode set up for its sampler
             self._slot_sampler.pop(slot, None)  # (the slot is this sequence's once the prompt's step has run whole)
             self.resume(slot, pos)  # recurrent states: those stored at pos (zeros at 0)
@@ -374,6 +380,24 @@ class Backend(ABC):
         out.snapshots = self.snapshots(slot)
         s.position, self._slot_sampler[slot] = pos + n, s
         return out
+
+    def _fill(self, seq: SeqStep) -> StepOut:
+        """A prefill-only step (step.py): the ids' K/V (and recurrent states) written at positions start.. of the
+        slot, nothing chosen, the sampler left not started; the slot is no other sequence's any more."""
+        s, pos, slot, n = seq.sampler, seq.start, seq.slot, len(seq.tokens)
+        if not self.fill_steps:
+            raise BackendError(f"the {self.name} backend takes no prefill-only steps: a prompt runs whole")
+        if s.position >= 0:
+            raise BackendError("a prefill-only step is a part of a prompt: it comes before the sequence's prompt "
+                               "step (its Sampler already started)")
+        if n < 1 or type(pos) is not int or pos < 0 or pos + n >= self.ctx:
+            raise BackendError(f"a prefill-only step takes one id or more at positions within the context, leaving "
+                               f"room for the prompt's last part (got {n} at {pos}, context {self.ctx})")
+        self._slot_sampler.pop(slot, None)
+        self._slot_kind.pop(slot, None)
+        self.resume(slot, pos)  # recurrent states: those stored at pos (the part before stored its end)
+        self.forward_fill(np.asarray(seq.tokens, dtype=np.int64), pos)
+        return StepOut(-1, snapshots=self.snapshots(slot))
 
     def _verify(self, tokens: Sequence[int], pos: int, s: Sampler) -> StepOut:
         """A verification step (backends/step.py): each position's argmax for a plain greedy sampler (no mask, no
@@ -428,6 +452,12 @@ class Backend(ABC):
         """One prefill pass: host token ids [T] at positions start.. -> logits [1, V] of the last one;
         writes their K/V into the cache (block.prefill calls it per chunk)."""
         return block.run(self, self.cfg, self.token_ids(ids), self.positions(start, int(ids.size)))
+
+    def forward_fill(self, ids: np.ndarray, start: int) -> None:
+        """A prefill-only step's passes: host token ids [T] at positions start.. into the cache, as a prompt's
+        (block.prefill: the backend's prefill_chunk passes); the last row's logits are computed and dropped (one
+        row of the LM head, the price of one code path for both)."""
+        block.prefill(self, self.cfg, ids, start)
 
     def forward_verify(self, ids: np.ndarray, start: int) -> Any:
         """A verification pass: host token ids [T] (the last id taken and T - 1 drafts) at positions start.. ->

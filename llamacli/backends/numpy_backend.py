@@ -90,6 +90,7 @@ class LayerState:
 class NumpyBackend(Backend):
     name = "numpy"
     label = "NumPy"  # in messages
+    fill_steps = True  # (Backend.step's own: a prompt's part is a prompt's passes without the setup)
     runnable_types = frozenset(t for t in QT if t in GGML_QUANT_SIZES and can_dequantize(t))
     cache_types = DEFAULT_CACHE  # (load sets the model's)
 

@@ -20,6 +20,16 @@ backend stored there, and every step says which positions it holds stored states
 that raised, or a cache another sequence has taken since, leaves the sequence to be started again with a new
 Sampler (the backend refuses it with one line).
 
+A prompt may also arrive in parts (the scheduler's chunked prefill: a long prompt in pieces of a turn's token
+budget, the running sequences' decode steps taken between them): each part but the last is a prefill-only step
+(SeqStep.fill), which writes its ids' K/V (and moves a recurrent state on) at positions start.. of its slot and
+chooses nothing (StepOut id -1, no logits); the Sampler stays not started, so the last part is the ordinary prompt
+step, starting past 0 where the parts before it ended, exactly as a prompt resumed from a cached prefix starts
+(the engine vouches for rows 0..start-1 of the slot, SequenceCache, as it does there; a recurrent state resumes
+from the one the part before stored at its end, which is the slot's latest and so kept, Backend.snapshots).
+Backends that take these say so (Backend.fill_steps); one that does not refuses them, and the scheduler runs
+every prompt whole there.
+
 A batch holds at most one sequence per cache slot (Backend.set_slots); the NumPy backend runs them one after the
 other, the CUDA backend runs their decode steps as one batched step (backends/cuda/batch.py).
 """
@@ -60,18 +70,22 @@ class Sampler:
 
 @dataclass
 class SeqStep:
-    """One sequence's part of a step: `tokens` at positions start, start + 1, ... in cache `slot`."""
+    """One sequence's part of a step: `tokens` at positions start, start + 1, ... in cache `slot`. With `fill`, a
+    prefill-only part of the prompt (its Sampler not started, and left so): the K/V written, nothing chosen, and
+    room left in the context for the prompt's last part (start + len(tokens) < the context)."""
 
     tokens: Sequence[int]
     start: int
     sampler: Sampler
     slot: int = 0
+    fill: bool = False
 
 
 @dataclass
 class StepOut:
     """What a step gives back for one sequence: the chosen id, and the raw logits [V] (host) where its sampler
-    asked for them. A verification (k + 1 tokens) chooses nothing (id -1): it gives each position's argmax
+    asked for them. A prefill-only step (SeqStep.fill) chooses nothing (id -1) and gives nothing else but
+    `snapshots`. A verification (k + 1 tokens) chooses nothing (id -1): it gives each position's argmax
     (`choices`, a plain greedy sampler without a mask or logprobs) or else their raw logits [k + 1, V]."""
 
     id: int

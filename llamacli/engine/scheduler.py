@@ -8,10 +8,17 @@ Requests come in through `tokens()` and wait in arrival order for a free slot. E
    of the prompt, where that part covers at least half of what the slot holds, so that a resent conversation or
    a shared system prompt is not prefilled again; else the slot used least recently, an empty one first, so
    that another client's conversation is not evicted while a slot stands empty);
-2. run the prompt steps of the requests admitted (a prefill and the first id each), up to `prefill_budget`
-   prompt tokens per turn (at least one prompt). A prompt step runs whole: while it runs, the running
-   sequences wait for their next id;
-3. run one decode step of every running sequence, all in one Backend.step;
+2. prefill prompts, up to `prefill_budget` prompt tokens per turn (those the slot's cache or the prefix cache
+   gave are not counted), the requests in the order they were admitted: a prompt that fits in what is left of
+   the turn's budget runs its prompt step (the rest of its prefill and its first id); a longer one, where the
+   backend takes prefill-only steps (Backend.fill_steps; backends/step.py), runs a part of what is left of the
+   budget (SeqStep.fill) and goes on at the next turn from where that part ended, until its last part, the
+   prompt step, gives its first id. Requests are admitted only while the turn's budget is not spent by the
+   prompts already under way, so a long prompt costs the running sequences at most one budget's prefill per
+   turn, however long it is (Sarathi's chunked prefill; vLLM's and llama-server's batches mix the two the same
+   way). Where the backend runs prompts whole (CUDA today), each admitted prompt's step runs whole in its turn
+   (as many prompts as start within the budget, at least one): while it runs, the running sequences wait;
+3. run one decode step of every running sequence whose prompt step has run, all in one Backend.step;
 4. hand each id to its request (a queue its consumer reads on a thread of its own); a request that finished,
    failed or was cancelled leaves the batch at once and frees its slot.
 
@@ -24,6 +31,10 @@ waiting or running.
 (detokenizing, stop strings, the reasoning split) is the same code whether one request runs or many; closing
 that stream cancels the request, and `Completion.cancel` does from outside. More than `max_waiting` requests
 waiting is SchedulerBusy, which `serve` answers with 503 and Retry-After.
+
+A request cancelled while its prompt is under way leaves at the next turn, its slot freed; the slot's record
+(SequenceCache) holds the parts that ran, and only those: what the prefix cache stores from it, and what a later
+prompt may keep of the slot, are rows the slot does hold. A part that fails fails its request alone.
 
 Failures stay with their request: one whose own step fails (a constraint's mask that raised, NaN logits:
 Backend.step's StepErrors) or whose bookkeeping raises (a constraint's advance) gets the error, the others go
@@ -49,7 +60,7 @@ if TYPE_CHECKING:
     from ..sampling.structured import Constraint
     from .generate import Completion, Model
 
-DEFAULT_PREFILL_BUDGET = 2048  # prompt tokens per turn before the running sequences get their next step
+DEFAULT_PREFILL_BUDGET = 2048  # prompt tokens prefilled per turn before the running sequences get their next step
 DEFAULT_MAX_WAITING = 64  # requests waiting for a slot before new ones are refused (SchedulerBusy)
 AHEAD = 2  # ids a request may have waiting for its consumer before it sits out the decode steps
 REUSE_SHARE = 0.5  # a slot's cache serves a prompt whose shared prefix covers this much of what it holds
@@ -88,8 +99,9 @@ class Request:
         self.speculative = speculative  # (its drafting: the worker's, in its slot)
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.cancelled = threading.Event()
-        self.run: TokenRun | None = None  # (the worker's, once admitted)
+        self.run: TokenRun | None = None  # (the worker's, once its prompt begins)
         self.slot = -1
+        self.estimate = 0  # (the worker's) prompt ids to prefill, as counted at admission (the slot's kept ones off)
 
     def cancel(self) -> None:
         if not self.cancelled.is_set():
@@ -125,8 +137,11 @@ class Scheduler:
 
     def __init__(self, model: Model, prefill_budget: int = DEFAULT_PREFILL_BUDGET,
                  max_waiting: int = DEFAULT_MAX_WAITING):
+        if type(prefill_budget) is not int or prefill_budget < 1:
+            raise ValueError(f"a prefill budget is a number of prompt tokens >= 1, got {prefill_budget!r}")
         self.model = model
         self.prefill_budget, self.max_waiting = prefill_budget, max_waiting
+        self.chunked = bool(getattr(model.backend, "fill_steps", False))  # long prompts in parts (module doc)
         self.free = list(range(len(model.seqs)))  # slots holding no running sequence
         self.used = [-1] * len(model.seqs)  # per slot, the turn it was last taken (-1: never)
         self.turn = 0
@@ -216,8 +231,8 @@ class Scheduler:
             if self.closed:
                 self._end_all(SchedulerClosed("the server is shutting down"))
                 return False
-            admitted = self._admit()
-        self._prompts(admitted)
+            self._admit()
+        self._prompts()
         self._decode()
         return True
 
@@ -242,20 +257,27 @@ class Scheduler:
         slot = min(self.free, key=lambda s: (self.used[s], s))
         return slot, keep[slot]
 
-    def _admit(self) -> list[Request]:
-        """(Under the lock) waiting requests into free slots, up to the turn's prompt budget (the first always)."""
-        admitted, budget = [], self.prefill_budget
+    def _prefilling(self, req: Request) -> bool:
+        """Whether the request's prompt step has yet to run (not begun, or begun in parts)."""
+        return req.run is None or req.run.prefilling
+
+    def _left(self, req: Request) -> int:
+        """Prompt ids the request has yet to prefill (an estimate before its prompt begins)."""
+        return req.estimate if req.run is None else req.run.remaining
+
+    def _admit(self) -> None:
+        """(Under the lock) waiting requests into free slots while the turn's prompt budget is not spent, the
+        prompts already under way counted first."""
+        budget = self.prefill_budget - sum(self._left(req) for req in self.running if self._prefilling(req))
         self.turn += 1
-        while self.waiting and self.free and (not admitted or budget > 0):
+        while self.waiting and self.free and budget > 0:
             req = self.waiting.popleft()
             slot, keep = self._slot_for(req.ids)
             self.free.remove(slot)
             self.used[slot] = self.turn
-            req.slot = slot
-            budget -= len(req.ids) - keep
-            admitted.append(req)
+            req.slot, req.estimate = slot, len(req.ids) - keep
+            budget -= req.estimate
             self.running.append(req)
-        return admitted
 
     def _release(self, req: Request, item: Any = None) -> None:
         """End a request (its error, or its finish) and free its slot (the prefix cache keeps its blocks)."""
@@ -271,18 +293,31 @@ class Scheduler:
                 self.running.remove(req)
                 self.free.append(req.slot)
 
-    def _prompts(self, admitted: list[Request]) -> None:
-        model = self.model
-        for req in admitted:
-            if req.cancelled.is_set():  # left before its prompt ran: not prefilled
+    def _prompts(self) -> None:
+        """The turn's prefill (module doc, 2.): prompt steps, or parts of prompts where the backend takes them,
+        within the turn's budget; each step runs alone, its failure its request's."""
+        model, budget = self.model, self.prefill_budget
+        with self.cv:
+            pending = [req for req in self.running if self._prefilling(req)]
+        for req in pending:
+            if req.cancelled.is_set():  # left before its prompt ran (or between its parts): its slot freed
                 self._release(req)
                 continue
-            spec = None if req.speculative is None else Speculation(req.speculative, model.draft, req.slot)
-            req.run = TokenRun(model.seqs[req.slot], req.ids, req.sampler, model.tokenizer, req.max_tokens,
-                               req.completion.timings, req.constraint, req.logprobs, count_eval=False,
-                               cache=model.prefix_cache, spec=spec)
+            if self.chunked and budget <= 0:  # the turn's budget is spent: its next part is the next turn's
+                continue
+            if req.run is None:
+                spec = None if req.speculative is None else Speculation(req.speculative, model.draft, req.slot)
+                req.run = TokenRun(model.seqs[req.slot], req.ids, req.sampler, model.tokenizer, req.max_tokens,
+                                   req.completion.timings, req.constraint, req.logprobs, count_eval=False,
+                                   cache=model.prefix_cache, spec=spec)
             try:
-                item = req.run.prompt_out(model.backend.step([req.run.prompt_step()])[0])
+                step = req.run.prompt_step(budget if self.chunked else None)
+                out = model.backend.step([step])[0]
+                budget -= len(step.tokens)
+                if step.fill:
+                    req.run.fill_out(out)
+                    continue
+                item = req.run.prompt_out(out)
             except Exception as exc:  # (the request's own: its step ran alone)
                 self._release(req, exc)
                 continue
@@ -300,10 +335,12 @@ class Scheduler:
         with self.cv:
             running = list(self.running)
         for req in running:
-            if req.run is None:  # (admitted this turn, its prompt step failed or not yet run)
+            if req.run is None:  # (admitted, its prompt not begun: _prompts' to run or release)
                 continue
             if req.cancelled.is_set():
                 self._release(req)
+                continue
+            if req.run.prefilling:  # its prompt's parts still to run (next turn's)
                 continue
             if not req.ready:  # its consumer is behind: it sits this step out
                 continue

@@ -11,6 +11,10 @@ own cache slot, their decode steps together in one Backend.step.
         if step is None: break
         items = run.step_out(backend.step([step])[0])             # [] only when finished
 
+The scheduler may run a long prompt in parts (a backend that takes prefill-only steps: Backend.fill_steps):
+`run.prompt_step(limit)` gives a prefill-only step (SeqStep.fill) of the next `limit` ids while more than that
+remain, whose out goes to `run.fill_out(...)`; the call after the last part's gives the prompt's step proper.
+
 With speculation (engine/speculative.py) a decode step may carry drafts after the last id: a verification,
 whose ids (the drafts the model agrees with, and one more) come out of step_out together; an end (an
 end-of-generation id, max_tokens, a constraint complete) may come among them.
@@ -71,27 +75,57 @@ class TokenRun:
         self.last = -1  # the last id handed out: the next decode step's input
         self.new = 0  # prompt ids the prompt's step prefills
         self.started = 0.0  # time.perf_counter() at the prompt's step
+        self.at = -1  # where the prompt's next part starts (-1: not begun; len(ids) once its step ran whole)
+        self._part = 0  # the ids of the prefill-only step under way
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def prompt_step(self) -> SeqStep:
-        """The prompt's step: the ids the slot does not hold yet (at least the last, whose logits are needed)."""
+    @property
+    def prefilling(self) -> bool:
+        """Whether the prompt was begun in parts and its step has not run whole yet."""
+        return 0 <= self.at < len(self.ids)
+
+    @property
+    def remaining(self) -> int:
+        """Prompt ids still to prefill (before the prompt is begun: all but those the slot keeps, an estimate
+        that the prefix cache may lower)."""
+        return len(self.ids) - (self.at if self.at >= 0 else self.seq.reusable(self.ids))
+
+    def prompt_step(self, limit: int | None = None) -> SeqStep:
+        """The prompt's step: the ids the slot does not hold yet (at least the last, whose logits are needed). With
+        `limit`, where more than `limit` of them remain, a prefill-only step (SeqStep.fill) of the next `limit`
+        instead (a backend that takes them: Backend.fill_steps); after its fill_out, call again for the next."""
         seq = self.seq
-        keep = seq.reusable(self.ids)
-        self.started = time.perf_counter()
-        if self.cache is not None:  # rows of more of the prompt copied into the slot, where the cache has them
-            held = keep
-            keep = self.cache.restore(seq, self.ids, keep)
-            self.restored = keep - held
-        seq.begin_prompt(keep, len(self.ids))
-        new = self.ids[keep:]
-        self.new = len(new)
-        return SeqStep(new, keep, self.sampler, seq.slot)
+        if self.at < 0:  # the prompt begins: what the slot keeps, and what the prefix cache adds to it
+            keep = seq.reusable(self.ids)
+            self.started = time.perf_counter()
+            if self.cache is not None:  # rows of more of the prompt copied into the slot, where the cache has them
+                held = keep
+                keep = self.cache.restore(seq, self.ids, keep)
+                self.restored = keep - held
+            seq.begin_prompt(keep, len(self.ids))
+            self.at, self.new = keep, len(self.ids) - keep
+        rest = self.ids[self.at :]
+        if limit is not None and len(rest) > limit:
+            if limit < 1:
+                raise ValueError(f"a prompt's part takes at least one id (limit {limit})")
+            self._part = limit
+            return SeqStep(rest[:limit], self.at, self.sampler, seq.slot, fill=True)
+        return SeqStep(rest, self.at, self.sampler, seq.slot)
+
+    def fill_out(self, out: StepOut) -> None:
+        """A prefill-only step of the prompt ran whole: the slot holds the prompt up to its end (what the prefix
+        cache stores for the slot, should the run end before its prompt's step)."""
+        self.at += self._part
+        self.seq.prompt_done(self.ids[: self.at])
+        if out.snapshots is not None:  # recurrent layers: the state at the part's end, where the next resumes
+            self.seq.held(out.snapshots)
 
     def prompt_out(self, out: StepOut, on_first: Callable[[StepOut], None] | None = None) -> Item | None:
         """The prompt's step ran whole: the slot holds the prompt; the first id, or None (finished)."""
+        self.at = len(self.ids)
         self.seq.prompt_done(self.ids)
         if out.snapshots is not None:  # recurrent layers: where a later prompt may resume
             self.seq.held(out.snapshots)

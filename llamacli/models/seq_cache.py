@@ -123,7 +123,8 @@ class SequenceCache:
         self.written = max(self.written if kept else -1, high)
 
     def prompt_done(self, ids: Sequence[int]) -> None:
-        """After the prompt's step ran whole: the slot holds `ids`."""
+        """After the prompt's step ran whole (or a prefill-only part of it, `ids` then the prompt up to its end):
+        the slot holds `ids`."""
         self.ids = list(ids)
 
     def begin_decode(self, pos: int) -> None:

@@ -186,3 +186,128 @@ def test_sequences_in_their_own_slots_step_as_they_would_alone(random_model) -> 
     be.set_slots(2)  # fewer slots: slot 0's cache and sequence stay
     with pytest.raises(BackendError, match="slots 0..1"):
         be.step([SeqStep([1], 0, Sampler(SamplingParams(), make_rng(0), [1]), slot=3)])
+
+
+def filled(be, prompt, parts, sampler, slot=0, keep=0):
+    """The prompt from `keep` on in prefill-only steps of the sizes `parts` (SeqStep.fill), then the prompt step of
+    the rest -> that step's StepOut; each part chooses nothing and leaves the sampler not started."""
+    at = keep
+    for n in parts:
+        out = be.step([SeqStep(prompt[at : at + n], at, sampler, slot=slot, fill=True)])[0]
+        assert out.id == -1 and out.logits is None and out.choices is None
+        assert sampler.position == -1
+        at += n
+    return be.step([SeqStep(prompt[at:], at, sampler, slot=slot)])[0]
+
+
+@pytest.mark.parametrize("parts", [[1], [3, 3], [7], [1, 1, 1, 1, 1], [10, 2]])
+def test_a_prompt_in_prefill_only_parts_gives_the_whole_prompts_logits(random_model, parts) -> None:
+    """Prefill-only parts of a prompt write its K/V and choose nothing; the prompt step of the rest, from where they
+    ended, gives the logits (and then the ids) of the whole prompt in one step."""
+    path = random_model("tiny-llama", "F32")
+    prompt = np.random.default_rng(5).integers(0, 200, size=13).tolist()
+    params = SamplingParams(temperature=0.8, top_k=30, seed=7)
+
+    def run(parts):
+        be = backend(path)
+        s = Sampler(params, make_rng(7), list(prompt), logits=True)
+        out = filled(be, prompt, parts, s) if parts else be.step([SeqStep(prompt, 0, s)])[0]
+        assert s.position == len(prompt)
+        ids = [out.id]
+        for i in range(5):
+            s.history.append(ids[-1])
+            ids.append(be.step([SeqStep([ids[-1]], len(prompt) + i, s)])[0].id)
+        return out.logits, ids
+
+    logits, ids = run(parts)
+    whole_logits, whole_ids = run([])
+    np.testing.assert_allclose(logits, whole_logits, rtol=0, atol=1e-5 * float(np.abs(whole_logits).max()))
+    assert ids == whole_ids
+
+
+def test_prefill_only_steps_are_refused_where_they_cannot_run(random_model) -> None:
+    be = backend(random_model("tiny-llama", "F32"), ctx=16)
+    s = Sampler(SamplingParams(temperature=0.0), make_rng(0), [1, 2, 3])
+    with pytest.raises(BackendError, match="room for the prompt's last part"):  # the context's last position
+        be.step([SeqStep(list(range(16)), 0, s, fill=True)])
+    with pytest.raises(BackendError, match="room for the prompt's last part"):
+        be.step([SeqStep([], 0, s, fill=True)])
+    first = be.step([SeqStep([1, 2, 3], 0, s)])[0].id
+    with pytest.raises(BackendError, match="before the sequence's prompt step"):  # a started sampler
+        be.step([SeqStep([first], 3, s, fill=True)])
+    other = Sampler(s.params, make_rng(0), [9, 8])
+    be.step([SeqStep([9], 0, other, fill=True)])  # another sequence's part takes the slot's cache
+    with pytest.raises(BackendError, match="no longer holds this sequence"):
+        be.step([SeqStep([first], 3, s)])
+    be.fill_steps = False  # (a backend that runs prompts whole: CUDA's today)
+    with pytest.raises(BackendError, match="takes no prefill-only steps"):
+        be.step([SeqStep([8], 1, other, fill=True)])
+
+
+def test_prefill_only_parts_in_their_own_slot_leave_the_others_alone(random_model) -> None:
+    """A prompt's parts in slot 1 between another sequence's decode steps in slot 0 (as the scheduler interleaves
+    them): both get the ids they get alone."""
+    path = random_model("tiny-llama", "F32")
+    a, b = [4, 8, 15, 16, 23], np.random.default_rng(2).integers(0, 200, size=11).tolist()
+    params = SamplingParams(temperature=0.0)
+    want_a = stepped(backend(path), a, 6, Sampler(params, make_rng(0), list(a)))
+    want_b = stepped(backend(path), b, 3, Sampler(params, make_rng(0), list(b)))
+    be = backend(path)
+    be.set_slots(2)
+    sa, sb = Sampler(params, make_rng(0), list(a)), Sampler(params, make_rng(0), list(b))
+    got_a = [be.step([SeqStep(a, 0, sa)])[0].id]
+    for i, at in enumerate((0, 4, 8)):  # b's parts of 4, 4, then its prompt step of 3, each beside a's decode step
+        step = SeqStep(b[at : at + 4], at, sb, slot=1, fill=at < 8)
+        outs = be.step([SeqStep([got_a[-1]], len(a) + i, sa), step])
+        sa.history.append(got_a[-1])
+        got_a.append(outs[0].id)
+    got_b = [outs[1].id]
+    while len(got_a) < 6 or len(got_b) < 3:
+        batch = [SeqStep([got_a[-1]], len(a) + len(got_a) - 1, sa)] if len(got_a) < 6 else []
+        if len(got_b) < 3:
+            batch.append(SeqStep([got_b[-1]], len(b) + len(got_b) - 1, sb, slot=1))
+        outs = be.step(batch)
+        for seq, out in zip(batch, outs):
+            mine = got_a if seq.sampler is sa else got_b
+            seq.sampler.history.append(mine[-1])
+            mine.append(out.id)
+    assert got_a == want_a and got_b == want_b
+
+
+def test_a_recurrent_models_prompt_in_parts_resumes_each_from_the_last(random_model) -> None:
+    """Gated DeltaNet layers (tiny-qwen35): each part stores the state at its end, the slot's latest, which the next
+    part (and the prompt step) resumes from; the logits are the whole prompt's (within float error: the delta
+    rule's chunks fall elsewhere) and the prompt's end is a stored state as after a whole prompt."""
+    path = random_model("tiny-qwen35", "F32")
+    prompt = np.random.default_rng(9).integers(0, 200, size=30).tolist()
+    be = backend(path)
+    s = Sampler(SamplingParams(temperature=0.0), make_rng(0), list(prompt), logits=True)
+    at = 0
+    for n in (7, 11, 5):
+        out = be.step([SeqStep(prompt[at : at + n], at, s, fill=True)])[0]
+        at += n
+        assert out.id == -1 and at in out.snapshots
+    out = be.step([SeqStep(prompt[at:], at, s)])[0]
+    assert len(prompt) in out.snapshots
+    whole = backend(path).step([SeqStep(prompt, 0, Sampler(s.params, make_rng(0), list(prompt), logits=True))])[0]
+    np.testing.assert_allclose(out.logits, whole.logits, rtol=0, atol=1e-4 * float(np.abs(whole.logits).max()))
+    assert out.id == whole.id
+
+
+def test_the_cpu_backend_takes_prefill_only_steps_too(random_model) -> None:
+    """The CPU backend (the NumPy one with packed weights and compiled kernels) inherits the prefill-only step."""
+    from llamacli.backends.cpu.backend import CpuBackend
+
+    path = random_model("tiny-llama", "Q8_0")
+    g = open_gguf(path)
+    cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
+    prompt = np.random.default_rng(1).integers(3, 200, size=17).tolist()
+    outs = []
+    for parts in ([5, 5, 5], []):
+        be = CpuBackend()
+        be.load(g, cfg, 64)
+        assert be.fill_steps
+        s = Sampler(SamplingParams(temperature=0.0), make_rng(0), list(prompt), logits=True)
+        outs.append(filled(be, prompt, parts, s))
+    np.testing.assert_allclose(outs[0].logits, outs[1].logits, rtol=0, atol=1e-4 * float(np.abs(outs[1].logits).max()))
+    assert outs[0].id == outs[1].id
