@@ -72,6 +72,11 @@ def serve(
         "--parallel", "-np", help="Requests generated at once, each in a cache slot of its own (llama-server's "
         "-np); more wait in arrival order. Default: 4 where the backend runs several and the memory holds "
         "them, else 1.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        "--batch-size", "-b", "--max-num-batched-tokens", metavar="N",
+        help="Prompt tokens prefilled per scheduler turn (llama-server's -b, vLLM's --max-num-batched-tokens): a "
+             "longer prompt runs in parts with the running requests' decode steps in between (the NumPy and CPU "
+             "backends; CUDA prefills a prompt whole for now). Default: 2048.", show_default=False)] = None,
     cache_ram: Annotated[Optional[int], typer.Option(
         "--cache-ram", "-cram", metavar="MiB",
         help="Memory the prefix cache may use, in MiB (llama-server's option; on CUDA it is GPU memory): prompts' "
@@ -104,6 +109,8 @@ def serve(
         fail(f"--ctx must be positive, got {ctx}")
     if parallel is not None and not 1 <= parallel <= MAX_PARALLEL:
         fail(f"--parallel must lie in 1..{MAX_PARALLEL}, got {parallel}")
+    if batch_size is not None and not 1 <= batch_size <= MAX_BATCH_SIZE:
+        fail(f"--batch-size must lie in 1..{MAX_BATCH_SIZE}, got {batch_size}")
     if cache_ram is not None and not 0 <= cache_ram <= MAX_CACHE_RAM:
         fail(f"--cache-ram takes MiB from 0 (no prefix cache) to {MAX_CACHE_RAM}, got {cache_ram}")
     if not use_prefix_cache and cache_ram:
@@ -137,7 +144,8 @@ def serve(
         try:
             slots = parallel_slots(m, parallel, None if quiet else dim)
             cached = prefix_cache(m, cache_ram if use_prefix_cache else 0, None if quiet else dim)
-            server = make_server(m, m.path.stem, sock, api_key, None if quiet else stderr_log)
+            server = make_server(m, m.path.stem, sock, api_key, None if quiet else stderr_log,
+                                 prefill_budget=batch_size)
         except BaseException:
             m.close()
             raise
@@ -169,6 +177,7 @@ def serve(
 
 
 MAX_PARALLEL = 256  # --parallel's bound (each slot holds a context's KV cache)
+MAX_BATCH_SIZE = 1 << 20  # --batch-size's bound (prompt tokens a turn: past any context)
 MAX_CACHE_RAM = 1 << 30  # --cache-ram's bound in MiB (a pebibyte: beyond any machine's memory, and a sane int)
 DEFAULT_PARALLEL = 4
 

@@ -64,9 +64,10 @@ class Engine:
     """The model, its scheduler, the stream threads and the preparing lanes."""
 
     def __init__(self, model, name: str, log: Callable[[str], None] | None = None, max_waiting: int = 64,
-                 connections: int = 64):
+                 connections: int = 64, prefill_budget: int | None = None):
         self.model, self.name = model, printable(name)
-        self.scheduler = Scheduler(model, max_waiting=max_waiting)
+        self.scheduler = Scheduler(model, max_waiting=max_waiting, **({} if prefill_budget is None else
+                                                                      {"prefill_budget": prefill_budget}))
         # A request's text stream waits on its ids on a thread of this pool, waiting for a slot included: one
         # thread per request whose client is there (at most `connections`, connections.py's bound), and those
         # whose client left give theirs back at once (pieces cancels them).

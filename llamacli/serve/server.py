@@ -35,10 +35,12 @@ def listen(host: str, port: int, backlog: int = 128) -> socket.socket:
         raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def make_server(model, name: str, sock: socket.socket, api_key: str | None = None, log=None, limits=None):
+def make_server(model, name: str, sock: socket.socket, api_key: str | None = None, log=None, limits=None,
+                prefill_budget: int | None = None):
     """A uvicorn server for `model` on `sock` (not started): server.run([sock]) serves until stopped.
     `limits` (connections.Limits) bounds the connections in number and time; `log` takes one-line notices
-    (a request done, uvicorn's warnings, running out of file descriptors)."""
+    (a request done, uvicorn's warnings, running out of file descriptors); `prefill_budget`: the scheduler's
+    prompt tokens per turn (engine/scheduler.py; None: its default)."""
     uvicorn = need_extra()
     import ipaddress
 
@@ -47,7 +49,8 @@ def make_server(model, name: str, sock: socket.socket, api_key: str | None = Non
 
     limits = limits or Limits()
     log = log or (lambda line: None)
-    engine = Engine(model, name, log, max_waiting=limits.max_waiting, connections=limits.max_connections)
+    engine = Engine(model, name, log, max_waiting=limits.max_waiting, connections=limits.max_connections,
+                    prefill_budget=prefill_budget)
     app = build_app(engine, api_key, loopback=ipaddress.ip_address(sock.getsockname()[0]).is_loopback)
     # h11 and asyncio's own loop whatever else is installed (httptools, uvloop): connections.py adds its
     # deadlines to uvicorn's h11 protocol and accepts on asyncio's loop. limit_concurrency: requests still

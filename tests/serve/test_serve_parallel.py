@@ -204,3 +204,25 @@ def test_ignore_eos_reaches_the_engine(parallel, monkeypatch):
     assert seen[-1].get("ignore_eos") is True
     with pytest.raises(openai.BadRequestError, match="ignore_eos must be true or false"):
         client.completions.create(model="m", prompt="Hello", max_tokens=2, extra_body={"ignore_eos": "yes"})
+
+
+def test_batch_size_on_the_command_line_and_in_the_engine(path):
+    """`serve -b N` (llama-server's -b, vLLM's --max-num-batched-tokens) is checked before the model loads; the
+    engine hands it to its scheduler as the prompt tokens a turn."""
+    from clirun import run
+
+    from llamacli.serve.app import Engine
+
+    for bad in ("0", "-3", str((1 << 20) + 1)):
+        r = run("serve", str(path), "--backend", "numpy", "-b", bad)
+        assert r.code == 2 and r.one_line_error().startswith("error: --batch-size must lie in 1..") and r.out == ""
+    m = Model(path, backend="numpy", ctx=64)
+    try:
+        for budget, want in ((None, 2048), (3, 3)):
+            engine = Engine(m, "t", prefill_budget=budget)
+            try:
+                assert engine.scheduler.prefill_budget == want
+            finally:
+                engine.close()
+    finally:
+        m.close()
