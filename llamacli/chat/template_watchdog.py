@@ -127,8 +127,13 @@ class Watchdog:
 
     def _quiet_unraisable(self, unraisable: "sys.UnraisableHookArgs") -> None:
         """Our own exception, delivered where Python cannot raise it (a finalizer, a weakref callback), would be
-        printed as "Exception ignored in ..." on stderr: drop it (the next firing stops the render); pass
-        anything else on."""
-        if isinstance(unraisable.exc_value, Limit):
-            return
-        self.previous_hook(unraisable)
+        printed as "Exception ignored in ..." on stderr: drop it (the next firing stops the render). A
+        RecursionError there too: a template that recursed to the end of the stack makes finalizers fail so, and
+        the render itself ends in one error line. Anything else goes on to the previous hook. The hook never
+        raises: it may run with the stack nearly spent, and a hook that fails prints its own traceback."""
+        try:
+            if isinstance(unraisable.exc_value, (Limit, RecursionError)):
+                return
+            self.previous_hook(unraisable)
+        except BaseException:  # noqa: S110 (nowhere to report it: stderr carries one error line)
+            pass

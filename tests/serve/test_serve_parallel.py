@@ -210,7 +210,6 @@ def test_batch_size_on_the_command_line_and_in_the_engine(path):
     """`serve -b N` (llama-server's -b, vLLM's --max-num-batched-tokens) is checked before the model loads; the
     engine hands it to its scheduler as the prompt tokens a turn."""
     from clirun import run
-
     from llamacli.serve.app import Engine
 
     for bad in ("0", "-3", str((1 << 20) + 1)):
