@@ -37,7 +37,7 @@ from ..models.weights import check_tensors
 from ..sampling.sampling import SamplingParams, make_rng
 from ..tokenizer.tokenizer import StreamDecoder, Tokenizer, TooManyTokens
 from .speculative import DraftModel, SpecSettings, Speculation, check_vocabularies
-from .tokens import TokenRun, TokenSource
+from .tokens import TokenRun, TokenSource, check_cache_salt
 
 if TYPE_CHECKING:
     from ..sampling.structured import Constraint
@@ -372,6 +372,7 @@ class Model:
         keep_special: Collection[int] = (),
         scheduler: TokenSource | None = None,
         speculative: SpecSettings | None = None,
+        cache_salt: str | None = None,
         **sampling: Any,
     ) -> Iterator[str]:
         """The engine. Yields text as it completes (a thinking model's <think> block included: feed it to a
@@ -394,10 +395,13 @@ class Model:
         the text stream is the same, and closing it cancels the request. The caller then may be any thread.
         `speculative` (engine/speculative.py; None: the model's own `speculative`) drafts ids for the decode steps
         to verify several at a time: the same ids as without (a seed's too), fewer passes where drafts hold;
-        completion.timings counts the drafts and those accepted."""
+        completion.timings counts the drafts and those accepted. `cache_salt` (vLLM's: a string of 1 to
+        tokens.MAX_CACHE_SALT characters, None: unsalted) keeps K/V only from requests of the same salt, in the slots
+        and the prefix cache alike: requests of different salts share nothing cached."""
         laps = _Laps()  # --verbose's stages of this prompt
         params = (replace(params, **sampling) if params else SamplingParams(**sampling)).validate()
         spec = (self.speculative if speculative is None else speculative).validate()
+        salt = check_cache_salt(cache_salt)
         if "draft-simple" in spec.sources and self.draft is None:
             raise UsageError("speculative decoding from a draft model needs one: -md/--model-draft FILE")
         if logprobs is not None and (type(logprobs) is not int or not 0 <= logprobs <= MAX_LOGPROBS):
@@ -448,10 +452,11 @@ class Model:
         if ignore_eos and self.tokenizer.eog_ids:
             sampler.mask = _without(self.tokenizer.eog_ids, self.cfg.vocab_size, sampler.mask)
         if scheduler is None:
-            tokens = self._tokens(ids, sampler, max_tokens, constraint, logprobs, c, laps, spec)
+            tokens = self._tokens(ids, sampler, max_tokens, constraint, logprobs, c, laps, spec, salt)
         else:  # in a cache slot of the scheduler's, its steps batched with the other requests'
             tokens = scheduler.tokens(ids, sampler, max_tokens, c, constraint, logprobs,
-                                      **({"speculative": spec} if spec.on else {}))
+                                      **({"speculative": spec} if spec.on else {}),
+                                      **({"salt": salt} if salt is not None else {}))
         # The text: ids detokenized as they come, held back while they may begin a stop string. Generated text
         # continues the prompt: keep the space SentencePiece pieces start with, and print no control tokens
         # (llama-cli without --special).
@@ -494,7 +499,7 @@ class Model:
 
     def _tokens(self, ids: list[int], sampler: Sampler, max_tokens: int, constraint: Constraint | None,
                 logprobs: int | None, c: Completion, laps: "_Laps",
-                spec: SpecSettings) -> Iterator[tuple[int, dict[str, Any] | None]]:
+                spec: SpecSettings, salt: str | None = None) -> Iterator[tuple[int, dict[str, Any] | None]]:
         """The token generator (ids in, ids out; mlx-lm's generate_step): the prompt's step (a prefill of what
         the cache does not hold yet, and the first id), then a decode step per id (or per verification of
         drafts, with `spec` on), each through Backend.step. Yields (id, its logprob entry or None) for every
@@ -504,7 +509,7 @@ class Model:
         be = self.backend
         run = TokenRun(self.seq, ids, sampler, self.tokenizer, max_tokens, c.timings, constraint, logprobs,
                        cache=self.prefix_cache,
-                       spec=Speculation(spec, self.draft, self.seq.slot) if spec.on else None)
+                       spec=Speculation(spec, self.draft, self.seq.slot, salt) if spec.on else None, salt=salt)
         step = run.prompt_step()
         laps.lap("prompt to ids")
 

@@ -6,7 +6,10 @@ once (vLLM's automatic prefix caching, over our contiguous slots).
               -> the longest chain the cache holds -> its rows copied into the slot -> the prefill starts after it
 
 A block's key stands for the whole prefix up to its end (the previous key is hashed in), so a block is found only
-behind the same blocks it was stored behind. The keys are BLAKE2b with a key drawn at start: a client cannot make
+behind the same blocks it was stored behind. The chain's root is b"" for unsalted requests and a keyed hash of
+the request's cache salt otherwise (vLLM's `cache_salt`, which it hashes into the first block's key): a salted
+prompt finds only blocks stored under the same salt, an unsalted one only unsalted blocks. The salt is that of
+the slot the blocks are stored from (SequenceCache.salt: the requests that filled it). The keys are BLAKE2b with a key drawn at start: a client cannot make
 two prefixes collide (vLLM went from Python's hash to SHA-256 for that reason), and each block keeps its ids,
 compared on every match besides. The rows live in a pool the backend holds apart from the slots
 (Backend.alloc_kv_pool: host RAM on the CPU and NumPy backends, GPU memory on CUDA), `capacity` blocks of BLOCK positions
@@ -109,9 +112,18 @@ class PrefixCache:
         data = parent + np.asarray(ids, dtype=np.int64).tobytes()
         return hashlib.blake2b(data, key=self._salt, digest_size=16).digest()
 
-    def _chain(self, ids: Sequence[int]) -> list[_Block]:
-        """The blocks the cache holds for the leading whole blocks of `ids`, in order (up to the first missing)."""
-        chain, key, b = [], b"", self.block
+    def _root(self, salt: str | None) -> bytes:
+        """The key a chain starts from: b"" unsalted, else the salt's keyed hash (its own personalization, so that
+        no block's key can equal it; lone surrogates, which JSON may carry, encoded as they are)."""
+        if salt is None:
+            return b""
+        data = salt.encode("utf-8", "surrogatepass")
+        return hashlib.blake2b(data, key=self._salt, digest_size=16, person=b"cache_salt").digest()
+
+    def _chain(self, ids: Sequence[int], salt: str | None = None) -> list[_Block]:
+        """The blocks the cache holds for the leading whole blocks of `ids` under `salt`, in order (up to the first
+        missing)."""
+        chain, key, b = [], self._root(salt), self.block
         for j in range(len(ids) // b):
             part = tuple(ids[j * b : (j + 1) * b])
             key = self._key(key, part)
@@ -145,12 +157,13 @@ class PrefixCache:
         return index[positions // self.block] * self.block + positions % self.block
 
     # -- use -------------------------------------------------------------------------------------------------
-    def restore(self, seq: SequenceCache, ids: Sequence[int], keep: int) -> int:
-        """Before a prompt's step in `seq`'s slot, whose cache keeps its first `keep` ids: where the cache holds
-        more of the prompt, those rows are copied into the slot (and `seq` says it holds them) -> the ids kept
-        now (at most len(ids) - 1)."""
+    def restore(self, seq: SequenceCache, ids: Sequence[int], keep: int, salt: str | None = None) -> int:
+        """Before a prompt's step of cache salt `salt` in `seq`'s slot, whose cache keeps its first `keep` ids
+        (SequenceCache.reusable under the same salt): where the cache holds more of the prompt under that salt,
+        those rows are copied into the slot (and `seq` says it holds them) -> the ids kept now (at most
+        len(ids) - 1)."""
         self.queried += len(ids)
-        chain = self._chain(ids)
+        chain = self._chain(ids, salt)
         k = self._usable(chain, len(ids))
         m = k * self.block
         new_keep = min(m, len(ids) - 1)
@@ -173,20 +186,21 @@ class PrefixCache:
         # A ring holds the window before the prefill now (from new_keep - window + 1 >= m - window), and what is
         # written after it: `high` makes SequenceCache count no older position of a ring as held (written - rows
         # >= m - window).
-        seq.restored(ids[:new_keep], high, keep)
+        seq.restored(ids[:new_keep], high, keep, salt)
         self._touch(chain)
         self.hits += new_keep - keep
         return new_keep
 
     def store(self, seq: SequenceCache) -> None:
-        """Keep the whole blocks of the ids `seq`'s slot holds that the cache does not hold yet (and the rings'
-        rows of blocks stored without them, where the slot's rings still hold them)."""
+        """Keep the whole blocks of the ids `seq`'s slot holds that the cache does not hold yet, under the salt the
+        slot was filled under (and the rings' rows of blocks stored without them, where the slot's rings still
+        hold them)."""
         ids, b = seq.ids, self.block
         chain: list[_Block] = []
         new: list[int] = []  # chain places of the blocks stored now
         rings: list[int] = []  # chain places of the blocks whose ring rows go in now
         pinned: set[bytes] = set()
-        key, parent = b"", None
+        key, parent = self._root(seq.salt), None
         for j in range(len(ids) // b):
             part = tuple(ids[j * b : (j + 1) * b])
             key = self._key(key, part)

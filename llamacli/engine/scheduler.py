@@ -7,7 +7,8 @@ Requests come in through `tokens()` and wait in arrival order for a free slot. E
 1. admit waiting requests to free slots (llama-server's rule: the free slot whose cache holds the longest part
    of the prompt, where that part covers at least half of what the slot holds, so that a resent conversation or
    a shared system prompt is not prefilled again; else the slot used least recently, an empty one first, so
-   that another client's conversation is not evicted while a slot stands empty);
+   that another client's conversation is not evicted while a slot stands empty); a slot filled under another
+   cache salt than the request's (vLLM's cache_salt) holds no part of its prompt;
 2. prefill prompts, up to `prefill_budget` prompt tokens per turn (those the slot's cache or the prefix cache
    gave are not counted), the requests in the order they were admitted: a prompt that fits in what is left of
    the turn's budget runs its prompt step (the rest of its prefill and its first id); a longer one, where the
@@ -93,10 +94,12 @@ class Request:
 
     def __init__(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Completion,
                  constraint: Constraint | None, logprobs: int | None, wake: Callable[[], None],
-                 on_cancel: Callable[[Request], None], speculative: SpecSettings | None = None):
+                 on_cancel: Callable[[Request], None], speculative: SpecSettings | None = None,
+                 salt: str | None = None):
         self.ids, self.sampler, self.max_tokens, self.completion = ids, sampler, max_tokens, completion
         self.constraint, self.logprobs, self.wake, self.on_cancel = constraint, logprobs, wake, on_cancel
         self.speculative = speculative  # (its drafting: the worker's, in its slot)
+        self.salt = salt  # its cache salt: it keeps K/V only from slots and blocks filled under the same
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.cancelled = threading.Event()
         self.run: TokenRun | None = None  # (the worker's, once its prompt begins)
@@ -157,13 +160,14 @@ class Scheduler:
     # -- the consumer's side ----------------------------------------------------------------------------------
     def tokens(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Completion,
                constraint: Constraint | None = None, logprobs: int | None = None,
-               speculative: SpecSettings | None = None) -> Iterator[Item]:
+               speculative: SpecSettings | None = None, salt: str | None = None) -> Iterator[Item]:
         """The ids of a generation from prompt `ids` (Model.run's token generator when it runs here), in arrival
         order behind the requests already waiting; `completion.cancel` then cancels it from any thread.
-        `speculative`: its decode steps verify drafts (engine/speculative.py; the sampler speculative).
+        `speculative`: its decode steps verify drafts (engine/speculative.py; the sampler speculative). `salt`:
+        its cache salt (Model.run's cache_salt).
         SchedulerBusy when too many wait, SchedulerClosed after close()."""
         req = Request(list(ids), sampler, max_tokens, completion, constraint, logprobs, self._wake, self._cancelled,
-                      speculative if speculative is not None and speculative.on else None)
+                      speculative if speculative is not None and speculative.on else None, salt)
         with self.cv:
             self._check_room()
             self.waiting.append(req)
@@ -246,11 +250,12 @@ class Scheduler:
         for req in reqs:
             req.out.put(_own(exc))
 
-    def _slot_for(self, ids: list[int]) -> tuple[int, int]:
-        """(slot, prompt ids it keeps) of the free slot for a prompt: the one keeping most, where that covers at
-        least REUSE_SHARE of what it holds; else the least recently used (an empty one first)."""
+    def _slot_for(self, ids: list[int], salt: str | None) -> tuple[int, int]:
+        """(slot, prompt ids it keeps) of the free slot for a prompt of cache salt `salt`: the one keeping most,
+        where that covers at least REUSE_SHARE of what it holds; else the least recently used (an empty one
+        first). A slot filled under another salt keeps nothing (SequenceCache.reusable)."""
         seqs = self.model.seqs
-        keep = {s: seqs[s].reusable(ids) for s in self.free}
+        keep = {s: seqs[s].reusable(ids, salt) for s in self.free}
         best = max(self.free, key=lambda s: (keep[s], -s))
         if keep[best] and keep[best] >= REUSE_SHARE * len(seqs[best]):
             return best, keep[best]
@@ -272,7 +277,7 @@ class Scheduler:
         self.turn += 1
         while self.waiting and self.free and budget > 0:
             req = self.waiting.popleft()
-            slot, keep = self._slot_for(req.ids)
+            slot, keep = self._slot_for(req.ids, req.salt)
             self.free.remove(slot)
             self.used[slot] = self.turn
             req.slot, req.estimate = slot, len(req.ids) - keep
@@ -306,10 +311,11 @@ class Scheduler:
             if self.chunked and budget <= 0:  # the turn's budget is spent: its next part is the next turn's
                 continue
             if req.run is None:
-                spec = None if req.speculative is None else Speculation(req.speculative, model.draft, req.slot)
+                spec = None if req.speculative is None else Speculation(req.speculative, model.draft, req.slot,
+                                                                        req.salt)
                 req.run = TokenRun(model.seqs[req.slot], req.ids, req.sampler, model.tokenizer, req.max_tokens,
                                    req.completion.timings, req.constraint, req.logprobs, count_eval=False,
-                                   cache=model.prefix_cache, spec=spec)
+                                   cache=model.prefix_cache, spec=spec, salt=req.salt)
             try:
                 step = req.run.prompt_step(budget if self.chunked else None)
                 out = model.backend.step([step])[0]

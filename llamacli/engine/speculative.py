@@ -167,9 +167,10 @@ class DraftModel:
     def __init__(self, model: Any):
         self.model = model
 
-    def draft(self, slot: int, ids: Sequence[int], k: int) -> list[int]:
+    def draft(self, slot: int, ids: Sequence[int], k: int, salt: str | None = None) -> list[int]:
         """Up to k ids after `ids` (whole: the prompt and the output so far): the ids its cache does not hold
-        prefilled, then greedy decode steps; within its context."""
+        prefilled (under the request's cache salt `salt`, as the target's: SequenceCache.reusable), then greedy
+        decode steps; within its context."""
         from ..backends.step import Sampler, SeqStep
         from ..sampling.sampling import SamplingParams, make_rng
 
@@ -178,8 +179,8 @@ class DraftModel:
         k = min(k, m.ctx - len(ids))  # its steps write positions len(ids) - 1 .. len(ids) + k - 2
         if k < 1:
             return []
-        keep = seq.reusable(ids)
-        seq.begin_prompt(keep, len(ids))
+        keep = seq.reusable(ids, salt)
+        seq.begin_prompt(keep, len(ids), salt)
         sampler = Sampler(SamplingParams(temperature=0.0), make_rng(0), history=list(ids))
         try:
             out = be.step([SeqStep(list(ids[keep:]), keep, sampler, slot)])[0]
@@ -225,11 +226,12 @@ def check_vocabularies(target: Any, draft: Any) -> None:
 
 class Speculation:
     """One generation's drafting (TokenRun's): its settings' sources in order, each asked for up to the step's
-    room; the draft model's in cache slot `slot`. A source that fails (a broken draft model) is dropped for the
-    rest of the generation, which goes on."""
+    room; the draft model's in cache slot `slot`, under the request's cache salt `salt`. A source that fails (a
+    broken draft model) is dropped for the rest of the generation, which goes on."""
 
-    def __init__(self, settings: SpecSettings, draft_model: DraftModel | None = None, slot: int = 0):
-        self.settings, self.slot = settings, slot
+    def __init__(self, settings: SpecSettings, draft_model: DraftModel | None = None, slot: int = 0,
+                 salt: str | None = None):
+        self.settings, self.slot, self.salt = settings, slot, salt
         self.ngram = NgramIndex(settings.ngram_n)
         self.draft_model = draft_model if "draft-simple" in settings.sources else None
         self.failed: LlamacliError | None = None  # why the draft model stopped drafting, if it did
@@ -247,7 +249,7 @@ class Speculation:
                 drafts = self.ngram.draft(ids, k)
             elif self.draft_model is not None:
                 try:
-                    drafts = self.draft_model.draft(self.slot, ids, k)
+                    drafts = self.draft_model.draft(self.slot, ids, k, self.salt)
                 except LlamacliError as exc:  # (NaN logits, say): the target goes on without it
                     self.failed, self.draft_model = exc, None
             if drafts:

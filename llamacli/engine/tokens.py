@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 import numpy as np
 
 from ..backends.step import Sampler, SeqStep, StepOut
+from ..errors import UsageError
 from ..models.seq_cache import SequenceCache
 from ..tokenizer.tokenizer import Tokenizer
 from .speculative import Speculation, choose
@@ -41,6 +42,23 @@ if TYPE_CHECKING:
     from .prefix_cache import PrefixCache
 
 Item = tuple[int, "dict[str, Any] | None"]  # an id handed out, and its logprob entry (with logprobs)
+MAX_CACHE_SALT = 256  # characters a cache salt may have (vLLM takes any non-empty string)
+
+
+def check_cache_salt(salt: Any) -> str | None:
+    """A request's cache salt (vLLM's cache_salt: it reuses K/V only from requests of the same salt), or None;
+    UsageError unless it is a string of 1 to MAX_CACHE_SALT characters. The message never quotes the value: a
+    salt is a secret of its client's."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        what = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+        got = next((w for t, w in what.items() if isinstance(salt, t)), type(salt).__name__)
+    elif not 0 < len(salt) <= MAX_CACHE_SALT:
+        got = "an empty string" if not salt else f"{len(salt):,} characters"
+    else:
+        return salt
+    raise UsageError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {got}")
 
 
 class TokenSource(Protocol):
@@ -48,7 +66,7 @@ class TokenSource(Protocol):
 
     def tokens(self, ids: list[int], sampler: Sampler, max_tokens: int, completion: Any,
                constraint: Constraint | None = None, logprobs: int | None = None,
-               speculative: Any = None) -> Iterator[Item]: ...
+               speculative: Any = None, salt: str | None = None) -> Iterator[Item]: ...
 
 
 class TokenRun:
@@ -58,12 +76,15 @@ class TokenRun:
     count. With a prefix cache (engine/prefix_cache.py) the prompt's step starts behind the rows it copies into
     the slot, and the slot's blocks are stored after the prompt's step and by finish() (call it when the run
     ends, however). With `spec` (engine/speculative.py; the sampler's `speculative` set) a decode step verifies
-    the drafts it proposes, where it has any."""
+    the drafts it proposes, where it has any. `salt`: the request's cache salt (vLLM's cache_salt; None:
+    unsalted): it keeps K/V only from the slot's and the prefix cache's rows filled under the same salt."""
 
     def __init__(self, seq: SequenceCache, ids: list[int], sampler: Sampler, tokenizer: Tokenizer,
                  max_tokens: int, timings: Any, constraint: Constraint | None = None, logprobs: int | None = None,
-                 count_eval: bool = True, cache: PrefixCache | None = None, spec: Speculation | None = None):
+                 count_eval: bool = True, cache: PrefixCache | None = None, spec: Speculation | None = None,
+                 salt: str | None = None):
         self.seq, self.ids, self.sampler, self.tokenizer = seq, ids, sampler, tokenizer
+        self.salt = salt
         self.max_tokens, self.timings, self.constraint, self.logprobs = max_tokens, timings, constraint, logprobs
         self.count_eval = count_eval  # (False: the consumer counts the decode steps whose ids it took)
         self.cache = cache
@@ -91,7 +112,7 @@ class TokenRun:
     def remaining(self) -> int:
         """Prompt ids still to prefill (before the prompt is begun: all but those the slot keeps, an estimate
         that the prefix cache may lower)."""
-        return len(self.ids) - (self.at if self.at >= 0 else self.seq.reusable(self.ids))
+        return len(self.ids) - (self.at if self.at >= 0 else self.seq.reusable(self.ids, self.salt))
 
     def prompt_step(self, limit: int | None = None) -> SeqStep:
         """The prompt's step: the ids the slot does not hold yet (at least the last, whose logits are needed). With
@@ -99,13 +120,13 @@ class TokenRun:
         instead (a backend that takes them: Backend.fill_steps); after its fill_out, call again for the next."""
         seq = self.seq
         if self.at < 0:  # the prompt begins: what the slot keeps, and what the prefix cache adds to it
-            keep = seq.reusable(self.ids)
+            keep = seq.reusable(self.ids, self.salt)
             self.started = time.perf_counter()
             if self.cache is not None:  # rows of more of the prompt copied into the slot, where the cache has them
                 held = keep
-                keep = self.cache.restore(seq, self.ids, keep)
+                keep = self.cache.restore(seq, self.ids, keep, self.salt)
                 self.restored = keep - held
-            seq.begin_prompt(keep, len(self.ids))
+            seq.begin_prompt(keep, len(self.ids), self.salt)
             self.at, self.new = keep, len(self.ids) - keep
         rest = self.ids[self.at :]
         if limit is not None and len(rest) > limit:

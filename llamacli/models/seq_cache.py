@@ -19,8 +19,10 @@ Per layer a slot keeps one of two kinds of memory:
   where they part); MAX_SNAPSHOTS of them at most, the highest positions kept.
 
 SequenceCache is the engine's record of one slot: its layers' kinds, the ids it holds (positions 0..len-1),
-and the highest position written since it was last filled from 0 (what a ring may have overwritten past the
-ids it holds: a failed step, a decode graph's warm-up). The backend keeps the memory itself, one slot per
+the highest position written since it was last filled from 0 (what a ring may have overwritten past the
+ids it holds: a failed step, a decode graph's warm-up), and the cache salt of the requests that filled it
+(vLLM's `cache_salt`; None: unsalted): a prompt of another salt keeps nothing of the slot, so that clients of
+different salts never learn from each other's K/V, not even by the time their prompt takes. The backend keeps the memory itself, one slot per
 sequence it can hold (SeqStep.slot); the backends hold one slot today.
 """
 
@@ -85,6 +87,7 @@ class SequenceCache:
         self.ids: list[int] = []  # the ids whose K/V (and state) the slot holds, positions 0..len-1
         self.written = -1  # the highest position whose K/V may have been written since a fill from 0
         self.snapshots: set[int] = set()  # positions p where every recurrent layer's state after p - 1 is stored
+        self.salt: str | None = None  # the cache salt its ids were filled under (None: unsalted)
         self._kv_layers = [(c.window, c.rows) for c in self.layers if c.kind == "kv"]
         self.recurrent = any(c.kind == "recurrent" for c in self.layers)
 
@@ -95,10 +98,13 @@ class SequenceCache:
     def full(self) -> bool:
         return len(self.ids) >= self.ctx
 
-    def reusable(self, ids: Sequence[int]) -> int:
-        """How many leading ids of a new prompt the slot can keep: the prefix it shares with them, short of the
-        prompt's last id (whose logits the step needs), cut back to a position every layer can resume from:
-        each ring still holding the window before it, each recurrent state stored there."""
+    def reusable(self, ids: Sequence[int], salt: str | None = None) -> int:
+        """How many leading ids of a new prompt (of cache salt `salt`) the slot can keep: none where the slot was
+        filled under another salt; else the prefix it shares with them, short of the prompt's last id (whose
+        logits the step needs), cut back to a position every layer can resume from: each ring still holding the
+        window before it, each recurrent state stored there."""
+        if salt != self.salt:
+            return 0
         keep = common_prefix(self.ids, ids, len(ids) - 1)
         if self.recurrent:
             keep = max((p for p in self.snapshots if p <= keep), default=0)
@@ -106,18 +112,26 @@ class SequenceCache:
             keep = 0
         return keep
 
-    def begin_prompt(self, keep: int, n_ids: int) -> None:
-        """Before a prompt's step that keeps the first `keep` ids and runs the prompt to `n_ids` positions: the
-        ids past `keep` are dropped now (a failed step leaves them unknown), and the step may write up to
-        position n_ids (the decode's warm-up step at n_ids included)."""
+    def begin_prompt(self, keep: int, n_ids: int, salt: str | None = None) -> None:
+        """Before a prompt's step (of cache salt `salt`) that keeps the first `keep` ids and runs the prompt to
+        `n_ids` positions: the ids past `keep` are dropped now (a failed step leaves them unknown), and the step
+        may write up to position n_ids (the decode's warm-up step at n_ids included). The slot is the salt's
+        from now on."""
+        if keep and salt != self.salt:
+            raise ValueError("a prompt keeps a slot's ids filled under another cache salt")
+        self.salt = salt
         del self.ids[keep:]
         self.snapshots = {p for p in self.snapshots if p <= keep}
         self.written = max(self.written if keep else -1, n_ids)
 
-    def restored(self, ids: Sequence[int], high: int = -1, kept: int = 0) -> None:
+    def restored(self, ids: Sequence[int], high: int = -1, kept: int = 0, salt: str | None = None) -> None:
         """The K/V rows of `ids` (positions 0..len-1) past the first `kept` (which the slot held) were copied into
-        the slot (the prefix cache, engine/prefix_cache.py), a ring's only over the window before their end:
-        `written` becomes at least `high`, so that no older position counts as held on a ring (-1: none)."""
+        the slot (the prefix cache, engine/prefix_cache.py, from blocks stored under cache salt `salt`), a
+        ring's only over the window before their end: `written` becomes at least `high`, so that no older
+        position counts as held on a ring (-1: none)."""
+        if kept and salt != self.salt:
+            raise ValueError("a prompt keeps a slot's ids filled under another cache salt")
+        self.salt = salt
         self.ids = list(ids)
         self.snapshots = set()
         self.written = max(self.written if kept else -1, high)
@@ -157,3 +171,4 @@ class SequenceCache:
         the next prompt starts from 0 (begin_prompt(0, n) then resets `written`)."""
         self.ids = []
         self.snapshots = set()
+        self.salt = None

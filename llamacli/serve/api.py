@@ -13,6 +13,7 @@ from typing import Any
 
 from ..chat.reasoning import parse_effort
 from ..engine.scheduler import SchedulerBusy, SchedulerClosed
+from ..engine.tokens import check_cache_salt
 from ..errors import BadInputError, ContextOverflowError, LlamacliError
 from ..sampling.params import SamplingParams, is_finite_real
 from ..textio import brief
@@ -68,6 +69,8 @@ class Job:
     tools: Any = None  # a tool_api.ToolJob: the reply is read for tool calls
     ignore_eos: bool = False  # llama-server's: the end-of-generation ids masked out, the reply runs to max_tokens
     speculative: Any = None  # engine.speculative.SpecSettings where the request sets its own draft bounds
+    # vLLM's: K/V reused only from requests of the same salt (never logged or echoed: not in the repr either)
+    cache_salt: str | None = field(default=None, repr=False)
     id: str = field(default_factory=lambda: "")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -85,6 +88,8 @@ class Job:
             kw["ignore_eos"] = True
         if self.speculative is not None:
             kw["speculative"] = self.speculative
+        if self.cache_salt is not None:
+            kw["cache_salt"] = self.cache_salt
         return kw
 
 
@@ -102,7 +107,8 @@ def read_job(model, body: Any, chat: bool) -> Job:
     ids = _ids(model, body, chat, tools)
     job = Job(chat=chat, ids=ids, max_tokens=_max_tokens(model, body), stop=_stop(body), params=_params(body),
               stream=_bool(body, "stream", False), logprobs=_logprobs(body, chat),
-              ignore_eos=_bool(body, "ignore_eos", False), speculative=_speculative(model, body))
+              ignore_eos=_bool(body, "ignore_eos", False), speculative=_speculative(model, body),
+              cache_salt=_cache_salt(body))
     job.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     options = body.get("stream_options")
     if options is not None:
@@ -116,7 +122,7 @@ def read_job(model, body: Any, chat: bool) -> Job:
             raise ApiError("response_format cannot be combined with tools (unless tool_choice is none)",
                            param="response_format")
         job.constraint = job.tools.constraint
-    if job.logprobs is not None or job.constraint is not None:
+    if job.logprobs is not None or job.constraint is not None or job.cache_salt is not None:
         _check_run_takes(model, job)
     return job
 
@@ -280,6 +286,15 @@ def _speculative(model, body: dict) -> Any:
     return base.with_limits(draft_max=limits["n_max"], draft_min=limits["n_min"])
 
 
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's "cache_salt" (also the Responses and Messages bodies'): a string of 1 to MAX_CACHE_SALT characters, or
+    None (absent or null: unsalted). The error never quotes it."""
+    try:
+        return check_cache_salt(body.get("cache_salt"))
+    except BadInputError as exc:
+        raise ApiError(str(exc), param="cache_salt") from None
+
+
 def _logprobs(body: dict, chat: bool) -> int | None:
     """Chat: logprobs true, top_logprobs N alternatives. Completions: logprobs N (0 = the chosen token only)."""
     if chat:
@@ -329,9 +344,10 @@ def _constraint(model, fmt: Any):
 
 
 def _check_run_takes(model, job: Job) -> None:
-    """Refuse logprobs / response_format up front when this build's Model.run cannot do them."""
+    """Refuse logprobs / response_format / cache_salt up front when this build's Model.run cannot do them."""
     accepted = inspect.signature(model.run).parameters
-    for name, value, param in (("logprobs", job.logprobs, "logprobs"), ("constraint", job.constraint, "response_format")):
+    for name, value, param in (("logprobs", job.logprobs, "logprobs"), ("constraint", job.constraint, "response_format"),
+                               ("cache_salt", job.cache_salt, "cache_salt")):
         if value is not None and name not in accepted:
             raise ApiError(f"{param} is not available in this build", param=param)
 

@@ -17,6 +17,7 @@ schema (tool_api.py), the thinking switch, stop strings, sampling and the contex
     thinking enabled | adaptive | disabled              -> enable_thinking true | true | false
     output_config {effort, format: {json_schema}}       -> reasoning_effort ("max" is "high"), response_format
     max_tokens (required), stop_sequences, temperature, top_p, top_k, stream: as chat completions take them
+    cache_salt (vLLM's extension field, as chat completions take it: K/V reused only within one salt)
 
 The reply goes through the splitters chat completions use (reasoning, text and calls: chat/tool_reply.py), and
 Blocks turns what they give into content blocks, thinking, text and tool_use, each with its leading and trailing
@@ -125,7 +126,7 @@ def translate(model: Any, body: Any, counting: bool = False) -> tuple[dict[str, 
         if not _is_int(n) or n < 1:
             raise ApiError(f"max_tokens must be an integer >= 1, got {brief(n)}")
         out["max_tokens"] = n
-        for name in ("temperature", "top_p", "top_k", "stream"):
+        for name in ("temperature", "top_p", "top_k", "stream", "cache_salt"):
             if body.get(name) is not None:
                 out[name] = body[name]
         out["stop"] = _stop_sequences(body.get("stop_sequences"))

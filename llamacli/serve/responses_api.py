@@ -11,8 +11,8 @@ as Responses output items, whole or as the API's streaming events.
     + instructions                a system message in front (not carried over by previous_response_id)
     + previous_response_id        the stored conversation of that response, in front of the input
     tools, tool_choice, parallel_tool_calls, text.format, reasoning.effort, max_output_tokens, temperature,
-    top_p                         -> tools, tool_choice, ..., response_format, reasoning_effort,
-                                     max_completion_tokens, temperature, top_p
+    top_p, cache_salt (vLLM's)    -> tools, tool_choice, ..., response_format, reasoning_effort,
+                                     max_completion_tokens, temperature, top_p, cache_salt (not repeated back)
     reply -> Output               reasoning item (the reasoning split's text as reasoning_text content, and as
                                   its summary when reasoning.summary asks), message item (output_text),
                                   function_call items (id, call_id, name, arguments), in the order they begin
@@ -242,7 +242,7 @@ def _arguments(item: dict[str, Any], where: str) -> str:
 
 def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], bool]:
     """(the chat completions fields, the settings the response repeats, whether a reasoning summary is asked)."""
-    chat: dict[str, Any] = {k: body[k] for k in ("temperature", "top_p", "parallel_tool_calls")
+    chat: dict[str, Any] = {k: body[k] for k in ("temperature", "top_p", "parallel_tool_calls", "cache_salt")
                             if body.get(k) is not None}
     limit = body.get("max_output_tokens")
     if limit is not None:
