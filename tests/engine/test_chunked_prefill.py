@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+from threadrun import drain
 
 from llamacli.engine.generate import Completion, Model
 from llamacli.engine.scheduler import Scheduler
@@ -59,23 +60,6 @@ def ids(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 30000, size=n).tolist()
 
 
-def drain(gen, timeout: float = 60) -> list:
-    """list(gen) on a thread, failing (not hanging) past `timeout`; what it raised is raised."""
-    box: dict = {}
-
-    def go() -> None:
-        try:
-            box["out"] = list(gen)
-        except BaseException as exc:  # noqa: BLE001 (handed to the test)
-            box["exc"] = exc
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "the generation hangs"
-    if "exc" in box:
-        raise box["exc"]
-    return box["out"]
 
 
 def alone(ref, prompt, kw) -> Completion:

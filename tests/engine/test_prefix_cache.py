@@ -12,30 +12,12 @@ import threading
 
 import numpy as np
 import pytest
+from threadrun import drain
 
 from llamacli.engine.generate import Completion, Model
 from llamacli.engine.prefix_cache import BLOCK, PrefixCacheOff
 from llamacli.engine.scheduler import Scheduler
 from llamacli.testing import variant
-
-
-def drain(gen, timeout: float = 60) -> list:
-    """list(gen) on a thread, failing (not hanging) past `timeout`; what it raised is raised."""
-    box: dict = {}
-
-    def go() -> None:
-        try:
-            box["out"] = list(gen)
-        except BaseException as exc:  # noqa: BLE001 (handed to the test)
-            box["exc"] = exc
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "the generation hangs"
-    if "exc" in box:
-        raise box["exc"]
-    return box["out"]
 
 
 @pytest.fixture(scope="module")

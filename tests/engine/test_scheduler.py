@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from threadrun import drain
 
 from llamacli.engine.generate import Completion, Model
 from llamacli.engine.scheduler import Scheduler, SchedulerBusy, SchedulerClosed
@@ -214,23 +215,6 @@ def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(model, monk
         sched.close()
 
 
-def drain(gen, timeout: float = 60) -> list:
-    """list(gen) on a thread, failing (not hanging) past `timeout`; what it raised is raised."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["out"] = list(gen)
-        except BaseException as exc:  # noqa: BLE001 (handed to the test)
-            box["exc"] = exc
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "the generation hangs"
-    if "exc" in box:
-        raise box["exc"]
-    return box["out"]
 
 
 class FailingConstraint:
