@@ -18,13 +18,6 @@ from llamacli.engine.prefix_cache import BLOCK
 from llamacli.engine.scheduler import Scheduler
 from llamacli.errors import UsageError
 from llamacli.models.seq_cache import LayerCache, SequenceCache
-from llamacli.testing import variant
-
-
-@pytest.fixture(scope="module")
-def path(random_model, llama_cpp_models):
-    spec = variant("tiny-llama", vocab_size=32000)
-    return random_model(spec, "Q8_0", vocab_file=str(llama_cpp_models / "ggml-vocab-llama-spm.gguf"), std=0.2)
 
 
 @pytest.fixture(scope="module")

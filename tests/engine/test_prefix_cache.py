@@ -17,13 +17,6 @@ from threadrun import drain
 from llamacli.engine.generate import Completion, Model
 from llamacli.engine.prefix_cache import BLOCK, PrefixCacheOff
 from llamacli.engine.scheduler import Scheduler
-from llamacli.testing import variant
-
-
-@pytest.fixture(scope="module")
-def path(random_model, llama_cpp_models):
-    spec = variant("tiny-llama", vocab_size=32000)
-    return random_model(spec, "Q8_0", vocab_file=str(llama_cpp_models / "ggml-vocab-llama-spm.gguf"), std=0.2)
 
 
 @pytest.fixture(scope="module")

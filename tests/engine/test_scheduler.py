@@ -16,15 +16,8 @@ from threadrun import drain
 
 from llamacli.engine.generate import Completion, Model
 from llamacli.engine.scheduler import Scheduler, SchedulerBusy, SchedulerClosed
-from llamacli.testing import variant
 
 SLOTS = 4
-
-
-@pytest.fixture(scope="module")
-def path(random_model, llama_cpp_models):
-    spec = variant("tiny-llama", vocab_size=32000)
-    return random_model(spec, "Q8_0", vocab_file=str(llama_cpp_models / "ggml-vocab-llama-spm.gguf"), std=0.2)
 
 
 @pytest.fixture(scope="module")

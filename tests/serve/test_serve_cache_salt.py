@@ -38,26 +38,25 @@ def served(path, cache: bool):
     return url, model, server, thread, lines
 
 
-@pytest.fixture(scope="module")
-def slot_only(path):
-    """One slot, no prefix cache: whatever a request finds cached is its slot's."""
-    url, model, server, thread, lines = served(path, False)
+def _serving(path, prefix_cache: bool):
+    url, model, server, thread, lines = served(path, prefix_cache)
     try:
         yield url, model, lines
     finally:
         stop(server, thread)
         model.close()
+
+
+@pytest.fixture(scope="module")
+def slot_only(path):
+    """One slot, no prefix cache: whatever a request finds cached is its slot's."""
+    yield from _serving(path, False)
 
 
 @pytest.fixture(scope="module")
 def with_cache(path):
     """One slot and the prefix cache."""
-    url, model, server, thread, lines = served(path, True)
-    try:
-        yield url, model, lines
-    finally:
-        stop(server, thread)
-        model.close()
+    yield from _serving(path, True)
 
 
 def chat(question: str) -> list[dict]:
