@@ -19,6 +19,7 @@ from ...models import rope as rope_tables
 from ...models.block import Attention, Rope, programs
 from ...models.config import ModelConfig
 from ...models.kv_cache import check_cache_types, ring_span
+from ...models.seq_cache import MAX_SNAPSHOTS
 from ...models.weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights
 from ..memory_fit import not_enough_memory, q8_pair_bytes
@@ -26,13 +27,16 @@ from ..split_plan import DeviceMemory
 from . import loader as K
 from .attention import decode_splits
 from .constants import BG_NMAX, BG_ROWS
-from .fusion import FusedLayer, match_layer, refuse_unported_model
+from .fusion import FusedLayer, match_layer, op_by_op, refuse_unported, refuse_unported_model
 from .gpu import Gpu
 from .linear import BG_BLOCKS_PER_SM, DEQUANT_CHUNK, DeviceMatrix
 from .moe import check_moe, dense_ff, moe_family_needed, moe_scratch_bytes
 from .prefill import PREFILL_CHUNK
 
 _ALIGN = 256
+# Matrices the kernels read as float32 [rows, cols] arrays rather than in their GGUF layout (uploaded as the vectors
+# are): a delta-net layer's convolution taps [C, K] (kernels/delta.cu conv_silu_f32)
+FLOAT_FIELDS = frozenset({"ssm_conv1d"})
 
 
 def nvidia_driver_present() -> bool:
@@ -133,10 +137,16 @@ def cache_q8(cfg: ModelConfig, cache_types: tuple[str, str]) -> bool:
 
 
 def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedLayer, ...]:
-    """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); a program
-    they do not run, or experts the kernels do not serve, is refused here, before anything is uploaded."""
-    # the programs first: a hybrid or Gemma 4 model is refused naming --backend cpu before its experts are looked at
-    fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
+    """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); none for a
+    model that runs op by op (fusion.op_by_op: the hybrid Qwen models); a program no CUDA path runs, or experts the
+    kernels do not serve, is refused here, before anything is uploaded."""
+    # the programs first: a Gemma 4 model is refused naming --backend cpu before its experts are looked at
+    if op_by_op(cfg):
+        for ops in programs(cfg):
+            refuse_unported(ops)
+        fused: tuple[FusedLayer, ...] = ()
+    else:
+        fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
     refuse_unported_model(cfg)
     check_moe(cfg, gguf)
     return fused
@@ -144,9 +154,9 @@ def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedL
 
 def compile_kernels(cfg: ModelConfig) -> None:
     """Compile (or fetch from CuPy's cache) the kernel modules the model needs, before touching device memory:
-    the expert kernels only for models with experts."""
+    the expert kernels only for models with experts, the delta net's only for the models that run op by op."""
     for fam in K.FAMILIES:
-        if fam != "moe" or moe_family_needed(cfg):
+        if (fam != "moe" or moe_family_needed(cfg)) and (fam != "delta" or op_by_op(cfg)):
             K.module(fam)
 
 
@@ -168,12 +178,12 @@ def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,
     """DeviceMemoryError saying what the model needs, what the GPU has and what would fit
     (memory_fit.not_enough_memory: with the host's other GPUs, the split modes that fit over them; `tensors`:
     the file's, for their plan), before anything is allocated. An 8-bit cache also takes its fp16 pair
-    of one layer's rows (kv.KVCache)."""
+    of one layer's rows (kv.KVCache). Delta-net layers take their recurrent states instead (recurrent_bytes)."""
     cp = gpu.cp
     free, total = cp.cuda.runtime.memGetInfo()
     free += cp.get_default_memory_pool().free_bytes()
     q8 = cache_types[0] == "q8_0"
-    kv, scratch = cfg.kv_cache_bytes(ctx, cache_types), scratch_bytes(gpu, cfg, ctx, q8)
+    kv, scratch = cfg.kv_cache_bytes(ctx, cache_types) + recurrent_bytes(cfg), scratch_bytes(gpu, cfg, ctx, q8)
     if q8:
         scratch += q8_pair_bytes(cfg, ctx)
     if weight_bytes + kv + scratch <= free:
@@ -181,6 +191,12 @@ def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,
     raise DeviceMemoryError(not_enough_memory(cfg, ctx, weights=weight_bytes, kv=kv, scratch=scratch,
                                               free=free, total=total, cache_types=tuple(cache_types),
                                               tensors=tensors, gpus=visible_gpus(cp, free, total)))
+
+
+def recurrent_bytes(cfg: ModelConfig) -> int:
+    """One sequence's recurrent states on the device (delta.DeltaNet): the live one, the stored ones (MAX_SNAPSHOTS)
+    and one a pass is storing; 0 for a model without delta-net layers."""
+    return (MAX_SNAPSHOTS + 2) * cfg.recurrent_state_bytes()
 
 
 def visible_gpus(cp: Any, free: int, total: int) -> list[DeviceMemory]:
@@ -217,12 +233,13 @@ class DeviceModel:
                cache_types: tuple[str, str], report: Callable[[int, int, str], None]) -> "DeviceModel":
         """Check the memory, then upload: matrices (2-D, and 3-D expert tensors as one matrix of E * rows rows)
         into one arena in their GGUF layout, read from the file in chunks (report per chunk; nothing on the host
-        refers to the file afterwards: ggufio/file.py maps no memory); vectors and bias tables (the experts'
-        [E, F] biases) as float32 arrays; the RoPE tables."""
+        refers to the file afterwards: ggufio/file.py maps no memory); vectors, bias tables (the experts'
+        [E, F] biases) and FLOAT_FIELDS as float32 arrays; the RoPE tables."""
         cp = gpu.cp
         specs = [s for s in model_specs(cfg) if s.name in gguf.tensors]
-        mats = [gguf.tensors[s.name] for s in specs if not s.vector]
-        vecs = [gguf.tensors[s.name] for s in specs if s.vector]
+        floats = [s.vector or s.field in FLOAT_FIELDS for s in specs]
+        mats = [gguf.tensors[s.name] for s, f in zip(specs, floats) if not f]
+        vecs = [gguf.tensors[s.name] for s, f in zip(specs, floats) if f]
         offsets, total = {}, 0
         for info in mats:
             offsets[info.name] = total
@@ -241,7 +258,7 @@ class DeviceModel:
             *rows, cols = info.shape
             handles[info.name] = DeviceMatrix(base + offsets[info.name], int(np.prod(rows)), cols, info.type,
                                               info.row_bytes)
-        for info in vecs:  # 1-D, or [E, F] bias tables kept 2-D
+        for info in vecs:  # 1-D, or [E, F] bias tables (and FLOAT_FIELDS) kept 2-D
             v = gguf.dequantize(info.name).astype(np.float32)
             handles[info.name] = cp.asarray(v.reshape(-1) if len(info.shape) == 1 else v.reshape(info.shape))
             done += 4 * info.n_elements
@@ -259,7 +276,7 @@ class DeviceModel:
         if any(plan.rope_local for plan in cfg.layers):
             inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx, local=True).astype(np.float64))
         for plan, n in zip(cfg.layers, cfg.cache_rows(ctx)):  # the fused prefill fills a ring a chunk at a time
-            if n < ctx and (n % 64 or ring_span(plan.window, n, ctx) < min(ctx, PREFILL_CHUNK)):
+            if 0 < n < ctx and (n % 64 or ring_span(plan.window, n, ctx) < min(ctx, PREFILL_CHUNK)):
                 raise BackendError(f"internal: a ring of {n} rows cannot serve window {plan.window}")
         return cls(cfg, ctx, weights, fused, inv_freq, inv_freq_local, arena, weight_families(weights))
 

@@ -13,7 +13,9 @@ the attention kernel, the GLU into the gate/up matvec, the residual add into the
 post-norm into the next matvec's input; the prefill pass fuses fewer (its GEMMs take fp16 with row scales).
 A program that does not fit these forms is refused at load (`match_layer` raises Unfused, which the backend
 turns into a BackendError naming the operation): a new operation in block.py needs its fused form here and
-its launches in both executors.
+its launches in both executors. Until then a model may run op by op (`op_by_op`: the hybrid Qwen models' Gated
+DeltaNet layers, gated attention and shared experts, whose operations the CUDA backend runs one kernel each):
+it takes models/block.run for prefill and decode, with no fused form at all.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ...models.block import (
     Rope,
     Scale,
     Split,
+    programs,
 )
 from ...models.config import ModelConfig
 
@@ -124,20 +127,26 @@ _GEMMA4 = (
 )
 
 
-def _refuse_unported(ops: tuple[Op, ...]) -> None:
-    """The operations of the hybrid models (qwen35, qwen35moe, qwen3next) and of Gemma 4 that the CUDA paths do not
-    run yet, refused with the way to run them."""
+def _hybrid(op: Op) -> bool:
+    """An operation of the hybrid models (qwen35, qwen35moe, qwen3next) that only the op-by-op path runs: the Gated
+    DeltaNet layers' (Conv, DeltaRule, GatedNorm), an output or shared-expert gate, a Split per head group (gated
+    attention's [q; gate] rows, qwen3next's [beta; alpha])."""
+    return isinstance(op, (Conv, DeltaRule, GatedNorm, Gate)) or (isinstance(op, Split) and bool(op.groups))
+
+
+def op_by_op(cfg: ModelConfig) -> bool:
+    """Whether the model runs op by op on CUDA (models/block.run for prefill and decode; no fused prefill pass,
+    decode step or batched step): a program with an operation of the hybrid models (_hybrid)."""
+    return any(_hybrid(op) for ops in programs(cfg) for op in ops)
+
+
+def refuse_unported(ops: tuple[Op, ...]) -> None:
+    """The operations of Gemma 4 that no CUDA path runs yet, refused with the way to run them."""
     gemma4 = next((what for test, what in _GEMMA4 if any(test(op) for op in ops)), None)
-    if any(isinstance(op, (Conv, DeltaRule, GatedNorm)) for op in ops):
-        what = "gated delta-net (linear attention) layers"
-    elif any(isinstance(op, Gate) or (isinstance(op, Split) and op.groups) for op in ops):
-        what = "gated attention or shared experts"
-    elif gemma4 is not None:
-        what = f"Gemma 4 layers ({gemma4})"
-    else:
+    if gemma4 is None:
         return
-    raise Unfused(f"the CUDA backend has no {what} yet: this model runs on the CPU backend for now "
-                  "(--backend cpu)")
+    raise Unfused(f"the CUDA backend has no Gemma 4 layers ({gemma4}) yet: this model runs on the CPU backend for "
+                  "now (--backend cpu)")
 
 
 def refuse_unported_model(cfg: ModelConfig) -> None:
@@ -160,7 +169,10 @@ def refuse_unported_model(cfg: ModelConfig) -> None:
 def match_layer(ops: tuple[Op, ...], layer: int | None = None) -> FusedLayer:
     """The two branches of one layer's program, or Unfused naming the first operation that does not fit.
     `layer`: the index the executors hold the program at (its Attention and Moe must name the same layer)."""
-    _refuse_unported(ops)
+    refuse_unported(ops)
+    hybrid = next((op for op in ops if _hybrid(op)), None)
+    if hybrid is not None:  # (such a model runs op by op: device.fused_layers does not match its layers)
+        raise Unfused(f"the fused CUDA paths have no {type(hybrid).__name__} operation (a model with one runs op by op)")
     c = _Cursor(ops)
     norm = c.take(Norm, src="x", heads=False)
     qkv, split = _projections(c, norm.dst, ("q", "k", "v"))
