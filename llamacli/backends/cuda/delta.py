@@ -103,6 +103,9 @@ def gated_norm_into(x: Any, gate: Any, w: Any, out: Any, eps: float) -> None:
     """out = rms_norm(x) * w * silu(gate) over the last axis of x, gate [..., d] (contiguous), w [d]
     (gated_norm_f32)."""
     d = x.shape[-1]
+    if gate.shape != x.shape or w.shape != (d,) or w.dtype != x.dtype:
+        raise BackendError(f"a gated norm of x {tuple(x.shape)}, gate {tuple(gate.shape)}, weight {tuple(w.shape)} "
+                           f"{w.dtype}: the gate must match x, the weight one float32 value per column")
     K.launch("delta", "gated_norm_f32", (x.size // d,), (128,), x=x, g=gate, w=w, y=out, d=d, eps=eps)
 
 

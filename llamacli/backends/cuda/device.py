@@ -19,7 +19,7 @@ from ...models import rope as rope_tables
 from ...models.block import Attention, Rope, programs
 from ...models.config import ModelConfig
 from ...models.kv_cache import check_cache_types, ring_span
-from ...models.seq_cache import MAX_SNAPSHOTS
+from ...models.seq_cache import MAX_SNAPSHOTS, SNAPSHOT_EVERY
 from ...models.weights import layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights
 from ..memory_fit import not_enough_memory, q8_pair_bytes
@@ -195,8 +195,9 @@ def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,
 
 def recurrent_bytes(cfg: ModelConfig) -> int:
     """One sequence's recurrent states on the device (delta.DeltaNet): the live one, the stored ones (MAX_SNAPSHOTS)
-    and one a pass is storing; 0 for a model without delta-net layers."""
-    return (MAX_SNAPSHOTS + 2) * cfg.recurrent_state_bytes()
+    and those one prefill pass stores before the oldest are dropped (one per SNAPSHOT_EVERY positions it passes,
+    plus its end); 0 for a model without delta-net layers."""
+    return (MAX_SNAPSHOTS + 2 + PREFILL_CHUNK // SNAPSHOT_EVERY) * cfg.recurrent_state_bytes()
 
 
 def visible_gpus(cp: Any, free: int, total: int) -> list[DeviceMemory]:

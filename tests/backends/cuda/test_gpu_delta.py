@@ -108,7 +108,8 @@ def rule_reference(qkv, a, b, ssm_a, dt, s, hk, dk, heads, eps):
 
 @pytest.mark.parametrize("t", T_CASES)
 @pytest.mark.parametrize("hk,hv,dk,heads", [(2, 6, 40, "tiled"), (2, 6, 40, "grouped"), (3, 3, 16, "tiled"),
-                                            (1, 4, 128, "grouped"), (4, 8, 128, "tiled"), (2, 4, 24, "grouped")])
+                                            (1, 4, 128, "grouped"), (4, 8, 128, "tiled"), (2, 4, 24, "grouped"),
+                                            (1, 1, 704, "tiled")])  # (past 48 KiB of shared memory: the opt-in)
 def test_delta_rule_kernel(t, hk, hv, dk, heads) -> None:
     """delta_qk_f32 (the L2 norms, q's scale, k . q) and delta_rule_f32 from a random state: the output of every token
     and the state after the last, value heads reading their key heads tiled or grouped, column tiles cut short."""
