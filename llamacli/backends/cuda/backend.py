@@ -29,7 +29,8 @@ load() uploads the model (DeviceModel) and attaches the rest to it (`attach`, wh
 model of no weights).
 
 A model that runs op by op (fusion.op_by_op: the hybrid Qwen models, qwen35 / qwen35moe / qwen3next, with their
-Gated DeltaNet layers, gated attention and shared experts) has no fused form: its prompts, decode steps and
+Gated DeltaNet layers, gated attention and shared experts; Gemma 4, with its layers of different shapes, shared KV,
+per-layer embeddings and experts beside a dense FFN) has no fused form: its prompts, decode steps and
 verifications all go through models/block.run (the Backend's own forms of forward_prompt, decode, step, ...: a
 sampler on the host, the sequences of a step one after the other), and its recurrent states are DeltaNet's. Every
 other model keeps the fused paths; `op_path` says which.
@@ -40,6 +41,7 @@ down by kernel family.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -65,7 +67,7 @@ from .kv import KVCache
 from .kv_pool import KVPool
 from .linear import DEQUANT_CHUNK, RUNNABLE, DeviceMatrix, Linear
 from .moe import Experts, moe_family_needed
-from .ops import add_into, embed_rows, glu_into, rms_norm_into, rope_into, softcap_into
+from .ops import add_into, embed_rows, glu_into, rms_norm_into, rope_into, scale_into, softcap_into
 from .prefill import PREFILL_CHUNK, PrefillPass
 from .profile import Profiler, profiled
 from .sampling import DeviceSampler
@@ -122,6 +124,7 @@ class CudaBackend(Backend):
         self.delta: DeltaNet | None = None  # a hybrid model's delta-net layers and recurrent states
         self.op_path = False  # the model runs op by op (fusion.op_by_op): no fused prefill, decode or batched step
         self._pos_hint: tuple[Any, int] | None = None  # the last positions() array and its first position
+        self._ones_by_size: dict[int, Any] = {}  # rms_norm's weight of ones (a norm without one: gemma4's V norm)
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
@@ -169,6 +172,7 @@ class CudaBackend(Backend):
         self.decoder = self.prefill = self.sampler = self.experts = self.attn = self.linear = self.kv = None
         self.kv_pool = self.delta = None
         self._pos_hint = None
+        self._ones_by_size = {}
         self.model = None
         self.weights = None  # type: ignore[assignment]
         self.cp.get_default_memory_pool().free_all_blocks()
@@ -349,11 +353,35 @@ class CudaBackend(Backend):
         embed_rows(self.cfg, ids, w, out, t)
         return out
 
+    @profiled("embedding")
+    def embed_per_layer(self, ids: Any) -> Any:
+        """Gemma 4's per-layer embeddings: rows of per_layer_token_embd [V, L P] (kept in its GGUF layout, as
+        token_embd) times sqrt(P) -> [T, L, P]."""
+        cfg, w = self.cfg, self.weights.per_layer_token_embd
+        t = int(ids.shape[0])
+        out = self.cp.empty((t, w.cols), dtype=self.cp.float32)
+        embed_rows(cfg, ids, w, out, t, scale=math.sqrt(cfg.n_embd_per_layer))
+        return out.reshape(t, cfg.n_layer, cfg.n_embd_per_layer)
+
     @profiled("norm")
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         x = self.gpu.f32(x)
         out = self.cp.empty_like(x)
-        rms_norm_into(x, weight, eps, out)
+        rms_norm_into(x, self._ones(x.shape[-1]) if weight is None else weight, eps, out)  # (None: gemma4's V norm)
+        return out
+
+    def _ones(self, n: int) -> Any:
+        """float32 ones [n] on the device (a norm without a weight: times 1.0, exact), made once per size."""
+        ones = self._ones_by_size.get(n)
+        if ones is None:
+            ones = self._ones_by_size[n] = self.cp.ones(n, dtype=self.cp.float32)
+        return ones
+
+    @profiled("other (scale)")
+    def scale(self, x: Any, factor: float, weight: Any = None) -> Any:
+        x = self.gpu.f32(x)
+        out = self.cp.empty_like(x)
+        scale_into(x, factor, weight, out)
         return out
 
     @profiled()
@@ -363,9 +391,9 @@ class CudaBackend(Backend):
     @profiled("RoPE")
     def rope(self, x: Any, pos: Any, local: bool = False) -> Any:
         out = self.gpu.f32(x).copy()
-        m = self.model
-        table, attn = (m.inv_freq_local, 1.0) if local else (m.inv_freq, self.cfg.rope_attn_factor)
-        rope_into(self.cfg, out, pos, table, attn)
+        m, cfg = self.model, self.cfg
+        table, attn = (m.inv_freq_local, 1.0) if local else (m.inv_freq, cfg.rope_attn_factor)
+        rope_into(cfg, out, pos, table, attn, cfg.local_rope_dim if local else cfg.rope_dim)
         return out
 
     @profiled("attention")
@@ -402,9 +430,7 @@ class CudaBackend(Backend):
 
     @profiled("FFN")
     def moe(self, op: Moe, h: Any, router_in: Any = None) -> Any:
-        if router_in is not None:  # (fused_layers refuses such models at load: gemma4's normalised router input)
-            raise BackendError("the CUDA backend has no separate router input (Gemma 4's experts) yet")
-        return self.experts.forward(op, h)
+        return self.experts.forward(op, h, router_in)
 
     # -- the hybrid models' operations (delta.py) -----------------------------------------------------------------
     @profiled("other (gates)")

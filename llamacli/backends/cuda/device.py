@@ -20,14 +20,14 @@ from ...models.block import Attention, Rope, programs
 from ...models.config import ModelConfig
 from ...models.kv_cache import check_cache_types, ring_span
 from ...models.seq_cache import MAX_SNAPSHOTS, SNAPSHOT_EVERY
-from ...models.weights import layer_tensor_names, model_specs
+from ...models.weights import PER_LAYER_TABLES, layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights
 from ..memory_fit import not_enough_memory, q8_pair_bytes
 from ..split_plan import DeviceMemory
 from . import loader as K
-from .attention import decode_splits
+from .attention import Heads, decode_splits
 from .constants import BG_NMAX, BG_ROWS
-from .fusion import FusedLayer, match_layer, op_by_op, refuse_unported, refuse_unported_model
+from .fusion import FusedLayer, match_layer, op_by_op
 from .gpu import Gpu
 from .linear import BG_BLOCKS_PER_SM, DEQUANT_CHUNK, DeviceMatrix
 from .moe import check_moe, dense_ff, moe_family_needed, moe_scratch_bytes
@@ -132,22 +132,19 @@ def cache_q8(cfg: ModelConfig, cache_types: tuple[str, str]) -> bool:
     if tuple(cache_types) not in (("f16", "f16"), ("q8_0", "q8_0")):  # as llama.cpp's CUDA flash attention
         raise UsageError(f"the CUDA backend takes K and V caches of one type (f16 or q8_0), not "
                          f"{'/'.join(cache_types)}; the CPU backend (--backend cpu) takes any pair")
-    check_cache_types(cfg.head_dim, cache_types)
+    for dh in sorted({cfg.head_dim} | {cfg.layer_head_dim(i) for i in range(cfg.n_layer)}):  # (gemma4: each layer's)
+        check_cache_types(dh, cache_types)
     return cache_types[0] == "q8_0"
 
 
 def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedLayer, ...]:
     """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); none for a
-    model that runs op by op (fusion.op_by_op: the hybrid Qwen models); a program no CUDA path runs, or experts the
-    kernels do not serve, is refused here, before anything is uploaded."""
-    # the programs first: a Gemma 4 model is refused naming --backend cpu before its experts are looked at
+    model that runs op by op (fusion.op_by_op: the hybrid Qwen models, Gemma 4); a program no CUDA path runs, or
+    experts the kernels do not serve, is refused here, before anything is uploaded."""
     if op_by_op(cfg):
-        for ops in programs(cfg):
-            refuse_unported(ops)
         fused: tuple[FusedLayer, ...] = ()
     else:
         fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
-    refuse_unported_model(cfg)
     check_moe(cfg, gguf)
     return fused
 
@@ -161,16 +158,27 @@ def compile_kernels(cfg: ModelConfig) -> None:
 
 
 def scratch_bytes(gpu: Gpu, cfg: ModelConfig, ctx: int, q8: bool) -> int:
-    """Decode buffers plus a prefill working set (a 512-token chunk, one fp16 weight chunk, bgemm's partials)."""
+    """Decode buffers plus a prefill working set (a 512-token chunk, one fp16 weight chunk, bgemm's partials). Layers
+    of their own shapes (gemma4) count the widest (as every other model, whose layers all have the config's), and
+    gemma4's per-layer inputs [T, L, P] a few times over (block.per_layer_inputs' temporaries)."""
     t = min(ctx, 512)
-    ff = dense_ff(cfg)
-    widest = max(cfg.q_dim + 2 * cfg.kv_dim, 2 * ff, cfg.vocab_size)
-    act = t * (4 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + 3 * ff) * 4 + t * widest * 2 * 2
-    split = decode_splits(gpu, cfg, ctx, q8)
-    step = 4 * (3 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + cfg.q_dim + cfg.n_ff + cfg.vocab_size)
-    step += split * cfg.n_head * (cfg.head_dim + 2) * 4
+    layers = range(cfg.n_layer)
+    ff = max([dense_ff(cfg)] + [cfg.layer_n_ff(i) for i in layers if not cfg.layers[i].moe or cfg.layers[i].moe_dense])
+    q_dim = max([cfg.q_dim] + [cfg.n_head * cfg.layer_head_dim(i) for i in layers])
+    kv_dim = max([cfg.kv_dim] + [cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i in layers])
+    widest = max(q_dim + 2 * kv_dim, 2 * ff, cfg.vocab_size)
+    act = t * (4 * cfg.n_embd + q_dim + 2 * kv_dim + 3 * ff) * 4 + t * widest * 2 * 2
+    act += 4 * t * 4 * cfg.n_layer * cfg.n_embd_per_layer
+    split = max(decode_splits(gpu, cfg, ctx, q8), *(decode_splits(gpu, heads, ctx, q8) for heads in _geometries(cfg)))
+    step = 4 * (3 * cfg.n_embd + q_dim + 2 * kv_dim + q_dim + max(cfg.n_ff, ff) + cfg.vocab_size)
+    step += split * cfg.n_head * (max(cfg.head_dim, *(h.head_dim for h in _geometries(cfg))) + 2) * 4
     bgemm = 2 * BG_BLOCKS_PER_SM * gpu.n_sms * BG_ROWS * BG_NMAX * 4  # its split partials (Linear.bgemm_scratch)
     return act + step + moe_scratch_bytes(cfg, t) + 2 * DEQUANT_CHUNK + bgemm + (64 << 20)  # + CuPy/cuBLAS margin
+
+
+def _geometries(cfg: ModelConfig) -> set[Heads]:
+    """The attention geometries of a model's layers (one, the config's, but on gemma4)."""
+    return {Heads(cfg.n_head, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layer)}
 
 
 def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,
@@ -271,6 +279,9 @@ class DeviceModel:
             layers.append(LayerWeights(**{field: handles[name] for field, name in names.items() if name in handles}))
         emb = handles["token_embd.weight"]
         weights = ModelWeights(emb, layers, handles["output_norm.weight"], handles.get("output.weight", emb))
+        if cfg.n_embd_per_layer:  # gemma4: the per-layer token table (in its GGUF layout), projection and norm
+            weights.per_layer_token_embd, weights.per_layer_model_proj, weights.per_layer_proj_norm = (
+                handles[name] for name in PER_LAYER_TABLES)
 
         inv_freq = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx).astype(np.float64))
         inv_freq_local = None

@@ -1,7 +1,8 @@
 """Which models the CUDA backend runs op by op (fusion.op_by_op: the hybrid Qwen models, whose Gated DeltaNet layers,
 gated attention and shared experts have kernels of their own, kernels/delta.cu, but no fused form), checked without a
-GPU: they load with no fused layers, no other model changes its path, Gemma 4 is still refused, and the delta
-kernels are compiled for those models only."""
+GPU: they load with no fused layers, no other model changes its path, Gemma 4 runs op by op too (its layers of
+different shapes, shared KV, per-layer embeddings and experts beside a dense FFN), and the delta kernels are compiled
+for the hybrid models only."""
 
 from __future__ import annotations
 
@@ -49,11 +50,40 @@ def test_every_other_model_keeps_its_fused_layers(random_model, shape) -> None:
     assert len(device.fused_layers(cfg)) == cfg.n_layer
 
 
-@pytest.mark.parametrize("shape", ["tiny-gemma4", "tiny-gemma4-moe"])
-def test_gemma4_is_still_refused_naming_the_cpu_backend(random_model, shape) -> None:
+GEMMA4 = ["tiny-gemma4", "tiny-gemma4-moe"]
+
+
+@pytest.mark.parametrize("shape", GEMMA4)
+def test_gemma4_runs_op_by_op_with_no_fused_layers(random_model, shape) -> None:
+    """Gemma 4 (layers of their own head sizes, shared KV, per-layer embeddings, V norms, output scales, experts beside
+    a dense FFN) runs op by op on CUDA: no fused layers, its experts accepted (GeGLU, their own norms), and
+    match_layer, should a layer reach it, names what it lacks rather than sending the model to the CPU backend."""
     cfg = config(random_model, shape)
-    with pytest.raises(BackendError, match=r"Gemma 4 .*--backend cpu"):
-        device.fused_layers(cfg)
+    assert fusion.op_by_op(cfg) and device.fused_layers(cfg) == ()
+    assert fusion.uneven_layers(cfg) in ("per-layer embeddings", "attention layers of different head sizes")
+    for i in range(cfg.n_layer):
+        with pytest.raises(fusion.Unfused, match="no Gemma 4 layers .*runs op by op") as err:
+            fusion.match_layer(layer_ops(cfg, i), i)
+        assert "--backend cpu" not in str(err.value)
+
+
+def test_gemma4_layers_of_one_shape_still_run_op_by_op(random_model) -> None:
+    """A Gemma 4 file whose layers all have one head size and no per-layer embeddings still runs op by op: its
+    programs' own operations (V norms, output scales) have no fused form."""
+    shape = variant("tiny-gemma4", n_embd_per_layer=0, n_kv_shared=0, head_dim_swa=64, name="gemma4-even")
+    cfg = config(random_model, shape)
+    assert fusion.uneven_layers(cfg) is None
+    assert fusion.op_by_op(cfg) and device.fused_layers(cfg) == ()
+
+
+def test_gemma4_experts_past_the_kernels_limits_are_refused(random_model) -> None:
+    """Gemma 4's experts go through check_moe as every model's do: more chosen experts than MOE_KMAX is refused at
+    load, naming the limit."""
+    cfg = config(random_model, "tiny-gemma4-moe")
+    import dataclasses
+
+    with pytest.raises(BackendError, match="up to 1024 experts with up to 32 per token"):
+        device.fused_layers(dataclasses.replace(cfg, n_expert=64, n_expert_used=33))
 
 
 def test_the_delta_kernels_are_compiled_for_the_op_by_op_models_only(random_model, monkeypatch) -> None:
