@@ -51,6 +51,7 @@ from .constants import (
     WG_STAGES,
 )
 from .fusion import AttentionBranch
+from .kv import KVCache
 
 ATT_ROWS = ATT_WARPS * ATT_RPW  # attention_simt.cu: query rows per block
 ATT_TC_ROWS, ATT_TC_KEYS = 16 * TC_WARPS, TC_BC  # attention_tc_d*: query rows per block (TC_BR), keys per tile
@@ -100,6 +101,12 @@ def wg_smem(dh: int) -> int:
     256), one int (8 bytes with padding) and an 8-byte mbarrier per stage."""
     stages = WG_STAGES(dh)
     return 1024 + stages * 2 * WG_BC * dh * 2 + WG_ONES(dh) + 8 + 8 * stages
+
+
+def simt_smem(dh: int) -> int:
+    """attention_*_npl<N>'s dynamic shared memory (kernels/attention_simt.cu): the block's q rows, a K tile (rows
+    of dh/2 + 1 words) and a V tile in fp16."""
+    return ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
 
 
 def tc_qscale(dh: int, scale: float = 0.0) -> float:
@@ -181,7 +188,7 @@ class AttentionKernels:
         self.gpu, self.options, self.model, self.kv = gpu, options, model, kv
         self.cp, self.cfg, self.ctx = gpu.cp, model.cfg, model.ctx
         # (one per KV head of the layer with the most: gemma4's layers have their own counts)
-        most = max([self.cfg.n_head_kv] + [self.cfg.layer_kv_heads(i) for i in range(self.cfg.n_layer)])
+        most = max([self.cfg.n_head_kv] + [KVCache.heads(kc)[0] for kc in (kv.k_cache if kv is not None else [])])
         self.counters = self.cp.zeros(most, self.cp.uint32)
 
     def batch_split(self) -> tuple[int, int]:
@@ -208,7 +215,7 @@ class AttentionKernels:
         part_o = cp.empty((b, n_split, hq, dh), dtype=cp.float32) if n_split > 1 else None
         part_ml = cp.empty((b, n_split, hq, 2), dtype=cp.float32) if n_split > 1 else None
         sinks = self.model.sinks(op)
-        smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
+        smem = simt_smem(dh)
         npl = values_per_lane(dh)
         K.launch("attention_simt", f"attention_batch_npl{npl}",
                  (b * K.cdiv(cfg.n_group, ATT_ROWS), hkv, n_split), (256,), shared=smem, q=q, q_stride=q_stride,
@@ -280,7 +287,7 @@ class AttentionKernels:
             return
         kc, vc = self.kv.readable(kc, vc, pos, t)
         npl = values_per_lane(dh)
-        smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
+        smem = simt_smem(dh)
         grid = (K.cdiv(t * g.n_group, ATT_ROWS), hkv, n_split)
         K.launch("attention_simt", f"attention{w_}_npl{npl}", grid, (256,), shared=smem, q=q, q_stride=q_stride,
                  kc=kc, vc=vc, pos=pos, T=t, Hq=hq, Hkv=hkv, Dh=dh, scale=cfg.query_scale, chunk=chunk, out=out,

@@ -60,7 +60,15 @@ from .attention import AttentionKernels
 from .batch import BatchStep
 from .decode import DecodeStep
 from .delta import DeltaNet, gated_norm_into, sigmoid_gate_into
-from .device import DeviceModel, cache_q8, compile_kernels, cuda_available, fused_layers, recurrent_bytes
+from .device import (
+    DeviceModel,
+    cache_q8,
+    check_attention_smem,
+    compile_kernels,
+    cuda_available,
+    fused_layers,
+    recurrent_bytes,
+)
 from .fusion import op_by_op
 from .gpu import Gpu, Options
 from .kv import KVCache
@@ -133,6 +141,7 @@ class CudaBackend(Backend):
         t0 = time.perf_counter()  # load_stages: kernels, weights, the rest
         report = progress or (lambda done, total, what: None)
         fused = fused_layers(cfg, gguf)
+        check_attention_smem(self.gpu, cfg)
         compile_kernels(cfg)
         t_kernels = time.perf_counter()
         model = DeviceModel.upload(self.gpu, gguf, cfg, ctx, fused, tuple(cache_types), report)

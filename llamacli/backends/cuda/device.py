@@ -25,7 +25,7 @@ from ..base import LayerWeights, ModelWeights
 from ..memory_fit import not_enough_memory, q8_pair_bytes
 from ..split_plan import DeviceMemory
 from . import loader as K
-from .attention import Heads, decode_splits
+from .attention import Heads, decode_splits, simt_smem
 from .constants import BG_NMAX, BG_ROWS
 from .fusion import FusedLayer, match_layer, op_by_op
 from .gpu import Gpu
@@ -147,6 +147,18 @@ def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedL
         fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
     check_moe(cfg, gguf)
     return fused
+
+
+def check_attention_smem(gpu: Gpu, cfg: ModelConfig) -> None:
+    """Heads larger than 256 (Gemma 4's global layers: 512) have no tensor-core attention: the CUDA-core kernel
+    takes them, whose shared memory grows with the head (attention.simt_smem). Refused before anything is
+    uploaded where the GPU's per-block limit does not hold it (131 KB at 512: an H100 or A100 does, an RTX 4090,
+    L4 or T4 does not)."""
+    for dh in sorted({cfg.layer_head_dim(i) for i in range(cfg.n_layer)}):
+        if dh > 256 and simt_smem(dh) > gpu.smem_block:
+            raise BackendError(f"the CUDA backend's attention for heads of {dh} needs {simt_smem(dh):,} bytes of shared "
+                               f"memory per block, this GPU allows {gpu.smem_block:,}: run the model on the CPU "
+                               "backend (--backend cpu)")
 
 
 def compile_kernels(cfg: ModelConfig) -> None:

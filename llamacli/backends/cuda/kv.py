@@ -40,8 +40,8 @@ class KVCache:
         self.slot = 0
         self.k_cache, self.v_cache = self.slot_caches[0]
         self.pair = None
-        if q8 and len(set(heads)) == 1:  # one shape: the largest rows of it
-            self.pair = tuple(cp.zeros((max(rows), cfg.n_head_kv, cfg.head_dim), cp.float16) for _ in "kv")
+        if q8 and len(set(heads)) == 1:  # one shape (the layers' own, which may not be the config's): its largest rows
+            self.pair = tuple(cp.zeros((max(rows), *heads[0]), cp.float16) for _ in "kv")
         elif q8:  # (gemma4) as many values as the largest layer's rows, viewed in each layer's shape (pair_view)
             most = max(n * hkv * dh for n, (hkv, dh) in zip(rows, heads))
             self.pair = tuple(cp.zeros(most, cp.float16) for _ in "kv")

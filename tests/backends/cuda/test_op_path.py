@@ -214,3 +214,42 @@ def test_delta_net_stores_resumes_and_rolls_back_as_the_numpy_backend(monkeypatc
     run(277, 2)  # (what the backend's rollback runs: the kept ids; here fresh inputs on both)
     assert net.snapshots(0) == ref.snapshots(0)
     assert net.rollback(0, 279) is None  # (nothing verified since)
+
+
+def test_the_8bit_pair_holds_the_layers_own_shape(random_model) -> None:
+    """An 8-bit cache whose layers share one shape other than the config's (a Gemma 4 file of sliding layers only:
+    heads of 64 where head_dim says 32): the fp16 pair that kv_dequant_q8 fills holds the largest layer's values."""
+    from llamacli.backends.cuda.kv import KVCache
+
+    shape = variant("tiny-gemma4", n_embd_per_layer=0, n_kv_shared=0, head_dim=32, head_dim_swa=64,
+                    swa_layers=(True,) * 8, name="gemma4-all-sliding")
+    cfg = config(random_model, shape)
+    kv = KVCache(np, cfg, 1024, True)
+    most = max(kc.shape[0] * KVCache.heads(kc)[0] * KVCache.heads(kc)[1] for kc in kv.k_cache)
+    assert all(p.size >= most for p in kv.pair)
+    assert KVCache.heads(kv.k_cache[0]) == (cfg.layer_kv_heads(0), 64)
+
+
+def test_the_kernel_bench_builds_its_attention_without_a_model() -> None:
+    """`bench --kernels` makes the attention launchers over a bare config and no cache (kernel_bench._attention's
+    way): their split counters come from the cache when there is one, else the config."""
+    from types import SimpleNamespace
+
+    from llamacli.backends.cuda.attention import AttentionKernels
+
+    cfg = SimpleNamespace(n_head=32, n_head_kv=32, head_dim=64, n_group=1, q_dim=2048, rms_eps=1e-5)
+    attn = AttentionKernels(SimpleNamespace(cp=np), None, SimpleNamespace(cfg=cfg, ctx=512), None)
+    assert attn.counters.shape == (32,)
+
+
+def test_heads_past_the_gpus_shared_memory_are_refused_in_one_line(random_model) -> None:
+    """Gemma 4's global heads of 512 take the CUDA-core attention (131 KB of shared memory a block): a GPU that
+    allows less (an RTX 4090's 99 KB) is refused before the upload, naming the CPU backend; one that allows it
+    passes, and models with heads of 256 or less are not checked."""
+    from types import SimpleNamespace
+
+    cfg = config(random_model, variant("tiny-gemma4", head_dim=512, name="gemma4-512"))
+    with pytest.raises(BackendError, match="--backend cpu"):
+        device.check_attention_smem(SimpleNamespace(smem_block=101_376), cfg)
+    device.check_attention_smem(SimpleNamespace(smem_block=232_448), cfg)
+    device.check_attention_smem(SimpleNamespace(smem_block=1024), config(random_model, "tiny-llama"))
