@@ -15,7 +15,8 @@
 //   and each lane accumulates its N = ceil(Dh/32) output dims with the probabilities shuffled from lane j.
 //   Split s covers keys [s*chunk, (s+1)*chunk): n_split == 1 writes o normalised (prefill); n_split > 1
 //   writes partial (o, m, l) for attention_combine (flash-decoding: decode has one query row per head, so
-//   the keys are what must spread over the SMs). Dynamic shared memory: 32*Dh*4 + 32*(Dh/2+1)*4 + 32*Dh*2.
+//   the keys are what must spread over the SMs). Dynamic shared memory: 32*Dh*4 + 32*(Dh/2+1)*4 + 32*Dh*2
+//   (N = 16, Dh up to 512, gemma4's global layers: 128 KiB, past the 48 KiB default: the loader raises it).
 // attention_combine: grid T*Hq, block Dh rounded up to 32: merges the ceil((pos[t]+1)/chunk) partials.
 // attention_w_npl<N>(..., n_split, window, softcap, sinks, ring) and attention_combine_w(..., window, sinks):
 // the same with a sliding window (keys k > pos - window; 0: all) and soft-capped scores (gemma; see EXT
@@ -191,6 +192,7 @@ ATTENTION_KERNEL(2)
 ATTENTION_KERNEL(3)
 ATTENTION_KERNEL(4)
 ATTENTION_KERNEL(8)
+ATTENTION_KERNEL(16)  // (Dh up to 512: gemma4's global layers, op by op)
 
 #define ATTENTION_W_KERNEL(N)                                                                                \
     extern "C" __global__ void __launch_bounds__(256) attention_w_npl##N(                                   \
@@ -205,6 +207,7 @@ ATTENTION_W_KERNEL(2)
 ATTENTION_W_KERNEL(3)
 ATTENTION_W_KERNEL(4)
 ATTENTION_W_KERNEL(8)
+ATTENTION_W_KERNEL(16)
 
 template <bool EXT>
 __device__ __forceinline__ void combine_body(const float* __restrict__ part_o, const float* __restrict__ part_ml,

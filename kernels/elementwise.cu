@@ -3,6 +3,8 @@
 //   geglu_f32    y[i] = gelu_tanh(g[i]) * u[i]       gemma's GeGLU (common.cuh gelu_tanh)
 //   softcap_f32  y[i] = c tanh(x[i] / c)             gemma2's final logit soft-cap (y may alias x)
 //   scale_f32    y[i] = x[i] * s                     gemma's embedding scale sqrt(D) (y may alias x)
+//   scale_w_f32  y[i] = x[i] * s * w[i mod N]        gemma4's Scale operation: layer_output_scale [1], the router's
+//                                                    input scale [D] (w NULL: 1; y may alias x)
 //   add_f32      y[i] = a[i] + b[i]                  residual add (y may alias a)
 //   add_bias_f32 x[t, j] += b[j]                     x [T, N], b [N]
 //   to_f16_rowscale_f32  x16[t, :] = f16(x[t, :] / s[t]), s[t] = 1, or the power of two that brings the
@@ -36,6 +38,12 @@ extern "C" __global__ void softcap_f32(const float* x, float* y, float c, long l
 extern "C" __global__ void scale_f32(const float* x, float* y, float s, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = x[i] * s;
+}
+
+extern "C" __global__ void scale_w_f32(const float* x, float* y, float s, const float* __restrict__ w, long long n,
+                                       int N) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = x[i] * s * (w ? w[i % N] : 1.0f);
 }
 
 extern "C" __global__ void add_f32(const float* a, const float* b, float* y, long long n) {

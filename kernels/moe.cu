@@ -1,4 +1,4 @@
-// moe.cu: the mixture-of-experts FFN (qwen3moe, gpt-oss): routing, grouping tokens by expert, the experts'
+// moe.cu: the mixture-of-experts FFN (qwen3moe, gpt-oss; gemma4's GeGLU experts op by op: the _geglu forms): routing, grouping tokens by expert, the experts'
 // matvecs reading the chosen experts' GGUF blocks in place, and the weighted sum. Compiled only for models
 // with experts (cuda.moe.moe_family_needed).
 //
@@ -20,7 +20,7 @@
 //       items (e, start, count) cut each expert's pairs into tiles of at most `tile` (MATVEC_TMAX for
 //       matvec_moe, MG_BM for moe_gemm); n_items the number of items. One block of 1024 threads; E <= MOE_EMAX.
 //   matvec_moe_<t>(w, expert_bytes, list, items, n_items, k, N, K, x, x_per_pair, y, bias, lpr)
-//   matvec_moe_<t>_swiglu / _oai(wg, wu, expert_bytes, list, items, n_items, k, N, K, x, y, bg, bu, lpr)
+//   matvec_moe_<t>_swiglu / _oai / _geglu(wg, wu, expert_bytes, list, items, n_items, k, N, K, x, y, bg, bu, lpr)
 //       matvec_<t>'s body for one item per blockIdx.y: expert e's rows times the x rows of its pairs (token
 //       t = p / k, or pair p itself when x_per_pair: the down projection's input) -> y rows p [P, N]; biases
 //       [E, N] taken at row e. Grid (row blocks as matvec_<t>, max_items); blocks past n_items return.
@@ -33,7 +33,7 @@
 //       one token (the decode step's gate/up): mv1_<t>'s body for slot j = blockIdx.y, expert ids[j], x
 //       normalised with norm_w first as mv1 does.
 //   moe_gemm_<t>(w, expert_bytes, list, items, n_items, k, N, K, x16, xsc, x_per_pair, y, bias)
-//   moe_gemm_<t>_swiglu / _oai(wg, wu, expert_bytes, list, items, n_items, k, N, K, x16, xsc, y, bg, bu)
+//   moe_gemm_<t>_swiglu / _oai / _geglu(wg, wu, expert_bytes, list, items, n_items, k, N, K, x16, xsc, y, bg, bu)
 //       many tokens (prefill): matvec_moe's results on tensor cores (mma.sync m16n8k16, fp16 in, fp32 sums)
 //       for items of up to MG_BM pairs: x16 fp16 rows (tokens, or pairs when x_per_pair) times their row
 //       scale xsc, expert e's weight rows decoded unit by unit into shared memory as fp16. A block computes
@@ -326,6 +326,11 @@ __device__ __forceinline__ void mv1_moe_sum(const u8* w, long long eb, const int
         int k, int N, int K, const float* x, float* y, const float* bg, const float* bu, int lpr) {          \
         matvec_moe_glu<Q, ACT_OAI>(wg, wu, eb, list, items, n_items, k, N, K, x, y, bg, bu, lpr);                 \
     }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) matvec_moe_##name##_geglu(                            \
+        const u8* wg, const u8* wu, long long eb, const int* list, const int* items, const int* n_items,     \
+        int k, int N, int K, const float* x, float* y, const float* bg, const float* bu, int lpr) {          \
+        matvec_moe_glu<Q, ACT_GELU>(wg, wu, eb, list, items, n_items, k, N, K, x, y, bg, bu, lpr);                \
+    }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256, act8<Q>::value ? MV1_MINB8 : 0) mv1_moe_##name##_sum(    \
         const u8* w, long long eb, const int* ids, int N, int K, const float* x, float* y, const float* bias, \
         int lpr, int groups, int early, const float* wts, float* out, unsigned int* cnt) {                   \
@@ -458,6 +463,11 @@ __device__ __forceinline__ void moe_gemm_body(const u8* __restrict__ wa, const u
         const u8* wg, const u8* wu, long long eb, const int* list, const int* items, const int* n_items,     \
         int k, int N, int K, const u16* x16, const float* xsc, float* y, const float* bg, const float* bu) {  \
         moe_gemm_body<Q, true, ACT_OAI>(wg, wu, eb, list, items, n_items, k, N, K, x16, xsc, 0, y, bg, bu);  \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128) moe_gemm_##name##_geglu(                              \
+        const u8* wg, const u8* wu, long long eb, const int* list, const int* items, const int* n_items,     \
+        int k, int N, int K, const u16* x16, const float* xsc, float* y, const float* bg, const float* bu) {  \
+        moe_gemm_body<Q, true, ACT_GELU>(wg, wu, eb, list, items, n_items, k, N, K, x16, xsc, 0, y, bg, bu); \
     }
 
 FOR_EACH_QTYPE(MOE_GEMM_KERNELS)

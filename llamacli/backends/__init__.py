@@ -47,8 +47,9 @@ def start_early(name: str) -> EarlyStatus | None:
 
 def select_backend(name: str, notice: Callable[[str], None] | None = None, early: EarlyStatus | None = None,
                    cfg: ModelConfig | None = None, split: SplitOptions | None = None) -> Backend:
-    """`auto` takes CUDA when CuPy imports and a GPU is visible and its kernels run the model `cfg` (a layer the
-    fused paths lack, such as Qwen3.5's delta-net layers, or experts they do not serve: cuda.device.fused_layers),
+    """`auto` takes CUDA when CuPy imports and a GPU is visible and its kernels run the model `cfg` (a layer no CUDA
+    path runs, such as Gemma 4's, or experts they do not serve: cuda.device.fused_layers; the hybrid Qwen models
+    run op by op there),
     else the CPU backend (with a notice saying why), else, without numba, the NumPy reference (saying that too);
     `cuda` or `cpu` without what it needs is a BackendError that says what is missing and how to install it (a
     model CUDA cannot run: at load). `early`: start_early's result for this name, where the check already began.

@@ -91,8 +91,9 @@ def split_fits(cfg: ModelConfig, tensors: Mapping[str, Any] | None, ctx: int, ca
 
 def q8_pair_bytes(cfg: ModelConfig, ctx: int) -> int:
     """The fp16 K and V pair of one layer's rows that the CUDA backend keeps beside an 8-bit cache (its
-    prefill readers' form: cuda/kv.py KVCache)."""
-    return 2 * 2 * max(cfg.cache_rows(ctx)) * cfg.kv_dim
+    prefill readers' form: cuda/kv.py KVCache): as many values as the largest layer's K (or V) rows hold (each layer's
+    own KV heads and head dim: gemma4's differ; every other model's are the config's)."""
+    return 2 * 2 * max(n * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i, n in enumerate(cfg.cache_rows(ctx)))
 
 
 def largest_ctx(cfg: ModelConfig, room: int, cache_types: tuple[str, str] = DEFAULT_CACHE) -> int:

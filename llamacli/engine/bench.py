@@ -298,6 +298,7 @@ def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str
         return be.sample(logits, greedy, rng, [])
 
     token = run_prefill()  # warm up: compilation, cuBLAS handles, memory pool
+    be.snapshots(0, n_prompt)  # (recurrent layers: the state at the prompt's end kept, for decoding from it again)
     be.decode_greedy(token, n_prompt)
     rows: list[ProfileRow] = []
     spans: dict[str, float] = {}
@@ -313,6 +314,7 @@ def run_profile(model: Model, n_prompt: int) -> tuple[list[ProfileRow], dict[str
     k = max(1, min(20, model.ctx - n_prompt - 1))
 
     def tokens() -> None:
+        be.resume(0, n_prompt)  # (recurrent layers decode from the state stored at the prompt's end; KV rows need nothing)
         tok = token
         for pos in range(n_prompt, n_prompt + k):
             tok = be.decode_greedy(tok, pos)

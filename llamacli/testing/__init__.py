@@ -183,7 +183,7 @@ SHAPES: dict[str, ModelSpec] = {
                             final_softcap=30.0),
 }
 HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
-NUMPY_ONLY = (*HYBRIDS, "gemma4")  # architectures the CUDA backend refuses for now (naming --backend numpy)
+NUMPY_ONLY = (*HYBRIDS, "gemma4")  # architectures without the fused CUDA paths (they run op by op there)
 
 
 def tensor_shapes(spec: ModelSpec, vocab: int) -> list[tuple[str, tuple[int, ...]]]:

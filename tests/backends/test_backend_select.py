@@ -249,18 +249,43 @@ def test_a_machine_without_an_nvidia_driver_is_told_so(monkeypatch):
     assert not ok and "insufficient" in why and "nvidia-smi" in why
 
 
-@pytest.mark.parametrize("shape,why", [("tiny-qwen35", "delta-net"), ("tiny-gemma4", "Gemma 4"),
-                                       ("tiny-gemma4-moe", "Gemma 4")])
-def test_auto_takes_the_cpu_backend_with_a_notice_for_a_model_the_cuda_kernels_do_not_run(random_model, shape, why):
-    """A GPU that works (faked) and a model whose layers the CUDA paths lack (Qwen3.5's delta-net layers, Gemma 4's):
-    `auto` takes the CPU backend and says why; `cuda` is still taken at its word (the model is refused at load)."""
+def test_auto_takes_the_cpu_backend_with_a_notice_for_a_model_the_cuda_kernels_do_not_run(random_model):
+    """A GPU that works (faked) and a model whose experts the CUDA kernels do not serve (more chosen per token than
+    MOE_KMAX): `auto` takes the CPU backend and says why."""
+    import dataclasses
+
     from llamacli.ggufio.file import open_gguf
     from llamacli.models.config import ModelConfig
 
+    g = open_gguf(random_model("tiny-gemma4-moe"))
+    cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
+    g.close()
+    cfg = dataclasses.replace(cfg, n_expert=64, n_expert_used=33)
+    said: list[str] = []
+    be = backends.select_backend("auto", said.append, early=lambda: (True, "a GPU"), cfg=cfg)
+    assert be.name == "cpu"
+    assert len(said) == 1 and said[0].startswith("using the CPU backend (") and "experts" in said[0]
+
+
+class FakeCudaBackend:
+    """What select_backend reads of the CUDA backend it makes (no GPU here)."""
+
+    name, split_modes, any_gpu = "cuda", ("none",), False
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen35", "tiny-qwen35moe", "tiny-qwen3next", "tiny-gemma4", "tiny-gemma4-moe"])
+def test_auto_takes_cuda_for_the_hybrid_models(random_model, shape, monkeypatch):
+    """A GPU that works (faked): the hybrid Qwen models (Gated DeltaNet layers, gated attention, shared experts) and
+    Gemma 4 (layers of their own shapes, shared KV, per-layer embeddings, experts beside a dense FFN) run op by op on
+    CUDA, so `auto` takes it, without a notice (it took the CPU backend before they had kernels)."""
+    import llamacli.backends.cuda as cuda
+    from llamacli.ggufio.file import open_gguf
+    from llamacli.models.config import ModelConfig
+
+    monkeypatch.setattr(cuda, "CudaBackend", FakeCudaBackend)
     g = open_gguf(random_model(shape))
     cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
     g.close()
     said: list[str] = []
     be = backends.select_backend("auto", said.append, early=lambda: (True, "a GPU"), cfg=cfg)
-    assert be.name == "cpu"
-    assert len(said) == 1 and said[0].startswith("using the CPU backend (") and why in said[0]
+    assert isinstance(be, FakeCudaBackend) and said == []

@@ -109,16 +109,23 @@ def test_broken_hybrid_files_are_refused_with_one_line(tmp_path, metadata, drop,
 
 
 @pytest.mark.gpu
-def test_cuda_refuses_hybrids_naming_the_cpu_backend(random_model):
-    """The CUDA backend has no gated delta-net layers yet: one line, exit 1, the way to run the model named."""
+@pytest.mark.parametrize("shape", ["tiny-qwen35", "tiny-qwen35moe", "tiny-qwen3next"])
+def test_hybrids_generate_and_chat_on_cuda_as_on_numpy(random_model, shape):
+    """The hybrid models run on CUDA op by op: greedy generation gives the NumPy backend's tokens, and a chat of two
+    turns (the second resuming from the first's stored state) answers on CUDA."""
     from llamacli.backends import cuda_status
 
     ok, why = cuda_status()
     if not ok:
         pytest.skip(why)
-    path = str(random_model("tiny-qwen35", "Q8_0"))
-    r = run("generate", path, "--backend", "cuda", "-p", "hi", "-n", "2")
-    assert r.code == 1 and "runs on the CPU backend for now (--backend cpu)" in r.one_line_error()
+    path = str(random_model(shape, "Q8_0"))
+    args = ("-p", "hi", "-n", "8", "--greedy", "--json", "-q")
+    want = run("generate", path, "--backend", "numpy", *args)
+    got = run("generate", path, "--backend", "cuda", *args)
+    assert got.code == 0, got.err
+    assert json.loads(got.out)["tokens"] == json.loads(want.out)["tokens"]
+    c = run("chat", path, "--backend", "cuda", "-n", "4", "--greedy", "-q", stdin="hi\nagain\n")
+    assert c.code == 0 and c.out.count("\n") == 2, (c.out, c.err)
 
 
 # -- Gemma 4 -----------------------------------------------------------------------------------------------------
@@ -194,14 +201,20 @@ def test_broken_gemma4_files_are_refused_with_one_line(tmp_path, metadata, drop,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["tiny-gemma4", "tiny-gemma4-moe"])
-def test_cuda_refuses_gemma4_naming_the_cpu_backend(random_model, shape):
-    """The CUDA backend has no Gemma 4 layers yet: one line, exit 1, the way to run the model named."""
+@pytest.mark.parametrize("shape", ["gemma4-e-p32", "tiny-gemma4-moe"])
+def test_gemma4_generates_on_cuda_as_on_numpy(random_model, shape):
+    """Gemma 4 runs on CUDA op by op: greedy generation gives the NumPy backend's tokens (the E-style model with
+    per-layer inputs of 32, whole 32-value units in its per-layer projections, as the real files' 256)."""
     from llamacli.backends import cuda_status
+    from llamacli.testing import variant
 
     ok, why = cuda_status()
     if not ok:
         pytest.skip(why)
-    path = str(random_model(shape, "Q8_0"))
-    r = run("generate", path, "--backend", "cuda", "-p", "hi", "-n", "2")
-    assert r.code == 1 and "runs on the CPU backend for now (--backend cpu)" in r.one_line_error()
+    spec = variant("tiny-gemma4", n_embd_per_layer=32, name=shape) if shape == "gemma4-e-p32" else shape
+    path = str(random_model(spec, "Q8_0"))
+    args = ("-p", "hi", "-n", "8", "--greedy", "--json", "-q")
+    want = run("generate", path, "--backend", "numpy", *args)
+    got = run("generate", path, "--backend", "cuda", *args)
+    assert got.code == 0, got.err
+    assert json.loads(got.out)["tokens"] == json.loads(want.out)["tokens"]

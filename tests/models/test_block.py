@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from llamacli.backends.cuda.fusion import Unfused, match_layer, refuse_unported_model
+from llamacli.backends.cuda.fusion import Unfused, match_layer, uneven_layers
 from llamacli.models.block import (
     Add,
     Attention,
@@ -53,28 +53,35 @@ def test_every_shape_fuses_on_cuda(shape) -> None:
 
 
 @pytest.mark.parametrize("shape", sorted(s for s in SHAPES if SHAPES[s].arch in HYBRIDS))
-def test_hybrid_shapes_are_refused_on_cuda_with_the_way_to_run_them(shape) -> None:
-    """The CUDA paths have no gated delta-net layers, gated attention or shared experts yet: every layer of the
-    hybrid models is refused with the CPU backend named, before anything is uploaded (device.py calls match_layer
-    first)."""
+def test_hybrid_shapes_run_op_by_op_on_cuda(shape) -> None:
+    """The CUDA paths have no fused form of the gated delta-net layers, gated attention or shared experts: the hybrid
+    models run op by op there (fusion.op_by_op; no fused layers), and match_layer, should such a layer reach it,
+    names the operation rather than sending the model to the CPU backend."""
+    from llamacli.backends.cuda.device import fused_layers
+    from llamacli.backends.cuda.fusion import op_by_op
+
     cfg = config(shape)
+    assert op_by_op(cfg) and fused_layers(cfg) == ()
     for i in range(cfg.n_layer):
-        what = "gated delta-net" if cfg.layers[i].recurrent else "gated attention"
-        with pytest.raises(Unfused, match=f"no {what}.*runs on the CPU backend for now \\(--backend cpu\\)"):
+        what = "(Conv|Split)" if cfg.layers[i].recurrent else "Split"
+        with pytest.raises(Unfused, match=f"no {what} operation .a model with one runs op by op."):
             match_layer(layer_ops(cfg, i), i)
 
 
 @pytest.mark.parametrize("shape", sorted(s for s in SHAPES if SHAPES[s].arch == "gemma4"))
-def test_gemma4_shapes_are_refused_on_cuda_with_the_way_to_run_them(shape) -> None:
-    """The CUDA paths have no Gemma 4 layers yet (V norms, output scales, shared KV, per-layer embeddings, experts
-    beside a dense FFN): every layer is refused with the CPU backend named, and so is the model as a whole (its
-    layers' different head sizes, its per-layer embeddings), before anything is uploaded."""
+def test_gemma4_shapes_run_op_by_op_on_cuda(shape) -> None:
+    """The fused CUDA paths have no Gemma 4 layers (V norms, output scales, shared KV, per-layer embeddings, experts
+    beside a dense FFN) nor layers of different shapes: Gemma 4 runs op by op there (fusion.op_by_op; no fused layers),
+    and match_layer, should such a layer reach it, names what it lacks."""
+    from llamacli.backends.cuda.device import fused_layers
+    from llamacli.backends.cuda.fusion import op_by_op
+
     cfg = config(shape)
+    assert op_by_op(cfg) and fused_layers(cfg) == ()
+    assert uneven_layers(cfg) in ("per-layer embeddings", "attention layers of different head sizes")
     for i in range(cfg.n_layer):
-        with pytest.raises(Unfused, match="no Gemma 4 layers .*runs on the CPU backend for now \\(--backend cpu\\)"):
+        with pytest.raises(Unfused, match="no Gemma 4 layers .*runs op by op"):
             match_layer(layer_ops(cfg, i), i)
-    with pytest.raises(Unfused, match="(per-layer embeddings|different head sizes) .Gemma 4.*--backend cpu"):
-        refuse_unported_model(cfg)
 
 
 def test_gemma4_programs() -> None:

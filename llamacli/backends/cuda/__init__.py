@@ -11,6 +11,7 @@
     ops.py          embedding, RMSNorm, RoPE, SwiGLU, soft-cap, add: one-kernel launchers
     attention.py    AttentionKernels: prefill (CUDA cores, mma.sync, wgmma), decode splits, the step's kernel
     moe.py          Experts: the mixture-of-experts launchers and buffers
+    delta.py        DeltaNet: the hybrid models' delta-net launchers and each slot's recurrent states
     fusion.py       a layer's program (models/block.py) read into the fused forms prefill and decode launch
     prefill.py      PrefillPass: the fused prefill pass, its buffers and graphs
     decode.py       DecodeStep: the fused decode step, its graph capture and look-ahead

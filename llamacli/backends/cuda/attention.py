@@ -28,6 +28,7 @@ ctx / decode_chunk(ctx) splits of decode_chunk keys.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ from .constants import (
     WG_STAGES,
 )
 from .fusion import AttentionBranch
+from .kv import KVCache
 
 ATT_ROWS = ATT_WARPS * ATT_RPW  # attention_simt.cu: query rows per block
 ATT_TC_ROWS, ATT_TC_KEYS = 16 * TC_WARPS, TC_BC  # attention_tc_d*: query rows per block (TC_BR), keys per tile
@@ -101,6 +103,12 @@ def wg_smem(dh: int) -> int:
     return 1024 + stages * 2 * WG_BC * dh * 2 + WG_ONES(dh) + 8 + 8 * stages
 
 
+def simt_smem(dh: int) -> int:
+    """attention_*_npl<N>'s dynamic shared memory (kernels/attention_simt.cu): the block's q rows, a K tile (rows
+    of dh/2 + 1 words) and a V tile in fp16."""
+    return ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
+
+
 def tc_qscale(dh: int, scale: float = 0.0) -> float:
     """The factor attention_tc*_d* expects q multiplied by: log2(e) times the query scale (its softmax is
     base 2); the scale 1/sqrt(dh) unless `scale` (ModelConfig.attn_scale) says otherwise."""
@@ -113,8 +121,32 @@ def layer_ext(op: Attention | None) -> bool:
 
 
 def values_per_lane(dh: int) -> int:
-    """N of attention_npl<N>: output dims per lane, the smallest of 1, 2, 3, 4, 8 with 32 N >= dh."""
-    return next(n for n in (1, 2, 3, 4, 8) if 32 * n >= dh)
+    """N of attention_npl<N>: output dims per lane, the smallest of 1, 2, 3, 4, 8, 16 with 32 N >= dh (16: only
+    attention_npl16 / attention_w_npl16, gemma4's global heads of 512, op by op)."""
+    return next(n for n in (1, 2, 3, 4, 8, 16) if 32 * n >= dh)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """One layer's attention geometry, read as a ModelConfig's (n_head, n_head_kv, head_dim and what follows from
+    them): the config's own on every model but gemma4, whose sliding and global layers differ (the op-by-op path
+    takes it from the layer's cache: AttentionKernels.attention)."""
+
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+
+    @property
+    def n_group(self) -> int:
+        return self.n_head // self.n_head_kv
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
 
 
 def split_fits(gpu: Any, cfg: Any, q8: bool) -> bool:
@@ -155,7 +187,9 @@ class AttentionKernels:
     def __init__(self, gpu: Any, options: Any, model: Any, kv: Any):
         self.gpu, self.options, self.model, self.kv = gpu, options, model, kv
         self.cp, self.cfg, self.ctx = gpu.cp, model.cfg, model.ctx
-        self.counters = self.cp.zeros(self.cfg.n_head_kv, self.cp.uint32)
+        # (one per KV head of the layer with the most: gemma4's layers have their own counts)
+        most = max([self.cfg.n_head_kv] + [KVCache.heads(kc)[0] for kc in (kv.k_cache if kv is not None else [])])
+        self.counters = self.cp.zeros(most, self.cp.uint32)
 
     def batch_split(self) -> tuple[int, int]:
         """(n_split, chunk) of attention_batch_*: enough splits of the context for about two blocks per SM with one
@@ -181,7 +215,7 @@ class AttentionKernels:
         part_o = cp.empty((b, n_split, hq, dh), dtype=cp.float32) if n_split > 1 else None
         part_ml = cp.empty((b, n_split, hq, 2), dtype=cp.float32) if n_split > 1 else None
         sinks = self.model.sinks(op)
-        smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
+        smem = simt_smem(dh)
         npl = values_per_lane(dh)
         K.launch("attention_simt", f"attention_batch_npl{npl}",
                  (b * K.cdiv(cfg.n_group, ATT_ROWS), hkv, n_split), (256,), shared=smem, q=q, q_stride=q_stride,
@@ -194,37 +228,49 @@ class AttentionKernels:
                      out_stride=cfg.q_dim, window=op.window, sinks=sinks)
         return out
 
+    def layer_heads(self, kc: Any) -> Heads:
+        """The geometry of the layer whose cache is kc (its KV heads and head dim: kv.KVCache.heads)."""
+        hkv, dh = self.kv.heads(kc)
+        return Heads(self.cfg.n_head, hkv, dh)
+
     def attention(self, op: Attention, q: Any, k: Any, v: Any, pos: Any) -> Any:
-        """Backend.attention: k, v into layer op.layer's cache at pos, then attention of q over it."""
-        cp, cfg = self.cp, self.cfg
+        """Backend.attention: k, v into layer op.layer's cache at pos, then attention of q over it, with that layer's
+        head geometry (layer_heads; gemma4's layers differ). A shared-KV layer (op.store False, k and v None) writes
+        nothing and reads op.layer's cache as the layer that wrote it left it in this pass (block.prefill's passes
+        are at most PREFILL_CHUNK = RING_CHUNK positions, within a ring's span)."""
+        cp = self.cp
         f32 = self.gpu.f32
-        q, k, v = f32(q), f32(k), f32(v)
+        q = f32(q)
         t = q.shape[0]
         kc, vc = self.kv.k_cache[op.layer], self.kv.v_cache[op.layer]
-        span = ring_span(op.window, kc.shape[0], self.ctx)
-        if t > span:  # a ring takes a long chunk in passes of at most `span` positions (models/kv_cache.py)
-            return cp.concatenate([self.attention(op, q[s : s + span], k[s : s + span], v[s : s + span],
-                                                  pos[s : s + span]) for s in range(0, t, span)])
-        self.kv.store(kc, vc, k.data.ptr, v.data.ptr, cfg.kv_dim, pos, t)
-        out = cp.empty((t, cfg.q_dim), dtype=cp.float32)
+        g = self.layer_heads(kc)
+        if op.store:
+            k, v = f32(k), f32(v)
+            span = ring_span(op.window, kc.shape[0], self.ctx)
+            if t > span:  # a ring takes a long chunk in passes of at most `span` positions (models/kv_cache.py)
+                return cp.concatenate([self.attention(op, q[s : s + span], k[s : s + span], v[s : s + span],
+                                                      pos[s : s + span]) for s in range(0, t, span)])
+            self.kv.store(kc, vc, k.data.ptr, v.data.ptr, g.kv_dim, pos, t)
+        out = cp.empty((t, g.q_dim), dtype=cp.float32)
         if t == 1:
-            n_split, chunk = self.decode_splits(self.ctx), self.decode_chunk(self.ctx)  # (chunk: CUDA-core form)
-            part_o = cp.empty((n_split, cfg.n_head, cfg.head_dim), dtype=cp.float32)
-            part_ml = cp.empty((n_split, cfg.n_head, 2), dtype=cp.float32)
-            self.attend(q, cfg.q_dim, kc, vc, pos, 1, out, n_split, chunk, part_o, part_ml, op=op)
+            n_split, chunk = self.decode_splits(self.ctx, g), self.decode_chunk(self.ctx)  # (chunk: CUDA-core form)
+            part_o = cp.empty((n_split, g.n_head, g.head_dim), dtype=cp.float32)
+            part_ml = cp.empty((n_split, g.n_head, 2), dtype=cp.float32)
+            self.attend(q, g.q_dim, kc, vc, pos, 1, out, n_split, chunk, part_o, part_ml, op=op, heads=g)
         else:
-            self.attend(q, cfg.q_dim, kc, vc, pos, t, out, 1, self.ctx, None, None, op=op)
+            self.attend(q, g.q_dim, kc, vc, pos, t, out, 1, self.ctx, None, None, op=op, heads=g)
         return out
 
     def attend(self, q: Any, q_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any, n_split: int,
-               chunk: int, part_o: Any, part_ml: Any, op: Attention | None = None) -> None:
+               chunk: int, part_o: Any, part_ml: Any, op: Attention | None = None, heads: Heads | None = None) -> None:
         """Causal attention of q [t, Hq*Dh] f32 (rows q_stride apart) over one layer's cache kc, vc up to each
         row's position -> out [t, q_dim] f32: tensor cores for prefill chunks (attend_tc), attention_split for one
         token in n_split splits (partials in part_o, part_ml), else attention_npl in n_split splits of `chunk`
         keys.
-        `op`: the layer's attention, whose window, soft-cap and sinks apply (the _w kernels); None: none."""
-        cfg = self.cfg
-        hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        `op`: the layer's attention, whose window, soft-cap and sinks apply (the _w kernels); None: none. `heads`:
+        the layer's geometry (None: the config's)."""
+        cfg, g = self.cfg, heads or self.cfg
+        hq, hkv, dh = g.n_head, g.n_head_kv, g.head_dim
         ext = layer_ext(op)
         # the _w kernels' extra arguments
         wx = dict(window=op.window, softcap=op.softcap, sinks=self.model.sinks(op), ring=kc.shape[0]) if ext else {}
@@ -234,38 +280,39 @@ class AttentionKernels:
             # the fused prefill's RoPE epilogue writes it.
             q32 = q.reshape(t, q_stride)[:, : hq * dh]
             q16 = (q32 * np.float32(tc_qscale(dh, cfg.attn_scale))).astype(self.cp.float16)
-            self.attend_tc(q16, hq * dh, kc, vc, pos, t, out, op)
+            self.attend_tc(q16, hq * dh, kc, vc, pos, t, out, op, heads)
             return
-        if t == 1 and self.split_fits():  # decode on tensor cores, n_split splits from the position
-            self.attend_split(op, q, kc, vc, pos, out, n_split, part_o, part_ml)
+        if t == 1 and self.split_fits(heads):  # decode on tensor cores, n_split splits from the position
+            self.attend_split(op, q, kc, vc, pos, out, n_split, part_o, part_ml, heads)
             return
         kc, vc = self.kv.readable(kc, vc, pos, t)
         npl = values_per_lane(dh)
-        smem = ATT_ROWS * dh * 4 + 32 * (dh // 2 + 1) * 4 + 32 * dh * 2
-        grid = (K.cdiv(t * cfg.n_group, ATT_ROWS), hkv, n_split)
+        smem = simt_smem(dh)
+        grid = (K.cdiv(t * g.n_group, ATT_ROWS), hkv, n_split)
         K.launch("attention_simt", f"attention{w_}_npl{npl}", grid, (256,), shared=smem, q=q, q_stride=q_stride,
                  kc=kc, vc=vc, pos=pos, T=t, Hq=hq, Hkv=hkv, Dh=dh, scale=cfg.query_scale, chunk=chunk, out=out,
-                 out_stride=cfg.q_dim, part_o=part_o, part_ml=part_ml, n_split=n_split, **wx)
+                 out_stride=g.q_dim, part_o=part_o, part_ml=part_ml, n_split=n_split, **wx)
         if n_split > 1:
             cx = {k: wx[k] for k in ("window", "sinks")} if ext else {}
             K.launch("attention_simt", f"attention_combine{w_}", (t * hq,), (max(32, K.cdiv(dh, 32) * 32),),
                      part_o=part_o, part_ml=part_ml, pos=pos, T=t, Hq=hq, Dh=dh, n_split=n_split, chunk=chunk,
-                     out=out, out_stride=cfg.q_dim, **cx)
+                     out=out, out_stride=g.q_dim, **cx)
 
     def attend_tc(self, q16: Any, q16_stride: int, kc: Any, vc: Any, pos: Any, t: int, out: Any,
-                  op: Attention | None = None) -> None:
+                  op: Attention | None = None, heads: Heads | None = None) -> None:
         """Causal prefill attention on tensor cores: q16 [t, Hq*dh] fp16 rows q16_stride apart, already times
         tc_qscale; out [t, q_dim] f32, or fp16 (the O-projection GEMM's input). attention_wg*_d* (Hopper,
         K/V through TMA descriptors of the caches) where it serves, else attention_tc*_d* (mma.sync); a
-        layer whose attention (`op`) has a sliding window, soft-cap or sinks: attention_tcx*_d* (mma.sync)."""
-        cfg = self.cfg
-        hq, hkv, dh = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        layer whose attention (`op`) has a sliding window, soft-cap or sinks: attention_tcx*_d* (mma.sync).
+        `heads`: the layer's geometry (None: the config's)."""
+        g = heads or self.cfg
+        hq, hkv, dh = g.n_head, g.n_head_kv, g.head_dim
         if kc.dtype == self.cp.uint8:  # an 8-bit cache: its fp16 pair
             kc, vc = self.kv.readable(kc, vc, pos, t)
         f16 = "16" if out.dtype == self.cp.float16 else ""
-        rows = dict(q=q16, q_stride=q16_stride, pos=pos, T=t, Hq=hq, Hkv=hkv, out=out, out_stride=cfg.q_dim)
+        rows = dict(q=q16, q_stride=q16_stride, pos=pos, T=t, Hq=hq, Hkv=hkv, out=out, out_stride=g.q_dim)
         if layer_ext(op):  # the soft-cap in the kernel's base-2 units: c log2(e)
-            K.launch("attention_mma", f"attention_tcx{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv),
+            K.launch("attention_mma", f"attention_tcx{f16}_d{dh}", (K.cdiv(t * g.n_group, ATT_TC_ROWS), hkv),
                      (128,), shared=tc_smem(dh), kc=kc, vc=vc, window=op.window,
                      cap2=op.softcap * math.log2(math.e), sinks=self.model.sinks(op), ring=kc.shape[0], **rows)
             return
@@ -273,32 +320,33 @@ class AttentionKernels:
             # K and V by the tensor copy engine: each cache a [rows, hkv * dh] matrix in [64 x 64] boxes.
             n_rows = kc.size // (hkv * dh)
             kmap, vmap = (K.tensor_map_2d(x.data.ptr, n_rows, hkv * dh, 64, 64) for x in (kc, vc))
-            K.launch("attention_wgmma", f"attention_wg{f16}_d{dh}", (K.cdiv(t * cfg.n_group, 64), hkv), (128,),
+            K.launch("attention_wgmma", f"attention_wg{f16}_d{dh}", (K.cdiv(t * g.n_group, 64), hkv), (128,),
                      shared=wg_smem(dh), kmap=kmap, vmap=vmap, **rows)
             return
-        K.launch("attention_mma", f"attention_tc{f16}_d{dh}", (K.cdiv(t * cfg.n_group, ATT_TC_ROWS), hkv), (128,),
+        K.launch("attention_mma", f"attention_tc{f16}_d{dh}", (K.cdiv(t * g.n_group, ATT_TC_ROWS), hkv), (128,),
                  shared=tc_smem(dh), kc=kc, vc=vc, **rows)
 
     def split_args(self, op: Attention | None, pos: Any, n_split: int, part_o: Any, part_ml: Any,
-                   kc: Any, vc: Any) -> dict[str, Any]:
-        """attention_split*'s arguments from kc to counters (op's window, soft-cap and sinks; none without)."""
-        cfg = self.cfg
+                   kc: Any, vc: Any, heads: Heads | None = None) -> dict[str, Any]:
+        """attention_split*'s arguments from kc to counters (op's window, soft-cap and sinks; none without;
+        `heads`: the layer's geometry, None: the config's)."""
+        cfg, g = self.cfg, heads or self.cfg
         window = op.window if op is not None else 0
         cap2 = op.softcap * math.log2(math.e) if op is not None else 0.0
-        return dict(kc=kc, vc=vc, ring=kc.shape[0], pos=pos, Hq=cfg.n_head, Hkv=cfg.n_head_kv,
-                    qscale=tc_qscale(cfg.head_dim, cfg.attn_scale), window=window, cap2=cap2, sinks=self.model.sinks(op),
+        return dict(kc=kc, vc=vc, ring=kc.shape[0], pos=pos, Hq=g.n_head, Hkv=g.n_head_kv,
+                    qscale=tc_qscale(g.head_dim, cfg.attn_scale), window=window, cap2=cap2, sinks=self.model.sinks(op),
                     part_o=part_o, part_ml=part_ml, counters=self.counters)
 
     def attend_split(self, op: Attention | None, q: Any, kc: Any, vc: Any, pos: Any, out: Any, n_split: int,
-                     part_o: Any, part_ml: Any) -> None:
+                     part_o: Any, part_ml: Any, heads: Heads | None = None) -> None:
         """Decode attention of one rotated query q [1, q_dim] f32 over the cache up to pos[0] (its K/V already
         stored) in n_split splits (attention_split_d<D>, partials in part_o [n_split, Hq, D] and part_ml
-        [n_split, Hq, 2]) -> out [1, q_dim] f32."""
-        cfg = self.cfg
+        [n_split, Hq, 2]) -> out [1, q_dim] f32 (`heads`: the layer's geometry, None: the config's)."""
+        g = heads or self.cfg
         q8 = kc.dtype == self.cp.uint8  # an 8-bit cache (kv.KVCache)
-        K.launch("attention_split", f"attention_split{'_q8' if q8 else ''}_d{cfg.head_dim}", (cfg.n_head_kv, n_split),
-                 (128,), shared=split_smem(cfg.head_dim, cfg.n_group, q8), q=q, out=out,
-                 **self.split_args(op, pos, n_split, part_o, part_ml, kc, vc))
+        K.launch("attention_split", f"attention_split{'_q8' if q8 else ''}_d{g.head_dim}", (g.n_head_kv, n_split),
+                 (128,), shared=split_smem(g.head_dim, g.n_group, q8), q=q, out=out,
+                 **self.split_args(op, pos, n_split, part_o, part_ml, kc, vc, heads))
 
     def attend_step(self, branch: AttentionBranch, qkv: Any, att: Any, pos: Any, part_o: Any, part_ml: Any,
                     early: bool) -> None:
@@ -323,13 +371,13 @@ class AttentionKernels:
                  out=att, rope_dim=dims, inv_freq=inv_freq, attn=attn, qn=qn, kn=kn, eps=cfg.rms_eps, early=early,
                  **self.split_args(op, pos, n_split, part_o, part_ml, kc, vc))
 
-    def split_fits(self) -> bool:
-        """attention_split serves this model's head shape and cache (split_fits)."""
-        return split_fits(self.gpu, self.cfg, self.kv.q8)
+    def split_fits(self, heads: Heads | None = None) -> bool:
+        """attention_split serves this model's head shape (`heads`: a layer's own) and cache (split_fits)."""
+        return split_fits(self.gpu, heads or self.cfg, self.kv.q8)
 
     def decode_chunk(self, ctx: int) -> int:
         return decode_chunk(ctx)
 
-    def decode_splits(self, ctx: int) -> int:
-        """decode_splits for this model's head shape and cache."""
-        return decode_splits(self.gpu, self.cfg, ctx, self.kv.q8)
+    def decode_splits(self, ctx: int, heads: Heads | None = None) -> int:
+        """decode_splits for this model's head shape (`heads`: a layer's own) and cache."""
+        return decode_splits(self.gpu, heads or self.cfg, ctx, self.kv.q8)

@@ -23,14 +23,25 @@ through (none reaches into another's attributes):
     decode.DecodeStep         the fused decode step: its inputs, buffers, graphs, the step queued ahead
     prefill.PrefillPass       the fused prefill pass: its buffers and graphs
     batch.BatchStep           the batched decode step of several sequences (cache slots): inputs, graphs, pool
+    delta.DeltaNet            a hybrid model's delta-net layers: their launchers, each slot's recurrent states
 
 load() uploads the model (DeviceModel) and attaches the rest to it (`attach`, which kernel tests call with a
-model of no weights). The current figures are in BENCHMARKS.md, their history in docs/perf-log.md; `llamacli
-bench --profile` breaks a step down by kernel family.
+model of no weights).
+
+A model that runs op by op (fusion.op_by_op: the hybrid Qwen models, qwen35 / qwen35moe / qwen3next, with their
+Gated DeltaNet layers, gated attention and shared experts; Gemma 4, with its layers of different shapes, shared KV,
+per-layer embeddings and experts beside a dense FFN) has no fused form: its prompts, decode steps and
+verifications all go through models/block.run (the Backend's own forms of forward_prompt, decode, step, ...: a
+sampler on the host, the sequences of a step one after the other), and its recurrent states are DeltaNet's. Every
+other model keeps the fused paths; `op_path` says which.
+
+The current figures are in BENCHMARKS.md, their history in docs/perf-log.md; `llamacli bench --profile` breaks a step
+down by kernel family.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -38,7 +49,8 @@ import numpy as np
 
 from ...errors import BackendError, DeviceMemoryError, UsageError
 from ...ggufio.file import GGUFFile
-from ...models.block import Attention, Moe
+from ...models import block
+from ...models.block import Attention, Conv, DeltaRule, Moe
 from ...models.config import ModelConfig
 from ...units import human_bytes
 from ..base import Backend, Progress, StepErrors
@@ -47,13 +59,23 @@ from . import loader as K
 from .attention import AttentionKernels
 from .batch import BatchStep
 from .decode import DecodeStep
-from .device import DeviceModel, cache_q8, compile_kernels, cuda_available, fused_layers
+from .delta import DeltaNet, gated_norm_into, sigmoid_gate_into
+from .device import (
+    DeviceModel,
+    cache_q8,
+    check_attention_smem,
+    compile_kernels,
+    cuda_available,
+    fused_layers,
+    recurrent_bytes,
+)
+from .fusion import op_by_op
 from .gpu import Gpu, Options
 from .kv import KVCache
 from .kv_pool import KVPool
 from .linear import DEQUANT_CHUNK, RUNNABLE, DeviceMatrix, Linear
 from .moe import Experts, moe_family_needed
-from .ops import add_into, embed_rows, glu_into, rms_norm_into, rope_into, softcap_into
+from .ops import add_into, embed_rows, glu_into, rms_norm_into, rope_into, scale_into, softcap_into
 from .prefill import PREFILL_CHUNK, PrefillPass
 from .profile import Profiler, profiled
 from .sampling import DeviceSampler
@@ -107,6 +129,10 @@ class CudaBackend(Backend):
         self.batch: BatchStep | None = None
         self.verifier: BatchStep | None = None  # a verification's pass of drafts as a batched step (forward_verify)
         self.kv_pool: KVPool | None = None  # the prefix cache's rows (alloc_kv_pool)
+        self.delta: DeltaNet | None = None  # a hybrid model's delta-net layers and recurrent states
+        self.op_path = False  # the model runs op by op (fusion.op_by_op): no fused prefill, decode or batched step
+        self._pos_hint: tuple[Any, int] | None = None  # the last positions() array and its first position
+        self._ones_by_size: dict[int, Any] = {}  # rms_norm's weight of ones (a norm without one: gemma4's V norm)
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def load(self, gguf: GGUFFile, cfg: ModelConfig, ctx: int, progress: Progress | None = None,
@@ -115,12 +141,14 @@ class CudaBackend(Backend):
         t0 = time.perf_counter()  # load_stages: kernels, weights, the rest
         report = progress or (lambda done, total, what: None)
         fused = fused_layers(cfg, gguf)
+        check_attention_smem(self.gpu, cfg)
         compile_kernels(cfg)
         t_kernels = time.perf_counter()
         model = DeviceModel.upload(self.gpu, gguf, cfg, ctx, fused, tuple(cache_types), report)
         t_weights = time.perf_counter()
         self.attach(model, q8)
-        self.decoder.plan()
+        if not self.op_path:
+            self.decoder.plan()
         t_end = time.perf_counter()
         self.load_stages = (("kernels", (t_kernels - t0) * 1e3),
                             ("weights upload", (t_weights - t_kernels) * 1e3),
@@ -144,11 +172,16 @@ class CudaBackend(Backend):
         self.slots = 1
         self._slot_sampler, self._slot_kind = {}, {}
         self.kv_pool = None
+        self.op_path = op_by_op(model.cfg)
+        recurrent = any(plan.recurrent for plan in model.cfg.layers)
+        self.delta = DeltaNet(gpu, model, self._start_of) if recurrent else None
 
     def close(self) -> None:
         self.batch = self.verifier = None
         self.decoder = self.prefill = self.sampler = self.experts = self.attn = self.linear = self.kv = None
-        self.kv_pool = None
+        self.kv_pool = self.delta = None
+        self._pos_hint = None
+        self._ones_by_size = {}
         self.model = None
         self.weights = None  # type: ignore[assignment]
         self.cp.get_default_memory_pool().free_all_blocks()
@@ -159,6 +192,9 @@ class CudaBackend(Backend):
         With more than one, step() runs the decode steps of several sequences together (batch.BatchStep)."""
         if type(n) is not int or n < 1:
             raise UsageError(f"the number of sequences must be a positive integer, got {n!r}")
+        if self.op_path:
+            self._set_slots_op(n)
+            return
         self.batch = self.verifier = None  # (their graphs hold the old slots' addresses; their pools count as free below)
         if n > 1:  # what lives past any step made now, outside the batched step's memory pool
             self.prefill_pass().buffers()
@@ -177,15 +213,28 @@ class CudaBackend(Backend):
         self.decoder.look_ahead = n == 1 or not self.kv.q8  # (an 8-bit cache's sequences take turns: see README)
         self.slots = n
 
+    def _set_slots_op(self, n: int) -> None:
+        """set_slots of a model that runs op by op: the KV caches (with room for each slot's recurrent states and the
+        steps' working set) and the recurrent states of n slots; no batched step."""
+        self.kv.set_slots(n, n * recurrent_bytes(self.cfg) + (256 << 20))
+        if self.delta is not None:
+            self.delta.set_slots(n)
+        self._forget_slots(min(n, self.slots))
+        self.decoder.use_slot(0)
+        self.decoder.forget_slots(n)
+        self.slots = n
+
     def use_slot(self, slot: int) -> None:
         self.kv.use(slot)
         self.decoder.use_slot(slot)
+        if self.delta is not None:
+            self.delta.use(slot)
 
     def step(self, batch: Sequence[SeqStep]) -> list[StepOut]:
         """Backend.step; with several cache slots the decode steps of two or more sequences run as one batched step
         (batch.py); a single one takes the fused decode step (its graph: the argmax or, for any other sampler, the
         logits chosen from as a single step's are)."""
-        if self.slots == 1:
+        if self.slots == 1 or self.op_path:  # (op by op: the sequences one after the other)
             return super().step(batch)
         self._check_slots(batch)
         rows = [i for i, seq in enumerate(batch) if self._batchable(seq)]
@@ -269,7 +318,7 @@ class CudaBackend(Backend):
         graph) and any other decodes in the batched step ("batch"); with an 8-bit cache, which the batched step
         does not read, through the fused step's logits and the sampler (the device sampler's state is one
         sequence's)."""
-        if self.slots == 1:
+        if self.slots == 1 or self.op_path:
             return super()._setup_decode(s, pos)
         if s.plain_greedy and not s.logits and s.mask is None:
             self.prepare_decode(("greedy",), pos=pos)
@@ -286,7 +335,17 @@ class CudaBackend(Backend):
 
     # -- host <-> device -----------------------------------------------------------------------------------
     def positions(self, start: int, n: int) -> Any:
-        return self.cp.asarray(np.arange(start, start + n, dtype=np.int32))
+        pos = self.cp.asarray(np.arange(start, start + n, dtype=np.int32))
+        self._pos_hint = (pos, start)  # (the delta-net layers need the first position on the host: _start_of)
+        return pos
+
+    def _start_of(self, pos: Any) -> int:
+        """The first position of a positions array [T]: known on the host for the last one positions() made (the
+        one block.run hands every layer), else read from the device."""
+        hint = self._pos_hint
+        if hint is not None and hint[0] is pos:
+            return hint[1]
+        return int(pos[0])
 
     def token_ids(self, ids: np.ndarray) -> Any:
         return self.cp.asarray(np.asarray(ids, dtype=np.int32).reshape(-1))
@@ -303,11 +362,35 @@ class CudaBackend(Backend):
         embed_rows(self.cfg, ids, w, out, t)
         return out
 
+    @profiled("embedding")
+    def embed_per_layer(self, ids: Any) -> Any:
+        """Gemma 4's per-layer embeddings: rows of per_layer_token_embd [V, L P] (kept in its GGUF layout, as
+        token_embd) times sqrt(P) -> [T, L, P]."""
+        cfg, w = self.cfg, self.weights.per_layer_token_embd
+        t = int(ids.shape[0])
+        out = self.cp.empty((t, w.cols), dtype=self.cp.float32)
+        embed_rows(cfg, ids, w, out, t, scale=math.sqrt(cfg.n_embd_per_layer))
+        return out.reshape(t, cfg.n_layer, cfg.n_embd_per_layer)
+
     @profiled("norm")
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         x = self.gpu.f32(x)
         out = self.cp.empty_like(x)
-        rms_norm_into(x, weight, eps, out)
+        rms_norm_into(x, self._ones(x.shape[-1]) if weight is None else weight, eps, out)  # (None: gemma4's V norm)
+        return out
+
+    def _ones(self, n: int) -> Any:
+        """float32 ones [n] on the device (a norm without a weight: times 1.0, exact), made once per size."""
+        ones = self._ones_by_size.get(n)
+        if ones is None:
+            ones = self._ones_by_size[n] = self.cp.ones(n, dtype=self.cp.float32)
+        return ones
+
+    @profiled("other (scale)")
+    def scale(self, x: Any, factor: float, weight: Any = None) -> Any:
+        x = self.gpu.f32(x)
+        out = self.cp.empty_like(x)
+        scale_into(x, factor, weight, out)
         return out
 
     @profiled()
@@ -317,9 +400,9 @@ class CudaBackend(Backend):
     @profiled("RoPE")
     def rope(self, x: Any, pos: Any, local: bool = False) -> Any:
         out = self.gpu.f32(x).copy()
-        m = self.model
-        table, attn = (m.inv_freq_local, 1.0) if local else (m.inv_freq, self.cfg.rope_attn_factor)
-        rope_into(self.cfg, out, pos, table, attn)
+        m, cfg = self.model, self.cfg
+        table, attn = (m.inv_freq_local, 1.0) if local else (m.inv_freq, cfg.rope_attn_factor)
+        rope_into(cfg, out, pos, table, attn, cfg.local_rope_dim if local else cfg.rope_dim)
         return out
 
     @profiled("attention")
@@ -356,14 +439,58 @@ class CudaBackend(Backend):
 
     @profiled("FFN")
     def moe(self, op: Moe, h: Any, router_in: Any = None) -> Any:
-        if router_in is not None:  # (fused_layers refuses such models at load: gemma4's normalised router input)
-            raise BackendError("the CUDA backend has no separate router input (Gemma 4's experts) yet")
-        return self.experts.forward(op, h)
+        return self.experts.forward(op, h, router_in)
+
+    # -- the hybrid models' operations (delta.py) -----------------------------------------------------------------
+    @profiled("other (gates)")
+    def sigmoid_gate(self, x: Any, gate: Any) -> Any:
+        x, gate = self.gpu.f32(x), self.gpu.f32(gate)
+        out = self.cp.empty_like(x)
+        sigmoid_gate_into(x, gate, out)
+        return out
+
+    @profiled("delta net")
+    def conv(self, op: Conv, x: Any, pos: Any) -> Any:
+        return self._delta_net().conv(op, x, pos)
+
+    @profiled("delta net")
+    def delta_rule(self, op: DeltaRule, qkv: Any, a: Any, b: Any, pos: Any) -> Any:
+        return self._delta_net().delta_rule(op, qkv, a, b, pos)
+
+    @profiled("delta net")
+    def gated_norm(self, x: Any, weight: Any, gate: Any, eps: float) -> Any:
+        x, gate = self.gpu.f32(x), self.gpu.f32(gate)
+        out = self.cp.empty_like(x)
+        gated_norm_into(x, gate, weight, out, eps)
+        return out
+
+    def _delta_net(self) -> DeltaNet:
+        if self.delta is None:
+            raise BackendError("this model has no delta-net layers")
+        return self.delta
+
+    # -- recurrent states (delta.DeltaNet; Backend.resume, snapshots, rollback) ------------------------------------
+    def resume(self, slot: int, pos: int) -> None:
+        if self.delta is not None:
+            self.delta.resume(slot, pos)
+
+    def snapshots(self, slot: int, prompt_end: int | None = None) -> frozenset[int] | None:
+        return None if self.delta is None else self.delta.snapshots(slot, prompt_end)
+
+    def rollback(self, slot: int, pos: int) -> None:
+        """Backend.rollback: with recurrent layers, the state stored at the verification's first position restored
+        and the ids it kept run again (their K/V rows written again, to the same values)."""
+        if self.delta is None:
+            return
+        again = self.delta.rollback(slot, pos)
+        if again is not None:
+            start, ids = again
+            block.run(self, self.cfg, self.token_ids(ids), self.positions(start, int(ids.size)))
 
     # -- whole steps: the fused prefill pass and decode step ---------------------------------------------------
     def forward_prompt(self, ids: np.ndarray, start: int) -> Any:
         self.decoder.drop_ahead()  # a decode step queued ahead is stale once the cache changes
-        if not PrefillPass.serves(int(np.asarray(ids).size), self.ctx):
+        if self.op_path or not PrefillPass.serves(int(np.asarray(ids).size), self.ctx):
             return super().forward_prompt(ids, start)
         return self.prefill_pass().forward(ids, start)
 
@@ -374,8 +501,13 @@ class CudaBackend(Backend):
         slot up to its own position, so the rows see the drafts before them; each weight is read once for up to
         BG_NMAX rows (linear.Linear.bgemm). Otherwise up to MATVEC_TMAX tokens the operations one by one
         (block.run, as a short prompt chunk), longer ones the fused prefill pass with every row's LM head
-        (prefill.PrefillPass.forward(all_rows=True))."""
+        (prefill.PrefillPass.forward(all_rows=True)). A model that runs op by op: block.run, the recurrent states at
+        `start` kept for rollback (delta.DeltaNet.begin_verify)."""
         self.decoder.drop_ahead()  # a decode step queued ahead is stale once the cache changes
+        if self.op_path:
+            if self.delta is not None:
+                self.delta.begin_verify(ids, start)
+            return super().forward_verify(ids, start)
         t = int(np.asarray(ids).size)
         if self._verify_in_batch(t):
             return self._verify_step(ids, start)[1]
@@ -387,6 +519,8 @@ class CudaBackend(Backend):
         """Backend.verify_greedy with the argmax of each row on the device (the lowest id on ties, as the host's):
         only the ids and each row's maximum (or, in the batched step, a flag) cross; a row that is not finite goes
         to the host sampler's checks (NumericalError)."""
+        if self.op_path:
+            return super().verify_greedy(ids, start)
         if self._verify_in_batch(int(np.asarray(ids).size)):
             self.decoder.drop_ahead()
             choice, logits = self._verify_step(ids, start)
@@ -437,20 +571,30 @@ class CudaBackend(Backend):
         """The chunk lengths whose prefill pass is captured as a graph now."""
         return frozenset() if self.prefill is None else self.prefill.graph_lengths
 
+    # The decode step: the fused one (decode.DecodeStep), or block.run for a model that runs op by op.
     def decode(self, token: int, pos: int) -> Any:
+        if self.op_path:
+            return super().decode(token, pos)
         return self.decoder.decode(token, pos)
 
     def decode_greedy(self, token: int, pos: int) -> int:
+        if self.op_path:
+            return super().decode_greedy(token, pos)
         return self.decoder.decode_greedy(token, pos)
 
     def decode_sampled(self, token: int, pos: int) -> int:
+        if self.op_path:  # (start_sampling said no: step() never calls this then)
+            return super().decode_sampled(token, pos)
         return self.decoder.decode_sampled(token, pos)
 
     def decode_allowed(self, token: int, pos: int, words: Any, params: Any, rng: Any, recent: list[int]) -> int:
+        if self.op_path:
+            return super().decode_allowed(token, pos, words, params, rng, recent)
         return self.decoder.decode_allowed(token, pos, words, params, rng, recent)
 
     def prepare_decode(self, kinds: tuple[str, ...] = ("greedy", "sampled"), pos: int = 0) -> None:
-        self.decoder.prepare_decode(kinds, pos)
+        if not self.op_path:  # (op by op: nothing is captured)
+            self.decoder.prepare_decode(kinds, pos)
 
     def drop_graphs(self) -> None:
         """Forget the captured decode steps: the next step captures again (after changing pdl, say)."""
@@ -503,6 +647,8 @@ class CudaBackend(Backend):
 
     # -- sampling ------------------------------------------------------------------------------------------
     def start_sampling(self, params: Any, rng: np.random.Generator, recent: list[int]) -> bool:
+        if self.op_path:  # (the sampler runs on the host: sample() on the step's logits)
+            return False
         return self.decoder.start_sampling(params, rng, recent)
 
     def sample(self, logits: Any, params: Any, rng: np.random.Generator, recent: list[int]) -> int:
@@ -526,7 +672,10 @@ class CudaBackend(Backend):
         return self.profiler.profile(fn, spin_ms)
 
     def profile_decode(self, token: int, pos: int) -> tuple[list[tuple[str, float, int]], float]:
-        """profile() of one fused greedy decode step, launched un-captured (the graph's kernels, one by one)."""
+        """profile() of one fused greedy decode step, launched un-captured (the graph's kernels, one by one); of a
+        model that runs op by op, its decode step through block.run."""
+        if self.op_path:
+            return self.profiler.profile(lambda: self.decode(token, pos), spin_ms=30.0)
         return self.decoder.profile_decode(token, pos)
 
     def elapsed(self, fn: Callable[[], Any]) -> float:

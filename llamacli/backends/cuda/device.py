@@ -19,20 +19,24 @@ from ...models import rope as rope_tables
 from ...models.block import Attention, Rope, programs
 from ...models.config import ModelConfig
 from ...models.kv_cache import check_cache_types, ring_span
-from ...models.weights import layer_tensor_names, model_specs
+from ...models.seq_cache import MAX_SNAPSHOTS, SNAPSHOT_EVERY
+from ...models.weights import PER_LAYER_TABLES, layer_tensor_names, model_specs
 from ..base import LayerWeights, ModelWeights
 from ..memory_fit import not_enough_memory, q8_pair_bytes
 from ..split_plan import DeviceMemory
 from . import loader as K
-from .attention import decode_splits
+from .attention import Heads, decode_splits, simt_smem
 from .constants import BG_NMAX, BG_ROWS
-from .fusion import FusedLayer, match_layer, refuse_unported_model
+from .fusion import FusedLayer, match_layer, op_by_op
 from .gpu import Gpu
 from .linear import BG_BLOCKS_PER_SM, DEQUANT_CHUNK, DeviceMatrix
 from .moe import check_moe, dense_ff, moe_family_needed, moe_scratch_bytes
 from .prefill import PREFILL_CHUNK
 
 _ALIGN = 256
+# Matrices the kernels read as float32 [rows, cols] arrays rather than in their GGUF layout (uploaded as the vectors
+# are): a delta-net layer's convolution taps [C, K] (kernels/delta.cu conv_silu_f32)
+FLOAT_FIELDS = frozenset({"ssm_conv1d"})
 
 
 def nvidia_driver_present() -> bool:
@@ -128,39 +132,65 @@ def cache_q8(cfg: ModelConfig, cache_types: tuple[str, str]) -> bool:
     if tuple(cache_types) not in (("f16", "f16"), ("q8_0", "q8_0")):  # as llama.cpp's CUDA flash attention
         raise UsageError(f"the CUDA backend takes K and V caches of one type (f16 or q8_0), not "
                          f"{'/'.join(cache_types)}; the CPU backend (--backend cpu) takes any pair")
-    check_cache_types(cfg.head_dim, cache_types)
+    for dh in sorted({cfg.head_dim} | {cfg.layer_head_dim(i) for i in range(cfg.n_layer)}):  # (gemma4: each layer's)
+        check_cache_types(dh, cache_types)
     return cache_types[0] == "q8_0"
 
 
 def fused_layers(cfg: ModelConfig, gguf: GGUFFile | None = None) -> tuple[FusedLayer, ...]:
-    """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); a program
-    they do not run, or experts the kernels do not serve, is refused here, before anything is uploaded."""
-    # the programs first: a hybrid or Gemma 4 model is refused naming --backend cpu before its experts are looked at
-    fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
-    refuse_unported_model(cfg)
+    """Each layer's program in the fused forms the prefill pass and the decode step launch (fusion.py); none for a
+    model that runs op by op (fusion.op_by_op: the hybrid Qwen models, Gemma 4); a program no CUDA path runs, or
+    experts the kernels do not serve, is refused here, before anything is uploaded."""
+    if op_by_op(cfg):
+        fused: tuple[FusedLayer, ...] = ()
+    else:
+        fused = tuple(match_layer(ops, i) for i, ops in enumerate(programs(cfg)))
     check_moe(cfg, gguf)
     return fused
 
 
+def check_attention_smem(gpu: Gpu, cfg: ModelConfig) -> None:
+    """Heads larger than 256 (Gemma 4's global layers: 512) have no tensor-core attention: the CUDA-core kernel
+    takes them, whose shared memory grows with the head (attention.simt_smem). Refused before anything is
+    uploaded where the GPU's per-block limit does not hold it (131 KB at 512: an H100 or A100 does, an RTX 4090,
+    L4 or T4 does not)."""
+    for dh in sorted({cfg.layer_head_dim(i) for i in range(cfg.n_layer)}):
+        if dh > 256 and simt_smem(dh) > gpu.smem_block:
+            raise BackendError(f"the CUDA backend's attention for heads of {dh} needs {simt_smem(dh):,} bytes of shared "
+                               f"memory per block, this GPU allows {gpu.smem_block:,}: run the model on the CPU "
+                               "backend (--backend cpu)")
+
+
 def compile_kernels(cfg: ModelConfig) -> None:
     """Compile (or fetch from CuPy's cache) the kernel modules the model needs, before touching device memory:
-    the expert kernels only for models with experts."""
+    the expert kernels only for models with experts, the delta net's only for the models that run op by op."""
     for fam in K.FAMILIES:
-        if fam != "moe" or moe_family_needed(cfg):
+        if (fam != "moe" or moe_family_needed(cfg)) and (fam != "delta" or op_by_op(cfg)):
             K.module(fam)
 
 
 def scratch_bytes(gpu: Gpu, cfg: ModelConfig, ctx: int, q8: bool) -> int:
-    """Decode buffers plus a prefill working set (a 512-token chunk, one fp16 weight chunk, bgemm's partials)."""
+    """Decode buffers plus a prefill working set (a 512-token chunk, one fp16 weight chunk, bgemm's partials). Layers
+    of their own shapes (gemma4) count the widest (as every other model, whose layers all have the config's), and
+    gemma4's per-layer inputs [T, L, P] a few times over (block.per_layer_inputs' temporaries)."""
     t = min(ctx, 512)
-    ff = dense_ff(cfg)
-    widest = max(cfg.q_dim + 2 * cfg.kv_dim, 2 * ff, cfg.vocab_size)
-    act = t * (4 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + 3 * ff) * 4 + t * widest * 2 * 2
-    split = decode_splits(gpu, cfg, ctx, q8)
-    step = 4 * (3 * cfg.n_embd + cfg.q_dim + 2 * cfg.kv_dim + cfg.q_dim + cfg.n_ff + cfg.vocab_size)
-    step += split * cfg.n_head * (cfg.head_dim + 2) * 4
+    layers = range(cfg.n_layer)
+    ff = max([dense_ff(cfg)] + [cfg.layer_n_ff(i) for i in layers if not cfg.layers[i].moe or cfg.layers[i].moe_dense])
+    q_dim = max([cfg.q_dim] + [cfg.n_head * cfg.layer_head_dim(i) for i in layers])
+    kv_dim = max([cfg.kv_dim] + [cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) for i in layers])
+    widest = max(q_dim + 2 * kv_dim, 2 * ff, cfg.vocab_size)
+    act = t * (4 * cfg.n_embd + q_dim + 2 * kv_dim + 3 * ff) * 4 + t * widest * 2 * 2
+    act += 4 * t * 4 * cfg.n_layer * cfg.n_embd_per_layer
+    split = max(decode_splits(gpu, cfg, ctx, q8), *(decode_splits(gpu, heads, ctx, q8) for heads in _geometries(cfg)))
+    step = 4 * (3 * cfg.n_embd + q_dim + 2 * kv_dim + q_dim + max(cfg.n_ff, ff) + cfg.vocab_size)
+    step += split * cfg.n_head * (max(cfg.head_dim, *(h.head_dim for h in _geometries(cfg))) + 2) * 4
     bgemm = 2 * BG_BLOCKS_PER_SM * gpu.n_sms * BG_ROWS * BG_NMAX * 4  # its split partials (Linear.bgemm_scratch)
     return act + step + moe_scratch_bytes(cfg, t) + 2 * DEQUANT_CHUNK + bgemm + (64 << 20)  # + CuPy/cuBLAS margin
+
+
+def _geometries(cfg: ModelConfig) -> set[Heads]:
+    """The attention geometries of a model's layers (one, the config's, but on gemma4)."""
+    return {Heads(cfg.n_head, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layer)}
 
 
 def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,
@@ -168,12 +198,12 @@ def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,
     """DeviceMemoryError saying what the model needs, what the GPU has and what would fit
     (memory_fit.not_enough_memory: with the host's other GPUs, the split modes that fit over them; `tensors`:
     the file's, for their plan), before anything is allocated. An 8-bit cache also takes its fp16 pair
-    of one layer's rows (kv.KVCache)."""
+    of one layer's rows (kv.KVCache). Delta-net layers take their recurrent states instead (recurrent_bytes)."""
     cp = gpu.cp
     free, total = cp.cuda.runtime.memGetInfo()
     free += cp.get_default_memory_pool().free_bytes()
     q8 = cache_types[0] == "q8_0"
-    kv, scratch = cfg.kv_cache_bytes(ctx, cache_types), scratch_bytes(gpu, cfg, ctx, q8)
+    kv, scratch = cfg.kv_cache_bytes(ctx, cache_types) + recurrent_bytes(cfg), scratch_bytes(gpu, cfg, ctx, q8)
     if q8:
         scratch += q8_pair_bytes(cfg, ctx)
     if weight_bytes + kv + scratch <= free:
@@ -181,6 +211,13 @@ def check_memory(gpu: Gpu, cfg: ModelConfig, ctx: int, weight_bytes: int,
     raise DeviceMemoryError(not_enough_memory(cfg, ctx, weights=weight_bytes, kv=kv, scratch=scratch,
                                               free=free, total=total, cache_types=tuple(cache_types),
                                               tensors=tensors, gpus=visible_gpus(cp, free, total)))
+
+
+def recurrent_bytes(cfg: ModelConfig) -> int:
+    """One sequence's recurrent states on the device (delta.DeltaNet): the live one, the stored ones (MAX_SNAPSHOTS)
+    and those one prefill pass stores before the oldest are dropped (one per SNAPSHOT_EVERY positions it passes,
+    plus its end); 0 for a model without delta-net layers."""
+    return (MAX_SNAPSHOTS + 2 + PREFILL_CHUNK // SNAPSHOT_EVERY) * cfg.recurrent_state_bytes()
 
 
 def visible_gpus(cp: Any, free: int, total: int) -> list[DeviceMemory]:
@@ -217,12 +254,13 @@ class DeviceModel:
                cache_types: tuple[str, str], report: Callable[[int, int, str], None]) -> "DeviceModel":
         """Check the memory, then upload: matrices (2-D, and 3-D expert tensors as one matrix of E * rows rows)
         into one arena in their GGUF layout, read from the file in chunks (report per chunk; nothing on the host
-        refers to the file afterwards: ggufio/file.py maps no memory); vectors and bias tables (the experts'
-        [E, F] biases) as float32 arrays; the RoPE tables."""
+        refers to the file afterwards: ggufio/file.py maps no memory); vectors, bias tables (the experts'
+        [E, F] biases) and FLOAT_FIELDS as float32 arrays; the RoPE tables."""
         cp = gpu.cp
         specs = [s for s in model_specs(cfg) if s.name in gguf.tensors]
-        mats = [gguf.tensors[s.name] for s in specs if not s.vector]
-        vecs = [gguf.tensors[s.name] for s in specs if s.vector]
+        floats = [s.vector or s.field in FLOAT_FIELDS for s in specs]
+        mats = [gguf.tensors[s.name] for s, f in zip(specs, floats) if not f]
+        vecs = [gguf.tensors[s.name] for s, f in zip(specs, floats) if f]
         offsets, total = {}, 0
         for info in mats:
             offsets[info.name] = total
@@ -241,7 +279,7 @@ class DeviceModel:
             *rows, cols = info.shape
             handles[info.name] = DeviceMatrix(base + offsets[info.name], int(np.prod(rows)), cols, info.type,
                                               info.row_bytes)
-        for info in vecs:  # 1-D, or [E, F] bias tables kept 2-D
+        for info in vecs:  # 1-D, or [E, F] bias tables (and FLOAT_FIELDS) kept 2-D
             v = gguf.dequantize(info.name).astype(np.float32)
             handles[info.name] = cp.asarray(v.reshape(-1) if len(info.shape) == 1 else v.reshape(info.shape))
             done += 4 * info.n_elements
@@ -253,13 +291,16 @@ class DeviceModel:
             layers.append(LayerWeights(**{field: handles[name] for field, name in names.items() if name in handles}))
         emb = handles["token_embd.weight"]
         weights = ModelWeights(emb, layers, handles["output_norm.weight"], handles.get("output.weight", emb))
+        if cfg.n_embd_per_layer:  # gemma4: the per-layer token table (in its GGUF layout), projection and norm
+            weights.per_layer_token_embd, weights.per_layer_model_proj, weights.per_layer_proj_norm = (
+                handles[name] for name in PER_LAYER_TABLES)
 
         inv_freq = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx).astype(np.float64))
         inv_freq_local = None
         if any(plan.rope_local for plan in cfg.layers):
             inv_freq_local = cp.asarray(rope_tables.inv_freq(cfg, gguf, ctx, local=True).astype(np.float64))
         for plan, n in zip(cfg.layers, cfg.cache_rows(ctx)):  # the fused prefill fills a ring a chunk at a time
-            if n < ctx and (n % 64 or ring_span(plan.window, n, ctx) < min(ctx, PREFILL_CHUNK)):
+            if 0 < n < ctx and (n % 64 or ring_span(plan.window, n, ctx) < min(ctx, PREFILL_CHUNK)):
                 raise BackendError(f"internal: a ring of {n} rows cannot serve window {plan.window}")
         return cls(cfg, ctx, weights, fused, inv_freq, inv_freq_local, arena, weight_families(weights))
 

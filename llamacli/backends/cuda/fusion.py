@@ -13,7 +13,10 @@ the attention kernel, the GLU into the gate/up matvec, the residual add into the
 post-norm into the next matvec's input; the prefill pass fuses fewer (its GEMMs take fp16 with row scales).
 A program that does not fit these forms is refused at load (`match_layer` raises Unfused, which the backend
 turns into a BackendError naming the operation): a new operation in block.py needs its fused form here and
-its launches in both executors.
+its launches in both executors. Until then a model may run op by op (`op_by_op`: the hybrid Qwen models' Gated
+DeltaNet layers, gated attention and shared experts; Gemma 4's shared KV, per-layer embeddings, V norms, output
+scales, experts beside a dense FFN and layers of different shapes; the CUDA backend runs their operations one kernel
+each): it takes models/block.run for prefill and decode, with no fused form at all.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ...models.block import (
     Rope,
     Scale,
     Split,
+    programs,
 )
 from ...models.config import ModelConfig
 
@@ -124,43 +128,48 @@ _GEMMA4 = (
 )
 
 
-def _refuse_unported(ops: tuple[Op, ...]) -> None:
-    """The operations of the hybrid models (qwen35, qwen35moe, qwen3next) and of Gemma 4 that the CUDA paths do not
-    run yet, refused with the way to run them."""
-    gemma4 = next((what for test, what in _GEMMA4 if any(test(op) for op in ops)), None)
-    if any(isinstance(op, (Conv, DeltaRule, GatedNorm)) for op in ops):
-        what = "gated delta-net (linear attention) layers"
-    elif any(isinstance(op, Gate) or (isinstance(op, Split) and op.groups) for op in ops):
-        what = "gated attention or shared experts"
-    elif gemma4 is not None:
-        what = f"Gemma 4 layers ({gemma4})"
-    else:
-        return
-    raise Unfused(f"the CUDA backend has no {what} yet: this model runs on the CPU backend for now "
-                  "(--backend cpu)")
+def _hybrid(op: Op) -> bool:
+    """An operation of the hybrid models (qwen35, qwen35moe, qwen3next) that only the op-by-op path runs: the Gated
+    DeltaNet layers' (Conv, DeltaRule, GatedNorm), an output or shared-expert gate, a Split per head group (gated
+    attention's [q; gate] rows, qwen3next's [beta; alpha])."""
+    return isinstance(op, (Conv, DeltaRule, GatedNorm, Gate)) or (isinstance(op, Split) and bool(op.groups))
 
 
-def refuse_unported_model(cfg: ModelConfig) -> None:
-    """What a model needs beyond its layers' programs that the CUDA backend lacks, refused before anything is
-    uploaded: Gemma 4's per-layer embeddings (a model input), attention geometries that differ between layers (one
-    KV cache shape on CUDA), feed-forward widths that differ between layers."""
+def _gemma4(op: Op) -> str | None:
+    """What a Gemma 4 operation the fused paths lack is (_GEMMA4), or None."""
+    return next((what for test, what in _GEMMA4 if test(op)), None)
+
+
+def uneven_layers(cfg: ModelConfig) -> str | None:
+    """What a model needs beyond its layers' programs that the fused paths lack (one KV cache shape, one FFN width,
+    the token embedding as the only input), or None: Gemma 4's per-layer embeddings, attention geometries (head
+    size, KV heads) or feed-forward widths that differ between layers."""
     if cfg.n_embd_per_layer:
-        what = "per-layer embeddings"
-    elif any(p.head_dim or p.n_head_kv for p in cfg.layers) and \
+        return "per-layer embeddings"
+    if any(p.head_dim or p.n_head_kv for p in cfg.layers) and \
             len({(cfg.layer_head_dim(i), cfg.layer_kv_heads(i)) for i in range(cfg.n_layer)}) > 1:
-        what = "attention layers of different head sizes"
-    elif len({cfg.layer_n_ff(i) for i in range(cfg.n_layer)}) > 1:
-        what = "feed-forward layers of different widths"
-    else:
-        return
-    raise Unfused(f"the CUDA backend has no {what} (Gemma 4) yet: this model runs on the CPU backend for now "
-                  "(--backend cpu)")
+        return "attention layers of different head sizes"
+    if len({cfg.layer_n_ff(i) for i in range(cfg.n_layer)}) > 1:
+        return "feed-forward layers of different widths"
+    return None
+
+
+def op_by_op(cfg: ModelConfig) -> bool:
+    """Whether the model runs op by op on CUDA (models/block.run for prefill and decode; no fused prefill pass,
+    decode step or batched step): a program with an operation of the hybrid models (_hybrid) or of Gemma 4
+    (_GEMMA4), or layers the fused paths cannot hold side by side (uneven_layers: Gemma 4's)."""
+    return any(_hybrid(op) or _gemma4(op) for ops in programs(cfg) for op in ops) or uneven_layers(cfg) is not None
 
 
 def match_layer(ops: tuple[Op, ...], layer: int | None = None) -> FusedLayer:
     """The two branches of one layer's program, or Unfused naming the first operation that does not fit.
     `layer`: the index the executors hold the program at (its Attention and Moe must name the same layer)."""
-    _refuse_unported(ops)
+    hybrid = next((op for op in ops if _hybrid(op)), None)
+    if hybrid is not None:  # (such a model runs op by op: device.fused_layers does not match its layers)
+        raise Unfused(f"the fused CUDA paths have no {type(hybrid).__name__} operation (a model with one runs op by op)")
+    gemma4 = next((what for what in map(_gemma4, ops) if what), None)
+    if gemma4 is not None:  # (likewise: Gemma 4 runs op by op)
+        raise Unfused(f"the fused CUDA paths have no Gemma 4 layers ({gemma4}; a model with one runs op by op)")
     c = _Cursor(ops)
     norm = c.take(Norm, src="x", heads=False)
     qkv, split = _projections(c, norm.dst, ("q", "k", "v"))

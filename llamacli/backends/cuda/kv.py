@@ -1,7 +1,9 @@
 """The KV cache on the device: one K and one V array per layer, and the launchers that write and convert it.
 
-Each layer's arrays have cfg.cache_rows(ctx) rows (ctx, or a sliding-window layer's ring: models/kv_cache.py),
-and every kernel takes them with its row count (the ring, kc.shape[0]): fp16 [rows, Hkv, Dh]; or (-ctk/-ctv
+Each layer's arrays have cfg.cache_rows(ctx) rows (ctx, or a sliding-window layer's ring: models/kv_cache.py; none
+on a shared-KV layer, gemma4's, which reads its source layer's) and the layer's own Hkv and Dh (the config's, but on
+gemma4, whose sliding and global layers differ: the writers and readers take them from the array, `heads`), and every
+kernel takes them with its row count (the ring, kc.shape[0]): fp16 [rows, Hkv, Dh]; or (-ctk/-ctv
 q8_0) one byte buffer [rows, Hkv, Dh + Dh/16] per cache, rows rounded up to 64, holding int8 codes [rows, Hkv,
 Dh] and then fp16 scales [Hkv, rows, Dh/32] (kernels/attention_split.cu), with an fp16 [rows, Hkv, Dh] pair of
 the largest rows (`pair`) that the prefill's writers and readers take instead (readable).
@@ -27,21 +29,42 @@ from . import loader as K
 class KVCache:
     def __init__(self, cp: Any, cfg: ModelConfig, ctx: int, q8: bool):
         self.cp, self.cfg = cp, cfg
-        hkv, dh = cfg.n_head_kv, cfg.head_dim
+        # each layer's own KV heads and head dim (gemma4's sliding and global layers differ; every other model's
+        # are the config's); a shared-KV layer has 0 rows (cache_rows): it reads its source layer's arrays
+        heads = [(cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.n_layer)]
         rows = [-(-n // 64) * 64 for n in cfg.cache_rows(ctx)] if q8 else cfg.cache_rows(ctx)
-        shape = (hkv, dh + dh // 16) if q8 else (hkv, dh)
+        shapes = [(hkv, dh + dh // 16) if q8 else (hkv, dh) for hkv, dh in heads]
         self.q8 = q8
-        self._layout = (rows, shape, cp.uint8 if q8 else cp.float16)
+        self._layout = (rows, shapes, cp.uint8 if q8 else cp.float16)
         self.slot_caches = [self._allocate()]  # per slot: (K arrays, V arrays), one of each per layer
         self.slot = 0
         self.k_cache, self.v_cache = self.slot_caches[0]
-        self.pair = tuple(cp.zeros((max(rows), hkv, dh), cp.float16) for _ in "kv") if q8 else None
+        self.pair = None
+        if q8 and len(set(heads)) == 1:  # one shape (the layers' own, which may not be the config's): its largest rows
+            self.pair = tuple(cp.zeros((max(rows), *heads[0]), cp.float16) for _ in "kv")
+        elif q8:  # (gemma4) as many values as the largest layer's rows, viewed in each layer's shape (pair_view)
+            most = max(n * hkv * dh for n, (hkv, dh) in zip(rows, heads))
+            self.pair = tuple(cp.zeros(most, cp.float16) for _ in "kv")
         self._tables: list[tuple[Any, Any]] | None = None
 
     def _allocate(self) -> tuple[list[Any], list[Any]]:
-        rows, shape, dtype = self._layout
-        k = [self.cp.zeros((n, *shape), dtype=dtype) for n in rows]
+        rows, shapes, dtype = self._layout
+        k = [self.cp.zeros((n, *shape), dtype=dtype) for n, shape in zip(rows, shapes)]
         return k, [self.cp.zeros_like(x) for x in k]
+
+    @staticmethod
+    def heads(kc: Any) -> tuple[int, int]:
+        """(KV heads, head dim) of a layer's cache array: [rows, Hkv, Dh] fp16, or an 8-bit cache's bytes
+        [rows, Hkv, Dh + Dh/16]."""
+        width = kc.shape[2]
+        return kc.shape[1], width if kc.dtype.itemsize == 2 else width * 16 // 17
+
+    def pair_view(self, j: int, ring: int, hkv: int, dh: int) -> Any:
+        """The fp16 pair's K (j 0) or V (j 1) as [ring, hkv, dh] (an 8-bit cache's readable form of one layer)."""
+        x = self.pair[j]
+        if x.ndim == 3:  # one shape for every layer: as it was made
+            return x[:ring]
+        return x[: ring * hkv * dh].reshape(ring, hkv, dh)
 
     @property
     def slot_bytes(self) -> int:
@@ -99,12 +122,12 @@ class KVCache:
     def store(self, kc: Any, vc: Any, k_ptr: int, v_ptr: int, stride: int, pos: Any, t: int) -> None:
         """K and V rows (f32, `stride` floats apart a token) of the t positions `pos` into a layer's cache:
         kv_store (fp16) or kv_store_q8 (an 8-bit cache: a warp per 32-value block, a thread per value)."""
-        cfg = self.cfg
         q8 = kc.dtype == self.cp.uint8
-        n = t * cfg.kv_dim * (2 if q8 else 1)  # threads
+        hkv, dh = self.heads(kc)  # (the layer's own: the config's but on gemma4)
+        n = t * hkv * dh * (2 if q8 else 1)  # threads
         K.launch("attention_simt", "kv_store_q8" if q8 else "kv_store", (min(K.cdiv(n, 256), 4096),), (256,), k=k_ptr,
-                 k_stride=stride, v=v_ptr, v_stride=stride, T=t, Hkv=cfg.n_head_kv, Dh=cfg.head_dim, pos=pos, kc=kc,
-                 vc=vc, ring=kc.shape[0])
+                 k_stride=stride, v=v_ptr, v_stride=stride, T=t, Hkv=hkv, Dh=dh, pos=pos, kc=kc, vc=vc,
+                 ring=kc.shape[0])
 
     def store_q8(self, layer: int, qkv: Any, stride: int, pos: Any, t: int) -> None:
         """An 8-bit cache's rows of the t positions `pos` from the rotated K and V in qkv's rows (`stride` floats
@@ -122,9 +145,8 @@ class KVCache:
         more work per key than the conversion."""
         if kc.dtype != self.cp.uint8:
             return kc, vc
-        cfg = self.cfg
-        ring, hkv, dh = kc.shape[0], cfg.n_head_kv, cfg.head_dim
-        k16, v16 = (x[:ring] for x in self.pair)
+        (hkv, dh), ring = self.heads(kc), kc.shape[0]
+        k16, v16 = (self.pair_view(j, ring, hkv, dh) for j in (0, 1))
         K.launch("attention_simt", "kv_dequant_q8", (min(K.cdiv(ring * hkv * dh // 8, 256), 2048),), (256,), kc=kc,
                  vc=vc, ring=ring, Hkv=hkv, Dh=dh, pos=pos, T=t, k16=k16, v16=v16)
         return k16, v16

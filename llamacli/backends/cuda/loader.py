@@ -41,8 +41,8 @@ NVRTC_OPTIONS = ("-std=c++17",)
 # (a generic lambda, say) are device functions.
 _NVRTC_DIRECT = (*NVRTC_OPTIONS, "-default-device")
 FEATURE_ARCH = {"attention_wgmma": ("90", "sm_90a")}  # family -> (compute capability, NVRTC target on it)
-FAMILIES = ("attention_mma", "attention_simt", "attention_split", "attention_wgmma", "batch_gemm", "dequant",
-            "elementwise", "matvec", "moe", "norm", "rope", "sampling")
+FAMILIES = ("attention_mma", "attention_simt", "attention_split", "attention_wgmma", "batch_gemm", "delta",
+            "dequant", "elementwise", "matvec", "moe", "norm", "rope", "sampling")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 

@@ -32,7 +32,7 @@ from .fusion import FfnBranch
 from .linear import MATVEC_TMAX, MV1_ACT8, MV1_WARPS, DeviceMatrix, _lpr, mv1_smem, qname
 
 _GATING = {"softmax": 0, "topk_softmax": 1}
-_ACT = {"silu": "swiglu", "swiglu_oai": "oai"}
+_ACT = {"silu": "swiglu", "swiglu_oai": "oai", "gelu_tanh": "geglu"}  # (geglu: the op-by-op forms only, gemma4)
 
 
 ROUTE_FUSED = frozenset({QT.F32, QT.F16, QT.BF16})  # router types with mv1_route_<t> (real files: F32)
@@ -71,7 +71,10 @@ def check_moe(cfg: Any, gguf: Any = None) -> None:
         raise BackendError(f"the CUDA backend runs up to {MOE_EMAX} experts with up to {MOE_KMAX} per token "
                            f"(this model: {cfg.n_expert_used} of {cfg.n_expert})")
     for i, p in enumerate(cfg.layers):
-        if p.moe and (p.activation not in _ACT or p.moe_gating not in _GATING or p.post_norms):
+        # experts beside a dense FFN (gemma4, op by op: Experts.forward) take GeGLU and their own norms; the fused
+        # paths' experts neither
+        fused = not p.moe_dense and (p.activation == "gelu_tanh" or p.post_norms)
+        if p.moe and (p.activation not in _ACT or p.moe_gating not in _GATING or fused):
             raise BackendError(f"the CUDA backend has no expert FFN with {p.activation} / {p.moe_gating} gating")
         if p.moe and gguf is not None:
             g, u = (gguf.tensors.get(f"blk.{i}.ffn_{n}_exps.weight") for n in ("gate", "up"))
@@ -104,6 +107,19 @@ def _expert(m: DeviceMatrix, n_expert: int) -> tuple[int, int]:
     return rows, rows * m.row_bytes
 
 
+def gate_up(L: Any, n_expert: int) -> tuple[int, int, int, int]:
+    """(gate matrix address, up matrix address, rows F of each, bytes of one expert) of a layer's experts: two
+    tensors ffn_gate_exps / ffn_up_exps [E, F, D] (expert e at e * bytes in each), or one ffn_gate_up_exps
+    [E, 2 F, D] (gemma4: expert e's F gate rows then its F up rows, at e * bytes; up F rows past gate)."""
+    if L.ffn_gate_up_exps is not None:
+        m = L.ffn_gate_up_exps
+        rows, eb = _expert(m, n_expert)
+        f = rows // 2
+        return m.ptr, m.ptr + f * m.row_bytes, f, eb
+    f, eb = _expert(L.ffn_gate_exps, n_expert)
+    return L.ffn_gate_exps.ptr, L.ffn_up_exps.ptr, f, eb
+
+
 class Experts:
     """The mixture-of-experts FFN of one model: its launchers and what they own, the working set of a pass
     (buffers) and the decode step's buffers (logits, ids, weights, the k experts' activations and outputs,
@@ -116,17 +132,29 @@ class Experts:
         if model.weights is not None and moe_family_needed(self.cfg):
             self.alloc_step()
 
-    def forward(self, op: Moe, h: Any) -> Any:
-        """Backend.moe: the experts' weighted sum of h [t, D] -> [t, D] f32."""
+    def forward(self, op: Moe, h: Any, router_in: Any = None) -> Any:
+        """Backend.moe: the experts' weighted sum of h [t, D] -> [t, D] f32. `router_in` [t, D] (gemma4): the
+        router's input, else h; op.expert_scale: each chosen weight times ffn_down_exps_scale of its expert."""
         h = self.gpu.f32(h)
         t = h.shape[0]
         out = self.cp.zeros((t, self.cfg.n_embd), self.cp.float32)
+        logits = None
+        if router_in is not None:  # the router's logits of its own input (a GEMM or matvec, as any Linear)
+            L = self.model.weights.layers[op.layer]
+            logits = self.linear.matmul(self.gpu.f32(router_in), L.ffn_gate_inp, L.ffn_gate_inp_bias)
         if t <= MATVEC_TMAX:
-            self._matvec(h, t, op, out)
+            self._matvec(h, t, op, out, logits)
         else:
             h16, sc = self.linear.to_f16_scaled(h)
-            self.gemm(h16.data.ptr, sc, t, op, out)
+            self.gemm(h16.data.ptr, sc, t, op, out, logits)
         return out
+
+    def _scale_weights(self, op: Moe, b: SimpleNamespace, p: int) -> None:
+        """op.expert_scale (gemma4): the p chosen weights times ffn_down_exps_scale [E] of their experts (the
+        reference's float32 product)."""
+        if op.expert_scale:
+            scale = self.model.weights.layers[op.layer].ffn_down_exps_scale
+            b.wts[:p] *= scale[b.ids[:p]]
 
     def buffers(self, t: int) -> SimpleNamespace:
         """The MoE FFN's working set for up to t tokens (kept, grown when a pass needs more; prefill allocates
@@ -151,21 +179,25 @@ class Experts:
                  n_items=b.n_items)
         return K.cdiv(p, tile) + min(e_n, p)
 
-    def _matvec(self, h: Any, t: int, op: Moe, out: Any) -> None:
-        """out += the MoE FFN `op` of h [t, D] f32, t <= MATVEC_TMAX: matvec_moe over tiles of up to 8 pairs."""
+    def _matvec(self, h: Any, t: int, op: Moe, out: Any, logits: Any = None) -> None:
+        """out += the MoE FFN `op` of h [t, D] f32, t <= MATVEC_TMAX: matvec_moe over tiles of up to 8 pairs
+        (`logits` [t, E]: the router's, computed already; else of h)."""
         cfg = self.cfg
         L = self.model.weights.layers[op.layer]
         d, k = cfg.n_embd, cfg.n_expert_used
-        f, eb = _expert(L.ffn_gate_exps, cfg.n_expert)
+        wg, wu, f, eb = gate_up(L, cfg.n_expert)
         _, eb_down = _expert(L.ffn_down_exps, cfg.n_expert)
         b = self.buffers(t)
-        self.linear.matvec((L.ffn_gate_inp,), h, t, b.logits, bias=L.ffn_gate_inp_bias)
-        self.route(b.logits, t, b.ids, b.wts, op.gating)
+        if logits is None:
+            logits = b.logits
+            self.linear.matvec((L.ffn_gate_inp,), h, t, logits, bias=L.ffn_gate_inp_bias)
+        self.route(logits, t, b.ids, b.wts, op.gating)
+        self._scale_weights(op, b, t * k)
         grid_y = self.group(b, t * k, MATVEC_TMAX)
-        g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
+        g, dn = L.ffn_gate_up_exps if L.ffn_gate_up_exps is not None else L.ffn_gate_exps, L.ffn_down_exps
         lpr = _lpr(d)
         K.launch("moe", f"matvec_moe_{qname(g.qtype)}_{_ACT[op.activation]}", (K.cdiv(f, 4 * (32 // lpr)), grid_y),
-                 (128,), wg=g.ptr, wu=u.ptr, eb=eb, list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=f, K=d,
+                 (128,), wg=wg, wu=wu, eb=eb, list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=f, K=d,
                  x=h, y=b.ff, bg=L.ffn_gate_exps_bias, bu=L.ffn_up_exps_bias, lpr=lpr)
         lpr = _lpr(f)
         K.launch("moe", f"matvec_moe_{qname(dn.qtype)}", (K.cdiv(d, 4 * (32 // lpr)), grid_y), (128,), w=dn.ptr,
@@ -173,27 +205,31 @@ class Experts:
                  y=b.y, bias=L.ffn_down_exps_bias, lpr=lpr)
         self.combine(b.y, b.wts, out, t)
 
-    def gemm(self, h16: int, sc: Any, t: int, op: Moe, out: Any) -> None:
+    def gemm(self, h16: int, sc: Any, t: int, op: Moe, out: Any, logits: Any = None) -> None:
         """out [t, D] f32 += the MoE FFN of the fp16 rows at h16 [t, D] times their row scales sc [t] (the fused
         prefill's normalised input): the router GEMM, routing, grouping into tiles of MG_BM pairs, the experts'
-        GEMMs on tensor cores (moe_gemm_*), the weighted sum (the FFN `op`)."""
+        GEMMs on tensor cores (moe_gemm_*), the weighted sum (the FFN `op`; `logits` [t, E]: the router's,
+        computed already)."""
         cfg = self.cfg
         L = self.model.weights.layers[op.layer]
         d, k, e_n = cfg.n_embd, cfg.n_expert_used, cfg.n_expert
-        f, eb = _expert(L.ffn_gate_exps, e_n)
+        wg, wu, f, eb = gate_up(L, e_n)
         _, eb_down = _expert(L.ffn_down_exps, e_n)
         self.linear.dequant_scratch()  # (the fused prefill's buffers() made it, and these at its chunk size)
         b = self.buffers(t)
-        self.linear.gemm_weights(h16, t, [L.ffn_gate_inp], b.logits.data.ptr, e_n)
-        n = t * e_n
-        K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n, 256), 4096),), (256,), y=b.logits, scale=sc,
-                 b=L.ffn_gate_inp_bias, n=n, N=e_n)
-        self.route(b.logits, t, b.ids, b.wts, op.gating)
+        if logits is None:
+            logits = b.logits
+            self.linear.gemm_weights(h16, t, [L.ffn_gate_inp], b.logits.data.ptr, e_n)
+            n = t * e_n
+            K.launch("elementwise", "rowscale_bias_f32", (min(K.cdiv(n, 256), 4096),), (256,), y=b.logits, scale=sc,
+                     b=L.ffn_gate_inp_bias, n=n, N=e_n)
+        self.route(logits, t, b.ids, b.wts, op.gating)
         p = t * k
+        self._scale_weights(op, b, p)
         grid_y = self.group(b, p, MG_BM)
-        g, u, dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
+        g, dn = L.ffn_gate_up_exps if L.ffn_gate_up_exps is not None else L.ffn_gate_exps, L.ffn_down_exps
         K.launch("moe", f"moe_gemm_{qname(g.qtype)}_{_ACT[op.activation]}", (K.cdiv(f, MG_BN // 2), grid_y), (128,),
-                 wg=g.ptr, wu=u.ptr, eb=eb, list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=f, K=d, x16=h16,
+                 wg=wg, wu=wu, eb=eb, list=b.pairs, items=b.items, n_items=b.n_items, k=k, N=f, K=d, x16=h16,
                  xsc=sc, y=b.ff, bg=L.ffn_gate_exps_bias, bu=L.ffn_up_exps_bias)
         K.launch("elementwise", "to_f16_rowscale_f32", (p,), (256,), x=b.ff, x16=b.ff16, scale=b.sc, k=f)
         K.launch("moe", f"moe_gemm_{qname(dn.qtype)}", (K.cdiv(d, MG_BN), grid_y), (128,), w=dn.ptr, eb=eb_down,
@@ -217,7 +253,7 @@ class Experts:
         cp, cfg = self.cp, self.cfg
         k = cfg.n_expert_used
         layers = self.model.weights.layers
-        f = max(_expert(L.ffn_gate_exps, cfg.n_expert)[0] for L, p in zip(layers, cfg.layers) if p.moe)
+        f = max(gate_up(L, cfg.n_expert)[2] for L, p in zip(layers, cfg.layers) if p.moe)
         self.step_logits = cp.empty((1, cfg.n_expert), cp.float32)
         self.step_ids = cp.zeros(k, cp.int32)
         self.step_wts = cp.zeros(k, cp.float32)

@@ -137,9 +137,10 @@ def test_declarations_read_macros_comments_and_struct_parameters() -> None:
 # The values each f-string placeholder of a kernel name takes, by the placeholder's expression.
 _QNAMES = sorted(qname(t) for t in RUNNABLE)
 _DIMS = [str(d) for d in ATT_TC_DIMS]
-_PLACEHOLDERS = {"w_": ["", "_w"], "f16": ["", "16"], "npl": ["1", "2", "4", "8"], "dh": _DIMS,
-                 "cfg.head_dim": _DIMS, "mode": ["normal", "neox"], "glu": ["swiglu", "geglu"],
-                 "act": ["swiglu", "oai"], "_ACT[op.activation]": ["swiglu", "oai"], "nt": ["8", "16", "32", "64"]}
+_PLACEHOLDERS = {"w_": ["", "_w"], "f16": ["", "16"], "npl": ["1", "2", "4", "8", "16"], "dh": _DIMS,
+                 "cfg.head_dim": _DIMS, "g.head_dim": _DIMS, "mode": ["normal", "neox"], "glu": ["swiglu", "geglu"],
+                 "act": ["swiglu", "oai"], "_ACT[op.activation]": ["swiglu", "oai", "geglu"],
+                 "nt": ["8", "16", "32", "64"]}
 
 
 def _placeholder(v: ast.FormattedValue) -> list[str]:

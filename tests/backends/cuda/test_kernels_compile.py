@@ -101,7 +101,8 @@ def test_attention_has_hopper_code_only_for_sm90a() -> None:
 ATTENTION_KERNELS = {  # the kernels of the four attention families, as the Python launchers name them
     "attention_simt": {"kv_store", "kv_store_q8", "kv_dequant_q8", "attention_combine", "attention_combine_w",
                        "attention_combine_batch"}
-    | {f"attention{w}_npl{n}" for w in ("", "_w", "_batch") for n in (1, 2, 3, 4, 8)},
+    | {f"attention{w}_npl{n}" for w in ("", "_w", "_batch") for n in (1, 2, 3, 4, 8)}
+    | {"attention_npl16", "attention_w_npl16"},  # (heads of 512: gemma4's global layers, op by op)
     "attention_split": {f"attention_split{s}_d{d}" for s in ("", "_step_normal", "_step_neox")
                         for d in (64, 80, 96, 112, 128, 256)}
     | {f"attention_split{s}_d{d}" for s in ("_q8", "_step_q8_normal", "_step_q8_neox") for d in (64, 96, 128, 256)},
