@@ -75,8 +75,7 @@ def serve(
     batch_size: Annotated[Optional[int], typer.Option(
         "--batch-size", "-b", "--max-num-batched-tokens", metavar="N",
         help="Prompt tokens prefilled per scheduler turn (llama-server's -b, vLLM's --max-num-batched-tokens): a "
-             "longer prompt runs in parts with the running requests' decode steps in between (the NumPy and CPU "
-             "backends; CUDA prefills a prompt whole for now). Default: 2048.", show_default=False)] = None,
+             "longer prompt runs in parts with the running requests' decode steps in between. Default: 2048.", show_default=False)] = None,
     cache_ram: Annotated[Optional[int], typer.Option(
         "--cache-ram", "-cram", metavar="MiB",
         help="Memory the prefix cache may use, in MiB (llama-server's option; on CUDA it is GPU memory): prompts' "

@@ -98,6 +98,7 @@ class CudaBackend(Backend):
     name = "cuda"
     runnable_types = frozenset(RUNNABLE)
     prefill_chunk = PREFILL_CHUNK
+    fill_steps = True  # prefill-only steps (step.py SeqStep.fill): Backend._fill over forward_prompt, in the slot
 
     use_graph = _Option()
     attention_tc = _Option()
