@@ -65,12 +65,18 @@ __device__ __forceinline__ void byte_pairs(u32 c, u32& lo, u32& hi) {
 }
 
 // One 32-value unit of a row as 16 fp16 pairs in the fragment order: h[2s] = (v[4s], v[4s+2]), h[2s+1] =
-// (v[4s+1], v[4s+3]). Generic: quants.cuh's float decoder, each value converted.
+// (v[4s+1], v[4s+3]), in two parts: fetch(row, u, raw) does every load of the unit (so that a thread's units
+// of a group all go to memory before any is decoded: one round trip a group, not one a unit) and decode(raw, u,
+// K, h) the arithmetic. Generic: quants.cuh's float decoder (its loads in decode), each value converted.
 template <class Q>
 struct Dec {
-    __device__ static void unit(const u8* row, int u, int K, u32 (&h)[16]) {
+    struct Raw {
+        const u8* row;
+    };
+    __device__ static void fetch(const u8* row, int, Raw& r) { r.row = row; }
+    __device__ static void decode(const Raw& r, int u, int K, u32 (&h)[16]) {
         float v[32];
-        Q::unit(row, u, K, v);
+        Q::unit(r.row, u, K, v);
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
             h[2 * s] = pack_h2(v[4 * s], v[4 * s + 2]);
@@ -95,16 +101,24 @@ __device__ __forceinline__ void scale_codes(const u32 (&c)[8], u32 off, u32 sc0,
     }
 }
 
-// 32 bytes from a 2-byte aligned p in three aligned 16-byte loads (the 210-byte Q6_K blocks keep only 2-byte
-// alignment; 4-byte loads would take nine instructions, each touching as many cache lines).
-__device__ __forceinline__ void load32_a2(const u8* p, u32 (&w)[8]) {
+// 32 bytes from a 2-byte aligned p in three aligned 16-byte loads (the 34- and 210-byte blocks of Q8_0 and
+// Q6_K keep only 2-byte alignment; 4-byte loads would take nine instructions, each touching as many cache
+// lines): fetch32 loads, take32 shifts them into place.
+struct Bytes32 {
+    uint4 v0, v1, v2;
+    u32 off;
+};
+__device__ __forceinline__ void fetch32(const u8* p, Bytes32& b) {
     const unsigned long long a = reinterpret_cast<unsigned long long>(p);
     const uint4* q = reinterpret_cast<const uint4*>(a & ~15ull);
-    const int off = (int)(a & 15);
-    const uint4 v0 = __ldg(q), v1 = __ldg(q + 1), v2 = off ? __ldg(q + 2) : make_uint4(0u, 0u, 0u, 0u);
-    const u32 v[12] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w, v2.x, v2.y, v2.z, v2.w};
-    const int ws = off >> 2;
-    const u32 sh = (u32)(off & 3) * 8;
+    b.off = (u32)(a & 15);
+    b.v0 = __ldg(q);
+    b.v1 = __ldg(q + 1);
+    b.v2 = b.off ? __ldg(q + 2) : make_uint4(0u, 0u, 0u, 0u);
+}
+__device__ __forceinline__ void take32(const Bytes32& b, u32 (&w)[8]) {
+    const u32 v[12] = {b.v0.x, b.v0.y, b.v0.z, b.v0.w, b.v1.x, b.v1.y, b.v1.z, b.v1.w, b.v2.x, b.v2.y, b.v2.z, b.v2.w};
+    const u32 ws = b.off >> 2, sh = (b.off & 3) * 8;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const u32 a0 = ws == 0 ? v[i] : ws == 1 ? v[i + 1] : ws == 2 ? v[i + 2] : v[i + 3];
@@ -125,46 +139,62 @@ __device__ __forceinline__ void nibble_codes(const u32 (&q)[4], u32 (&c)[8]) {
 
 template <>
 struct Dec<QQ4_0> {  // v[i] = d (lo(qs[i]) - 8), v[i + 16] = d (hi(qs[i]) - 8)
-    __device__ static void unit(const u8* row, int u, int, u32 (&h)[16]) {
+    struct Raw {
+        u32 d, q[4];
+    };
+    __device__ static void fetch(const u8* row, int u, Raw& r) {
         const u8* p = row + u * QQ4_0::BYTES;
-        const u32 d = (u32)__ldg(reinterpret_cast<const u16*>(p)) * 0x10001u;
-        u32 q[4], c[8];
-        load_words<2, 4>(p + 2, q);
-        nibble_codes(q, c);
-        scale_codes(c, 0x64086408u, d, d, 0u, false, h);  // (1024 + c) - 1032 = c - 8
+        r.d = __ldg(reinterpret_cast<const u16*>(p));
+        load_words<2, 4>(p + 2, r.q);
+    }
+    __device__ static void decode(const Raw& r, int, int, u32 (&h)[16]) {
+        u32 c[8];
+        nibble_codes(r.q, c);
+        scale_codes(c, 0x64086408u, r.d * 0x10001u, r.d * 0x10001u, 0u, false, h);  // (1024 + c) - 1032 = c - 8
     }
 };
 
 template <>
 struct Dec<QQ4_1> {  // v = d q + m
-    __device__ static void unit(const u8* row, int u, int, u32 (&h)[16]) {
+    struct Raw {
+        u32 dm, q[4];
+    };
+    __device__ static void fetch(const u8* row, int u, Raw& r) {
         const u8* p = row + u * QQ4_1::BYTES;
-        const u32 dm = __ldg(reinterpret_cast<const u32*>(p));
-        const u32 d = __byte_perm(dm, 0, 0x1010), m = __byte_perm(dm, 0, 0x3232);
-        u32 q[4], c[8];
-        load_words<4, 4>(p + 4, q);
-        nibble_codes(q, c);
+        r.dm = __ldg(reinterpret_cast<const u32*>(p));
+        load_words<4, 4>(p + 4, r.q);
+    }
+    __device__ static void decode(const Raw& r, int, int, u32 (&h)[16]) {
+        const u32 d = __byte_perm(r.dm, 0, 0x1010), m = __byte_perm(r.dm, 0, 0x3232);
+        u32 c[8];
+        nibble_codes(r.q, c);
         scale_codes(c, H2_1024, d, d, m, true, h);
     }
 };
 
 template <>
 struct Dec<QQ8_0> {  // v = d q, q int8: its byte + 128 as the code
-    __device__ static void unit(const u8* row, int u, int, u32 (&h)[16]) {
+    struct Raw {
+        u32 d;
+        Bytes32 q;
+    };
+    __device__ static void fetch(const u8* row, int u, Raw& r) {
         const u8* p = row + u * QQ8_0::BYTES;
-        const u32 d = (u32)__ldg(reinterpret_cast<const u16*>(p)) * 0x10001u;
+        r.d = __ldg(reinterpret_cast<const u16*>(p));
+        fetch32(p + 2, r.q);
+    }
+    __device__ static void decode(const Raw& r, int, int, u32 (&h)[16]) {
         u32 c[8];
-        load32_a2(p + 2, c);
+        take32(r.q, c);
 #pragma unroll
         for (int s = 0; s < 8; ++s) c[s] ^= 0x80808080u;
-        scale_codes(c, 0x64806480u, d, d, 0u, false, h);  // (1024 + q + 128) - 1152 = q
+        scale_codes(c, 0x64806480u, r.d * 0x10001u, r.d * 0x10001u, 0u, false, h);  // (1024 + q + 128) - 1152
     }
 };
 
 // Q4_K / Q5_K: the block's header (d, dmin, the 12 scale bytes) in one 16-byte load (144- and 176-byte blocks
 // keep 16-byte alignment); -> the unit's fp16 scale pair and its negated minimum pair.
-__device__ __forceinline__ void k4_scales(const u8* p, int j, u32& dl, u32& ml) {
-    const uint4 hd = __ldg(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void k4_scales(const uint4& hd, int j, u32& dl, u32& ml) {
     int sc, m;
     scale_min_k4w(hd.y, hd.z, hd.w, j, sc, m);
     const float d = h2f((u16)(hd.x & 0xffffu)), dmin = h2f((u16)(hd.x >> 16));
@@ -174,47 +204,70 @@ __device__ __forceinline__ void k4_scales(const u8* p, int j, u32& dl, u32& ml) 
 
 template <>
 struct Dec<QQ4_K> {  // v = d sc q - dmin m
-    __device__ static void unit(const u8* row, int u, int, u32 (&h)[16]) {
+    struct Raw {
+        uint4 hd;
+        u32 q[8];
+    };
+    __device__ static void fetch(const u8* row, int u, Raw& r) {
         const u8* p = row + (u >> 3) * QQ4_K::BYTES;
-        const int j = u & 7;
+        r.hd = __ldg(reinterpret_cast<const uint4*>(p));
+        load_words<16, 8>(p + 16 + ((u & 7) >> 1) * 32, r.q);
+    }
+    __device__ static void decode(const Raw& r, int u, int, u32 (&h)[16]) {
+        const int j = u & 7, shift = 4 * (j & 1);
         u32 dl, ml, q[8];
-        k4_scales(p, j, dl, ml);
-        load_words<16, 8>(p + 16 + (j >> 1) * 32, q);
-        const int shift = 4 * (j & 1);
+        k4_scales(r.hd, j, dl, ml);
 #pragma unroll
-        for (int s = 0; s < 8; ++s) q[s] = (q[s] >> shift) & 0x0f0f0f0fu;
+        for (int s = 0; s < 8; ++s) q[s] = (r.q[s] >> shift) & 0x0f0f0f0fu;
         scale_codes(q, H2_1024, dl, dl, ml, true, h);
     }
 };
 
 template <>
 struct Dec<QQ5_K> {  // v = d sc q - dmin m, q = nibble | bit j of qh << 4
-    __device__ static void unit(const u8* row, int u, int, u32 (&h)[16]) {
+    struct Raw {
+        uint4 hd;
+        u32 hq[8], q[8];
+    };
+    __device__ static void fetch(const u8* row, int u, Raw& r) {
         const u8* p = row + (u >> 3) * QQ5_K::BYTES;
-        const int j = u & 7;
-        u32 dl, ml, hq[8], q[8];
-        k4_scales(p, j, dl, ml);
-        load_words<16, 8>(p + 16, hq);
-        load_words<16, 8>(p + 48 + (j >> 1) * 32, q);
-        const int shift = 4 * (j & 1);
+        r.hd = __ldg(reinterpret_cast<const uint4*>(p));
+        load_words<16, 8>(p + 16, r.hq);
+        load_words<16, 8>(p + 48 + ((u & 7) >> 1) * 32, r.q);
+    }
+    __device__ static void decode(const Raw& r, int u, int, u32 (&h)[16]) {
+        const int j = u & 7, shift = 4 * (j & 1);
+        u32 dl, ml, q[8];
+        k4_scales(r.hd, j, dl, ml);
 #pragma unroll
-        for (int s = 0; s < 8; ++s) q[s] = ((q[s] >> shift) & 0x0f0f0f0fu) | (((hq[s] >> j) & 0x01010101u) << 4);
+        for (int s = 0; s < 8; ++s)
+            q[s] = ((r.q[s] >> shift) & 0x0f0f0f0fu) | (((r.hq[s] >> j) & 0x01010101u) << 4);
         scale_codes(q, H2_1024, dl, dl, ml, true, h);
     }
 };
 
 template <>
 struct Dec<QQ6_K> {  // v = d sc (q - 32), q = 4 bits of ql | 2 bits of qh << 4; a scale per 16 values
-    __device__ static void unit(const u8* row, int u, int, u32 (&h)[16]) {
+    struct Raw {
+        Bytes32 ql, qh;
+        u32 sw, d;
+    };
+    __device__ static void fetch(const u8* row, int u, Raw& r) {
         const u8* p = row + (u >> 3) * QQ6_K::BYTES;
         const int j = u & 7, hh = j >> 2, s4 = j & 3;
-        u32 ql[8], qh[8];
-        load32_a2(p + hh * 64 + (s4 & 1) * 32, ql);
-        load32_a2(p + 128 + hh * 32, qh);
-        const float d = ldh(p + 208);
-        const u32 sw = __ldg(reinterpret_cast<const u16*>(p + 192 + 2 * j));  // the unit's two scales
+        fetch32(p + hh * 64 + (s4 & 1) * 32, r.ql);
+        fetch32(p + 128 + hh * 32, r.qh);
+        r.sw = __ldg(reinterpret_cast<const u16*>(p + 192 + 2 * j));  // the unit's two scales
+        r.d = __ldg(reinterpret_cast<const u16*>(p + 208));
+    }
+    __device__ static void decode(const Raw& r, int u, int, u32 (&h)[16]) {
+        const int j = u & 7, s4 = j & 3;
         const int lshift = 4 * (s4 >> 1), hshift = 2 * s4;
-        const float d0 = d * (float)(i8)(sw & 0xffu), d1 = d * (float)(i8)((sw >> 8) & 0xffu);
+        const float d = h2f((u16)r.d);
+        const float d0 = d * (float)(i8)(r.sw & 0xffu), d1 = d * (float)(i8)((r.sw >> 8) & 0xffu);
+        u32 ql[8], qh[8];
+        take32(r.ql, ql);
+        take32(r.qh, qh);
 #pragma unroll
         for (int s = 0; s < 8; ++s) ql[s] = ((ql[s] >> lshift) & 0x0f0f0f0fu) | (((qh[s] >> hshift) & 0x03030303u) << 4);
         scale_codes(ql, 0x64206420u, pack_h2(d0, d0), pack_h2(d1, d1), 0u, false, h);  // (1024 + q) - 1056
@@ -263,41 +316,62 @@ __device__ __forceinline__ void bgemm_body(const u8* __restrict__ w, int N, int 
     // asked of L2 before this group's decode, so a warp keeps loads in flight without registers to hold them
     const long long unit_bytes_x8 = (long long)Q::BYTES * 256 / Q::QK;  // bytes per 32 values, times 8
     pdl_wait();  // x comes from the kernel before
+    // Every load of a group's four units goes out before the first is decoded, with no branch around them (rows
+    // past N read row 0, units past the row's end unit 0; their values are zeroed after): a branch per unit put
+    // each unit's loads after the decoding of the one before, four memory round trips a group. With BG_PIPE
+    // the loads of the warp's next group go out before this group is decoded (its raw words held meanwhile).
+    constexpr int AHEAD = BG_PIPE ? 2 : 1;  // groups ahead that the L2 prefetch asks for
+    typename Dec<Q>::Raw nxt[4];
+#if BG_PIPE
+    if (g0 + warp < g1) {
+        const int u0 = 4 * (g0 + warp) + t;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) Dec<Q>::fetch(wr[r], u0 < units ? u0 : 0, nxt[r]);
+    }
+#endif
     for (int gi = g0 + warp; gi < g1; gi += BG_WARPS) {
         const int u = 4 * gi + t;
         const bool uok = u < units;
-        if (gi + BG_WARPS < g1 && u + 4 * BG_WARPS < units) {
+        const int uf = uok ? u : 0;
+        const int ua = u + 4 * AHEAD * BG_WARPS;
+        if (gi + AHEAD * BG_WARPS < g1 && ua < units) {
 #pragma unroll
             for (int r = 0; r < 4; ++r)
-                if (rok[r])
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[r] + (u + 4 * BG_WARPS) * unit_bytes_x8 / 8));
+                if (rok[r]) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[r] + ua * unit_bytes_x8 / 8));
         }
+        typename Dec<Q>::Raw raw[4];
+#if BG_PIPE
+#pragma unroll
+        for (int r = 0; r < 4; ++r) raw[r] = nxt[r];
+        if (gi + BG_WARPS < g1) {  // (warp-uniform)
+            const int un = u + 4 * BG_WARPS;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) Dec<Q>::fetch(wr[r], un < units ? un : 0, nxt[r]);
+        }
+#else
+#pragma unroll
+        for (int r = 0; r < 4; ++r) Dec<Q>::fetch(wr[r], uf, raw[r]);
+#endif
         u32 a[4][16];  // rows g, g+8, g+16, g+24: unit u as 16 fp16 pairs in the fragment order (Dec)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            if (uok && rok[r]) {
-                Dec<Q>::unit(wr[r], u, K, a[r]);
-            } else {
+            Dec<Q>::decode(raw[r], uf, K, a[r]);
+            const bool live = uok && rok[r];
 #pragma unroll
-                for (int i = 0; i < 16; ++i) a[r][i] = 0u;
-            }
+            for (int i = 0; i < 16; ++i) a[r][i] = live ? a[r][i] : 0u;
         }
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
             u32 xb[16];  // x's values 4s .. 4s+3 of the unit as the pairs (4s, 4s+2), (4s+1, 4s+3)
-            if (uok && cok[j]) {
-                const uint4* p = reinterpret_cast<const uint4*>(xr[j] + 32 * u);
+            const bool xlive = uok && cok[j];  // (loaded regardless, as the weights, and zeroed where not)
+            const uint4* p = reinterpret_cast<const uint4*>(xr[j] + 32 * uf);
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const uint4 v = __ldg(p + q);
-                    xb[4 * q] = __byte_perm(v.x, v.y, 0x5410);
-                    xb[4 * q + 1] = __byte_perm(v.x, v.y, 0x7632);
-                    xb[4 * q + 2] = __byte_perm(v.z, v.w, 0x5410);
-                    xb[4 * q + 3] = __byte_perm(v.z, v.w, 0x7632);
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < 16; ++i) xb[i] = 0u;
+            for (int q = 0; q < 4; ++q) {
+                const uint4 v = __ldg(p + q);
+                xb[4 * q] = xlive ? __byte_perm(v.x, v.y, 0x5410) : 0u;
+                xb[4 * q + 1] = xlive ? __byte_perm(v.x, v.y, 0x7632) : 0u;
+                xb[4 * q + 2] = xlive ? __byte_perm(v.z, v.w, 0x5410) : 0u;
+                xb[4 * q + 3] = xlive ? __byte_perm(v.z, v.w, 0x7632) : 0u;
             }
 #pragma unroll
             for (int s = 0; s < 8; ++s) {

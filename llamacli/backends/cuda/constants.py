@@ -46,14 +46,15 @@ SP_STAGES = ByHeadDim(128, 3, 2)
 # kernels/moe.cu: experts per layer and per token; moe_gemm's pairs per tile and weight rows per block
 MOE_EMAX, MOE_KMAX = 1024, 32
 MG_BM, MG_BN = 64, 128
-# kernels/batch_gemm.cu: the most rows (activations) per launch, weight rows per block, warps per block
-BG_NMAX, BG_ROWS, BG_WARPS = 64, 32, 4
+# kernels/batch_gemm.cu: the most rows (activations) per launch, weight rows per block, warps per block, and
+# whether a warp loads its next group's weights before decoding the current one
+BG_NMAX, BG_ROWS, BG_WARPS, BG_PIPE = 64, 32, 4, 0
 # kernels/delta.cu: delta_rule_f32's state columns per block and threads per block (THREADS / COLS row groups)
 DR_COLS, DR_THREADS = 16, 128
 
 _INTS = ("MATVEC_TMAX", "MV1_MINB8", "MV1S_BLOCKS_PER_SM", "MV1T_ROWS", "MV1T_STAGES", "MV1T_WARPS", "ATT_WARPS",
          "ATT_RPW", "TC_WARPS", "TC_BC", "WG_BC", "SP_WARPS", "SP_BK", "SP_SOLO", "MOE_EMAX", "MOE_KMAX", "MG_BM",
-         "MG_BN", "BG_NMAX", "BG_ROWS", "BG_WARPS", "DR_COLS", "DR_THREADS")
+         "MG_BN", "BG_NMAX", "BG_ROWS", "BG_WARPS", "BG_PIPE", "DR_COLS", "DR_THREADS")
 _BY_HEAD_DIM = ("TC_STAGES", "WG_STAGES", "WG_ONES", "SP_STAGES")
 NAMES = _INTS + _BY_HEAD_DIM  # every name the kernels take from here
 
