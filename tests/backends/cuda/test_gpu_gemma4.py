@@ -87,7 +87,9 @@ def test_scale_with_a_weight_matches_numpy(n, width) -> None:
 def test_attention_of_heads_of_512_matches_numpy(random_model, t, window) -> None:
     """A Gemma 4 global layer's head size (512: attention_npl16 / attention_w_npl16, 128 KiB of shared memory) through
     CudaBackend.attention against NumpyBackend.attention, prefill (t > 1) and decode (t = 1, the splits merged), on a
-    model of heads of 512 loaded from a file."""
+    model of heads of 512 loaded from a file. K and V are drawn as fp16 values: the CUDA cache holds them so and the
+    NumPy one in f32, and with gemma4's query scale of 1 over 512 dims the cache's rounding alone moves outputs by
+    up to ~1e-2 (measured on an H200, 2026-11-28), which is not the kernel's error under test."""
     path = random_model(variant("tiny-gemma4", n_embd_per_layer=32, head_dim=512, head_dim_swa=512,
                                 name="gemma4-d512-only"), QT.F32)
     cfg, ref = loaded(path, NumpyBackend())
@@ -101,6 +103,7 @@ def test_attention_of_heads_of_512_matches_numpy(random_model, t, window) -> Non
         q = rng.standard_normal((n, cfg.n_head, dh)).astype(np.float32)
         k = rng.standard_normal((n, hkv, dh)).astype(np.float32)
         v = rng.standard_normal((n, hkv, dh)).astype(np.float32)
+        k, v = (a.astype(np.float16).astype(np.float32) for a in (k, v))
         want = ref.attention(op, q, k, v, ref.positions(s, n))
         got = be.to_host(be.attention(op, cp.asarray(q), cp.asarray(k), cp.asarray(v), be.positions(s, n)))
     assert_close(got, want, 2e-3, 2e-3, f"attention d512 t={t} window={window}")
@@ -157,16 +160,20 @@ def test_gemma4_logits_and_greedy_ids_match_numpy(random_model, shape, qtype) ->
 @pytest.mark.parametrize("shape", [E_MODEL, "tiny-gemma4-moe"], ids=_ids)
 def test_an_8_bit_cache_matches_numpy(random_model, shape) -> None:
     """-ctk/-ctv q8_0: the layers' caches of their own shapes in 8 bits (the fp16 pair viewed per layer), the logits
-    of a 40-token prompt and a decode step within tolerance of the reference's 8-bit cache."""
+    of a 40-token prompt and a decode step within 2e-2 of the reference's 8-bit cache, and the same greedy id. The
+    bound is wider than the 1e-2 of other models' 8-bit caches (test_gpu_backend.py) because these random models
+    with a query scale of 1 carry the 8-bit rounding far: on an H200 (2026-11-28) the prompt's logits of
+    gemma4-e-p32 were 1.3e-3 apart with fp16 caches, 9.6e-3 with 8-bit ones (1.05e-2 after the decode step, 1.7e-2
+    on tiny-gemma4-moe), and the 8-bit cache itself moved NumPy's by 1.3e-2; a cache read wrongly is off by ~1."""
     path = random_model(shape, QT.F32)
     cfg, ref = loaded(path, NumpyBackend(), cache_types=("q8_0", "q8_0"))
     _, be = loaded(path, CudaBackend(), cache_types=("q8_0", "q8_0"))
     prompt = np.random.default_rng(4).integers(0, cfg.vocab_size, size=40).tolist()
     s, r = greedy(), greedy()
     got, want = be.step([SeqStep(prompt, 0, s)])[0], ref.step([SeqStep(prompt, 0, r)])[0]
-    assert rel_l2(got.logits, want.logits) <= 1e-2
+    assert rel_l2(got.logits, want.logits) <= 2e-2 and got.id == want.id
     got, want = be.step([SeqStep([got.id], 40, s)])[0], ref.step([SeqStep([want.id], 40, r)])[0]
-    assert rel_l2(got.logits, want.logits) <= 1e-2
+    assert rel_l2(got.logits, want.logits) <= 2e-2
 
 
 @pytest.mark.parametrize("shape", [E_MODEL, "tiny-gemma4-moe"], ids=_ids)
