@@ -286,6 +286,12 @@ def test_a_cancelled_waiting_request_leaves_at_once_unprefilled(model, monkeypat
             held_runs.append(g)
             threads.append(threading.Thread(target=lambda g=g: drain(g), daemon=True))
             threads[-1].start()
+        # each is submitted from its thread when drained: all of them first, or the request under test could be
+        # queued ahead of some and take a slot (then it leaves at the next turn, after the held step)
+        for _ in range(250):
+            if sched.load["waiting"] + sched.load["running"] == SLOTS:
+                break
+            threading.Event().wait(0.02)
         waiting = Completion()
         ended: dict = {}
         w = threading.Thread(target=lambda: ended.update(out=drain(model.run(
