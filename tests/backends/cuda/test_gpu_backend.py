@@ -12,6 +12,8 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
+from gpu_checks import rel_l2  # noqa: E402
+
 from llamacli.backends.cuda import RUNNABLE, CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.ggufio.file import open_gguf  # noqa: E402
@@ -32,11 +34,6 @@ def loaded(path, backend, ctx=256, cache_types=("f16", "f16")):
     check_tensors(g, cfg, backend.runnable_types)
     backend.load(g, cfg, ctx, cache_types=cache_types)
     return g, cfg, backend
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def greedy_run(be, cfg, prompt, steps, fused=False):

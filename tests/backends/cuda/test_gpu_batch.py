@@ -10,6 +10,8 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
+from gpu_checks import rel_l2  # noqa: E402
+
 from llamacli.backends.base import StepErrors  # noqa: E402
 from llamacli.backends.cuda import CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
@@ -33,11 +35,6 @@ def loaded(path, backend, ctx=CTX, cache_types=("f16", "f16")):
     cfg = ModelConfig.from_gguf(g.metadata, set(g.tensors))
     backend.load(g, cfg, ctx, cache_types=cache_types)
     return cfg, backend
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def greedy(logits: bool) -> Sampler:

@@ -13,6 +13,8 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
+from gpu_checks import rel_l2  # noqa: E402
+
 from llamacli.backends.cuda import CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.step import Sampler, SeqStep  # noqa: E402
 from llamacli.engine.generate import Completion, Model  # noqa: E402
@@ -27,11 +29,6 @@ if not _ok:
 pytestmark = pytest.mark.gpu
 
 CTX = 320
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("parts", [[1], [9], [70], [5, 64], [100, 100, 30]])

@@ -15,6 +15,8 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
+from gpu_checks import assert_close, check_logits_and_greedy_ids, rel_l2  # noqa: E402
+
 from llamacli.backends.base import LayerWeights, ModelWeights  # noqa: E402
 from llamacli.backends.cuda import CudaBackend, cuda_available, delta  # noqa: E402
 from llamacli.backends.cuda.device import DeviceModel  # noqa: E402
@@ -25,7 +27,7 @@ from llamacli.errors import BackendError  # noqa: E402
 from llamacli.ggufio.file import open_gguf  # noqa: E402
 from llamacli.models import rope as rope_tables  # noqa: E402
 from llamacli.models.base import LayerPlan  # noqa: E402
-from llamacli.models.block import Conv, DeltaRule, run as forward  # noqa: E402
+from llamacli.models.block import Conv, DeltaRule  # noqa: E402
 from llamacli.models.config import ROPE_NEOX, ModelConfig  # noqa: E402
 from llamacli.models.seq_cache import SNAPSHOT_EVERY  # noqa: E402
 from llamacli.models.weights import check_tensors  # noqa: E402
@@ -42,21 +44,6 @@ T_CASES = [1, 7, 64, 65, 130]
 
 def poisoned(shape):
     return cp.full(shape, cp.nan, dtype=cp.float32)
-
-
-def assert_close(got, ref, atol, rtol, what=""):
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    assert np.isfinite(got).all(), f"{what}: {int((~np.isfinite(got)).sum())} non-finite (unwritten?) values"
-    err = np.abs(got - ref)
-    bad = err > atol + rtol * np.abs(ref)
-    assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.size} beyond atol+rtol*|ref|, max err {err.max():.3g}"
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # -- the kernels ----------------------------------------------------------------------------------------------------
@@ -263,22 +250,7 @@ def test_hybrid_logits_and_greedy_ids_match_numpy(random_model, shape, qtype) ->
     and 32 greedy ids through the step contract equal (the decode op by op, the argmax on the host)."""
     path = random_model(shape, qtype)
     cfg, ref = loaded(path, NumpyBackend())
-    _, be = loaded(path, CudaBackend())
-    assert be.op_path and be.prefill_graph_lengths == frozenset()
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, size=13)
-    want = ref.to_host(forward(ref, cfg, ref.token_ids(prompt), ref.positions(0, 13), True))
-    got = be.to_host(forward(be, cfg, be.token_ids(prompt), be.positions(0, 13), True))
-    assert np.isfinite(got).all()
-    assert rel_l2(got[-1], want[-1]) <= 1e-2 and rel_l2(got, want) <= 1e-2
-
-    def ids(backend) -> list[int]:
-        s = greedy(logits=False)
-        out = [backend.step([SeqStep(prompt.tolist(), 0, s)])[0].id]
-        for i in range(31):
-            out.append(backend.step([SeqStep([out[-1]], 13 + i, s)])[0].id)
-        return out
-
-    assert ids(be) == ids(ref)
+    check_logits_and_greedy_ids(cfg, ref, loaded(path, CudaBackend())[1])
 
 
 @pytest.mark.parametrize("shape", ["tiny-qwen35", "tiny-qwen3next"])

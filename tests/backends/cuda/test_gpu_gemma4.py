@@ -15,11 +15,13 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
+from gpu_checks import assert_close, check_logits_and_greedy_ids, rel_l2  # noqa: E402
+
 from llamacli.backends.cuda import CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
 from llamacli.backends.step import Sampler, SeqStep  # noqa: E402
 from llamacli.ggufio.file import open_gguf  # noqa: E402
-from llamacli.models.block import Attention, Moe, layer_op, run as forward  # noqa: E402
+from llamacli.models.block import Attention, Moe, layer_op  # noqa: E402
 from llamacli.models.config import ModelConfig  # noqa: E402
 from llamacli.models.weights import check_tensors  # noqa: E402
 from llamacli.sampling.sampling import SamplingParams, make_rng  # noqa: E402
@@ -29,21 +31,6 @@ _ok, _why = cuda_available()
 if not _ok:
     pytest.skip(_why, allow_module_level=True)
 pytestmark = pytest.mark.gpu
-
-
-def assert_close(got, ref, atol, rtol, what=""):
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    assert np.isfinite(got).all(), f"{what}: {int((~np.isfinite(got)).sum())} non-finite (unwritten?) values"
-    err = np.abs(got - ref)
-    bad = err > atol + rtol * np.abs(ref)
-    assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.size} beyond atol+rtol*|ref|, max err {err.max():.3g}"
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def loaded(path, backend, ctx=512, cache_types=("f16", "f16")):
@@ -139,22 +126,7 @@ def test_gemma4_logits_and_greedy_ids_match_numpy(random_model, shape, qtype) ->
     and 32 greedy ids through the step contract equal (the decode op by op, the argmax on the host)."""
     path = random_model(shape, qtype)
     cfg, ref = loaded(path, NumpyBackend())
-    _, be = loaded(path, CudaBackend())
-    assert be.op_path and be.prefill_graph_lengths == frozenset()
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, size=13)
-    want = ref.to_host(forward(ref, cfg, ref.token_ids(prompt), ref.positions(0, 13), True))
-    got = be.to_host(forward(be, cfg, be.token_ids(prompt), be.positions(0, 13), True))
-    assert np.isfinite(got).all()
-    assert rel_l2(got[-1], want[-1]) <= 1e-2 and rel_l2(got, want) <= 1e-2
-
-    def ids(backend) -> list[int]:
-        s = greedy(logits=False)
-        out = [backend.step([SeqStep(prompt.tolist(), 0, s)])[0].id]
-        for i in range(31):
-            out.append(backend.step([SeqStep([out[-1]], 13 + i, s)])[0].id)
-        return out
-
-    assert ids(be) == ids(ref)
+    check_logits_and_greedy_ids(cfg, ref, loaded(path, CudaBackend())[1])
 
 
 @pytest.mark.parametrize("shape", [E_MODEL, "tiny-gemma4-moe"], ids=_ids)

@@ -14,6 +14,8 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
+from gpu_checks import assert_close  # noqa: E402
+
 from llamacli.backends.cuda import (  # noqa: E402
     RUNNABLE,
     CudaBackend,
@@ -101,17 +103,6 @@ def upload(rows: np.ndarray, qtype: QT, n_cols: int) -> tuple[DeviceMatrix, cp.n
 
 def poisoned(shape, dtype=cp.float32):
     return cp.full(shape, cp.nan, dtype=dtype)
-
-
-def assert_close(got, ref, atol, rtol, what=""):
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    assert np.isfinite(got).all(), f"{what}: {int((~np.isfinite(got)).sum())} non-finite (unwritten?) values"
-    err = np.abs(got - ref)
-    bound = atol + rtol * np.abs(ref)
-    bad = err > bound
-    assert not bad.any(), f"{what}: {int(bad.sum())}/{bad.size} beyond atol+rtol*|ref|, max err {err.max():.3g}"
 
 
 def cols_for(qtype: QT) -> list[int]:
