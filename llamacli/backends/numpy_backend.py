@@ -20,7 +20,6 @@ import functools
 import math
 import os
 import resource
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,7 +32,7 @@ from ..models.block import Attention, Conv, DeltaRule, Moe
 from ..models.config import ROPE_NEOX, ModelConfig
 from ..models.kv_cache import DEFAULT as DEFAULT_CACHE, q8_0_roundtrip, ring_span
 from ..models.moe import route
-from ..models.seq_cache import MAX_SNAPSHOTS, SNAPSHOT_EVERY, snapshot_positions
+from ..models.seq_cache import MAX_SNAPSHOTS, LayerState, RecurrentSlot, snapshot_positions
 from ..models.weights import layer_tensor_names, model_specs
 from ..units import human_bytes
 from . import numpy_delta
@@ -61,30 +60,6 @@ class QuantTable:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         return gather_rows(self.raw, self.qtype, ids, self.shape[1])
-
-
-@dataclass
-class RecurrentSlot:
-    """One cache slot's delta-net states: the live one per layer (a layer's first pass from position 0 makes it),
-    and the stored ones, position -> layer -> [conv window, state] (snapshot_positions; `pinned`: ends of prompts)."""
-
-    states: dict[int, "LayerState"] = field(default_factory=dict)
-    stored: dict[int, dict[int, list]] = field(default_factory=dict)
-    pinned: set[int] = field(default_factory=set)
-    # The last verification pass (Backend.step with drafts): its first position, its ids, and whether that position
-    # was pinned before (the state there is kept until the next step says how many drafts stay: rollback)
-    verified: tuple[int, np.ndarray, bool] | None = None
-
-
-@dataclass
-class LayerState:
-    """One delta-net layer's recurrent state of the sequence: each part is the state after position pos - 1 of its
-    `*_pos` (the Conv and DeltaRule operations move them on in turn)."""
-
-    conv: np.ndarray  # [K - 1, C] the convolution's last K - 1 inputs
-    conv_pos: int
-    ssm: np.ndarray  # [Hv, d_k, d_v] the delta rule's state per value head
-    ssm_pos: int
 
 
 class NumpyBackend(Backend):
@@ -442,7 +417,7 @@ class NumpyBackend(Backend):
         state = self.recurrent_slot.states[op.layer]
         state.ssm, state.ssm_pos = s, start + t
         if op.layer == self.recurrent_layers[-1]:  # the pass has stored every layer's part
-            self._trim(self.recurrent_slot)
+            self.recurrent_slot.trim(len(self.recurrent_layers))
         return out.transpose(1, 0, 2).reshape(t, -1)
 
     def _part(self, layer: int, start: int, part: str) -> np.ndarray:
@@ -465,27 +440,12 @@ class NumpyBackend(Backend):
     def _store(self, pos: int, layer: int, part: int, value: np.ndarray) -> None:
         self.recurrent_slot.stored.setdefault(pos, {}).setdefault(layer, [None, None])[part] = value
 
-    def _trim(self, rec: RecurrentSlot) -> None:
-        """Keep a slot's stored states that are whole (every delta-net layer's two parts), at an end of a prompt
-        (`pinned`), a multiple of SNAPSHOT_EVERY or the highest position (the latest step's end), MAX_SNAPSHOTS of
-        them at most, the highest positions first."""
-        n = len(self.recurrent_layers)
-        whole = sorted((p for p, layers in rec.stored.items()
-                        if len(layers) == n and all(x is not None for parts in layers.values() for x in parts)),
-                       reverse=True)
-        keep = [p for i, p in enumerate(whole) if i == 0 or p in rec.pinned or p % SNAPSHOT_EVERY == 0][:MAX_SNAPSHOTS]
-        rec.stored = {p: rec.stored[p] for p in keep}
-        rec.pinned &= set(keep)
-
     # -- verification (speculative decoding): the recurrent states rolled back past rejected drafts --------------
     def forward_verify(self, ids: np.ndarray, start: int) -> np.ndarray:
         """Backend.forward_verify; with recurrent layers, the state at `start` (stored by the step before, the
         latest) is kept through the pass for rollback."""
         if self.recurrent_layers:
-            rec = self.recurrent_slot
-            self._unpin_verified(rec)
-            rec.verified = (start, np.asarray(ids).copy(), start in rec.pinned)
-            rec.pinned.add(start)
+            self.recurrent_slot.begin_verify(ids, start)
         return super().forward_verify(ids, start)
 
     def rollback(self, slot: int, pos: int) -> None:
@@ -494,48 +454,24 @@ class NumpyBackend(Backend):
         rows are written again, to the same values)."""
         if not self.recurrent_layers:
             return
-        rec = self._caches[slot][2]
-        verified = rec.verified
-        self._unpin_verified(rec)
-        if verified is None:
-            return
-        start, ids, _ = verified
-        if pos < start + ids.size:
+        kept = self._caches[slot][2].take_verified(pos)
+        if kept is not None:
+            start, ids = kept
             self.resume(slot, start)
-            block.run(self, self.cfg, self.token_ids(ids[: pos - start]), self.positions(start, pos - start))
-
-    @staticmethod
-    def _unpin_verified(rec: RecurrentSlot) -> None:
-        if rec.verified is not None:
-            start, _, was_pinned = rec.verified
-            if not was_pinned:
-                rec.pinned.discard(start)
-            rec.verified = None
+            block.run(self, self.cfg, self.token_ids(ids), self.positions(start, ids.size))
 
     def resume(self, slot: int, pos: int) -> None:
         if not self.recurrent_layers:
             return
         rec = self._caches[slot][2]
-        self._unpin_verified(rec)  # (a verification whose next step never came)
-        rec.stored = {p: x for p, x in rec.stored.items() if p <= pos}  # past pos: states of replaced ids
-        rec.pinned = {p for p in rec.pinned if p <= pos}
-        if pos == 0:
-            return  # (each layer's first pass starts from zeros)
-        self._trim(rec)
-        if pos not in rec.stored:
-            raise BackendError(f"no recurrent state is stored at position {pos} (stored: {sorted(rec.stored)}): a "
-                               "prompt starts at 0 or where a state was stored")
-        for layer, (conv, ssm) in rec.stored[pos].items():
+        stored = rec.resume_at(pos, len(self.recurrent_layers))
+        for layer, (conv, ssm) in (stored or {}).items():  # (none at 0: each layer's first pass starts from zeros)
             rec.states[layer] = LayerState(conv, pos, ssm, pos)
 
     def snapshots(self, slot: int, prompt_end: int | None = None) -> frozenset[int] | None:
         if not self.recurrent_layers:
             return None
-        rec = self._caches[slot][2]
-        if prompt_end is not None:
-            rec.pinned.add(prompt_end)
-        self._trim(rec)
-        return frozenset(rec.stored)
+        return self._caches[slot][2].snapshots(len(self.recurrent_layers), prompt_end)
 
     @_ieee
     def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:

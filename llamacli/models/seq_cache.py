@@ -28,9 +28,12 @@ sequence it can hold (SeqStep.slot); the backends hold one slot today.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
 
+import numpy as np
+
+from ..errors import BackendError
 from .config import ModelConfig
 from .kv_cache import ring_keeps
 
@@ -58,6 +61,92 @@ def layer_caches(cfg: ModelConfig, ctx: int) -> tuple[LayerCache, ...]:
     delta-net layer's recurrent state instead)."""
     return tuple(LayerCache("recurrent") if plan.recurrent else LayerCache("shared") if plan.shares_kv else
                  LayerCache("kv", plan.window, rows) for plan, rows in zip(cfg.layers, cfg.cache_rows(ctx)))
+
+
+@dataclass
+class LayerState:
+    """One delta-net layer's live recurrent state in a slot: each part is the state after position pos - 1 of its
+    `*_pos` (the Conv and DeltaRule operations move them on in turn); arrays of the backend's kind."""
+
+    conv: Any  # [K - 1, C] the convolution's last K - 1 inputs
+    conv_pos: int
+    ssm: Any  # [Hv, d_k, d_v] the delta rule's state per value head
+    ssm_pos: int
+
+
+@dataclass
+class RecurrentSlot:
+    """One cache slot's delta-net states as a backend keeps them (the NumPy backend's and CUDA's delta.DeltaNet's):
+    the live one per layer, the stored ones, position -> layer -> [conv window, state] (copies; where
+    snapshot_positions says, and the latest step's end), the positions pinned (ends of prompts), and the last
+    verification pass (Backend.step with drafts): its first position, its ids, and whether that position was
+    pinned before (the state there is kept until the next step says how many drafts stay: rollback). The
+    bookkeeping is here; the backends copy the arrays."""
+
+    states: dict[int, LayerState] = field(default_factory=dict)
+    stored: dict[int, dict[int, list]] = field(default_factory=dict)
+    pinned: set[int] = field(default_factory=set)
+    verified: tuple[int, np.ndarray, bool] | None = None
+
+    def trim(self, n_layers: int) -> None:
+        """Keep the stored states that are whole (each of the n_layers delta-net layers' two parts), at an end of a
+        prompt (`pinned`), a multiple of SNAPSHOT_EVERY or the highest position (the latest step's end),
+        MAX_SNAPSHOTS of them at most, the highest positions first."""
+        whole = sorted((p for p, layers in self.stored.items()
+                        if len(layers) == n_layers and all(x is not None for parts in layers.values() for x in parts)),
+                       reverse=True)
+        keep = [p for i, p in enumerate(whole) if i == 0 or p in self.pinned or p % SNAPSHOT_EVERY == 0][:MAX_SNAPSHOTS]
+        self.stored = {p: self.stored[p] for p in keep}
+        self.pinned &= set(keep)
+
+    def unpin_verified(self) -> None:
+        """Forget the last verification (its first position unpinned unless a prompt's end pinned it before)."""
+        if self.verified is not None:
+            start, _, was_pinned = self.verified
+            if not was_pinned:
+                self.pinned.discard(start)
+            self.verified = None
+
+    def begin_verify(self, ids: Any, start: int) -> None:
+        """A verification pass of ids from `start`: the state stored at start (by the step before) kept through it."""
+        self.unpin_verified()
+        self.verified = (start, np.asarray(ids).copy(), start in self.pinned)
+        self.pinned.add(start)
+
+    def take_verified(self, pos: int) -> tuple[int, np.ndarray] | None:
+        """After the last verification, whose drafts were rejected from `pos` on: (its first position, the ids it
+        kept from there: positions start .. pos - 1), whose states the backend restores and runs again; None where
+        there is nothing to do. The verification is forgotten either way."""
+        verified = self.verified
+        self.unpin_verified()
+        if verified is None:
+            return None
+        start, ids, _ = verified
+        if pos >= start + ids.size:
+            return None
+        return start, ids[: pos - start]
+
+    def resume_at(self, pos: int, n_layers: int) -> dict[int, list] | None:
+        """Backend.resume's bookkeeping: the states stored past pos forgotten (those of replaced ids) -> the states
+        stored at pos, layer -> [conv window, state], for the backend to make live; None at 0 (each layer's first
+        pass starts from zeros). BackendError where none is stored at pos."""
+        self.unpin_verified()  # (a verification whose next step never came)
+        self.stored = {p: x for p, x in self.stored.items() if p <= pos}
+        self.pinned = {p for p in self.pinned if p <= pos}
+        if pos == 0:
+            return None
+        self.trim(n_layers)
+        if pos not in self.stored:
+            raise BackendError(f"no recurrent state is stored at position {pos} (stored: {sorted(self.stored)}): a "
+                               "prompt starts at 0 or where a state was stored")
+        return self.stored[pos]
+
+    def snapshots(self, n_layers: int, prompt_end: int | None = None) -> frozenset[int]:
+        """Backend.snapshots: the positions whose states the slot holds (`prompt_end` pinned first)."""
+        if prompt_end is not None:
+            self.pinned.add(prompt_end)
+        self.trim(n_layers)
+        return frozenset(self.stored)
 
 
 def snapshot_positions(start: int, n: int) -> list[int]:

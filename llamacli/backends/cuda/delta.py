@@ -5,10 +5,10 @@ These models run op by op (models/block.run: fusion.op_by_op routes them) for no
 block per DR_COLS state columns of a value head (a first correct form; the chunked form of numpy_delta.py is the way
 to a fast prefill). The reference is the NumPy backend's conv, delta_rule, gated_norm and sigmoid_gate.
 
-The recurrent state of a slot (`RecurrentSlot`, the NumPy backend's record): per delta-net layer the convolution's
-window [K - 1, C] and the rule's state [Hv, d_k, d_v], float32 device arrays each with the position it stands at,
-and the stored states (models/seq_cache.py: at the end of each prompt, after the latest step, at multiples of
-SNAPSHOT_EVERY; MAX_SNAPSHOTS at most). The bookkeeping is the NumPy backend's, with one difference: its arrays are
+The recurrent state of a slot (models/seq_cache.py's `RecurrentSlot`, the NumPy backend's record too): per delta-net
+layer the convolution's window [K - 1, C] and the rule's state [Hv, d_k, d_v], float32 device arrays each with the
+position it stands at, and the stored states (at the end of each prompt, after the latest step, at multiples of
+SNAPSHOT_EVERY; MAX_SNAPSHOTS at most). The bookkeeping is the record's own, with one difference: NumPy's arrays are
 replaced, never written in place, so it stores a state by reference; here the kernels move the live arrays on in
 place, so a stored state is a copy made as a pass passes its position (the rule's launches end there), and `resume`
 copies one back.
@@ -17,39 +17,15 @@ copies one back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from ...errors import BackendError
 from ...models.block import Conv, DeltaRule
-from ...models.seq_cache import MAX_SNAPSHOTS, SNAPSHOT_EVERY, snapshot_positions
+from ...models.seq_cache import LayerState, RecurrentSlot, snapshot_positions
 from . import loader as K
 from .constants import DR_COLS, DR_THREADS
-
-
-@dataclass
-class RecurrentSlot:
-    """One cache slot's delta-net states (numpy_backend.RecurrentSlot's record): the live one per layer, the stored
-    ones, position -> layer -> [conv window, state] (copies), the positions pinned (ends of prompts), and the last
-    verification pass (its first position, its ids, whether that position was pinned before)."""
-
-    states: dict[int, "LayerState"] = field(default_factory=dict)
-    stored: dict[int, dict[int, list]] = field(default_factory=dict)
-    pinned: set[int] = field(default_factory=set)
-    verified: tuple[int, np.ndarray, bool] | None = None
-
-
-@dataclass
-class LayerState:
-    """One delta-net layer's live state: each part the state after position pos - 1 of its `*_pos`."""
-
-    conv: Any  # [K - 1, C] the convolution's last K - 1 inputs (device)
-    conv_pos: int
-    ssm: Any  # [Hv, d_k, d_v] the delta rule's state per value head (device)
-    ssm_pos: int
-
 
 CONV_THREADS = 256  # conv_silu_f32 / conv_window_f32: channels per block
 GRID_Y_MAX = 65535  # conv_silu_f32's tokens per launch in grid y (more are grid-strided)
@@ -196,7 +172,7 @@ class DeltaNet:
             c0 = c1
         self.slot.states[op.layer].ssm_pos = start + t
         if op.layer == self.layers[-1]:  # the pass has stored every layer's part
-            self._trim(self.slot)
+            self.slot.trim(len(self.layers))
         return out
 
     def _part(self, layer: int, start: int, part: str) -> Any:
@@ -225,33 +201,13 @@ class DeltaNet:
     def _store(self, pos: int, layer: int, part: int, value: Any) -> None:
         self.slot.stored.setdefault(pos, {}).setdefault(layer, [None, None])[part] = value
 
-    def _trim(self, rec: RecurrentSlot) -> None:
-        """Keep a slot's stored states that are whole (every delta-net layer's two parts), at an end of a prompt
-        (`pinned`), a multiple of SNAPSHOT_EVERY or the highest position, MAX_SNAPSHOTS of them at most, the highest
-        first (numpy_backend._trim)."""
-        n = len(self.layers)
-        whole = sorted((p for p, layers in rec.stored.items()
-                        if len(layers) == n and all(x is not None for parts in layers.values() for x in parts)),
-                       reverse=True)
-        keep = [p for i, p in enumerate(whole) if i == 0 or p in rec.pinned or p % SNAPSHOT_EVERY == 0][:MAX_SNAPSHOTS]
-        rec.stored = {p: rec.stored[p] for p in keep}
-        rec.pinned &= set(keep)
-
     # -- the states between steps (Backend.resume, snapshots, forward_verify, rollback) -------------------------------
     def resume(self, slot: int, pos: int) -> None:
         """Backend.resume: slot `slot`'s live states copied from those stored at pos (nothing at 0: each layer's
         first pass starts from zeros); those stored past pos forgotten."""
         rec = self.slots[slot]
-        self._unpin_verified(rec)  # (a verification whose next step never came)
-        rec.stored = {p: x for p, x in rec.stored.items() if p <= pos}  # past pos: states of replaced ids
-        rec.pinned = {p for p in rec.pinned if p <= pos}
-        if pos == 0:
-            return
-        self._trim(rec)
-        if pos not in rec.stored:
-            raise BackendError(f"no recurrent state is stored at position {pos} (stored: {sorted(rec.stored)}): a "
-                               "prompt starts at 0 or where a state was stored")
-        for layer, (conv, ssm) in rec.stored[pos].items():
+        stored = rec.resume_at(pos, len(self.layers))
+        for layer, (conv, ssm) in (stored or {}).items():
             state = rec.states.get(layer)
             if state is None:
                 state = rec.states[layer] = self._zeros()
@@ -261,39 +217,18 @@ class DeltaNet:
 
     def snapshots(self, slot: int, prompt_end: int | None = None) -> frozenset[int]:
         """Backend.snapshots: the positions whose states slot `slot` holds (`prompt_end` kept)."""
-        rec = self.slots[slot]
-        if prompt_end is not None:
-            rec.pinned.add(prompt_end)
-        self._trim(rec)
-        return frozenset(rec.stored)
+        return self.slots[slot].snapshots(len(self.layers), prompt_end)
 
     def begin_verify(self, ids: np.ndarray, start: int) -> None:
         """Before a verification pass of ids from `start` in the current slot: the state stored at start (by the step
         before) kept through it for rollback."""
-        rec = self.slot
-        self._unpin_verified(rec)
-        rec.verified = (start, np.asarray(ids).copy(), start in rec.pinned)
-        rec.pinned.add(start)
+        self.slot.begin_verify(ids, start)
 
     def rollback(self, slot: int, pos: int) -> tuple[int, np.ndarray] | None:
         """Backend.rollback's first half: after a verification whose drafts were rejected from `pos` on, the state
         stored at its first position restored in slot `slot` -> (that position, the ids it kept there: positions
         start .. pos - 1), which the caller runs again; None where nothing is to be done."""
-        rec = self.slots[slot]
-        verified = rec.verified
-        self._unpin_verified(rec)
-        if verified is None:
-            return None
-        start, ids, _ = verified
-        if pos >= start + ids.size:
-            return None
-        self.resume(slot, start)
-        return start, ids[: pos - start]
-
-    @staticmethod
-    def _unpin_verified(rec: RecurrentSlot) -> None:
-        if rec.verified is not None:
-            start, _, was_pinned = rec.verified
-            if not was_pinned:
-                rec.pinned.discard(start)
-            rec.verified = None
+        kept = self.slots[slot].take_verified(pos)
+        if kept is not None:
+            self.resume(slot, kept[0])
+        return kept
