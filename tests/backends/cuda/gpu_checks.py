@@ -1,5 +1,5 @@
 """What the CUDA GPU tests compare with (imported by the test_gpu_* modules beside it): closeness of a result to its
-reference, elementwise (atol + rtol * |ref|) and as one relative L2 error, and the whole-model check of an
+reference, elementwise (atol + rtol * |ref|) and as one relative L2 error, and the whole-model checks of an
 architecture that runs op by op (the hybrids, Gemma 4) against the NumPy backend."""
 
 from __future__ import annotations
@@ -47,3 +47,39 @@ def check_logits_and_greedy_ids(cfg, ref, be, steps: int = 32) -> None:
         return out
 
     assert ids(be) == ids(ref)
+
+
+def check_slots_schedule(cfg, ref, be, snapshots: bool = False) -> None:
+    """Three cache slots of `be` and `ref` (loaded from one file): prompts of 5, 40 and 17 tokens in one step, then
+    decode steps of all three together (slot 1's sequence leaving after four and a new one taking its slot): each
+    sequence's ids, and its logits within 1e-2 (relative L2), are the reference's under the same schedule (and the
+    snapshot positions its steps report, with `snapshots`)."""
+    from llamacli.backends.step import Sampler, SeqStep
+    from llamacli.sampling.sampling import SamplingParams, make_rng
+
+    def greedy() -> Sampler:
+        return Sampler(SamplingParams(temperature=0.0), make_rng(0), [], logits=True)
+
+    be.set_slots(3)
+    ref.set_slots(3)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 40, 17)]
+    seqs = {slot: (p, greedy(), greedy()) for slot, p in enumerate(prompts)}
+    pos = {slot: 0 for slot in seqs}
+    last: dict[int, list[int]] = {}
+    for step in range(10):
+        if step == 5:  # slot 1's sequence leaves; a new one takes the slot
+            seqs[1] = (rng.integers(0, cfg.vocab_size, size=9).tolist(), greedy(), greedy())
+            pos[1] = 0
+            last.pop(1)
+        batch_be, batch_ref = [], []
+        for slot, (prompt, s, r) in seqs.items():
+            tokens = prompt if slot not in last else last[slot]
+            batch_be.append(SeqStep(tokens, pos[slot], s, slot))
+            batch_ref.append(SeqStep(tokens, pos[slot], r, slot))
+        got, want = be.step(batch_be), ref.step(batch_ref)
+        for seq, g, w in zip(batch_be, got, want):
+            assert g.id == w.id and rel_l2(g.logits, w.logits) <= 1e-2
+            assert not snapshots or g.snapshots == w.snapshots
+            pos[seq.slot] += len(seq.tokens)
+            last[seq.slot] = [g.id]

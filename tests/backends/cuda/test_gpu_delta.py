@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
-from gpu_checks import assert_close, check_logits_and_greedy_ids, rel_l2  # noqa: E402
+from gpu_checks import assert_close, check_logits_and_greedy_ids, check_slots_schedule, rel_l2  # noqa: E402
 
 from llamacli.backends.base import LayerWeights, ModelWeights  # noqa: E402
 from llamacli.backends.cuda import CudaBackend, cuda_available, delta  # noqa: E402
@@ -313,28 +313,7 @@ def test_several_slots_in_one_step_match_numpy(random_model, shape) -> None:
     path = random_model(shape, QT.Q8_0)
     cfg, ref = loaded(path, NumpyBackend())
     _, be = loaded(path, CudaBackend())
-    be.set_slots(3)
-    ref.set_slots(3)
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 40, 17)]
-    seqs = {slot: (p, greedy(), greedy()) for slot, p in enumerate(prompts)}
-    pos = {slot: 0 for slot in seqs}
-    last: dict[int, list[int]] = {}
-    for step in range(10):
-        if step == 5:  # slot 1's sequence leaves; a new one takes the slot
-            seqs[1] = (rng.integers(0, cfg.vocab_size, size=9).tolist(), greedy(), greedy())
-            pos[1] = 0
-            last.pop(1)
-        batch_be, batch_ref = [], []
-        for slot, (prompt, s, r) in seqs.items():
-            tokens = prompt if slot not in last else last[slot]
-            batch_be.append(SeqStep(tokens, pos[slot], s, slot))
-            batch_ref.append(SeqStep(tokens, pos[slot], r, slot))
-        got, want = be.step(batch_be), ref.step(batch_ref)
-        for seq, g, w in zip(batch_be, got, want):
-            assert g.id == w.id and rel_l2(g.logits, w.logits) <= 1e-2 and g.snapshots == w.snapshots
-            pos[seq.slot] += len(seq.tokens)
-            last[seq.slot] = [g.id]
+    check_slots_schedule(cfg, ref, be, snapshots=True)
 
 
 def test_a_rejected_draft_leaves_the_states_of_plain_decode(random_model) -> None:
