@@ -7,6 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 
+def case_id(c) -> str:
+    """A parametrized case's id: a shape's name (a string, or a ModelSpec's name) or a weight type's name."""
+    return c if isinstance(c, str) else getattr(c, "name", str(c))
+
+
 def assert_close(got, ref, atol, rtol, what=""):
     """Every value of `got` finite and within atol + rtol * |ref| of `ref` (float64; the same shape)."""
     got = np.asarray(got, dtype=np.float64)

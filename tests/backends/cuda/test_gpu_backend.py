@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
-from gpu_checks import rel_l2  # noqa: E402
+from gpu_checks import case_id, rel_l2  # noqa: E402
 
 from llamacli.backends.cuda import RUNNABLE, CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
@@ -82,7 +82,7 @@ CASES = ARCH_CASES + [("small-llama", t) for t in RUNNABLE] + [
 ]
 
 
-@pytest.mark.parametrize("shape,qtype", CASES, ids=lambda c: c if isinstance(c, str) else c.name)
+@pytest.mark.parametrize("shape,qtype", CASES, ids=case_id)
 def test_forward_and_greedy_match_numpy(random_model, shape, qtype) -> None:
     path = random_model(shape, qtype)
     _, cfg, ref = loaded(path, NumpyBackend())
@@ -387,7 +387,7 @@ PREFILL_CASES = ARCH_CASES + [
 ]
 
 
-@pytest.mark.parametrize("shape,qtype", PREFILL_CASES, ids=lambda c: c if isinstance(c, str) else c.name)
+@pytest.mark.parametrize("shape,qtype", PREFILL_CASES, ids=case_id)
 def test_fused_prefill_matches_numpy(random_model, shape, qtype) -> None:
     """forward_prompt (fp16 activations with row scales, fused epilogues, graph replay from the second
     sighting of a length) against the NumPy reference: the last logits, and the cache it leaves (a decode
@@ -480,7 +480,7 @@ def test_mixed_kv_cache_types_are_refused_on_cuda(random_model) -> None:
 Q8_CASES = [("small-llama", QT.Q4_K), ("tiny-qwen3", "Q4_K_M"), ("tiny-gemma3", QT.Q8_0), ("tiny-gpt-oss", "MXFP4_MOE")]
 
 
-@pytest.mark.parametrize("shape,qtype", Q8_CASES, ids=lambda c: c if isinstance(c, str) else c.name)
+@pytest.mark.parametrize("shape,qtype", Q8_CASES, ids=case_id)
 def test_q8_0_kv_cache_matches_numpy(random_model, shape, qtype) -> None:
     """-ctk/-ctv q8_0 on the CUDA backend against the NumPy backend's q8_0 cache: the fused prefill of a
     40-token prompt (K and V quantized from the rotated f32 rows, the prefill attention on the fp16

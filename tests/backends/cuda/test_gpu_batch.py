@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
-from gpu_checks import rel_l2  # noqa: E402
+from gpu_checks import case_id, rel_l2  # noqa: E402
 
 from llamacli.backends.base import StepErrors  # noqa: E402
 from llamacli.backends.cuda import CudaBackend, cuda_available  # noqa: E402
@@ -59,7 +59,7 @@ CASES = [("tiny-llama", QT.Q8_0), ("small-qwen2", QT.Q4_K), ("tiny-qwen3", "Q4_K
          ("tiny-gemma2", QT.Q8_0), ("tiny-qwen3moe", QT.Q8_0), (GPTOSS_D64, "MXFP4_MOE"), ("small-phi3", QT.Q5_0)]
 
 
-@pytest.mark.parametrize("shape,qtype", CASES, ids=lambda c: c if isinstance(c, str) else getattr(c, "name", str(c)))
+@pytest.mark.parametrize("shape,qtype", CASES, ids=case_id)
 def test_sequences_decode_together_as_they_would_alone(random_model, shape, qtype) -> None:
     """Eleven sequences in eleven slots (prompts of 1 to 60 tokens: the op-by-op prefill and the fused pass), their
     decode steps together (up to 11 rows), two joining late and some leaving

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
-from gpu_checks import assert_close, check_logits_and_greedy_ids, check_slots_schedule, rel_l2  # noqa: E402
+from gpu_checks import assert_close, case_id, check_logits_and_greedy_ids, check_slots_schedule, rel_l2  # noqa: E402
 
 from llamacli.backends.base import LayerWeights, ModelWeights  # noqa: E402
 from llamacli.backends.cuda import CudaBackend, cuda_available, delta  # noqa: E402
@@ -241,10 +241,9 @@ QWEN3NEXT_GROUPED = variant("tiny-qwen3next", ssm_time_step_rank=6, name="qwen3n
 MODEL_CASES = [("tiny-qwen35", QT.F32), ("tiny-qwen35", QT.Q8_0), ("tiny-qwen35moe", QT.F32),
                ("tiny-qwen35moe", "Q4_K_M"), ("tiny-qwen3next", QT.F32), ("tiny-qwen3next", QT.Q8_0),
                (QWEN35_D256, QT.Q8_0), (QWEN3NEXT_GROUPED, QT.F32)]
-_ids = lambda c: c if isinstance(c, str) else getattr(c, "name", str(c))  # noqa: E731
 
 
-@pytest.mark.parametrize("shape,qtype", MODEL_CASES, ids=_ids)
+@pytest.mark.parametrize("shape,qtype", MODEL_CASES, ids=case_id)
 def test_hybrid_logits_and_greedy_ids_match_numpy(random_model, shape, qtype) -> None:
     """Every position's logits of a 13-token prompt (block.run) within the CUDA backend's tolerance of the reference,
     and 32 greedy ids through the step contract equal (the decode op by op, the argmax on the host)."""

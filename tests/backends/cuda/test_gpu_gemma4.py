@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 
 cp = pytest.importorskip("cupy")
 
-from gpu_checks import assert_close, check_logits_and_greedy_ids, check_slots_schedule, rel_l2  # noqa: E402
+from gpu_checks import assert_close, case_id, check_logits_and_greedy_ids, check_slots_schedule, rel_l2  # noqa: E402
 
 from llamacli.backends.cuda import CudaBackend, cuda_available  # noqa: E402
 from llamacli.backends.numpy_backend import NumpyBackend  # noqa: E402
@@ -117,10 +117,9 @@ def test_experts_with_a_router_input_and_expert_scales_match_numpy(random_model)
 
 MODEL_CASES = [(E_MODEL, QT.F32), (E_MODEL, QT.Q8_0), ("tiny-gemma4-moe", QT.F32), ("tiny-gemma4-moe", QT.Q8_0),
                (E_WIDE, QT.F32)]
-_ids = lambda c: c if isinstance(c, str) else getattr(c, "name", str(c))  # noqa: E731
 
 
-@pytest.mark.parametrize("shape,qtype", MODEL_CASES, ids=_ids)
+@pytest.mark.parametrize("shape,qtype", MODEL_CASES, ids=case_id)
 def test_gemma4_logits_and_greedy_ids_match_numpy(random_model, shape, qtype) -> None:
     """Every position's logits of a 13-token prompt (block.run) within the CUDA backend's tolerance of the reference,
     and 32 greedy ids through the step contract equal (the decode op by op, the argmax on the host)."""
@@ -129,7 +128,7 @@ def test_gemma4_logits_and_greedy_ids_match_numpy(random_model, shape, qtype) ->
     check_logits_and_greedy_ids(cfg, ref, loaded(path, CudaBackend())[1])
 
 
-@pytest.mark.parametrize("shape", [E_MODEL, "tiny-gemma4-moe"], ids=_ids)
+@pytest.mark.parametrize("shape", [E_MODEL, "tiny-gemma4-moe"], ids=case_id)
 def test_an_8_bit_cache_matches_numpy(random_model, shape) -> None:
     """-ctk/-ctv q8_0: the layers' caches of their own shapes in 8 bits (the fp16 pair viewed per layer), the logits
     of a 40-token prompt and a decode step within 2e-2 of the reference's 8-bit cache, and the same greedy id. The
@@ -148,7 +147,7 @@ def test_an_8_bit_cache_matches_numpy(random_model, shape) -> None:
     assert rel_l2(got.logits, want.logits) <= 2e-2
 
 
-@pytest.mark.parametrize("shape", [E_MODEL, "tiny-gemma4-moe"], ids=_ids)
+@pytest.mark.parametrize("shape", [E_MODEL, "tiny-gemma4-moe"], ids=case_id)
 def test_a_prompt_in_chunks_gives_the_one_pass_logits(random_model, shape) -> None:
     """At a context of 1024 the sliding layers keep rings of 640 rows: a 700-token prompt wraps them (the shared-KV
     layers reading them between passes, the NumPy backend in passes of the ring's span, CUDA's of PREFILL_CHUNK). In
@@ -168,7 +167,7 @@ def test_a_prompt_in_chunks_gives_the_one_pass_logits(random_model, shape) -> No
         assert rel_l2(got, want) <= 1e-2 and rel_l2(got, whole) <= 1e-2
 
 
-@pytest.mark.parametrize("shape", [E_MODEL, "tiny-gemma4-moe"], ids=_ids)
+@pytest.mark.parametrize("shape", [E_MODEL, "tiny-gemma4-moe"], ids=case_id)
 def test_several_slots_in_one_step_match_numpy(random_model, shape) -> None:
     """Three cache slots: prompts of 5, 40 and 17 tokens in one step, then decode steps of all three together (one
     sequence leaving after four and a new one taking its slot): each sequence's ids and logits are the reference's
